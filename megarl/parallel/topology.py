@@ -1,0 +1,171 @@
+"""Pure description of one role's parallel layout: which global rank holds which (tp, cp, dp, pp) coordinate.
+
+Nothing here touches torch.distributed; `megarl.parallel.groups` turns a `RoleTopology` into process groups.
+
+Rank order matches megatron-core's default `initialize_model_parallel(order="tp-cp-ep-dp-pp")`:
+tp varies fastest, then cp, then dp, then pp, so
+
+    rank = rank_offset + tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+Expert parallelism (ep) is carved out of the dp*cp ranks for expert layers only, as megatron-core does; it does
+not change the dense layout and only has to divide dp*cp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+DIMS = ("tp", "cp", "dp", "pp")  # fastest-varying first
+
+
+class TopologyError(ValueError):
+    """A layout that cannot be built; the message names the offending numbers."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankCoord:
+    """Coordinates of one global rank inside a role's layout."""
+
+    rank: int
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleTopology:
+    """Layout of one role over `world_size = tp*cp*dp*pp` consecutive global ranks starting at `rank_offset`.
+
+    Attributes:
+        tp: tensor-parallel size (splits attention heads and MLP columns/rows).
+        pp: pipeline-parallel size (splits the layer stack into stages).
+        dp: data-parallel size (replicas; the distributed optimizer shards its state over them).
+        cp: context-parallel size (splits the sequence).
+        ep: expert-parallel size for MoE layers (carved out of dp*cp; 1 for dense models).
+        rank_offset: first global rank of this role (roles in other pools start elsewhere).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    rank_offset: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "cp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise TopologyError(f"{name} must be a positive integer, got {value!r}")
+        if self.rank_offset < 0:
+            raise TopologyError(f"rank_offset must be >= 0, got {self.rank_offset}")
+        if (self.dp * self.cp) % self.ep != 0:
+            raise TopologyError(
+                f"ep={self.ep} must divide dp*cp={self.dp}*{self.cp}={self.dp * self.cp} "
+                "(expert parallelism is carved out of the data/context-parallel ranks)"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks this role occupies."""
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def ranks(self) -> range:
+        """Global ranks of this role, in order."""
+        return range(self.rank_offset, self.rank_offset + self.world_size)
+
+    def sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
+
+    def coord(self, rank: int) -> RankCoord:
+        """(tp, cp, dp, pp) coordinates of global `rank`."""
+        if rank not in self.ranks:
+            raise TopologyError(
+                f"rank {rank} is outside this role's ranks {self.ranks.start}..{self.ranks.stop - 1}"
+            )
+        local = rank - self.rank_offset
+        tp_rank = local % self.tp
+        local //= self.tp
+        cp_rank = local % self.cp
+        local //= self.cp
+        dp_rank = local % self.dp
+        pp_rank = local // self.dp
+        return RankCoord(rank=rank, tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank)
+
+    def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        """Global rank at the given coordinates (inverse of `coord`)."""
+        for name, value in (("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)):
+            size = getattr(self, name)
+            if not 0 <= value < size:
+                raise TopologyError(f"{name} coordinate {value} is outside 0..{size - 1}")
+        return self.rank_offset + tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    def coords(self) -> Iterator[RankCoord]:
+        for rank in self.ranks:
+            yield self.coord(rank)
+
+    def groups(self, dims: tuple[str, ...] | str) -> list[list[int]]:
+        """Rank lists of the groups spanning `dims` (every other coordinate fixed).
+
+        `groups("tp")` gives the tensor-parallel groups, `groups(("tp", "pp"))` the model-parallel groups, and
+        `groups(("dp", "cp"))` the groups that gradients are reduced over. Lists are sorted; the order of the
+        list of groups is deterministic, so every rank can create them in the same order.
+        """
+        if isinstance(dims, str):
+            dims = (dims,)
+        unknown = [d for d in dims if d not in DIMS]
+        if unknown:
+            raise TopologyError(f"unknown parallel dims {unknown}; valid: {list(DIMS)}")
+        fixed = [d for d in DIMS if d not in dims]
+        buckets: dict[tuple[int, ...], list[int]] = {}
+        for c in self.coords():
+            key = tuple(getattr(c, d) for d in fixed)
+            buckets.setdefault(key, []).append(c.rank)
+        return [sorted(v) for _, v in sorted(buckets.items(), key=lambda kv: kv[0][::-1])]
+
+    def embedding_group(self, pp_group: list[int]) -> list[int]:
+        """Ranks sharing tied word embeddings in one pipeline group: first and last stage."""
+        return sorted({pp_group[0], pp_group[-1]})
+
+    def describe(self) -> str:
+        return f"tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp}" + (f" ep={self.ep}" if self.ep > 1 else "")
+
+
+def layer_split(num_layers: int, pp: int, first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> list[int]:
+    """Number of transformer layers on each pipeline stage.
+
+    Even split unless `first_stage_layers` / `last_stage_layers` are given (megatron-core's uneven split:
+    the remaining layers spread evenly over the middle stages). Raises `TopologyError` naming the numbers
+    when the split is impossible.
+    """
+    if pp < 1:
+        raise TopologyError(f"pp must be >= 1, got {pp}")
+    if first_stage_layers is None and last_stage_layers is None:
+        if num_layers % pp != 0:
+            raise TopologyError(
+                f"num_layers={num_layers} is not divisible by pp={pp}; choose a pp that divides it or set "
+                "first_stage_layers / last_stage_layers for an uneven split"
+            )
+        return [num_layers // pp] * pp
+    if pp == 1:
+        raise TopologyError("first_stage_layers / last_stage_layers need pp > 1")
+    first = first_stage_layers if first_stage_layers is not None else None
+    last = last_stage_layers if last_stage_layers is not None else None
+    middle_stages = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages > 0 and rest % middle_stages != 0):
+        raise TopologyError(
+            f"cannot split num_layers={num_layers} over pp={pp} with first_stage_layers={first_stage_layers}, "
+            f"last_stage_layers={last_stage_layers}: the {rest} remaining layers do not divide evenly over "
+            f"{middle_stages} middle stage(s)"
+        )
+    per_middle = rest // middle_stages if middle_stages else 0
+    split = [per_middle] * pp
+    if first is not None:
+        split[0] = first
+    if last is not None:
+        split[-1] = last
+    return split

