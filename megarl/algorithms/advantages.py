@@ -1,0 +1,227 @@
+"""Advantage estimators. Each returns ``(advantages, returns)``, both [batch, response_len], 0 where masked.
+
+Registered by name (``get_advantage("grpo")``). Their inputs differ, so call them with keyword arguments:
+
+| name | inputs | needs a critic |
+|---|---|---|
+| ``gae`` | token_rewards, values, response_mask, gamma, lam | yes |
+| ``grpo`` | scores, group_ids, response_mask, norm_by_std, eps | no |
+| ``rloo`` | scores, group_ids, response_mask | no |
+| ``reinforce_plus_plus`` | token_rewards, response_mask, gamma | no |
+| ``reinforce_plus_plus_baseline`` | scores, group_ids, response_mask | no |
+
+For the critic-free estimators ``returns`` equals ``advantages`` (there is no value target to fit); it is
+returned so that every estimator has the same output shape.
+
+Conventions: ``token_rewards`` and ``values`` are [batch, response_len] float; ``scores`` is [batch] float (one
+scalar reward per response); ``group_ids`` is [batch] int, equal ids mark responses to the same prompt (any
+ints, any order, not necessarily contiguous); ``response_mask`` is [batch, response_len] 0/1. Everything is
+computed in float32 (or float64 if given) under ``torch.no_grad`` — advantages are targets, not graph nodes.
+Masked positions are *skipped* by the recursions over time: a masked token's reward and value never reach an
+earlier token, and the "next" value after the last valid token is 0, whatever the padding holds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.algorithms.masked import masked_whiten
+from megarl.algorithms.registry import register_advantage
+
+
+def _float(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _check_2d(name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
+    if x.shape != mask.shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, response_mask has {tuple(mask.shape)}; they must match")
+
+
+def _check_scores(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor) -> None:
+    if scores.dim() != 1 or group_ids.shape != scores.shape or mask.dim() != 2 or mask.shape[0] != scores.shape[0]:
+        raise ValueError(
+            f"expected scores [B], group_ids [B], response_mask [B, T]; got {tuple(scores.shape)}, "
+            f"{tuple(group_ids.shape)}, {tuple(mask.shape)}"
+        )
+
+
+def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return per_seq.unsqueeze(-1) * mask.to(per_seq.dtype)
+
+
+def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample (group sum, group size, group index) for arbitrary integer ``group_ids`` [B]."""
+    _, index = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(index.max().item()) + 1 if index.numel() else 0
+    sums = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, index, scores)
+    sizes = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, index, torch.ones_like(scores))
+    return sums[index], sizes[index], index
+
+
+def _discounted_sum_backwards(
+    rewards: torch.Tensor, mask: torch.Tensor, gamma: float
+) -> torch.Tensor:
+    """``G_t = r_t + gamma * G_{next valid t}``, skipping masked positions; 0 after the last valid token."""
+    valid = mask.bool()
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        g = rewards[:, t] + gamma * running
+        out[:, t] = g
+        running = torch.where(valid[:, t], g, running)
+    return out
+
+
+@register_advantage("gae")
+@torch.no_grad()
+def gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016), then whitening.
+
+    Backwards over the valid tokens of each row (masked positions skipped)::
+
+        delta_t = r_t + gamma * V_next - V_t          (V_next = 0 after the last valid token)
+        A_t     = delta_t + gamma * lam * A_next
+
+    Args:
+        token_rewards: [B, T] float, reward per token (typically the score on the last token, minus a KL penalty).
+        values: [B, T] float, critic values V(s_t).
+        response_mask: [B, T] 0/1.
+        gamma: discount per token; lam: GAE lambda.
+
+    Returns:
+        advantages: [B, T] float32, whitened over valid tokens (masked mean, unbiased masked variance), 0 where
+            masked.
+        returns: [B, T] float32, ``A_t + V_t`` before whitening (the critic's target), 0 where masked.
+    """
+    _check_2d("token_rewards", token_rewards, response_mask)
+    _check_2d("values", values, response_mask)
+    rewards, vals = _float(token_rewards), _float(values)
+    valid = response_mask.bool()
+    adv = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(vals[:, 0])
+    next_adv = torch.zeros_like(vals[:, 0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        delta = rewards[:, t] + gamma * next_value - vals[:, t]
+        a = delta + gamma * lam * next_adv
+        adv[:, t] = a
+        next_value = torch.where(valid[:, t], vals[:, t], next_value)
+        next_adv = torch.where(valid[:, t], a, next_adv)
+    zero = torch.zeros((), dtype=adv.dtype)
+    returns = torch.where(valid, adv + vals, zero)
+    return masked_whiten(adv, response_mask), returns
+
+
+@register_advantage("grpo")
+@torch.no_grad()
+def grpo(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO group-normalised outcome advantage (Shao et al. 2024), the same for every token of a response.
+
+    ``A_i = (s_i - mean_g) / (std_g + eps)``, where mean/std are over the responses sharing ``group_ids[i]``;
+    std is unbiased (divides by n-1, as ``torch.std``), and a group of one has std := 1 (so its advantage is
+    0). All-equal scores in a group give 0. ``norm_by_std=False`` gives ``s_i - mean_g`` (Dr. GRPO).
+
+    Args: scores [B] float; group_ids [B] int; response_mask [B, T] 0/1.
+    Returns: (advantages, returns), both [B, T] float32, ``A_i`` on every valid token, 0 where masked;
+        returns == advantages.
+    """
+    _check_scores(scores, group_ids, response_mask)
+    s = _float(scores)
+    sums, sizes, _ = _group_stats(s, group_ids)
+    mean = sums / sizes
+    centred = s - mean
+    if norm_by_std:
+        sq_sums, _, _ = _group_stats(centred**2, group_ids)
+        std = torch.where(sizes > 1, (sq_sums / (sizes - 1).clamp(min=1)).sqrt(), torch.ones_like(sizes))
+        centred = centred / (std + eps)
+    adv = _broadcast(centred, response_mask)
+    return adv, adv
+
+
+@register_advantage("rloo")
+@torch.no_grad()
+def rloo(
+    scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024): ``A_i = s_i - mean of the *other* members of i's group``.
+
+    A group of one has no other member and gets advantage 0 (no baseline means no learning signal we trust).
+
+    Args: scores [B] float; group_ids [B] int; response_mask [B, T] 0/1.
+    Returns: (advantages, returns), both [B, T] float32, ``A_i`` on valid tokens, 0 where masked; returns ==
+        advantages.
+    """
+    _check_scores(scores, group_ids, response_mask)
+    s = _float(scores)
+    sums, sizes, _ = _group_stats(s, group_ids)
+    baseline = (sums - s) / (sizes - 1).clamp(min=1)
+    adv_seq = torch.where(sizes > 1, s - baseline, torch.zeros_like(s))
+    adv = _broadcast(adv_seq, response_mask)
+    return adv, adv
+
+
+@register_advantage("reinforce_plus_plus")
+@torch.no_grad()
+def reinforce_plus_plus(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the batch's valid tokens.
+
+    ``G_t = r_t + gamma * G_next`` over valid tokens (masked positions skipped, ``G`` = 0 after the last one).
+
+    Args: token_rewards [B, T] float; response_mask [B, T] 0/1; gamma: discount per token.
+    Returns: advantages [B, T] float32 = whiten(G) (0 where masked); returns [B, T] float32 = G (0 where masked).
+    """
+    _check_2d("token_rewards", token_rewards, response_mask)
+    returns = _discounted_sum_backwards(_float(token_rewards), response_mask, gamma)
+    returns = torch.where(response_mask.bool(), returns, torch.zeros((), dtype=returns.dtype))
+    return masked_whiten(returns, response_mask), returns
+
+
+@register_advantage("reinforce_plus_plus_baseline")
+@torch.no_grad()
+def reinforce_plus_plus_baseline(
+    scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group-mean baseline: ``s_i - mean_g`` on every valid token, then whitened over the
+    batch's valid tokens (so longer responses weigh more in the batch statistics).
+
+    Args: scores [B] float; group_ids [B] int; response_mask [B, T] 0/1.
+    Returns: (advantages, returns), both [B, T] float32, 0 where masked; returns == advantages.
+    """
+    _check_scores(scores, group_ids, response_mask)
+    s = _float(scores)
+    sums, sizes, _ = _group_stats(s, group_ids)
+    adv = masked_whiten(_broadcast(s - sums / sizes, response_mask), response_mask)
+    return adv, adv
+
+
+def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Place each sequence score on its last valid token.
+
+    Args: scores [B] float; response_mask [B, T] 0/1 (ragged; need not be contiguous).
+    Returns: [B, T] with ``scores[i]`` at the highest index t where ``response_mask[i, t] == 1`` and 0
+        elsewhere; a row with no valid token is all 0. Dtype of ``scores`` (float32 if it is an integer type).
+    """
+    if scores.dim() != 1 or response_mask.dim() != 2 or response_mask.shape[0] != scores.shape[0]:
+        raise ValueError(f"expected scores [B], response_mask [B, T]; got {tuple(scores.shape)}, {tuple(response_mask.shape)}")
+    s = scores if scores.is_floating_point() else scores.float()
+    valid = response_mask.bool()
+    positions = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
+    last = torch.where(valid, positions, -1).max(dim=-1).values  # -1 for an empty row
+    out = torch.zeros(valid.shape, dtype=s.dtype, device=s.device)
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    out[rows, last[rows]] = s[rows]
+    return out
