@@ -1,0 +1,150 @@
+"""Megatron provider: a megatron-core `GPTModel` for a `ModelSpec` at one role's TP/PP/CP layout.
+
+Data path: token ids [batch, seq] int64 and position ids [batch, seq] -> (first stage) embedding ->
+this stage's transformer layers -> (last stage) final norm + output layer -> logits [batch, seq, vocab/tp]
+(vocab-parallel: each TP rank holds a contiguous slice of the padded vocabulary). Middle stages exchange hidden
+states [seq, batch, hidden] through megatron's pipeline schedule.
+
+Layer spec: Transformer Engine's when it is importable and CUDA is present (fused kernels, flash attention),
+otherwise megatron-core's local spec; both give the same parameter names in checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megarl.models.spec import ModelSpec
+from megarl.parallel.groups import RoleGroups
+from megarl.parallel.topology import layer_split
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """Megatron pads the vocabulary so that every TP rank holds the same number of rows, a multiple of `multiple`."""
+    step = multiple * tp
+    return int(math.ceil(vocab_size / step) * step)
+
+
+def transformer_engine_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # TE import failures come in many types (ImportError, OSError on missing CUDA libs)
+        return False
+    return True
+
+
+def build_transformer_config(
+    spec: ModelSpec,
+    groups: RoleGroups,
+    dtype: str = "fp32",
+    first_stage_layers: Optional[int] = None,
+    last_stage_layers: Optional[int] = None,
+    recompute: bool = False,
+):
+    """megatron-core `TransformerConfig` for `spec` at this role's layout (dropout off: RL fine-tuning)."""
+    from megatron.core.transformer import TransformerConfig
+
+    topo = groups.topology
+    layer_split(spec.num_layers, topo.pp, first_stage_layers, last_stage_layers)  # validates, names the numbers
+    torch_dtype = DTYPES[dtype]
+    on_cpu = not torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=topo.tp,
+        pipeline_model_parallel_size=topo.pp,
+        context_parallel_size=topo.cp,
+        num_layers_in_first_pipeline_stage=first_stage_layers,
+        num_layers_in_last_pipeline_stage=last_stage_layers,
+        sequence_parallel=False,
+        params_dtype=torch_dtype,
+        pipeline_dtype=torch_dtype,
+        bf16=torch_dtype is torch.bfloat16,
+        fp16=torch_dtype is torch.float16,
+        # On CPU the full weight is initialised once and sliced per TP rank: initial weights do not depend on TP.
+        use_cpu_initialization=on_cpu,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=not on_cpu,
+        persist_layer_norm=False,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+    )
+
+
+def build_gpt_model(spec: ModelSpec, groups: RoleGroups, config, vp_stage: Optional[int] = None):
+    """This rank's `GPTModel` chunk for `spec` (call inside `megatron_on_cpu()` on CPU machines)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if transformer_engine_available():
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
+    else:
+        layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    rope = spec.rope_scaling or {}
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab_size(spec.vocab_size, groups.topology.tp),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta),
+        rope_scaling=bool(rope),
+        rope_scaling_factor=float(rope.get("factor", 8.0)),
+        pg_collection=groups.pgs,
+        vp_stage=vp_stage,
+    )
+    if rope:
+        # megatron-core 0.16.1 hard-codes low/high_freq_factor=1/4 and original_max_position_embeddings=8192 in
+        # RotaryEmbedding._apply_scaling; recompute inv_freq with the checkpoint's own values.
+        model.rotary_pos_emb.inv_freq = llama3_inv_freq(spec).to(model.rotary_pos_emb.inv_freq.device)
+    return model
+
+
+def llama3_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim/2] float32 with Llama-3 scaling, as transformers computes them."""
+    rope = spec.rope_scaling or {}
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if not rope:
+        return inv_freq
+    factor = float(rope.get("factor", 8.0))
+    low = float(rope.get("low_freq_factor", 1.0))
+    high = float(rope.get("high_freq_factor", 4.0))
+    old_ctx = float(rope.get("original_max_position_embeddings", 8192))
+    low_wavelen = old_ctx / low
+    high_wavelen = old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)

@@ -1,0 +1,148 @@
+"""`ModelSpec`: the architecture of a decoder-only LM, independent of any framework.
+
+Built from a HuggingFace `config.json` (`ModelSpec.from_hf_config`) or written inline (tiny random models).
+The Megatron provider (`megarl.models.gpt`), the checkpoint converters and the reshard layouts all read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
+
+
+class UnsupportedModelError(ValueError):
+    """The architecture or one of its options is not supported; the message says which and lists what is."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Shape and quirks of one decoder-only transformer.
+
+    Attributes:
+        architecture: HF class name, one of `SUPPORTED_ARCHITECTURES`.
+        num_layers: transformer blocks.
+        hidden_size: model width.
+        num_attention_heads: query heads.
+        num_query_groups: key/value heads (GQA); equal to heads for MHA.
+        head_dim: per-head width; may differ from hidden_size / heads (Qwen3).
+        ffn_hidden_size: SwiGLU intermediate width (gate and up each have this many rows).
+        vocab_size: rows of the embedding in the HF checkpoint (before Megatron's TP padding).
+        max_position_embeddings: longest sequence the position encoding supports.
+        rope_theta: RoPE base.
+        rope_scaling: HF `rope_scaling` dict (only `rope_type: llama3` is supported) or None.
+        norm_eps: RMSNorm epsilon.
+        qkv_bias: bias on q/k/v projections (Qwen2).
+        qk_layernorm: RMSNorm on q and k per head (Qwen3).
+        tie_word_embeddings: output layer shares the input embedding.
+    """
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    qk_layernorm: bool = False
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise UnsupportedModelError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_query_groups={self.num_query_groups}"
+            )
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("llama3", "default", None):
+                raise UnsupportedModelError(
+                    f"unsupported rope_scaling type {kind!r}; supported: llama3 (or none)"
+                )
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count of the HF model (embedding counted once when tied)."""
+        h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_query_groups * self.head_dim
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_layernorm else 0)
+        mlp = 3 * h * f
+        per_layer = attn + mlp + 2 * h
+        return L * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelSpec":
+        """Build from a parsed HF `config.json`. Raises `UnsupportedModelError` naming the problem."""
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else cfg.get("architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {arch!r} in config.json; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            head_dim = cfg.get("head_dim") or hidden // heads
+            text = dict(
+                architecture=arch,
+                num_layers=int(cfg["num_hidden_layers"]),
+                hidden_size=hidden,
+                num_attention_heads=heads,
+                num_query_groups=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(head_dim),
+                ffn_hidden_size=int(cfg["intermediate_size"]),
+                vocab_size=int(cfg["vocab_size"]),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            )
+        except KeyError as e:
+            raise UnsupportedModelError(f"config.json is missing required key {e.args[0]!r}") from None
+        rope_theta = cfg.get("rope_theta")
+        rope_params = cfg.get("rope_parameters") or {}
+        if rope_theta is None:
+            rope_theta = rope_params.get("rope_theta", 10000.0)
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type") not in (None, "default"):
+            rope_scaling = dict(rope_params)
+        if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        return cls(
+            **text,
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            qkv_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_layernorm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> "ModelSpec":
+        """Read `path/config.json` only (no weights)."""
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise FileNotFoundError(f"{cfg_path} not found: model.path must be a HuggingFace model directory")
+        try:
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise UnsupportedModelError(f"{cfg_path} is not valid JSON (line {e.lineno}): {e.msg}") from None
+        return cls.from_hf_config(cfg)

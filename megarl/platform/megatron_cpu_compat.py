@@ -1,0 +1,229 @@
+"""Run megatron-core on CPU: every redirect megarl needs, in one module, active only when CUDA is absent.
+
+megatron-core 0.16.1 hard-codes CUDA in places that have nothing to do with the maths. On a machine without CUDA
+(the CPU build of torch, gloo collectives) we redirect exactly those places and nothing else:
+
+1. ``torch.cuda`` entry points megatron calls unconditionally (``current_device``, streams, events, ``synchronize``,
+   ``empty_cache``, the CUDA RNG getters/setters). ``torch.cuda.is_available()`` and ``device_count()`` are left
+   alone, so vLLM and everything else still see "no CUDA". See `_install_torch_cuda_shims`.
+2. megatron-core's CUDA RNG helpers (``megatron/core/tensor_parallel/random.py``: ``_get_cuda_rng_state``,
+   ``_set_cuda_rng_state``) and the tracker's ``torch.cuda.get_rng_state``/``manual_seed``: they act on a
+   dedicated ``torch.Generator`` (`DEVICE_RNG`), not the default CPU generator, so the model-parallel RNG streams
+   never mix with the default one (sharing it makes megatron warn "CPU RNG state changed within GPU RNG
+   context").
+3. Tensor factories called with ``device="cuda"`` / ``device=torch.cuda.current_device()`` (e.g.
+   ``transformer/utils.py:get_default_causal_mask``, ``utils.py:GlobalMemoryBuffer.get_tensor``, rotary
+   ``inv_freq``, ``distributed/param_and_grad_buffer.py`` buffers, ``optimizer/distrib_optimizer.py`` shard
+   buffers), ``Tensor.cuda()``, ``Tensor.to("cuda")``, ``pin_memory=True``, and ``Tensor.type()`` strings that
+   the distributed optimizer compares with ``'torch.cuda.FloatTensor'`` (``distrib_optimizer.py``
+   ``_build_model_and_main_param_groups``). A `torch.overrides.TorchFunctionMode` rewrites these. It costs a
+   Python call per torch op, so it is *scoped*: `megatron_on_cpu()` is entered around Megatron work (building a
+   role, running its schedules) and left while vLLM or the controller run.
+
+Items 1 and 2 are process-wide but inert on real CUDA machines because `install()` does nothing when
+``torch.cuda.is_available()``. Each redirect names the megatron-core 0.16.1 code that needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED = False
+_LOCK = threading.Lock()
+
+# The "device" RNG on CPU: megatron's CUDA RNG tracker saves/restores/forks this generator's state.
+DEVICE_RNG = torch.Generator(device="cpu")
+DEVICE_RNG.manual_seed(0)
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 1 + 2. torch.cuda shims (process-wide, only without CUDA)
+# --------------------------------------------------------------------------------------------------------------
+class _NullStream:
+    """Stand-in for ``torch.cuda.Stream``: DDP (``distributed_data_parallel.py``) creates a communication stream
+    and ``param_and_grad_buffer.py`` enters it / waits on it; on CPU all work is synchronous."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> "_NullEvent":
+        return event or _NullEvent()
+
+    def query(self) -> bool:
+        return True
+
+
+class _NullEvent:
+    """Stand-in for ``torch.cuda.Event`` (used by megatron timers and the optimizer's overlap code)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+_NULL_STREAM = _NullStream()
+
+
+def _install_torch_cuda_shims() -> None:
+    cuda = torch.cuda
+    # tensor_parallel/layers.py, utils.py, param_and_grad_buffer.py, distrib_optimizer.py, rotary embeddings:
+    # `device=torch.cuda.current_device()`. Index 0 of "cuda"; the function mode maps it to CPU.
+    cuda.current_device = lambda: 0
+    # distributed_data_parallel.py / param_and_grad_buffer.py: communication streams and synchronize calls.
+    cuda.Stream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.current_stream = lambda device=None: _NULL_STREAM
+    cuda.default_stream = lambda device=None: _NULL_STREAM
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    # tensor_parallel/random.py CudaRNGStatesTracker.add / model_parallel_cuda_manual_seed: the CUDA RNG.
+    cuda.get_rng_state = lambda device="cuda": DEVICE_RNG.get_state()
+    cuda.set_rng_state = lambda new_state, device="cuda": DEVICE_RNG.set_state(new_state)
+    cuda.manual_seed = lambda seed: DEVICE_RNG.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: DEVICE_RNG.manual_seed(int(seed))
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+
+
+def _install_megatron_rng_redirect() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    # megatron/core/tensor_parallel/random.py `_get_cuda_rng_state` reads torch.cuda.default_generators[idx],
+    # `_set_cuda_rng_state` writes it through torch.cuda._lazy_call: both need a CUDA device.
+    def _get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        return DEVICE_RNG.get_state()
+
+    def _set_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+        DEVICE_RNG.set_state(new_state)
+
+    mrandom._get_cuda_rng_state = _get_state
+    mrandom._set_cuda_rng_state = _set_state
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 3. The scoped function mode
+# --------------------------------------------------------------------------------------------------------------
+_CPU = torch.device("cpu")
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # An int device (e.g. `device=torch.cuda.current_device()`) means a CUDA ordinal; bools are not devices.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_CUDA_TYPE_STRINGS = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+}
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA placements to CPU for every torch call made while the mode is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D401 - torch protocol
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device=_CPU)
+        if kwargs.get("pin_memory"):
+            # `utils.py` packed-seq helpers and offloading ask for pinned host memory, which needs CUDA.
+            kwargs = dict(kwargs, pin_memory=False)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU) + tuple(args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and "dtype" not in kwargs:
+            # optimizer/distrib_optimizer.py compares `param.type()` with 'torch.cuda.FloatTensor' etc.
+            name = func(*args, **kwargs)
+            return _CUDA_TYPE_STRINGS.get(name, name)
+        return func(*args, **kwargs)
+
+
+def install() -> bool:
+    """Install the process-wide shims (items 1 and 2) when CUDA is absent. Idempotent.
+
+    Returns True when the CPU layer is active, False on CUDA machines (where nothing is changed).
+    """
+    global _INSTALLED
+    if cuda_available():
+        return False
+    with _LOCK:
+        if not _INSTALLED:
+            _install_torch_cuda_shims()
+            _install_megatron_rng_redirect()
+            _INSTALLED = True
+    return True
+
+
+@contextlib.contextmanager
+def megatron_on_cpu() -> Iterator[None]:
+    """Scope for Megatron work. On CUDA machines a no-op; on CPU installs the shims and enters `CudaToCpuMode`.
+
+    Re-entrant: nesting does not stack a second mode.
+    """
+    if not install():
+        yield
+        return
+    if _mode_active():
+        yield
+        return
+    with CudaToCpuMode():
+        yield
+
+
+def _mode_active() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(m, CudaToCpuMode) for m in _get_current_function_mode_stack())
+
+
+def on_megatron_device(fn):
+    """Decorator: run `fn` inside `megatron_on_cpu()` (a no-op on CUDA)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with megatron_on_cpu():
+            return fn(*args, **kwargs)
+
+    return wrapper
