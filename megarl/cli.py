@@ -1,0 +1,118 @@
+"""The `megarl` command line.
+
+    megarl train CONFIG [key=value ...] [--dry-run]
+    megarl --version
+
+The config is loaded and validated before anything else happens: a bad config prints one `megarl: error: ...`
+line and exits with status 2 before any process or Ray cluster starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+import megarl
+from megarl.config import ConfigError, JobConfig, dump_yaml, load_config
+
+EXIT_OK = 0
+EXIT_USAGE = 2  # bad config / usage, as argparse uses
+
+_TRAIN_HELP = """\
+Run RL training from a YAML job config.
+
+Overrides are dotted key=value pairs applied on top of the file, coerced to the field's type:
+  actor.parallel.tp=2  algorithm.kl.coef=0.001  rollout.stop='["</answer>"]'  data.shuffle=false
+  checkpoint.dir=null  resources.pools.default.devices_per_node=8
+Every option is listed in docs/config.md.
+
+--dry-run validates the config, prints the resolved config (YAML) and the placement table (role, global rank,
+node, device, tp/pp/dp/cp coordinates, pipeline-stage layer range), and exits without starting anything.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megarl",
+        description="megarl: Megatron-centric RL post-training for LLMs (actor/critic/reference/reward roles with "
+        "their own TP/PP/DP, one Ray controller, in-place reshard into vLLM).",
+    )
+    parser.add_argument("--version", action="version", version=f"megarl {megarl.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    train = sub.add_parser(
+        "train",
+        help="train a policy from a YAML config (see `megarl train --help`)",
+        description=_TRAIN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("config", metavar="CONFIG", help="YAML job config, e.g. yaml_configs/cpu_quickstart.yaml")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides applied on top of CONFIG")
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate, print the resolved config and the rank placement table, and exit 0",
+    )
+    return parser
+
+
+def dry_run_report(cfg: JobConfig) -> str:
+    """The resolved config as YAML followed by the placement table."""
+    from megarl.config.placement import device_kind, format_table, placement
+    from megarl.config.validate import role_archs
+
+    layers = {role: arch.num_layers for role, arch in role_archs(cfg).items()}
+    rows = placement(cfg, layers, device_kind(cfg))
+    return (
+        "# resolved config\n"
+        + dump_yaml(cfg)
+        + "\n# placement (rollout rows: tp = engine TP rank, dp = engine index)\n"
+        + format_table(rows, layers)
+        + "\n"
+    )
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        sys.stdout.write(dry_run_report(cfg))
+        return EXIT_OK
+    import megarl.trainer as trainer  # lazy: pulls in torch, megatron-core, ray
+
+    run = getattr(trainer, "run", None)
+    if run is None:
+        print(
+            "megarl: error: the training loop is not available yet (megarl.trainer.run is missing); "
+            "`megarl train CONFIG --dry-run` validates a config and shows its placement",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    code = run(cfg)
+    return EXIT_OK if code is None else int(code)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the `megarl` console script and `python -m megarl`; returns the exit status."""
+    parser = build_parser()
+    try:
+        # overrides may come after --dry-run, which argparse's nargs="*" positional would not accept alone
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            if args.command != "train" or any(x.startswith("-") for x in extra):
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            args.overrides = list(args.overrides) + extra
+    except SystemExit as e:  # --help, --version and usage errors
+        return int(e.code or 0)
+    try:
+        if args.command == "train":
+            return _train(args)
+    except ConfigError as e:
+        print(f"megarl: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    parser.error(f"unknown command {args.command!r}")
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

