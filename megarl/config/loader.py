@@ -254,7 +254,8 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     for key in data:
         if key not in fields:
             full = _join(path, key)
-            hint = did_you_mean(full, [_join(path, n) for n in fields])
+            # compare the last component only: the shared prefix would make every key look close
+            hint = did_you_mean(str(key), fields, prefix=f"{path}." if path else "")
             if not hint:
                 hint = f" (valid keys{' under ' + repr(path) if path else ''}: {', '.join(fields)})"
             raise ConfigError(f"unknown key '{full}'{hint}")

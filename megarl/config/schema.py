@@ -235,7 +235,9 @@ class KLConfig:
     """KL divergence between the actor and the reference policy."""
 
     coef: float = opt(0.0, "KL coefficient (initial value when adaptive); 0 disables the KL term.", min=0)
-    kind: Literal["k1", "k2", "k3", "low_var_kl"] = opt("low_var_kl", "Per-token KL estimator.")
+    kind: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = opt(
+        "low_var_kl", "Per-token KL estimator (megarl.algorithms.kl; low_var_kl = k3)."
+    )
     placement: Literal["reward", "loss"] = opt(
         "loss", "reward = subtract coef*KL from the token rewards; loss = add coef*KL to the policy loss."
     )
@@ -250,8 +252,13 @@ class AlgorithmConfig:
     """The RL objective."""
 
     name: Literal["grpo", "ppo", "rloo", "reinforce_plus_plus"] = opt("grpo", "Algorithm preset.")
-    advantage_estimator: Optional[Literal["gae", "grpo", "rloo", "reinforce_plus_plus"]] = opt(
+    advantage_estimator: Optional[
+        Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+    ] = opt(
         None, "Advantage estimator; null = the preset's (ppo: gae, grpo: grpo, rloo: rloo, ...)."
+    )
+    policy_loss: Literal["ppo", "gspo"] = opt(
+        "ppo", "Policy loss: ppo = token-level clipped ratio; gspo = sequence-level ratio (use ~3e-4 clips)."
     )
     grpo_norm_by_std: bool = opt(True, "GRPO: divide group-centred rewards by the group std (false = Dr. GRPO).")
     gamma: float = opt(1.0, "Discount factor (GAE, REINFORCE++).", min=0)
@@ -261,6 +268,9 @@ class AlgorithmConfig:
     clip_c: Optional[float] = opt(None, "Dual-clip constant (> 1) bounding the loss of negative advantages; null = off.")
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = opt(
         "token-mean", "How per-token losses are reduced to the mini-batch loss."
+    )
+    loss_norm_horizon: Optional[int] = opt(
+        None, "Divisor of seq-mean-token-sum-norm; null = rollout.max_new_tokens.", unit="tokens", min=1
     )
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient.", min=0)
     ppo_epochs: int = opt(1, "Passes over each step's samples.", unit="epochs", min=1)

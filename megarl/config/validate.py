@@ -106,7 +106,8 @@ def _check_parallel(name: str, role: RoleConfig, devices: int, arch: ArchConfig)
 def _check_batches(cfg: JobConfig, name: str, role: RoleConfig) -> None:
     prompts, per_prompt = cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt
     samples = prompts * per_prompt
-    step = f"the step's {samples} samples (data.prompts_per_step={prompts} * rollout.samples_per_prompt={per_prompt})"
+    step = (f"the step's data.prompts_per_step * rollout.samples_per_prompt = {prompts}*{per_prompt} = "
+            f"{samples} samples")
     dp = role.parallel.dp
     batches = [(step, samples)]
     if isinstance(role, TrainedRoleConfig) and role.mini_batch_prompts is not None:
@@ -117,8 +118,8 @@ def _check_batches(cfg: JobConfig, name: str, role: RoleConfig) -> None:
                 f"mini_batch_prompts={mini}"
             )
         batches.append(
-            (f"a mini-batch of {mini * per_prompt} samples ({name}.mini_batch_prompts={mini} * "
-             f"rollout.samples_per_prompt={per_prompt})", mini * per_prompt)
+            (f"a mini-batch's {name}.mini_batch_prompts * rollout.samples_per_prompt = {mini}*{per_prompt} = "
+             f"{mini * per_prompt} samples", mini * per_prompt)
         )
     for what, count in batches:
         if role.micro_batch_samples is not None:
@@ -181,7 +182,7 @@ def _check_sampling(cfg: JobConfig) -> None:
     if r.top_k == 0:
         raise ConfigError("rollout.top_k: must be -1 (disabled) or >= 1, got 0")
     estimator = cfg.algorithm.estimator
-    if estimator in ("grpo", "rloo") and r.samples_per_prompt < 2:
+    if estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and r.samples_per_prompt < 2:
         raise ConfigError(
             f"rollout.samples_per_prompt={r.samples_per_prompt}: advantage_estimator={estimator} compares the "
             "samples of a prompt with each other and needs at least 2"
