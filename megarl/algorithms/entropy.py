@@ -13,13 +13,15 @@ from megarl.algorithms._vocab_parallel import all_reduce, shifted_logits
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of ``softmax(logits)`` over the last dim, numerically stable via logsumexp.
+    """Entropy of ``softmax(logits)`` over the last dim, numerically stable (max-shifted, via logsumexp).
 
     Args: logits [..., V] float (computed in float32). Returns: [...] float32, nats; differentiable.
     """
-    logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+    # shift by the max first: lse(x) - E_p[x] cancels catastrophically in float32 when |x| is large (1000.69 - 1000)
+    z = logits.float()
+    z = z - z.detach().amax(dim=-1, keepdim=True)
+    probs = torch.softmax(z, dim=-1)
+    return torch.logsumexp(z, dim=-1) - (probs * z).sum(-1)
 
 
 class _VocabParallelEntropy(torch.autograd.Function):
