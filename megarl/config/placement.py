@@ -106,11 +106,11 @@ def format_table(rows: list[RankPlacement], num_layers_by_role: dict[str, int]) 
     header = ("role", "rank", "node", "device", "tp", "pp", "dp", "cp", "layers")
     lines = [header]
     for r in rows:
-        if r.layers is None:
-            layers = "all (engine %d)" % r.dp
+        if r.layers is None:  # a rollout engine rank: whole model, no pipeline or context split
+            pp, cp, layers = "-", "-", f"all (engine {r.dp})"
         else:
-            layers = f"{r.layers[0]}-{r.layers[1] - 1} of {num_layers_by_role[r.role]}"
-        lines.append((r.role, str(r.rank), str(r.node), r.device, str(r.tp), str(r.pp), str(r.dp), str(r.cp), layers))
+            pp, cp, layers = str(r.pp), str(r.cp), f"{r.layers[0]}-{r.layers[1] - 1} of {num_layers_by_role[r.role]}"
+        lines.append((r.role, str(r.rank), str(r.node), r.device, str(r.tp), pp, str(r.dp), cp, layers))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))

@@ -1,0 +1,104 @@
+"""The megarl CLI: train --dry-run (in-process and as `python -m megarl`), config errors exit 2, the trainer hook."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import megarl
+import megarl.trainer
+from megarl.cli import main
+from megarl.config import JobConfig
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = str(REPO / "yaml_configs" / "cpu_quickstart.yaml")
+FOUR_DEVICES_TP2_PP2 = ["resources.pools.default.devices_per_node=4", "actor.parallel.pp=2"]
+
+
+def table(stdout: str) -> list[dict[str, str]]:
+    """Rows of the placement table printed by --dry-run."""
+    lines = stdout.split("# placement")[1].strip().splitlines()[1:]
+    header = lines[0].split()
+    return [dict(zip(header, line.split(None, len(header) - 1))) for line in lines[2:]]
+
+
+def test_dry_run_table(capsys):
+    assert main(["train", QUICKSTART, "--dry-run", *FOUR_DEVICES_TP2_PP2]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# resolved config\nmodel:")
+    rows = table(out)
+    actor = {int(r["rank"]): r for r in rows if r["role"] == "actor"}
+    assert sorted(actor) == [0, 1, 2, 3]
+    r3 = actor[3]
+    assert (r3["tp"], r3["pp"], r3["dp"], r3["cp"], r3["node"], r3["device"]) == ("1", "1", "0", "0", "0", "cpu")
+    assert actor[0]["layers"] == "0-0 of 2" and r3["layers"] == "1-1 of 2"
+    # reference keeps tp=2, pp=1 -> dp=2 on the same (colocated) 4 ranks
+    reference = {int(r["rank"]): r for r in rows if r["role"] == "reference"}
+    assert (reference[3]["tp"], reference[3]["dp"], reference[3]["layers"]) == ("1", "1", "0-1 of 2")
+    rollout = {int(r["rank"]): r for r in rows if r["role"] == "rollout"}
+    assert (rollout[3]["tp"], rollout[3]["dp"]) == ("1", "1")  # engine 1, TP rank 1
+    assert rollout[3]["layers"] == "all (engine 1)"
+
+
+def test_dry_run_cuda_devices_and_nodes(capsys):
+    overrides = ["resources.device=cuda", "resources.pools.default.nodes=2", "rollout.tp=1", "actor.parallel.dp=2"]
+    assert main(["train", QUICKSTART, *overrides, "--dry-run"]) == 0
+    rows = [r for r in table(capsys.readouterr().out) if r["role"] == "actor"]
+    assert [(r["rank"], r["node"], r["device"], r["dp"]) for r in rows] == [
+        ("0", "0", "cuda:0", "0"), ("1", "0", "cuda:1", "0"), ("2", "1", "cuda:0", "1"), ("3", "1", "cuda:1", "1")
+    ]
+
+
+def test_bad_key_exits_2_with_message(capsys):
+    assert main(["train", QUICKSTART, "actor.paralel.tp=2", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err == "megarl: error: unknown key 'actor.paralel' (did you mean 'actor.parallel'?)\n"
+
+
+def test_cross_field_error_exits_2(capsys):
+    assert main(["train", QUICKSTART, "actor.parallel.dp=2"]) == 2
+    assert "actor.parallel: tp*pp*cp*dp = 2*1*1*2 = 4 does not equal the 2 devices of pool 'default'" in (
+        capsys.readouterr().err
+    )
+
+
+def test_trainer_hook_called_with_resolved_config(monkeypatch):
+    seen = []
+    monkeypatch.setattr(megarl.trainer, "run", lambda cfg: seen.append(cfg) or 0, raising=False)
+    assert main(["train", QUICKSTART, "trainer.total_steps=1"]) == 0
+    assert isinstance(seen[0], JobConfig) and seen[0].trainer.total_steps == 1
+
+
+def test_no_trainer_yet_exits_2(monkeypatch, capsys):
+    monkeypatch.delattr(megarl.trainer, "run", raising=False)
+    assert main(["train", QUICKSTART]) == 2
+    assert "training loop is not available yet" in capsys.readouterr().err
+
+
+def test_version_and_help(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"megarl {megarl.__version__}"
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--dry-run" in out and "key=value" in out and "docs/config.md" in out
+    assert main([]) == 2
+
+
+def test_python_dash_m_megarl():
+    ok = subprocess.run(
+        [sys.executable, "-m", "megarl", "train", QUICKSTART, "--dry-run", *FOUR_DEVICES_TP2_PP2],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )
+    assert ok.returncode == 0, ok.stderr
+    r3 = [r for r in table(ok.stdout) if r["role"] == "actor" and r["rank"] == "3"][0]
+    assert (r3["tp"], r3["pp"]) == ("1", "1")
+    bad = subprocess.run(
+        [sys.executable, "-m", "megarl", "train", QUICKSTART, "actor.paralel.tp=2"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr == "megarl: error: unknown key 'actor.paralel' (did you mean 'actor.parallel'?)\n"
+    assert bad.stdout == ""
