@@ -365,3 +365,17 @@ def test_model_path_and_arch_are_exclusive(tmp_path):
     data = _with_path(tmp_path, HF_LLAMA)
     data["model"]["arch"] = base()["model"]["arch"]
     assert error(tmp_path, data).startswith("model: set exactly one of 'model.path'")
+
+
+def test_critic_and_reward_model_run_their_own_model(tmp_path):
+    data = _with_path(tmp_path, HF_LLAMA)  # a 6-head model at model.path
+    data["model"] = base()["model"]  # the actor keeps the tiny inline arch (4 heads)
+    ppo = ["algorithm.name=ppo", "rollout.samples_per_prompt=1", "critic.enabled=true", "critic.parallel.tp=4",
+           "actor.micro_batch_samples=1"]
+    # critic.model is null in the YAML; the override creates the section, and the critic's tp=4 is checked
+    # against its own model's 6 heads, not the actor's 4
+    msg = error(tmp_path, data, ppo + [f"critic.model.path={tmp_path / 'hf_model'}"])
+    assert msg == "critic.parallel.tp: num_attention_heads=6 is not divisible by tp=4"
+    assert error(tmp_path, data, ["reward_model.enabled=true"]).startswith(
+        "reward_model.model: required when reward_model.enabled is true"
+    )
