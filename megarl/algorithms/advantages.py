@@ -52,10 +52,10 @@ def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample (group sum, group size, group index) for arbitrary integer ``group_ids`` [B]."""
-    _, index = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(index.max().item()) + 1 if index.numel() else 0
+    unique_ids, index = torch.unique(group_ids, return_inverse=True)
+    n_groups = unique_ids.numel()
     sums = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, index, scores)
-    sizes = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, index, torch.ones_like(scores))
+    sizes = torch.zeros_like(sums).index_add_(0, index, torch.ones_like(scores))
     return sums[index], sizes[index], index
 
 
@@ -113,8 +113,7 @@ def gae(
         adv[:, t] = a
         next_value = torch.where(valid[:, t], vals[:, t], next_value)
         next_adv = torch.where(valid[:, t], a, next_adv)
-    zero = torch.zeros((), dtype=adv.dtype)
-    returns = torch.where(valid, adv + vals, zero)
+    returns = torch.where(valid, adv + vals, 0.0)
     return masked_whiten(adv, response_mask), returns
 
 
@@ -186,7 +185,7 @@ def reinforce_plus_plus(
     """
     _check_2d("token_rewards", token_rewards, response_mask)
     returns = _discounted_sum_backwards(_float(token_rewards), response_mask, gamma)
-    returns = torch.where(response_mask.bool(), returns, torch.zeros((), dtype=returns.dtype))
+    returns = torch.where(response_mask.bool(), returns, 0.0)
     return masked_whiten(returns, response_mask), returns
 
 
@@ -216,7 +215,9 @@ def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -
         elsewhere; a row with no valid token is all 0. Dtype of ``scores`` (float32 if it is an integer type).
     """
     if scores.dim() != 1 or response_mask.dim() != 2 or response_mask.shape[0] != scores.shape[0]:
-        raise ValueError(f"expected scores [B], response_mask [B, T]; got {tuple(scores.shape)}, {tuple(response_mask.shape)}")
+        raise ValueError(
+            f"expected scores [B], response_mask [B, T]; got {tuple(scores.shape)}, {tuple(response_mask.shape)}"
+        )
     s = scores if scores.is_floating_point() else scores.float()
     valid = response_mask.bool()
     positions = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)

@@ -99,7 +99,8 @@ def aggregate(
         global_normalizer: valid tokens (``token-mean``) or sequences (``seq-mean-*``) in the whole mini-batch
             across micro-batches and DP ranks; see the module docstring. ``None`` uses the local count.
     """
-    return get_aggregation(mode)(loss_mat, response_mask, norm_horizon=norm_horizon, global_normalizer=global_normalizer)
+    fn = get_aggregation(mode)
+    return fn(loss_mat, response_mask, norm_horizon=norm_horizon, global_normalizer=global_normalizer)
 
 
 def aggregation_modes() -> list[str]:

@@ -112,7 +112,7 @@ def apply_kl_penalty(
         )
     per_token = kl(log_probs, ref_log_probs, kind)
     valid = response_mask.bool()
-    rewards = torch.where(valid, token_rewards - coef * per_token, torch.zeros((), dtype=token_rewards.dtype))
+    rewards = torch.where(valid, token_rewards - coef * per_token, 0.0)
     per_seq = masked_mean(per_token, response_mask, dim=-1)
     has_tokens = valid.any(-1)
     current = masked_mean(per_seq, has_tokens)

@@ -44,7 +44,8 @@ class Registry:
         def decorator(fn: F) -> F:
             for key in (name, *aliases):
                 if key in self._entries and self._entries[key] is not fn:
-                    raise ValueError(f"{self.kind} {key!r} is already registered (by {self._entries[key].__qualname__})")
+                    owner = self._entries[key].__qualname__
+                    raise ValueError(f"{self.kind} {key!r} is already registered (by {owner})")
                 self._entries[key] = fn
             return fn
 
