@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from megarl.algorithms.aggregate import Normalizer, aggregate
-from megarl.algorithms.masked import masked_mean
+from megarl.algorithms.masked import masked_mean, masked_sum
 from megarl.algorithms.registry import KL_ESTIMATORS, get_kl, register_kl
 
 K3_CLAMP = 10.0  # the k3 value is clamped to [-K3_CLAMP, K3_CLAMP] (nats)
@@ -102,8 +102,11 @@ def apply_kl_penalty(
         coefficient (e.g. ``controller.value``); kind: KL estimator.
     Returns:
         rewards: [B, T], penalised rewards, 0 where masked.
-        metrics: ``{"kl": 0-dim detached tensor}`` = mean over sequences of each sequence's masked-mean KL
-            (feed it to ``AdaptiveKLController.update``), and ``"kl_coef"`` (0-dim tensor, the ``coef`` used).
+        metrics: 0-dim detached tensors, means over sequences with at least one valid token:
+            ``"kl"``: of each sequence's per-token mean KL (nats per token);
+            ``"kl_seq_sum"``: of each sequence's summed KL (nats per sequence; Ziegler et al.'s quantity, the
+            one to feed ``AdaptiveKLController.update`` when its ``target`` is a per-sequence KL);
+            ``"kl_coef"``: the ``coef`` used.
     """
     if not (token_rewards.shape == log_probs.shape == ref_log_probs.shape == response_mask.shape):
         raise ValueError(
@@ -113,7 +116,10 @@ def apply_kl_penalty(
     per_token = kl(log_probs, ref_log_probs, kind)
     valid = response_mask.bool()
     rewards = torch.where(valid, token_rewards - coef * per_token, 0.0)
-    per_seq = masked_mean(per_token, response_mask, dim=-1)
     has_tokens = valid.any(-1)
-    current = masked_mean(per_seq, has_tokens)
-    return rewards, {"kl": current.detach(), "kl_coef": torch.tensor(float(coef))}
+    metrics = {
+        "kl": masked_mean(masked_mean(per_token, response_mask, dim=-1), has_tokens),
+        "kl_seq_sum": masked_mean(masked_sum(per_token, response_mask, dim=-1), has_tokens),
+        "kl_coef": torch.tensor(float(coef)),
+    }
+    return rewards, metrics

@@ -212,6 +212,8 @@ def test_apply_kl_penalty_hand_computed():
     close(out, [[-0.05, 1.1], [2.0, 0.0]])
     # per-sequence mean KL: (0.5 - 1) / 2 = -0.25 and 0 -> mean -0.125
     assert m["kl"].item() == pytest.approx(-0.125)
+    # per-sequence summed KL: 0.5 - 1 = -0.5 and 0 -> mean -0.25
+    assert m["kl_seq_sum"].item() == pytest.approx(-0.25)
     assert m["kl_coef"].item() == pytest.approx(0.1)
 
 
