@@ -1,0 +1,43 @@
+"""Fixes for megatron-core behaviour that breaks megarl's per-role process groups, on every device.
+
+(CPU-only redirects live in `megatron_cpu_compat`.) Each fix names the megatron-core version and code it serves and
+is applied as narrowly as possible: a context manager around the one call that needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def default_group_collectives(group: Optional[dist.ProcessGroup]) -> Iterator[None]:
+    """Make group-less `get_world_size` / `all_gather_object` calls use `group` inside this scope.
+
+    megatron-core 0.16.1 `optimizer/__init__.py:_get_param_groups` aligns parameter-group keys with
+    `torch.distributed.all_gather_object(...)` over the *whole world*. A role that does not span the world (a critic
+    on its own pool, two roles built side by side) then deadlocks: ranks outside the role never join. Wrapping
+    `get_megatron_optimizer` in this scope makes that gather run over the role's own ranks, which is what the
+    alignment is for (every rank of one optimizer agreeing on its groups).
+    """
+    if group is None:
+        yield
+        return
+    orig_world_size = dist.get_world_size
+    orig_all_gather_object = dist.all_gather_object
+
+    def world_size(group_=None):
+        return orig_world_size(group if group_ is None else group_)
+
+    def all_gather_object(object_list, obj, group_=None, **kwargs):
+        return orig_all_gather_object(object_list, obj, group=group if group_ is None else group_, **kwargs)
+
+    dist.get_world_size = world_size
+    dist.all_gather_object = all_gather_object
+    try:
+        yield
+    finally:
+        dist.get_world_size = orig_world_size
+        dist.all_gather_object = orig_all_gather_object

@@ -1,0 +1,97 @@
+"""Run a function on N local ranks (gloo on CPU, NCCL on GPU) and collect what each returns.
+
+Used by tests, benchmarks and tools that "start their own ranks when not under torchrun". The function must be
+importable (module level) because ranks are started with the 'spawn' method. A rank that raises makes the whole
+call raise with that rank's traceback; a call that exceeds `timeout_s` kills every rank and raises, so a hung
+collective never hangs the caller.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import traceback
+from typing import Any, Callable
+
+
+class RankFailure(RuntimeError):
+    """A spawned rank raised, died or timed out; the message carries its traceback or exit code."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, env: dict, fn: Callable, args: tuple, results) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(max(1, int(env.get("MEGARL_THREADS_PER_RANK", "1"))))
+        from megarl.platform.distributed import init_distributed
+
+        init_distributed()
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # report every failure, including KeyboardInterrupt/SystemExit, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as e:  # teardown after a failure must not hide the original error
+            print(f"[rank {rank}] process group teardown failed: {e}", flush=True)
+
+
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout_s: float = 600.0, env: dict | None = None) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` fresh processes; return the results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, dict(env or {}), fn, args, results), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RankFailure(f"ranks timed out after {timeout_s:.0f}s; finished: {sorted(out)}")
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 5.0))
+            except queue_mod.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in out]
+                if dead and not errors:
+                    raise RankFailure(f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
+                continue
+            if status == "ok":
+                out[rank] = payload
+            else:
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break  # the others are probably blocked in a collective with the failed rank
+        if errors:
+            raise RankFailure("a rank failed:\n" + "\n".join(errors))
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,274 @@
+"""`MegatronEngine`: one role's megatron-core model on this rank, with its optimizer and pipeline schedule.
+
+Every role (actor, critic, reference, reward model) is a thin layer over this engine. It owns:
+  - the `GPTModel` chunk for this rank's pipeline stage, built from a `ModelSpec` at the role's layout;
+  - megatron-core's `DistributedDataParallel` (gradient buckets, reduce-scatter over dp*cp) and
+    `DistributedOptimizer` (Adam/AdamW, fp32 master weights, grad clipping) with `OptimizerParamScheduler`
+    (linear warm-up, then constant or cosine) — absent for frozen roles (reference, reward model at inference);
+  - `run(micro_batches, loss_fn, forward_only)`: megatron's pipeline schedule over a list of micro-batches.
+
+Loss normalisation is exact across micro-batches and DP ranks: the engine runs megatron with
+`calculate_per_token_loss=True`, so each micro-batch's `loss_fn` returns `(sum of per-unit losses, number of
+units, metrics)`; megatron sums gradients over micro-batches and DP ranks and divides once by the global
+number of units (tokens for token-mean, sequences for sequence-mean losses).
+
+All process groups come from the role's `RoleGroups`; nothing is read from megatron's global parallel state
+(apart from its global memory buffer, which is layout-independent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from megarl.models.gpt import build_gpt_model, build_transformer_config, padded_vocab_size
+from megarl.models.spec import ModelSpec
+from megarl.parallel.groups import RoleGroups
+from megarl.platform.megatron_cpu_compat import megatron_on_cpu
+from megarl.platform.megatron_patches import default_group_collectives
+
+# A micro-batch: tensors keyed by name. `input_ids` [batch, seq] int64 is required; everything else is passed
+# through to the loss function. Sequences are right-padded: causal attention makes padding invisible to
+# earlier tokens, so no attention mask is needed.
+MicroBatch = dict[str, torch.Tensor]
+# loss_fn(logits_shard [batch, seq, vocab_shard] float, micro_batch) -> (loss_sum, num_units, metrics)
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+    """Optimizer and LR schedule of a trainable role.
+
+    Attributes:
+        name: 'adam' (megatron's Adam with decoupled weight decay, i.e. AdamW when weight_decay > 0).
+        lr: peak learning rate.
+        min_lr: floor of the cosine schedule.
+        weight_decay: decoupled weight decay.
+        betas: Adam (beta1, beta2).
+        eps: Adam epsilon.
+        clip_grad: global gradient-norm clip (0 disables).
+        warmup_steps: optimizer steps of linear warm-up from 0 to `lr`.
+        total_steps: optimizer steps over which the cosine schedule decays to `min_lr`.
+        lr_schedule: 'constant' or 'cosine'.
+    """
+
+    name: str = "adam"
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    lr_schedule: str = "constant"
+
+
+class MegatronEngine:
+    """This rank's share of one role's model. Construct on every rank of the role, collectively."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        groups: RoleGroups,
+        dtype: str = "fp32",
+        optimizer: Optional[OptimizerSettings] = None,
+        seed: int = 1234,
+        first_stage_layers: Optional[int] = None,
+        last_stage_layers: Optional[int] = None,
+        recompute: bool = False,
+    ) -> None:
+        if not groups.is_member:
+            raise ValueError("MegatronEngine built on a rank outside the role's layout")
+        self.spec = spec
+        self.groups = groups
+        self.dtype = dtype
+        self.trainable = optimizer is not None
+        self.optimizer_settings = optimizer
+        with megatron_on_cpu():
+            self._build(seed, first_stage_layers, last_stage_layers, recompute)
+
+    # ------------------------------------------------------------------------------------------------ build
+    def _build(self, seed: int, first_stage_layers, last_stage_layers, recompute: bool) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # layout-independent scratch buffer
+            parallel_state._set_global_memory_buffer()
+        coord = self.groups.coord
+        # Model-parallel RNG streams: the same `seed` everywhere, offset by pp rank (as megatron does) so that
+        # stages differ; tensor-parallel regions get their own stream.
+        torch.manual_seed(seed + 100 * coord.pp)
+        model_parallel_cuda_manual_seed(seed + 100 * coord.pp, force_reset_rng=True, tp_rank=coord.tp, ep_rank=0, etp_rank=coord.tp)
+        self.config = build_transformer_config(
+            self.spec, self.groups, self.dtype, first_stage_layers, last_stage_layers, recompute
+        )
+        self.config.variable_seq_lengths = True  # micro-batches may differ in length (token-budget batching)
+        self.config.calculate_per_token_loss = True  # exact global normalisation, see module docstring
+        model = build_gpt_model(self.spec, self.groups, self.config)
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        if self.trainable:
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=True,
+                check_for_nan_in_grad=True,
+                bucket_size=40_000_000,
+            )
+            model = DistributedDataParallel(self.config, ddp_config, model, pg_collection=self.groups.pgs)
+            self.config.finalize_model_grads_func = finalize_model_grads
+            self._build_optimizer(model)
+        else:
+            for p in model.parameters():
+                p.requires_grad_(False)
+            self.optimizer = None
+            self.scheduler = None
+        self.model = model
+        self.steps = 0
+
+    def _build_optimizer(self, model) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        s = self.optimizer_settings
+        if s.name not in ("adam", "adamw"):
+            raise ValueError(f"optimizer.name must be adam or adamw, got {s.name!r}")
+        if s.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"optimizer.lr_schedule must be constant or cosine, got {s.lr_schedule!r}")
+        torch_dtype = self.config.params_dtype
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=s.lr,
+            min_lr=s.min_lr,
+            weight_decay=s.weight_decay,
+            adam_beta1=s.betas[0],
+            adam_beta2=s.betas[1],
+            adam_eps=s.eps,
+            clip_grad=s.clip_grad,
+            bf16=torch_dtype is torch.bfloat16,
+            fp16=torch_dtype is torch.float16,
+            params_dtype=torch_dtype,
+            use_distributed_optimizer=True,
+        )
+        with default_group_collectives(self.groups.pgs.intra_dist_opt):
+            self.optimizer = get_megatron_optimizer(
+                opt_config, [model], pg_collection=self.groups.pgs, use_gloo_process_groups=False
+            )
+        if opt_config.bf16 or opt_config.fp16:
+            self.config.grad_scale_func = self.optimizer.scale_loss
+        total = max(s.total_steps, s.warmup_steps + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if s.warmup_steps > 0 else s.lr,
+            max_lr=s.lr,
+            min_lr=s.min_lr if s.lr_schedule == "cosine" else s.lr,
+            lr_warmup_steps=s.warmup_steps,
+            lr_decay_steps=total,
+            lr_decay_style="cosine" if s.lr_schedule == "cosine" else "constant",
+            start_wd=s.weight_decay,
+            end_wd=s.weight_decay,
+            wd_incr_steps=total,
+            wd_incr_style="constant",
+        )
+
+    # ------------------------------------------------------------------------------------------------ info
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(self.spec.vocab_size, self.groups.topology.tp)
+
+    def vocab_shard(self) -> tuple[int, int]:
+        """[start, end) of the *real* (unpadded) vocabulary columns in this TP rank's logits shard."""
+        per_rank = self.padded_vocab_size // self.groups.topology.tp
+        start = self.groups.coord.tp * per_rank
+        end = min(start + per_rank, self.spec.vocab_size)
+        return start, max(start, end)
+
+    @property
+    def module(self):
+        """The bare GPTModel chunk (unwrapped from DDP)."""
+        return self.model.module if self.trainable else self.model
+
+    # ------------------------------------------------------------------------------------------------ run
+    def run(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, forward_only: bool) -> list[dict[str, Any]]:
+        """Run megatron's pipeline schedule over `micro_batches` (same list on every rank of a pipeline).
+
+        `loss_fn` sees this TP rank's logits shard restricted to real vocabulary columns
+        ([batch, seq, end-start], see `vocab_shard`). Returns the per-micro-batch metric dicts on the last
+        pipeline stage, [] elsewhere. With `forward_only=False` gradients accumulate in the DDP buffers; call
+        `step()` afterwards.
+        """
+        if not micro_batches:
+            raise ValueError("run() needs at least one micro-batch")
+        if not forward_only and not self.trainable:
+            raise RuntimeError("this role is frozen (no optimizer): run it with forward_only=True")
+        with megatron_on_cpu():
+            return self._run(list(micro_batches), loss_fn, forward_only)
+
+    def _run(self, micro_batches: list[MicroBatch], loss_fn: LossFn, forward_only: bool) -> list[dict[str, Any]]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        start, end = self.vocab_shard()
+        local_end = end - start
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            tokens = batch["input_ids"].to(device)
+            positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+            output = model(tokens, positions, None)
+
+            def loss_func(logits):
+                return loss_fn(logits[..., :local_end], batch)
+
+            return output, loss_func
+
+        if self.trainable:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        seq_length = max(b["input_ids"].shape[1] for b in micro_batches)
+        micro_batch_size = max(b["input_ids"].shape[0] for b in micro_batches)
+        kwargs = {}
+        if self.groups.topology.pp > 1:
+            kwargs["p2p_communicator"] = P2PCommunicator(self.groups.pgs.pp, self.config)
+        forward_backward = get_forward_backward_func(pp_size=self.groups.topology.pp)
+        if forward_only:
+            ctx = torch.no_grad()
+        else:
+            ctx = contextlib.nullcontext()
+        with ctx:
+            results = forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=[self.model],
+                num_microbatches=len(micro_batches),
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+                forward_only=forward_only,
+                pg_collection=self.groups.pgs,
+                **kwargs,
+            )
+        return list(results) if self.groups.is_last_stage else []
+
+    def step(self) -> dict[str, float]:
+        """One optimizer step on the accumulated gradients; returns grad_norm, lr and whether it applied."""
+        if not self.trainable:
+            raise RuntimeError("this role is frozen (no optimizer)")
+        with megatron_on_cpu():
+            ok, grad_norm, _ = self.optimizer.step()
+            lr = self.optimizer.param_groups[0]["lr"]
+            if ok:
+                self.scheduler.step(increment=1)
+                self.steps += 1
+        return {
+            "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+            "lr": float(lr),
+            "update_applied": bool(ok),
+        }
