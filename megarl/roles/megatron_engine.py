@@ -14,6 +14,14 @@ number of units (tokens for token-mean, sequences for sequence-mean losses).
 
 All process groups come from the role's `RoleGroups`; nothing is read from megatron's global parallel state
 (apart from its global memory buffer, which is layout-independent).
+
+Heads: `head="lm"` (default) keeps GPTModel's vocab-parallel output layer; `head="scalar"` replaces it on the last
+stage with a `ScalarHead` (hidden -> 1, replicated across TP; see `megarl.roles.heads`) for the critic and the
+reward model, whose models are always built untied (the head does not share the embedding).
+
+Offload: `offload(params=, grads=, optimizer=)` moves the chosen state to host memory and frees the device copy
+(storage resized to 0, so views such as DDP's parameter and gradient buffers stay valid); `reload()` brings it
+back. On CPU the "device" is host memory too: the same bookkeeping runs (and is tested), nothing is saved.
 """
 
 from __future__ import annotations
@@ -81,11 +89,18 @@ class MegatronEngine:
         first_stage_layers: Optional[int] = None,
         last_stage_layers: Optional[int] = None,
         recompute: bool = False,
+        head: str = "lm",
     ) -> None:
         if not groups.is_member:
             raise ValueError("MegatronEngine built on a rank outside the role's layout")
+        if head not in ("lm", "scalar"):
+            raise ValueError(f"head must be 'lm' or 'scalar', got {head!r}")
+        self.head = head
+        if head == "scalar" and spec.tie_word_embeddings:
+            spec = dataclasses.replace(spec, tie_word_embeddings=False)
         self.spec = spec
         self.groups = groups
+        self._offloaded = None
         self.dtype = dtype
         self.trainable = optimizer is not None
         self.optimizer_settings = optimizer
@@ -112,6 +127,10 @@ class MegatronEngine:
         self.config.variable_seq_lengths = True  # micro-batches may differ in length (token-budget batching)
         self.config.calculate_per_token_loss = True  # exact global normalisation, see module docstring
         model = build_gpt_model(self.spec, self.groups, self.config)
+        if self.head == "scalar" and self.groups.is_last_stage:
+            from megarl.roles.heads import ScalarHead
+
+            model.output_layer = ScalarHead(self.spec.hidden_size, self.config.params_dtype, seed)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         if self.trainable:
@@ -200,12 +219,15 @@ class MegatronEngine:
         """Run megatron's pipeline schedule over `micro_batches` (same list on every rank of a pipeline).
 
         `loss_fn` sees this TP rank's logits shard restricted to real vocabulary columns
-        ([batch, seq, end-start], see `vocab_shard`). Returns the per-micro-batch metric dicts on the last
+        ([batch, seq, end-start], see `vocab_shard`), or with `head="scalar"` the head's output [batch, seq, 1].
+        The metrics dict may carry tensors of any shape (e.g. per-token log-probs of a forward-only run); they are
+        returned as they are. Returns the per-micro-batch metric dicts on the last
         pipeline stage, [] elsewhere. With `forward_only=False` gradients accumulate in the DDP buffers; call
         `step()` afterwards.
         """
         if not micro_batches:
             raise ValueError("run() needs at least one micro-batch")
+        self._check_loaded()
         if not forward_only and not self.trainable:
             raise RuntimeError("this role is frozen (no optimizer): run it with forward_only=True")
         with megatron_on_cpu():
@@ -218,6 +240,7 @@ class MegatronEngine:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         start, end = self.vocab_shard()
         local_end = end - start
+        scalar_head = self.head == "scalar"
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
@@ -226,7 +249,7 @@ class MegatronEngine:
             output = model(tokens, positions, None)
 
             def loss_func(logits):
-                return loss_fn(logits[..., :local_end], batch)
+                return loss_fn(logits if scalar_head else logits[..., :local_end], batch)
 
             return output, loss_func
 
@@ -261,6 +284,7 @@ class MegatronEngine:
         """One optimizer step on the accumulated gradients; returns grad_norm, lr and whether it applied."""
         if not self.trainable:
             raise RuntimeError("this role is frozen (no optimizer)")
+        self._check_loaded()
         with megatron_on_cpu():
             ok, grad_norm, _ = self.optimizer.step()
             lr = self.optimizer.param_groups[0]["lr"]
@@ -272,3 +296,40 @@ class MegatronEngine:
             "lr": float(lr),
             "update_applied": bool(ok),
         }
+
+    # ------------------------------------------------------------------------------------------------ offload
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, int]:
+        """Move the chosen state to host memory and free it on the device; returns bytes moved per kind.
+
+        Call `reload()` before the next `run`/`step`. Offloading twice without a reload is an error.
+        """
+        from megarl.roles import offload as off
+
+        if self._offloaded is not None:
+            raise RuntimeError(f"already offloaded ({self._offloaded.kinds}): call reload() first")
+        stashed = {
+            "params": off.stash(off.param_tensors(self)) if params else [],
+            "grads": off.stash(off.grad_tensors(self)) if grads else [],
+            "optimizer": off.stash(off.optimizer_tensors(self)) if optimizer else [],
+        }
+        self._offloaded = off.OffloadedState(stashed)
+        return {k: self._offloaded.bytes(k) for k in stashed}
+
+    def reload(self) -> None:
+        """Bring back whatever `offload` moved (no-op when nothing is offloaded)."""
+        from megarl.roles import offload as off
+
+        if self._offloaded is None:
+            return
+        for pairs in self._offloaded.stashed.values():
+            off.restore(pairs)
+        self._offloaded = None
+
+    def _check_loaded(self) -> None:
+        if self._offloaded is not None:
+            raise RuntimeError(f"state is offloaded ({', '.join(self._offloaded.kinds)}): call reload() first")
+
+    @property
+    def offloaded(self) -> list[str]:
+        """Kinds of state currently in host memory ('params', 'grads', 'optimizer')."""
+        return [] if self._offloaded is None else self._offloaded.kinds

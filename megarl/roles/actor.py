@@ -1,0 +1,184 @@
+"""The actor (policy) and the reference policy.
+
+Actor.compute_log_probs(batch) -> Batch (last pipeline stage; None elsewhere)
+    in:  input_ids [B, S] int64, attention_mask [B, S], response_mask [B, S]
+    out: log_probs [B, S] float32, entropy [B, S] float32 — token-aligned (see `megarl.data.batch`), 0 where
+         response_mask is 0. Computed vocab-parallel from each TP rank's logits shard
+         (`vocab_parallel_log_probs`, `entropy_from_vocab_parallel`): full-vocabulary logits are never gathered.
+
+Actor.update(batch) -> dict of floats (every rank)
+    PPO-style ('ppo' / 'gspo' policy loss, with optional entropy bonus and KL-to-reference loss):
+      in: input_ids, attention_mask, response_mask, old_log_probs [B, S], advantages [B, S]
+          (+ ref_log_probs [B, S] when kl_coef > 0)
+    SFT warm-up (`loss.name == "sft"`): cross-entropy on response tokens; in: input_ids, attention_mask,
+      response_mask.
+    Mini-batches of `batching.mini_batch_samples` (one optimizer step each) x `batching.epochs`; micro-batches
+    per DP rank. The loss is normalised exactly over the whole mini-batch (all micro-batches and DP ranks):
+    loss_fn returns the *sum* of per-unit losses (`aggregate(..., global_normalizer=1)`) and the unit count,
+    and megatron divides the summed gradients by the global unit count (`calculate_per_token_loss`).
+    Returned metrics: loss, pg_loss, clip_frac, approx_kl, entropy, kl (when used) — token means over the
+    update; grad_norm (mean over steps), lr (last), tokens, tokens_per_s, time_s, optimizer_steps.
+
+Reference: a frozen Actor (no optimizer, no gradients), same or different layout; compute_log_probs only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from megarl.algorithms import aggregate, entropy_from_vocab_parallel, get_policy_loss, kl as kl_per_token
+from megarl.algorithms import vocab_parallel_log_probs
+from megarl.data.batch import Batch
+from megarl.roles.base import Role, count_units, shift_to_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossSettings:
+    """The actor's objective.
+
+    Attributes:
+        name: 'ppo', 'gspo' (a registered policy loss) or 'sft' (cross-entropy on response tokens).
+        clip_low, clip_high, clip_c: ratio clipping (see `megarl.algorithms.policy_loss`).
+        agg: loss aggregation mode; norm_horizon: its divisor for 'seq-mean-token-sum-norm'.
+        entropy_coef: weight of the entropy bonus (subtracted from the loss).
+        kl_coef, kl_kind: KL-to-reference loss term (needs `ref_log_probs` in the batch when kl_coef > 0).
+    """
+
+    name: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_c: Optional[float] = None
+    agg: str = "token-mean"
+    norm_horizon: Optional[int] = None
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_kind: str = "low_var_kl"
+
+    @classmethod
+    def from_config(cls, algo_cfg, max_new_tokens: Optional[int] = None) -> "PolicyLossSettings":
+        """From `megarl.config.schema.AlgorithmConfig` (the KL term only when it is placed in the loss)."""
+        in_loss = algo_cfg.kl.placement == "loss"
+        return cls(
+            name=algo_cfg.policy_loss, clip_low=algo_cfg.clip_low, clip_high=algo_cfg.clip_high,
+            clip_c=algo_cfg.clip_c, agg=algo_cfg.loss_agg, norm_horizon=algo_cfg.loss_norm_horizon or max_new_tokens,
+            entropy_coef=algo_cfg.entropy_coef, kl_coef=algo_cfg.kl.coef if in_loss else 0.0, kl_kind=algo_cfg.kl.kind,
+        )
+
+
+_METRICS = ["loss_sum", "units", "tokens_in_loss", "pg_loss_sum", "clip_sum", "approx_kl_sum", "entropy_sum", "kl_sum"]
+
+
+class Actor(Role):
+    """The policy. Construct collectively on every rank of its layout (`Role.__init__` arguments)."""
+
+    head = "lm"
+
+    def __init__(self, *args, loss: PolicyLossSettings = PolicyLossSettings(), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.loss = loss
+
+    # ------------------------------------------------------------------------------------------- helpers
+    def _token_log_probs(self, logits: torch.Tensor, mb: dict, with_entropy: bool):
+        """Token-aligned log-probs (and entropies) [b, s] from this TP rank's logits shard [b, s, V/tp]."""
+        ids, mask = mb["input_ids"], mb["response_mask"]
+        vocab_start, _ = self.engine.vocab_shard()
+        tp_group = self.groups.pgs.tp
+        shard = logits[:, :-1]
+        logp = shift_to_tokens(vocab_parallel_log_probs(shard, ids[:, 1:], tp_group, vocab_start), mask)
+        ent = shift_to_tokens(entropy_from_vocab_parallel(shard, tp_group), mask) if with_entropy else None
+        return logp, ent
+
+    # ------------------------------------------------------------------------------------------- API
+    @torch.no_grad()
+    def compute_log_probs(self, batch: Batch, with_entropy: bool = True) -> Optional[Batch]:
+        """Per-token log-probs (and entropy) of the response tokens; see the module docstring."""
+        batch.require("input_ids", "attention_mask", "response_mask")
+
+        def fn(logits, mb):
+            logp, ent = self._token_log_probs(logits, mb, with_entropy)
+            return {"log_probs": logp, "entropy": ent} if with_entropy else {"log_probs": logp}
+
+        return self._forward(batch, ["input_ids", "attention_mask", "response_mask"], fn)
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """One PPO (or SFT) update over `batch`; returns metrics (same on every rank)."""
+        if not self.engine.trainable:
+            raise RuntimeError("this actor is frozen (built without optimizer settings)")
+        s = self.loss
+        keys = ["input_ids", "attention_mask", "response_mask"]
+        if s.name != "sft":
+            keys += ["old_log_probs", "advantages"]
+            policy_loss = get_policy_loss(s.name)
+        if s.kl_coef > 0:
+            keys.append("ref_log_probs")
+        batch.require(*keys)
+
+        def loss_fn(logits, mb):
+            mask = mb["response_mask"]
+            fmask = mask.float()
+            need_entropy = s.entropy_coef > 0
+            logp, ent = self._token_log_probs(logits, mb, with_entropy=need_entropy)
+            if ent is None:
+                with torch.no_grad():
+                    ent = shift_to_tokens(entropy_from_vocab_parallel(logits[:, :-1].detach(), self.groups.pgs.tp), mask)
+            n_tok = fmask.sum()
+            agg = dict(mode=s.agg, norm_horizon=s.norm_horizon, global_normalizer=1.0)
+            if s.name == "sft":
+                pg_sum = aggregate(-logp, mask, **agg)
+                clip = approx_kl = torch.zeros(())
+            else:
+                pg_sum, m = policy_loss(
+                    logp, mb["old_log_probs"], mb["advantages"], mask, clip_low=s.clip_low, clip_high=s.clip_high,
+                    clip_c=s.clip_c, agg=s.agg, norm_horizon=s.norm_horizon, global_normalizer=1.0,
+                )
+                clip, approx_kl = m["clip_frac"] * n_tok, m["approx_kl"] * n_tok
+            loss_sum = pg_sum
+            if need_entropy:
+                loss_sum = loss_sum - s.entropy_coef * aggregate(ent, mask, **agg)
+            kl_sum = torch.zeros(())
+            if s.kl_coef > 0:
+                kl_tok = kl_per_token(logp, mb["ref_log_probs"], s.kl_kind)
+                loss_sum = loss_sum + s.kl_coef * aggregate(kl_tok, mask, **agg)
+                kl_sum = (kl_tok.detach() * fmask).sum()
+            units = count_units(mask, s.agg)
+            metrics = {
+                "loss_sum": loss_sum.detach(), "units": units.float(), "tokens_in_loss": n_tok,
+                "pg_loss_sum": pg_sum.detach(), "clip_sum": clip, "approx_kl_sum": approx_kl,
+                "entropy_sum": (ent.detach() * fmask).sum(), "kl_sum": kl_sum,
+            }
+            return loss_sum, units, metrics
+
+        totals = self._train(batch, keys, loss_fn, _METRICS)
+        n_tok = max(totals.pop("tokens_in_loss"), 1.0)
+        units = max(totals.pop("units"), 1.0)
+        out = {
+            "loss": totals.pop("loss_sum") / units,
+            "pg_loss": totals.pop("pg_loss_sum") / units,
+            "clip_frac": totals.pop("clip_sum") / n_tok,
+            "approx_kl": totals.pop("approx_kl_sum") / n_tok,
+            "entropy": totals.pop("entropy_sum") / n_tok,
+        }
+        kl_sum = totals.pop("kl_sum")
+        if s.kl_coef > 0:
+            out["kl"] = kl_sum / n_tok
+        out.update(totals)
+        return out
+
+
+class Reference(Actor):
+    """The frozen reference policy: an Actor without optimizer. Same or different layout than the actor.
+
+    To colocate it with the actor, build it on the actor's ranks and call `offload()` after each
+    `compute_log_probs` (and `reload()` before the next); or build it on its own ranks (`rank_offset`).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        if kwargs.get("optimizer") is not None:
+            raise ValueError("the reference policy is frozen: do not pass optimizer settings")
+        super().__init__(*args, **kwargs)
+
+    def update(self, batch: Batch) -> dict[str, float]:  # pragma: no cover - guard
+        raise RuntimeError("the reference policy is frozen")

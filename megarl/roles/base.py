@@ -1,0 +1,212 @@
+"""What every Megatron role shares: the engine, the DP split of a batch, micro-batching, result collection.
+
+Data path of a role call (the same on every rank of the role, called collectively):
+  full batch (every rank gets the same `Batch`) -> this DP rank's contiguous share (`Batch.chunk_by_dp`) ->
+  micro-batches (`micro_batch_samples` or a `micro_batch_tokens` budget, per DP rank, each trimmed to its longest
+  sequence) -> megatron's pipeline schedule -> per-micro-batch results on the last pipeline stage -> original
+  sample order -> all-gathered over the DP group. Forward-only results are returned on every rank of the last
+  pipeline stage (identical on its TP ranks) and None on the other stages; training metrics on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.data.batch import Batch
+from megarl.data.micro_batching import make_micro_batches, plan_micro_batches, restore_order
+from megarl.models.spec import ModelSpec
+from megarl.parallel.groups import RoleGroups
+from megarl.roles.megatron_engine import MegatronEngine, OptimizerSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchingSettings:
+    """How a role cuts a batch.
+
+    Attributes:
+        micro_batch_samples: samples per micro-batch, per DP rank (consecutive, original order).
+        micro_batch_tokens: padded-token budget per micro-batch, per DP rank (first-fit-decreasing packing);
+            exclusive with `micro_batch_samples`; neither = one sample per micro-batch.
+        mini_batch_samples: samples per optimizer step, global (all DP ranks); None = one step per epoch.
+        epochs: passes over the batch in `update` (PPO epochs).
+    """
+
+    micro_batch_samples: Optional[int] = None
+    micro_batch_tokens: Optional[int] = None
+    mini_batch_samples: Optional[int] = None
+    epochs: int = 1
+
+    @classmethod
+    def from_config(cls, role_cfg, samples_per_prompt: int = 1, epochs: int = 1) -> "BatchingSettings":
+        """From a `megarl.config.schema` role config (`mini_batch_prompts` is converted to samples)."""
+        mini = getattr(role_cfg, "mini_batch_prompts", None)
+        return cls(
+            micro_batch_samples=role_cfg.micro_batch_samples,
+            micro_batch_tokens=role_cfg.micro_batch_tokens,
+            mini_batch_samples=None if mini is None else mini * samples_per_prompt,
+            epochs=epochs,
+        )
+
+
+def optimizer_settings_from_config(opt_cfg, total_steps: int = 1000) -> OptimizerSettings:
+    """`OptimizerSettings` from a `megarl.config.schema.OptimizerConfig`."""
+    return OptimizerSettings(
+        name=opt_cfg.name, lr=opt_cfg.lr, min_lr=opt_cfg.min_lr, weight_decay=opt_cfg.weight_decay,
+        betas=tuple(opt_cfg.betas), eps=opt_cfg.eps, clip_grad=opt_cfg.clip_grad,
+        warmup_steps=opt_cfg.warmup_steps, total_steps=total_steps, lr_schedule=opt_cfg.lr_schedule,
+    )
+
+
+def count_units(mask: torch.Tensor, agg: str) -> torch.Tensor:
+    """Normalisation units of a micro-batch for `agg`: valid tokens (token-mean) or sequences with any."""
+    if agg == "token-mean":
+        return mask.sum().to(torch.int)
+    return (mask.sum(-1) > 0).sum().to(torch.int)
+
+
+class Role:
+    """A Megatron role on this rank: an engine plus batching. Subclasses add the role's methods."""
+
+    head = "lm"
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        groups: RoleGroups,
+        *,
+        optimizer: Optional[OptimizerSettings] = None,
+        batching: BatchingSettings = BatchingSettings(),
+        dtype: str = "fp32",
+        seed: int = 1234,
+        hf_dir: Optional[str] = None,
+        first_stage_layers: Optional[int] = None,
+        last_stage_layers: Optional[int] = None,
+        recompute: bool = False,
+    ) -> None:
+        self.engine = MegatronEngine(
+            spec, groups, dtype=dtype, optimizer=optimizer, seed=seed, first_stage_layers=first_stage_layers,
+            last_stage_layers=last_stage_layers, recompute=recompute, head=self.head,
+        )
+        self.batching = batching
+        if hf_dir is not None:
+            self.load_hf(hf_dir)
+
+    # ------------------------------------------------------------------------------------------- plumbing
+    @property
+    def groups(self) -> RoleGroups:
+        return self.engine.groups
+
+    @property
+    def dp(self) -> int:
+        return self.groups.topology.dp * self.groups.topology.cp
+
+    @property
+    def dp_rank(self) -> int:
+        c = self.groups.coord
+        return c.dp * self.groups.topology.cp + c.cp
+
+    def load_hf(self, hf_dir: str) -> int:
+        """Load weights from a HuggingFace directory (each rank reads its own shards); returns bytes read."""
+        from megarl.checkpoint.engine_io import load_hf_into_engine
+
+        return load_hf_into_engine(self.engine, hf_dir)
+
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, int]:
+        return self.engine.offload(params=params, grads=grads, optimizer=optimizer)
+
+    def reload(self) -> None:
+        self.engine.reload()
+
+    def _plan(self, share: Batch) -> list[list[int]]:
+        return plan_micro_batches(
+            share.lengths().tolist(), self.batching.micro_batch_samples, self.batching.micro_batch_tokens
+        )
+
+    def _forward(self, batch: Batch, keys: list[str], fn: Callable) -> Optional[Batch]:
+        """Forward-only over this DP rank's share; `fn(output, mb) -> dict of [b, s] (or [b]) tensors`.
+
+        Returns the whole batch's results (original order, [B, S] padded to `batch.seq_len`) on last-stage ranks.
+        """
+        share = batch.chunk_by_dp(self.dp_rank, self.dp).select(keys)
+        plan = self._plan(share)
+        mbs = make_micro_batches(share, plan)
+
+        def loss_fn(output, mb):
+            results = fn(output, mb)
+            return output.sum() * 0.0, torch.tensor(1, dtype=torch.int), {k: v.detach().float() for k, v in results.items()}
+
+        out = self.engine.run([mb.tensors for mb in mbs], loss_fn, forward_only=True)
+        if not self.groups.is_last_stage:
+            return None
+        local = restore_order([Batch(o) for o in out], plan, seq_len=batch.seq_len)
+        return self._gather_dp(local)
+
+    def _gather_dp(self, local: Batch) -> Batch:
+        if self.dp == 1:
+            return local
+        group = self.groups.pgs.dp_cp
+        gathered = {}
+        for k, v in local.tensors.items():
+            parts = [torch.empty_like(v) for _ in range(self.dp)]
+            dist.all_gather(parts, v.contiguous(), group=group)
+            gathered[k] = torch.cat(parts, dim=0)
+        return Batch(gathered, dict(local.meta))
+
+    def _reduce_metrics(self, sums: dict[str, float], keys: list[str]) -> dict[str, float]:
+        """Sum per-rank metric sums over DP (last stage) and hand them to every pipeline stage."""
+        t = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)
+        if self.groups.is_last_stage and self.dp > 1:
+            dist.all_reduce(t, group=self.groups.pgs.dp_cp)
+        if self.groups.topology.pp > 1:
+            dist.broadcast(t, src=self.groups.pp_ranks[-1], group=self.groups.pgs.pp)
+        return dict(zip(keys, t.tolist()))
+
+    def _mini_batches(self, batch: Batch) -> list[Batch]:
+        size = self.batching.mini_batch_samples or len(batch)
+        if len(batch) % size != 0:
+            raise ValueError(f"batch of {len(batch)} samples is not a multiple of mini_batch_samples={size}")
+        if size % self.dp != 0:
+            raise ValueError(f"mini-batch of {size} samples does not split over dp={self.dp} data-parallel ranks")
+        return batch.split(size)
+
+    def _train(self, batch: Batch, keys: list[str], loss_fn: Callable, metric_keys: list[str]) -> dict[str, float]:
+        """Mini-batch / micro-batch loop with one optimizer step per mini-batch; returns summed metrics.
+
+        `loss_fn(output, mb) -> (loss_sum, units, metric sums)` as `MegatronEngine.run` expects.
+        """
+        import time
+
+        batch = batch.select(keys)
+        totals = {k: 0.0 for k in metric_keys}
+        steps = []
+        start = time.perf_counter()
+        for _ in range(self.batching.epochs):
+            for mini in self._mini_batches(batch):
+                share = mini.chunk_by_dp(self.dp_rank, self.dp)
+                mbs = make_micro_batches(share, self._plan(share))
+                out = self.engine.run([mb.tensors for mb in mbs], loss_fn, forward_only=False)
+                steps.append(self.engine.step())
+                for m in out:
+                    for k in metric_keys:
+                        totals[k] += float(m[k])
+        elapsed = time.perf_counter() - start
+        reduced = self._reduce_metrics(totals, metric_keys)
+        reduced["grad_norm"] = sum(s["grad_norm"] for s in steps) / len(steps)
+        reduced["lr"] = steps[-1]["lr"]
+        reduced["optimizer_steps"] = float(len(steps))
+        tokens = float(batch.lengths().sum()) * self.batching.epochs
+        reduced["tokens"] = tokens
+        reduced["tokens_per_s"] = tokens / elapsed
+        reduced["time_s"] = elapsed
+        return reduced
+
+
+def shift_to_tokens(per_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[b, s-1] values computed at positions 0..s-2 for the *next* token -> token-aligned [b, s] (0 at t=0),
+    zeroed where `mask` is 0."""
+    out = torch.nn.functional.pad(per_position, (1, 0))
+    return out * mask.to(out.dtype)

@@ -1,0 +1,164 @@
+"""The critic (value model) and the reward model: a GPTModel body with a `ScalarHead` (see `megarl.roles.heads`).
+
+Critic.compute_values(batch) -> Batch (last pipeline stage; None elsewhere)
+    in:  input_ids [B, S] int64, attention_mask [B, S], response_mask [B, S]
+    out: values [B, S] float32, token-aligned: values[:, t] = V(state before token t) = head(hidden at t-1),
+         0 where response_mask is 0.
+Critic.update(batch) -> dict of floats (every rank)
+    in:  input_ids, attention_mask, response_mask, old_values [B, S] (the values the advantages were computed
+         with), returns [B, S]. Clipped value loss (`megarl.algorithms.value_loss`, clip = `value_clip`,
+         0 = unclipped), aggregated with `agg`, normalised exactly over each mini-batch.
+    metrics: value_loss, value_clip_frac, value_mean (token means), grad_norm, lr, tokens, tokens_per_s, ...
+
+RewardModel.score(batch) -> Batch (last pipeline stage; None elsewhere)
+    in:  input_ids [B, S] int64, attention_mask [B, S]
+    out: scores [B] float32, the head's output at each sample's last real token (attention_mask).
+
+Checkpoints: the body loads from a HF CausalLM-layout directory (`load_hf`, the language-model head is
+ignored); the head loads from that directory's `score.weight` [1, hidden] when present (the name of
+transformers' `*ForTokenClassification` / `*ForSequenceClassification` with num_labels=1) and keeps its seeded
+initialisation otherwise (a critic initialised from the actor). `head_state_dict()` / `load_head_state_dict()`
+give the head under its HF name; megatron-core distributed checkpoints (`megarl.checkpoint.dist_ckpt`) carry it
+as `output_layer.score.weight`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.algorithms import aggregate, value_loss
+from megarl.data.batch import Batch
+from megarl.roles.base import Role, count_units, shift_to_tokens
+from megarl.roles.heads import HF_HEAD_NAME, MEGATRON_HEAD_NAME
+
+
+class ScalarHeadRole(Role):
+    head = "scalar"
+
+    def _head_param(self) -> Optional[torch.nn.Parameter]:
+        return dict(self.engine.module.named_parameters()).get(MEGATRON_HEAD_NAME)
+
+    @torch.no_grad()
+    def load_hf(self, hf_dir: str) -> int:
+        """Body from the HF directory's decoder tensors (each rank reads its own shards), head from `score.weight`
+        when the directory has it. Returns bytes read by this rank."""
+        from megarl.checkpoint.engine_io import refresh_optimizer_copies, stage_layer_offset
+        from megarl.checkpoint.errors import CheckpointError
+        from megarl.checkpoint.hf_io import HFReader
+        from megarl.checkpoint.name_map import build_shard, canonical_name, module_param_layout
+
+        reader = HFReader(hf_dir)
+        body_fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
+                       "ffn_hidden_size", "vocab_size", "qkv_bias", "qk_layernorm")
+        diff = [f for f in body_fields if getattr(reader.spec, f) != getattr(self.engine.spec, f)]
+        if diff:
+            raise CheckpointError(f"{hf_dir} does not match the model in: {', '.join(diff)}")
+        # the body's layouts are the HF model's (tied or not: the embedding is read the same way)
+        src_spec = reader.spec
+        topo, coord = self.groups.topology, self.groups.coord
+        offset = stage_layer_offset(self.engine.module)
+        nbytes = 0
+        for name, param in self.engine.module.named_parameters():
+            if name == MEGATRON_HEAD_NAME:
+                if HF_HEAD_NAME in reader.files:
+                    t = reader.read(HF_HEAD_NAME)
+                    if tuple(t.shape) != tuple(param.shape):
+                        raise CheckpointError(f"{HF_HEAD_NAME} is {list(t.shape)}, expected {list(param.shape)}")
+                    param.data.copy_(t)
+                    nbytes += t.numel() * t.element_size()
+                continue
+            layout = module_param_layout(src_spec, canonical_name(name, offset))
+            shard = build_shard(src_spec, layout, coord.tp, topo.tp, reader.read)
+            if tuple(shard.shape) != tuple(param.shape):
+                raise CheckpointError(f"{name}: shard {list(shard.shape)} but the parameter is {list(param.shape)}")
+            param.data.copy_(shard)
+            nbytes += shard.numel() * shard.element_size()
+        refresh_optimizer_copies(self.engine)
+        return nbytes
+
+    def head_state_dict(self) -> dict[str, torch.Tensor]:
+        """{'score.weight': [1, hidden]} on last-stage ranks, {} elsewhere (a CPU copy)."""
+        p = self._head_param()
+        return {} if p is None else {HF_HEAD_NAME: p.detach().cpu().clone()}
+
+    @torch.no_grad()
+    def load_head_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        from megarl.checkpoint.engine_io import refresh_optimizer_copies
+
+        p = self._head_param()
+        if p is not None:
+            p.data.copy_(state[HF_HEAD_NAME])
+            refresh_optimizer_copies(self.engine)
+
+    def _head_out(self, output: torch.Tensor) -> torch.Tensor:
+        return output[..., 0].float()  # [b, s, 1] -> [b, s]
+
+
+class Critic(ScalarHeadRole):
+    """The value model. `value_clip` in reward units (0 = unclipped); `agg` as the actor's loss aggregation."""
+
+    def __init__(self, *args, value_clip: float = 0.2, agg: str = "token-mean",
+                 norm_horizon: Optional[int] = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.value_clip = value_clip
+        self.agg = agg
+        self.norm_horizon = norm_horizon
+
+    def _values(self, output, mb) -> torch.Tensor:
+        return shift_to_tokens(self._head_out(output)[:, :-1], mb["response_mask"])
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> Optional[Batch]:
+        batch.require("input_ids", "attention_mask", "response_mask")
+        return self._forward(batch, ["input_ids", "attention_mask", "response_mask"],
+                             lambda out, mb: {"values": self._values(out, mb)})
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        keys = ["input_ids", "attention_mask", "response_mask", "old_values", "returns"]
+        batch.require(*keys)
+        clip = self.value_clip if self.value_clip > 0 else float("inf")
+
+        def loss_fn(output, mb):
+            mask = mb["response_mask"]
+            values = self._values(output, mb)
+            loss_sum, m = value_loss(values, mb["old_values"], mb["returns"], mask, clip=clip, agg=self.agg,
+                                     norm_horizon=self.norm_horizon, global_normalizer=1.0)
+            n_tok = mask.float().sum()
+            units = count_units(mask, self.agg)
+            return loss_sum, units, {
+                "loss_sum": loss_sum.detach(), "units": units.float(), "tokens_in_loss": n_tok,
+                "clip_sum": m["value_clip_frac"] * n_tok, "value_sum": m["value_mean"] * n_tok,
+            }
+
+        totals = self._train(batch, keys, loss_fn, ["loss_sum", "units", "tokens_in_loss", "clip_sum", "value_sum"])
+        n_tok = max(totals.pop("tokens_in_loss"), 1.0)
+        out = {
+            "value_loss": totals.pop("loss_sum") / max(totals.pop("units"), 1.0),
+            "value_clip_frac": totals.pop("clip_sum") / n_tok,
+            "value_mean": totals.pop("value_sum") / n_tok,
+        }
+        out.update(totals)
+        return out
+
+
+class RewardModel(ScalarHeadRole):
+    """A learned reward model: frozen, scores each sequence at its last real token."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        if kwargs.get("optimizer") is not None:
+            raise ValueError("the reward model role is inference-only: do not pass optimizer settings")
+        super().__init__(*args, **kwargs)
+
+    @torch.no_grad()
+    def score(self, batch: Batch) -> Optional[Batch]:
+        batch.require("input_ids", "attention_mask")
+
+        def fn(output, mb):
+            last = mb["attention_mask"].long().sum(-1).clamp(min=1) - 1
+            return {"scores": self._head_out(output).gather(1, last.unsqueeze(1)).squeeze(1)}
+
+        return self._forward(batch, ["input_ids", "attention_mask"], fn)

@@ -1,0 +1,44 @@
+"""Scalar heads for the critic (per-token value) and the reward model (per-sequence score).
+
+`ScalarHead` replaces `GPTModel.output_layer` on the last pipeline stage: hidden [seq, batch, hidden] ->
+[seq, batch, 1], a bias-free linear hidden -> 1. It is *replicated* across tensor-parallel ranks (not split):
+its input (the final-norm output) is the full hidden state on every TP rank (no sequence parallelism), so every
+TP rank computes the same output, the same loss and the same gradient for the head; the gradient flowing back
+into the decoder is complete on each rank (unlike a vocab-parallel output layer, whose partial input gradients
+megatron's column-parallel linear all-reduces). Megatron counts a parameter without `tensor_model_parallel` once
+in the grad norm (TP rank 0 only), as it does for norm weights, and DDP reduces it over data-parallel ranks like
+any other parameter.
+
+Checkpoint names: the head's parameter is `output_layer.score.weight` [1, hidden] inside the Megatron model
+(megatron-core's distributed checkpoint stores it under that key); its HuggingFace name is `score.weight`, the
+name transformers' `*ForTokenClassification` / `*ForSequenceClassification` models (num_labels=1) use.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+HF_HEAD_NAME = "score.weight"
+MEGATRON_HEAD_NAME = "output_layer.score.weight"
+
+
+class ScalarHead(torch.nn.Module):
+    """hidden [s, b, h] -> ([s, b, 1], None), called like megatron's output layer (extra kwargs ignored)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, seed: int) -> None:
+        super().__init__()
+        self.score = torch.nn.Linear(hidden_size, 1, bias=False, dtype=dtype)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():  # identical on every TP rank and layout at the same seed
+            w = torch.randn(1, hidden_size, generator=g) / math.sqrt(hidden_size)
+            self.score.weight.copy_(w.to(dtype))
+        # megatron's optimizer/DDP look for these attributes; a replicated (not TP-split) parameter
+        self.score.weight.tensor_model_parallel = False
+        self.score.weight.partition_dim = -1
+        self.score.weight.partition_stride = 1
+        self.sequence_parallel = False
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return self.score(hidden_states), None
