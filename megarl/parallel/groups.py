@@ -12,10 +12,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from typing import TYPE_CHECKING
+
 import torch.distributed as dist
-from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megarl.parallel.topology import RankCoord, RoleTopology
+
+if TYPE_CHECKING:  # megatron-core is imported only when groups are built, keeping `plan_role_groups` pure
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 @dataclasses.dataclass
@@ -31,7 +35,7 @@ class RoleGroups:
 
     topology: RoleTopology
     coord: Optional[RankCoord]
-    pgs: Optional[ProcessGroupCollection]
+    pgs: Optional["ProcessGroupCollection"]
     pp_ranks: list[int]
 
     @property
@@ -112,6 +116,8 @@ def build_role_groups(topo: RoleTopology) -> RoleGroups:
             f"role layout {topo.describe()} needs ranks {topo.rank_offset}..{topo.rank_offset + topo.world_size - 1}"
             f" but the world has {world} rank(s)"
         )
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
     rank = dist.get_rank()
     member = rank in topo.ranks
     pgs = ProcessGroupCollection() if member else None

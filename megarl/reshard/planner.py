@@ -1,0 +1,260 @@
+"""Reshard planner: pure, no torch.distributed. (model, training layout, inference TP) -> transfer plan.
+
+For every inference rank the plan lists the HF-layout pieces it needs (`layouts.vllm_needs`) and, for each, the
+training rank it comes from:
+  1. local first: whatever the rank already holds in its Megatron shards is copied in place, never sent;
+  2. the rest from a rank that holds it, choosing among the holders (DP replicas; TP ranks for replicated norms)
+     the one with the fewest bytes assigned so far, which balances the send load across replicas.
+Every byte a rank needs but does not hold is received exactly once, so the bytes received equal the lower bound
+for the rank mapping; the plan reports that bound and what a naive "gather the full model on every rank" moves.
+
+Rank mapping: inference replicas are blocks of `infer_tp` consecutive global ranks (how vLLM's external launcher
+forms its TP groups). Within each block the planner can choose which rank plays which inference TP rank;
+`choose_mapping` searches the permutations for the one that keeps the most bytes local (ties keep the natural
+order, the one vLLM realises). `plan_reshard(..., search_mapping=False)` fixes the natural order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections import defaultdict
+from typing import Optional
+
+from megarl.models.spec import ModelSpec
+from megarl.parallel.topology import RoleTopology
+from megarl.reshard.layouts import Piece, Placement, megatron_holdings, piece_bytes, vllm_needs
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferOp:
+    """Move `piece` from `src`'s Megatron parameter to `dst`'s vLLM parameter (`src == dst`: a local copy).
+
+    Offsets are along `piece.dim` inside the local tensors; `nbytes` at the plan's element size.
+    """
+
+    src: int
+    dst: int
+    piece: Piece
+    src_param: str
+    src_offset: int
+    dst_param: str
+    dst_offset: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RankStats:
+    """Per-rank byte accounting (all in bytes).
+
+    bytes_received: bytes this rank receives from other ranks under the plan.
+    bytes_local: bytes it copies from its own Megatron shards.
+    bytes_sent: bytes it sends to other ranks.
+    bytes_lower_bound: bytes it needs minus bytes it already holds: no plan for this mapping receives less.
+    bytes_naive: bytes a gather-the-full-model-on-every-rank approach would receive (model bytes minus held bytes).
+    """
+
+    rank: int
+    infer_tp_rank: int
+    bytes_received: int
+    bytes_local: int
+    bytes_sent: int
+    bytes_lower_bound: int
+    bytes_naive: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardPlan:
+    spec: ModelSpec
+    train: RoleTopology
+    infer_tp: int
+    dtype_bytes: int
+    infer_rank_of: dict[int, int]  # global rank -> inference TP rank
+    ops: tuple[TransferOp, ...]
+    stats: tuple[RankStats, ...]
+    model_bytes: int
+
+    @property
+    def natural_mapping(self) -> bool:
+        return all(self.infer_rank_of[r] == (r - self.train.rank_offset) % self.infer_tp for r in self.train.ranks)
+
+    def ops_for(self, rank: int) -> list[TransferOp]:
+        return [op for op in self.ops if op.src == rank or op.dst == rank]
+
+    def totals(self) -> dict[str, int]:
+        return {
+            "bytes_received": sum(s.bytes_received for s in self.stats),
+            "bytes_local": sum(s.bytes_local for s in self.stats),
+            "bytes_lower_bound": sum(s.bytes_lower_bound for s in self.stats),
+            "bytes_naive": sum(s.bytes_naive for s in self.stats),
+        }
+
+
+class _Index:
+    """Holdings of every training rank, indexed by HF tensor name."""
+
+    def __init__(self, spec: ModelSpec, train: RoleTopology):
+        self.by_rank: dict[int, list[Placement]] = {r: megatron_holdings(spec, train, r) for r in train.ranks}
+        self.by_name: dict[str, list[tuple[int, Placement]]] = defaultdict(list)
+        for r, placements in self.by_rank.items():
+            for p in placements:
+                self.by_name[p.piece.hf_name].append((r, p))
+
+    def held_by(self, rank: int, need: Piece) -> list[Placement]:
+        return [p for r, p in self.by_name[need.hf_name] if r == rank and p.piece.intersect(need)]
+
+
+def _overlap_bytes(spec: ModelSpec, index: _Index, rank: int, needs: list[Placement], dtype_bytes: int) -> int:
+    total = 0
+    for n in needs:
+        for p in index.held_by(rank, n.piece):
+            total += piece_bytes(spec, p.piece.intersect(n.piece), dtype_bytes)
+    return total
+
+
+def choose_mapping(spec: ModelSpec, train: RoleTopology, infer_tp: int, dtype_bytes: int = 2,
+                   _index: Optional[_Index] = None) -> dict[int, int]:
+    """Global rank -> inference TP rank maximising local bytes (permutations searched within each replica block
+    when infer_tp <= 6, natural order otherwise). Ties keep the natural order."""
+    _check_divides(train, infer_tp)
+    index = _index or _Index(spec, train)
+    needs = {j: vllm_needs(spec, infer_tp, j) for j in range(infer_tp)}
+    mapping: dict[int, int] = {}
+    for block_start in range(train.rank_offset, train.rank_offset + train.world_size, infer_tp):
+        ranks = list(range(block_start, block_start + infer_tp))
+        local = {(r, j): _overlap_bytes(spec, index, r, needs[j], dtype_bytes) for r in ranks for j in range(infer_tp)}
+        natural = tuple(range(infer_tp))
+        best, best_score = natural, sum(local[(r, j)] for r, j in zip(ranks, natural))
+        if infer_tp <= 6:
+            for perm in itertools.permutations(range(infer_tp)):
+                score = sum(local[(r, j)] for r, j in zip(ranks, perm))
+                if score > best_score:
+                    best, best_score = perm, score
+        mapping.update(dict(zip(ranks, best)))
+    return mapping
+
+
+def _check_divides(train: RoleTopology, infer_tp: int) -> None:
+    if infer_tp < 1 or train.world_size % infer_tp:
+        raise ValueError(
+            f"rollout tp={infer_tp} must divide the actor's {train.world_size} ranks ({train.describe()})"
+        )
+
+
+def plan_reshard(spec: ModelSpec, train: RoleTopology, infer_tp: int, dtype_bytes: int = 2,
+                 search_mapping: bool = True) -> ReshardPlan:
+    """The transfer plan (cached: call freely before every rollout)."""
+    return _plan_cached(repr(spec), spec, train, infer_tp, dtype_bytes, search_mapping)
+
+
+@functools.lru_cache(maxsize=32)
+def _plan_cached(_key: str, spec: ModelSpec, train: RoleTopology, infer_tp: int, dtype_bytes: int,
+                 search_mapping: bool) -> ReshardPlan:
+    _check_divides(train, infer_tp)
+    index = _Index(spec, train)
+    if search_mapping:
+        mapping = choose_mapping(spec, train, infer_tp, dtype_bytes, index)
+    else:
+        mapping = {r: (r - train.rank_offset) % infer_tp for r in train.ranks}
+    needs = {j: vllm_needs(spec, infer_tp, j) for j in range(infer_tp)}
+    model_bytes = _model_bytes(spec, dtype_bytes)
+
+    sent: dict[int, int] = defaultdict(int)
+    ops: list[TransferOp] = []
+    stats: list[RankStats] = []
+    for dst in train.ranks:
+        received = local = lower = 0
+        for need in needs[mapping[dst]]:
+            for op in _route(spec, index, dst, need, sent, dtype_bytes):
+                ops.append(op)
+                if op.src == dst:
+                    local += op.nbytes
+                else:
+                    received += op.nbytes
+                    sent[op.src] += op.nbytes
+            lower += piece_bytes(spec, need.piece, dtype_bytes)
+        lower -= local
+        held = _unique_bytes(spec, index.by_rank[dst], dtype_bytes)
+        stats.append(RankStats(dst, mapping[dst], received, local, 0, lower, model_bytes - held))
+    stats = [dataclasses.replace(s, bytes_sent=sent[s.rank]) for s in stats]
+    return ReshardPlan(spec, train, infer_tp, dtype_bytes, mapping, tuple(ops), tuple(stats), model_bytes)
+
+
+def _model_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
+    from megarl.checkpoint.name_map import hf_shapes
+
+    total = 0
+    for shape in hf_shapes(spec).values():
+        n = 1
+        for s in shape:
+            n *= s
+        total += n * dtype_bytes
+    return total
+
+
+def _unique_bytes(spec: ModelSpec, placements: list[Placement], dtype_bytes: int) -> int:
+    """Bytes of the union of `placements` (a tied output layer duplicates the embedding)."""
+    seen: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
+    for p in placements:
+        seen[(p.piece.hf_name, p.piece.dim)].append((p.piece.start, p.piece.stop))
+    total = 0
+    for (name, dim), runs in seen.items():
+        runs.sort()
+        cur_lo, cur_hi = runs[0]
+        covered = 0
+        for lo, hi in runs[1:]:
+            if lo > cur_hi:
+                covered += cur_hi - cur_lo
+                cur_lo, cur_hi = lo, hi
+            else:
+                cur_hi = max(cur_hi, hi)
+        covered += cur_hi - cur_lo
+        total += piece_bytes(spec, Piece(name, dim, 0, covered), dtype_bytes)
+    return total
+
+
+def _route(spec: ModelSpec, index: _Index, dst: int, need: Placement, sent: dict[int, int],
+           dtype_bytes: int) -> list[TransferOp]:
+    """Ops covering `need` for `dst`: its own holdings first, then the least-loaded holder per sub-run.
+
+    `sent` (bytes already assigned to each source) is read for balancing; the caller updates it.
+    """
+    piece = need.piece
+    holders = [(r, p) for r, p in index.by_name[piece.hf_name] if p.piece.intersect(piece)]
+    # Cut the needed run at every holder boundary: each elementary run then has a set of candidate holders.
+    cuts = {piece.start, piece.stop}
+    for _, p in holders:
+        cuts.update(c for c in (p.piece.start, p.piece.stop) if piece.start < c < piece.stop)
+    bounds = sorted(cuts)
+    pending: dict[int, int] = defaultdict(int)
+    ops: list[TransferOp] = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        run = Piece(piece.hf_name, piece.dim, lo, hi)
+        candidates = [(r, p) for r, p in holders if p.piece.start <= lo and hi <= p.piece.stop]
+        if not candidates:
+            raise ValueError(f"no training rank holds {run} (needed by rank {dst})")
+        mine = [(r, p) for r, p in candidates if r == dst]
+        src, src_p = mine[0] if mine else min(candidates, key=lambda rp: (sent[rp[0]] + pending[rp[0]], rp[0]))
+        nbytes = piece_bytes(spec, run, dtype_bytes)
+        if src != dst:
+            pending[src] += nbytes
+        op = TransferOp(
+            src=src, dst=dst, piece=run,
+            src_param=src_p.param, src_offset=src_p.offset + (lo - src_p.piece.start),
+            dst_param=need.param, dst_offset=need.offset + (lo - piece.start), nbytes=nbytes,
+        )
+        if ops and _contiguous(ops[-1], op):  # one op per contiguous run from one source
+            prev = ops.pop()
+            op = dataclasses.replace(prev, piece=Piece(piece.hf_name, piece.dim, prev.piece.start, hi),
+                                     nbytes=prev.nbytes + nbytes)
+        ops.append(op)
+    return ops
+
+
+def _contiguous(a: TransferOp, b: TransferOp) -> bool:
+    return (
+        a.src == b.src and a.src_param == b.src_param and a.dst_param == b.dst_param
+        and a.piece.hf_name == b.piece.hf_name and a.piece.stop == b.piece.start
+        and a.src_offset + a.piece.length == b.src_offset and a.dst_offset + a.piece.length == b.dst_offset
+    )
