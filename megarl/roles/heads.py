@@ -42,3 +42,34 @@ class ScalarHead(torch.nn.Module):
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         return self.score(hidden_states), None
+
+
+def attach_scalar_head(model, hidden_size: int, dtype: torch.dtype, seed: int) -> None:
+    """Replace `model.output_layer` (a last-stage GPTModel) with a `ScalarHead`, in place.
+
+    megatron-core 0.16.1's `LanguageModule.sharded_state_dict` assumes a vocabulary output layer (it flags
+    `output_layer.weight` for vocab-padding shape mismatch and fails when the key is absent); the model's class is
+    swapped for a subclass whose `sharded_state_dict` skips that step. Scalar-head models are never tied, so
+    nothing else in it applies.
+    """
+    model.output_layer = ScalarHead(hidden_size, dtype, seed)
+    model.__class__ = _scalar_head_class(type(model))
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _scalar_head_class(base: type) -> type:
+    if base not in _CLASSES:
+        from megatron.core.models.common.language_module.language_module import LanguageModule
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+            from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+            metadata = ensure_metadata_has_dp_cp_group(metadata)
+            sd = super(LanguageModule, self).sharded_state_dict(prefix, sharded_offsets, metadata)
+            sd.pop(f"{prefix}output_layer._extra_state", None)
+            return sd
+
+        _CLASSES[base] = type(f"{base.__name__}WithScalarHead", (base,), {"sharded_state_dict": sharded_state_dict})
+    return _CLASSES[base]

@@ -128,9 +128,9 @@ class MegatronEngine:
         self.config.calculate_per_token_loss = True  # exact global normalisation, see module docstring
         model = build_gpt_model(self.spec, self.groups, self.config)
         if self.head == "scalar" and self.groups.is_last_stage:
-            from megarl.roles.heads import ScalarHead
+            from megarl.roles.heads import attach_scalar_head
 
-            model.output_layer = ScalarHead(self.spec.hidden_size, self.config.params_dtype, seed)
+            attach_scalar_head(model, self.spec.hidden_size, self.config.params_dtype, seed)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         if self.trainable:

@@ -1,0 +1,301 @@
+"""Actor, reference, critic and reward-model roles on real megatron-core over gloo (4 CPU ranks, fp32).
+
+One spawn of 4 ranks runs every layout side by side, all loaded from the same tiny HF Llama (GQA, llama3 rope):
+  phase A: actor TP=2 on ranks 0-1            actor PP=2 on ranks 2-3
+  phase B: actor DP=2 on ranks 0-1            actor TP1PP1 on rank 2, reference TP1 on rank 3
+  phase C: actor TP=2 x PP=2 on ranks 0-3
+  phase D: critic TP=2 on ranks 0-1 (update, dist-checkpoint save)    reward model PP=2 on ranks 2-3
+  phase E: critic PP=2 on ranks 2-3, loaded from phase D's checkpoint
+Each actor computes log-probs, makes one PPO update (each layout with different micro-batching: fixed count or
+token budget) and computes log-probs again; its updated weights come back in HF layout. The parent compares
+layouts with each other and with transformers (eager, fp32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from megarl.platform.spawn import run_ranks
+
+B, S = 4, 16
+PROMPT = [3, 5, 2, 4]
+RESPONSE = [9, 6, 12, 8]
+ACTOR_LR = 2e-4
+ADVANTAGE = [1.0, -1.0, 0.5, -0.5]  # per sample, on every response token
+
+
+def _batch(vocab: int):
+    from megarl.data.batch import Batch
+
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(3, vocab, (B, S), generator=g)
+    pos = torch.arange(S).unsqueeze(0)
+    plen, total = torch.tensor(PROMPT).unsqueeze(1), torch.tensor(PROMPT).unsqueeze(1) + torch.tensor(RESPONSE).unsqueeze(1)
+    am = (pos < total).long()
+    rm = ((pos >= plen) & (pos < total)).long()
+    ids = ids * am  # pad id 0 after the sequence
+    return Batch({"input_ids": ids, "attention_mask": am, "response_mask": rm})
+
+
+def _np(batch):
+    return None if batch is None else {k: v.numpy().copy() for k, v in batch.tensors.items()}
+
+
+def _hf_weights(role) -> dict:
+    """This rank's parameters written into full HF-layout tensors (NaN where other ranks hold the values)."""
+    from megarl.checkpoint.engine_io import named_layouts
+    from megarl.checkpoint.name_map import hf_shapes, scatter_shard
+
+    engine = role.engine
+    shapes = hf_shapes(engine.spec)
+    out: dict[str, torch.Tensor] = {}
+    for name, param, layout in named_layouts(engine):
+        full = {n: out.setdefault(n, torch.full(shapes[n], float("nan"))) for n in layout.hf_names}
+        scatter_shard(engine.spec, layout, engine.groups.coord.tp, engine.groups.topology.tp, param.detach(), full)
+    return {k: v.numpy() for k, v in out.items()}
+
+
+def _actor_run(role, batch):
+    before = role.compute_log_probs(batch)
+    adv = torch.tensor(ADVANTAGE).unsqueeze(1) * batch["response_mask"]
+    old = before["log_probs"] if before is not None else torch.zeros(B, S)
+    metrics = role.update(batch.update({"old_log_probs": old, "advantages": adv}))
+    after = role.compute_log_probs(batch)
+    return {"before": _np(before), "after": _np(after), "metrics": metrics, "weights": _hf_weights(role),
+            "last_stage": role.groups.is_last_stage}
+
+
+def _worker(rank: int, world: int, hf_dir: str, hf_rm_dir: str, ckpt_dir: str):
+    from megarl.checkpoint.dist_ckpt import load_engine_checkpoint, save_engine_checkpoint
+    from megarl.models.spec import ModelSpec
+    from megarl.parallel.groups import build_role_groups
+    from megarl.parallel.topology import RoleTopology
+    from megarl.roles import Actor, BatchingSettings, Critic, OptimizerSettings, Reference, RewardModel
+
+    spec = ModelSpec.from_hf_dir(hf_dir)
+    batch = _batch(spec.vocab_size)
+    opt = OptimizerSettings(lr=ACTOR_LR, clip_grad=1.0)
+    res: dict = {}
+
+    def actor(name, topo, batching):
+        groups = build_role_groups(topo)
+        if groups.is_member:
+            role = Actor(spec, groups, optimizer=opt, batching=batching, hf_dir=hf_dir)
+            res[name] = _actor_run(role, batch)
+            return role
+
+    actor("tp2", RoleTopology(tp=2), BatchingSettings(micro_batch_tokens=24))
+    actor("pp2", RoleTopology(pp=2, rank_offset=2), BatchingSettings(micro_batch_samples=2))
+    dp2 = actor("dp2", RoleTopology(dp=2), BatchingSettings(micro_batch_tokens=20))
+    base = actor("tp1pp1", RoleTopology(rank_offset=2), BatchingSettings(micro_batch_samples=1))
+    ref_groups = build_role_groups(RoleTopology(rank_offset=3))
+    if ref_groups.is_member:
+        ref = Reference(spec, ref_groups, hf_dir=hf_dir, batching=BatchingSettings(micro_batch_tokens=64))
+        first = ref.compute_log_probs(batch)
+        moved = ref.offload()
+        state = {"moved": moved, "offloaded": ref.engine.offloaded,
+                 "zero_bytes": all(p.untyped_storage().nbytes() == 0 for p in ref.engine.module.parameters())}
+        try:
+            ref.compute_log_probs(batch)
+            state["run_while_offloaded"] = "ran"
+        except RuntimeError as e:
+            state["run_while_offloaded"] = str(e)
+        ref.reload()
+        res["reference"] = {"first": _np(first), "second": _np(ref.compute_log_probs(batch)), "offload": state}
+    for role in (dp2, base):  # a trained role offloads everything and comes back unchanged
+        if role is not None:
+            lp = role.compute_log_probs(batch)
+            moved = role.offload()
+            role.reload()
+            res.setdefault("trained_offload", []).append(
+                {"moved": moved, "same": bool(torch.equal(lp["log_probs"], role.compute_log_probs(batch)["log_probs"]))}
+            )
+    actor("tp2pp2", RoleTopology(tp=2, pp=2), BatchingSettings(micro_batch_tokens=32))
+
+    # critic and reward model
+    critic_opt = OptimizerSettings(lr=1e-4, clip_grad=1.0)
+    returns = torch.tensor([1.0, -1.0, 0.5, 0.0]).unsqueeze(1) * batch["response_mask"]
+    cg = build_role_groups(RoleTopology(tp=2))
+    critic = None
+    if cg.is_member:
+        critic = Critic(spec, cg, optimizer=critic_opt, hf_dir=hf_rm_dir, value_clip=0.2,
+                        batching=BatchingSettings(micro_batch_tokens=32))
+        v0 = critic.compute_values(batch)
+        cb = batch.update({"old_values": v0["values"], "returns": returns})
+        m = critic.update(cb)
+        res["critic"] = {"v0": _np(v0), "v1": _np(critic.compute_values(batch)), "metrics": m,
+                         "head": {k: v.numpy() for k, v in critic.head_state_dict().items()}}
+    rg = build_role_groups(RoleTopology(pp=2, rank_offset=2))
+    if rg.is_member:
+        rm = RewardModel(spec, rg, hf_dir=hf_rm_dir, batching=BatchingSettings(micro_batch_samples=3))
+        res["reward"] = _np(rm.score(batch))
+    save_engine_checkpoint(critic.engine if critic else None, ckpt_dir)  # collective over the world
+    cg2 = build_role_groups(RoleTopology(pp=2, rank_offset=2))
+    critic2 = Critic(spec, cg2, optimizer=critic_opt) if cg2.is_member else None  # random init, then load
+    load_engine_checkpoint(critic2.engine if critic2 else None, ckpt_dir)
+    if critic2 is not None:
+        res["critic_reloaded"] = _np(critic2.compute_values(batch))
+    return res
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    from megarl.checkpoint.tiny import make_hf_model
+
+    root = tmp_path_factory.mktemp("roles")
+    hf_dir = make_hf_model("llama", str(root / "hf"), seed=5)
+    # a value/reward model directory: the same body plus transformers' `score.weight` head
+    rm_dir = make_hf_model("llama", str(root / "hf_rm"), seed=5)
+    tensors = load_file(f"{rm_dir}/model.safetensors")
+    hidden = tensors["model.norm.weight"].shape[0]
+    tensors["score.weight"] = torch.randn(1, hidden, generator=torch.Generator().manual_seed(2)) * 0.1
+    save_file(tensors, f"{rm_dir}/model.safetensors", metadata={"format": "pt"})
+    per_rank = run_ranks(4, _worker, hf_dir, rm_dir, str(root / "critic_ckpt"), timeout_s=600)
+    by_role: dict[str, list] = {}
+    for r in per_rank:
+        for k, v in r.items():
+            by_role.setdefault(k, []).extend(v if isinstance(v, list) else [v])
+    return {"roles": by_role, "hf_dir": hf_dir, "rm_dir": rm_dir, "score": tensors["score.weight"]}
+
+
+def _hf_forward(path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    batch = _batch(model.config.vocab_size)
+    with torch.no_grad():
+        out = model(batch["input_ids"], output_hidden_states=True)
+    return batch, out
+
+
+def _last_stage(runs, role):
+    outs = [r for r in runs["roles"][role] if r["last_stage"]]
+    assert outs, f"{role}: no last-stage result"
+    return outs
+
+
+def _merged_weights(results) -> dict[str, np.ndarray]:
+    merged = {}
+    for r in results:
+        for k, v in r["weights"].items():
+            m = merged.setdefault(k, np.full_like(v, np.nan))
+            have = ~np.isnan(v)
+            both = have & ~np.isnan(m)
+            assert np.array_equal(m[both], v[both]), f"replicas disagree on {k}"
+            m[have] = v[have]
+    for k, m in merged.items():
+        assert not np.isnan(m).any(), f"{k}: some entries held by no rank"
+    return merged
+
+
+LAYOUTS = ["tp1pp1", "tp2", "pp2", "dp2", "tp2pp2"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_log_probs_match_transformers(runs, layout):
+    batch, out = _hf_forward(runs["hf_dir"])
+    lp = torch.log_softmax(out.logits.float(), -1)
+    ref = torch.zeros(B, S)
+    ref[:, 1:] = lp[:, :-1].gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    ref = ref * batch["response_mask"]
+    for r in _last_stage(runs, layout):
+        got = torch.from_numpy(r["before"]["log_probs"])
+        assert got.shape == (B, S)
+        assert torch.all(got[batch["response_mask"] == 0] == 0)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+        ent = torch.from_numpy(r["before"]["entropy"])
+        want = -(lp.exp() * lp).sum(-1)
+        want = torch.nn.functional.pad(want[:, :-1], (1, 0)) * batch["response_mask"]
+        torch.testing.assert_close(ent, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:])
+def test_layouts_agree_before_and_after_one_update(runs, layout):
+    base = _last_stage(runs, "tp1pp1")[0]
+    for r in _last_stage(runs, layout):
+        np.testing.assert_allclose(r["before"]["log_probs"], base["before"]["log_probs"], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(r["after"]["log_probs"], base["after"]["log_probs"], atol=1e-5, rtol=0)
+    want = _merged_weights(runs["roles"]["tp1pp1"])
+    got = _merged_weights(runs["roles"][layout])
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], atol=1e-5, rtol=0, err_msg=k)
+    m, mb = runs["roles"][layout][0]["metrics"], base["metrics"]
+    for key in ("loss", "grad_norm", "entropy"):
+        assert m[key] == pytest.approx(mb[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_update_moves_weights_and_raises_positive_advantage_log_probs(runs, layout):
+    r = _last_stage(runs, layout)[0]
+    before, after = r["before"]["log_probs"], r["after"]["log_probs"]
+    mask = _batch(300)["response_mask"].numpy().astype(bool)
+    adv = np.array(ADVANTAGE)[:, None] * mask
+    pos, neg = adv > 0, adv < 0
+    assert after[pos].mean() > before[pos].mean() + 1e-3, (before[pos].mean(), after[pos].mean())
+    assert after[neg].mean() < before[neg].mean() - 1e-3
+    m = r["metrics"]
+    assert m["lr"] == pytest.approx(ACTOR_LR) and m["optimizer_steps"] == 1
+    assert m["clip_frac"] == 0 and m["approx_kl"] == pytest.approx(0, abs=1e-6)  # ratio is 1 on the first step
+    assert m["tokens"] == sum(PROMPT) + sum(RESPONSE) and m["tokens_per_s"] > 0
+    assert math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
+
+
+def test_reference_matches_actor_and_offload_bookkeeping(runs):
+    (ref,) = runs["roles"]["reference"]
+    base = _last_stage(runs, "tp1pp1")[0]
+    np.testing.assert_allclose(ref["first"]["log_probs"], base["before"]["log_probs"], atol=1e-6, rtol=0)
+    assert np.array_equal(ref["first"]["log_probs"], ref["second"]["log_probs"])  # offload + reload is lossless
+    st = ref["offload"]
+    assert st["offloaded"] == ["params"] and st["zero_bytes"]
+    assert st["moved"]["params"] > 0 and st["moved"]["grads"] == 0 and st["moved"]["optimizer"] == 0
+    assert "reload()" in st["run_while_offloaded"]
+    trained = runs["roles"]["trained_offload"]
+    assert len(trained) == 3  # dp2 (2 ranks) + tp1pp1
+    for t in trained:
+        assert t["same"] and all(v > 0 for v in t["moved"].values()), t
+
+
+def test_critic_update_lowers_value_loss(runs):
+    for r in runs["roles"]["critic"]:
+        mask = _batch(300)["response_mask"].numpy().astype(bool)
+        returns = np.array([1.0, -1.0, 0.5, 0.0])[:, None] * mask
+
+        def loss(v):
+            return 0.5 * ((v - returns) ** 2)[mask].mean()
+
+        v0, v1 = r["v0"]["values"], r["v1"]["values"]
+        assert np.all(v0[~mask] == 0)
+        assert r["metrics"]["value_loss"] == pytest.approx(loss(v0), rel=1e-5)
+        assert loss(v1) < loss(v0) - 1e-3, (loss(v0), loss(v1))
+
+
+def test_critic_and_reward_heads_load_from_hf_and_match_transformers(runs):
+    batch, out = _hf_forward(runs["rm_dir"])
+    hidden = out.hidden_states[-1]  # after the final norm
+    head = runs["score"]
+    values = torch.nn.functional.pad((hidden @ head.T)[..., 0][:, :-1], (1, 0)) * batch["response_mask"]
+    v0 = [r["v0"]["values"] for r in runs["roles"]["critic"]]
+    assert len(v0) == 2
+    for v in v0:
+        torch.testing.assert_close(torch.from_numpy(v), values, atol=1e-5, rtol=0)
+    last = batch["attention_mask"].sum(-1) - 1
+    want = (hidden @ head.T)[..., 0].gather(1, last[:, None])[:, 0]
+    scores = [r["scores"] for r in runs["roles"]["reward"] if r is not None]
+    assert len(scores) == 1  # last pipeline stage only
+    torch.testing.assert_close(torch.from_numpy(scores[0]), want, atol=1e-5, rtol=0)
+
+
+def test_critic_head_saved_and_loaded_through_dist_checkpoint_at_another_layout(runs):
+    trained = runs["roles"]["critic"][0]
+    reloaded = [r for r in runs["roles"]["critic_reloaded"] if r is not None]
+    assert len(reloaded) == 1
+    np.testing.assert_allclose(reloaded[0]["values"], trained["v1"]["values"], atol=1e-5, rtol=0)
+    assert not np.allclose(trained["v1"]["values"], trained["v0"]["values"], atol=1e-4)  # the update is in it
+    np.testing.assert_allclose(trained["head"]["score.weight"], runs["score"].numpy(), atol=1e-2)
