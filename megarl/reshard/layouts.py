@@ -189,3 +189,31 @@ def vllm_needs(spec: ModelSpec, infer_tp: int, tp_rank: int) -> list[Placement]:
     if not spec.tie_word_embeddings:
         vocab("lm_head.weight", "lm_head.weight")
     return out
+
+
+def vllm_param_shapes(spec: ModelSpec, infer_tp: int, tp_rank: int) -> dict[str, tuple[int, ...]]:
+    """Shape of every vLLM parameter shard on inference TP rank `tp_rank` (before any CPU repacking).
+
+    Vocab-parallel parameters include vLLM's padding rows (left zero by the reshard); everything else is exactly
+    covered by the rank's pieces.
+    """
+    shapes = _shapes(spec)
+    per_rank_vocab = vllm_padded_vocab(spec.vocab_size) // infer_tp
+    extent: dict[str, int] = {}
+    dims: dict[str, tuple[int, str]] = {}
+    for p in vllm_needs(spec, infer_tp, tp_rank):
+        extent[p.param] = max(extent.get(p.param, 0), p.offset + p.piece.length)
+        dims[p.param] = (p.piece.dim, p.piece.hf_name)
+    out = {}
+    for param, size in extent.items():
+        dim, hf_name = dims[param]
+        shape = list(shapes[hf_name])
+        if param in ("model.embed_tokens.weight", "lm_head.weight"):
+            size = per_rank_vocab
+        shape[dim] = size
+        out[param] = tuple(shape)
+    if "model.embed_tokens.weight" not in out:  # the last rank's shard may hold no real rows at all
+        out["model.embed_tokens.weight"] = (per_rank_vocab, spec.hidden_size)
+    if not spec.tie_word_embeddings and "lm_head.weight" not in out:
+        out["lm_head.weight"] = (per_rank_vocab, spec.hidden_size)
+    return out

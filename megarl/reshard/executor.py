@@ -1,0 +1,220 @@
+"""Reshard executor: runs a `ReshardPlan` on this rank, bucket by bucket, and reports what it moved.
+
+Data path on each rank:
+  Megatron parameter tensors (this rank's shards, keyed by canonical Megatron name)
+    -> local ops: `narrow` + copy straight into the destination;
+    -> remote ops: per (src, dst) pair in a bucket, the pieces are packed into one contiguous send buffer,
+       exchanged with one batched isend/irecv round (gloo on CPU, NCCL on GPU), and unpacked on the receiving side
+  -> the destination tensor of each vLLM parameter, obtained from a `WeightSink`: on GPU the engine's own parameter
+     (written in place), on the CPU build a staging tensor the sink hands to vLLM's weight-reload path once complete.
+
+Buckets: (destination rank, vLLM parameter) units in the plan's order (identical on every rank) are grouped while
+every rank's send plus receive bytes in the bucket stay within `bucket_bytes`, so a rank's communication buffers
+never exceed one bucket (a single parameter shard larger than the bucket travels alone). No rank ever materialises a full
+TP-sharded parameter: it only holds its Megatron shards and the vLLM shards it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from typing import Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megarl.reshard.layouts import Placement, vllm_needs, vllm_param_shapes
+from megarl.reshard.planner import ReshardPlan, TransferOp
+
+
+class WeightSink(Protocol):
+    """Where resharded weights go on an inference rank."""
+
+    def target(self, param: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The tensor to write this rank's shard of vLLM parameter `param` into (shape = the shard's shape)."""
+
+    def commit(self, param: str) -> None:
+        """Every piece of `param` has been written to its target."""
+
+    def finish(self) -> None:
+        """The reshard is complete (e.g. reset the prefix cache)."""
+
+
+class DictSink:
+    """A sink that keeps each vLLM shard as a plain tensor (tests, benchmarks, the naive baseline)."""
+
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.committed: list[str] = []
+        self.device = device
+
+    def target(self, param, shape, dtype):
+        self.tensors[param] = torch.zeros(shape, dtype=dtype, device=self.device)
+        return self.tensors[param]
+
+    def commit(self, param):
+        self.committed.append(param)
+
+    def finish(self):
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardReport:
+    """What one reshard did on this rank (bytes; seconds).
+
+    bytes_received / bytes_local / bytes_lower_bound / bytes_naive: see `planner.RankStats`.
+    peak_extra_bytes: largest sum of this rank's send and receive buffers alive at once (the staging the
+        executor adds on top of the Megatron shards and the destination tensors).
+    """
+
+    rank: int
+    bytes_received: int
+    bytes_sent: int
+    bytes_local: int
+    bytes_lower_bound: int
+    bytes_naive: int
+    peak_extra_bytes: int
+    buckets: int
+    time_s: float
+
+    def as_metrics(self, prefix: str = "reshard/") -> dict[str, float]:
+        return {prefix + k: float(v) for k, v in dataclasses.asdict(self).items() if k != "rank"}
+
+
+def _buckets(plan: ReshardPlan, bucket_bytes: int) -> list[list[TransferOp]]:
+    """Ops grouped into buckets (identical on every rank: computed from the plan alone).
+
+    A unit is one vLLM parameter on one destination rank; units are added to the current bucket while every rank's
+    send plus receive bytes in the bucket stay within `bucket_bytes`. A unit larger than that travels alone.
+    """
+    units: dict[tuple[int, str], list[TransferOp]] = defaultdict(list)
+    for op in plan.ops:
+        units[(op.dst, op.dst_param)].append(op)
+    buckets: list[list[TransferOp]] = []
+    current: list[TransferOp] = []
+    load: dict[int, int] = defaultdict(int)
+    for ops in units.values():
+        unit_load: dict[int, int] = defaultdict(int)
+        for op in ops:
+            if op.src != op.dst:
+                unit_load[op.src] += op.nbytes
+                unit_load[op.dst] += op.nbytes
+        if current and any(load[r] + b > bucket_bytes for r, b in unit_load.items()):
+            buckets.append(current)
+            current, load = [], defaultdict(int)
+        current.extend(ops)
+        for r, b in unit_load.items():
+            load[r] += b
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _slice(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    return t.narrow(dim, start, length) if t.dim() > dim else t[start : start + length]
+
+
+@torch.no_grad()
+def execute_reshard(
+    plan: ReshardPlan,
+    sources: dict[str, torch.Tensor],
+    sink: WeightSink,
+    bucket_bytes: int = 256 << 20,
+    group: Optional[dist.ProcessGroup] = None,
+    device: Optional[torch.device] = None,
+) -> ReshardReport:
+    """Run `plan` on this rank. Collective over the actor's ranks (every rank calls it with the same plan).
+
+    Args:
+        plan: from `plan_reshard` (same on every rank).
+        sources: this rank's Megatron parameter tensors by canonical Megatron name (`megatron_sources(engine)`).
+        sink: destination of this rank's vLLM shards.
+        bucket_bytes: bound on the bytes one bucket moves between ranks.
+        group: process group spanning the actor's ranks (global ranks are used for peers); default world.
+        device: device of the communication buffers (default: the sources' device).
+    """
+    rank = dist.get_rank() if dist.is_initialized() else plan.train.rank_offset
+    start_time = time.perf_counter()
+    dtype = next(iter(sources.values())).dtype if sources else torch.float32
+    device = device or (next(iter(sources.values())).device if sources else torch.device("cpu"))
+    if sources and next(iter(sources.values())).element_size() != plan.dtype_bytes:
+        raise ValueError(
+            f"plan was built for {plan.dtype_bytes}-byte elements but the Megatron weights are {dtype}"
+        )
+    my_infer_rank = plan.infer_rank_of[rank]
+    shapes = vllm_param_shapes(plan.spec, plan.infer_tp, my_infer_rank)
+    needs: dict[str, list[Placement]] = defaultdict(list)
+    for p in vllm_needs(plan.spec, plan.infer_tp, my_infer_rank):
+        needs[p.param].append(p)
+    remaining = {name: sum(p.piece.length for p in ps) for name, ps in needs.items()}
+    targets: dict[str, torch.Tensor] = {}
+
+    def target(param: str) -> torch.Tensor:
+        if param not in targets:
+            targets[param] = sink.target(param, shapes[param], dtype)
+        return targets[param]
+
+    def written(param: str, length: int) -> None:
+        remaining[param] -= length
+        if remaining[param] == 0:
+            sink.commit(param)
+            targets.pop(param, None)
+
+    received = sent = local = peak = 0
+    buckets = _buckets(plan, bucket_bytes)
+    for bucket in buckets:
+        send_ops: dict[int, list[TransferOp]] = defaultdict(list)
+        recv_ops: dict[int, list[TransferOp]] = defaultdict(list)
+        for op in bucket:
+            if op.src == rank and op.dst == rank:
+                src = _slice(sources[op.src_param], op.piece.dim, op.src_offset, op.piece.length)
+                _slice(target(op.dst_param), op.piece.dim, op.dst_offset, op.piece.length).copy_(src)
+                local += op.nbytes
+                written(op.dst_param, op.piece.length)
+            elif op.src == rank:
+                send_ops[op.dst].append(op)
+            elif op.dst == rank:
+                recv_ops[op.src].append(op)
+        p2p, send_bufs, recv_bufs = [], [], {}
+        for dst, ops in sorted(send_ops.items()):
+            buf = torch.cat([
+                _slice(sources[op.src_param], op.piece.dim, op.src_offset, op.piece.length).reshape(-1)
+                for op in ops
+            ]).to(device)
+            send_bufs.append(buf)
+            p2p.append(dist.P2POp(dist.isend, buf, dst, group))
+            sent += buf.numel() * buf.element_size()
+        for src, ops in sorted(recv_ops.items()):
+            numel = sum(op.nbytes for op in ops) // plan.dtype_bytes
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            recv_bufs[src] = buf
+            p2p.append(dist.P2POp(dist.irecv, buf, src, group))
+        extra = sum(b.numel() * b.element_size() for b in send_bufs) + sum(
+            b.numel() * b.element_size() for b in recv_bufs.values()
+        )
+        peak = max(peak, extra)
+        if p2p:
+            for req in dist.batch_isend_irecv(p2p):
+                req.wait()
+        for src, buf in recv_bufs.items():
+            offset = 0
+            for op in recv_ops[src]:
+                dst_view = _slice(target(op.dst_param), op.piece.dim, op.dst_offset, op.piece.length)
+                numel = dst_view.numel()
+                dst_view.copy_(buf[offset : offset + numel].view(dst_view.shape))
+                offset += numel
+                received += op.nbytes
+                written(op.dst_param, op.piece.length)
+        del send_bufs, recv_bufs, p2p
+    unfinished = [n for n, left in remaining.items() if left]
+    if unfinished:
+        raise RuntimeError(f"reshard left vLLM parameters incomplete on rank {rank}: {unfinished[:5]}")
+    sink.finish()
+    stats = next(s for s in plan.stats if s.rank == rank)
+    return ReshardReport(
+        rank=rank, bytes_received=received, bytes_sent=sent, bytes_local=local,
+        bytes_lower_bound=stats.bytes_lower_bound, bytes_naive=stats.bytes_naive,
+        peak_extra_bytes=peak, buckets=len(buckets), time_s=time.perf_counter() - start_time,
+    )
