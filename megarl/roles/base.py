@@ -61,6 +61,11 @@ def optimizer_settings_from_config(opt_cfg, total_steps: int = 1000) -> Optimize
     )
 
 
+def compute_device() -> torch.device:
+    """Where micro-batches go: this rank's GPU, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def count_units(mask: torch.Tensor, agg: str) -> torch.Tensor:
     """Normalisation units of a micro-batch for `agg`: valid tokens (token-mean) or sequences with any."""
     if agg == "token-mean":
@@ -133,11 +138,12 @@ class Role:
         """
         share = batch.chunk_by_dp(self.dp_rank, self.dp).select(keys)
         plan = self._plan(share)
-        mbs = make_micro_batches(share, plan)
+        mbs = [mb.to(compute_device()) for mb in make_micro_batches(share, plan)]
 
         def loss_fn(output, mb):
             results = fn(output, mb)
-            return output.sum() * 0.0, torch.tensor(1, dtype=torch.int), {k: v.detach().float() for k, v in results.items()}
+            zero = output.sum() * 0.0
+            return zero, torch.tensor(1, dtype=torch.int), {k: v.detach().float().cpu() for k, v in results.items()}
 
         out = self.engine.run([mb.tensors for mb in mbs], loss_fn, forward_only=True)
         if not self.groups.is_last_stage:
@@ -151,19 +157,20 @@ class Role:
         group = self.groups.pgs.dp_cp
         gathered = {}
         for k, v in local.tensors.items():
+            v = v.to(compute_device()).contiguous()  # NCCL needs device tensors
             parts = [torch.empty_like(v) for _ in range(self.dp)]
-            dist.all_gather(parts, v.contiguous(), group=group)
-            gathered[k] = torch.cat(parts, dim=0)
+            dist.all_gather(parts, v, group=group)
+            gathered[k] = torch.cat(parts, dim=0).cpu()
         return Batch(gathered, dict(local.meta))
 
     def _reduce_metrics(self, sums: dict[str, float], keys: list[str]) -> dict[str, float]:
         """Sum per-rank metric sums over DP (last stage) and hand them to every pipeline stage."""
-        t = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)
+        t = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64, device=compute_device())
         if self.groups.is_last_stage and self.dp > 1:
             dist.all_reduce(t, group=self.groups.pgs.dp_cp)
         if self.groups.topology.pp > 1:
             dist.broadcast(t, src=self.groups.pp_ranks[-1], group=self.groups.pgs.pp)
-        return dict(zip(keys, t.tolist()))
+        return dict(zip(keys, t.cpu().tolist()))
 
     def _mini_batches(self, batch: Batch) -> list[Batch]:
         size = self.batching.mini_batch_samples or len(batch)
@@ -187,7 +194,7 @@ class Role:
         for _ in range(self.batching.epochs):
             for mini in self._mini_batches(batch):
                 share = mini.chunk_by_dp(self.dp_rank, self.dp)
-                mbs = make_micro_batches(share, self._plan(share))
+                mbs = [mb.to(compute_device()) for mb in make_micro_batches(share, self._plan(share))]
                 out = self.engine.run([mb.tensors for mb in mbs], loss_fn, forward_only=False)
                 steps.append(self.engine.step())
                 for m in out:

@@ -74,7 +74,9 @@ def _worker(rank: int, world: int, hf_dir: str, hf_rm_dir: str, ckpt_dir: str):
     from megarl.models.spec import ModelSpec
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
-    from megarl.roles import Actor, BatchingSettings, Critic, OptimizerSettings, Reference, RewardModel
+    from megarl.roles import (
+        Actor, BatchingSettings, Critic, OptimizerSettings, PolicyLossSettings, Reference, RewardModel,
+    )
 
     spec = ModelSpec.from_hf_dir(hf_dir)
     batch = _batch(spec.vocab_size)
@@ -106,6 +108,11 @@ def _worker(rank: int, world: int, hf_dir: str, hf_rm_dir: str, ckpt_dir: str):
             state["run_while_offloaded"] = str(e)
         ref.reload()
         res["reference"] = {"first": _np(first), "second": _np(ref.compute_log_probs(batch)), "offload": state}
+    sft_groups = build_role_groups(RoleTopology(rank_offset=3))
+    if sft_groups.is_member:  # SFT warm-up through the same update path: cross-entropy on response tokens
+        sft = Actor(spec, sft_groups, optimizer=OptimizerSettings(lr=1e-3), loss=PolicyLossSettings(name="sft"),
+                    hf_dir=hf_dir, batching=BatchingSettings(micro_batch_samples=3))
+        res["sft"] = [sft.update(batch)["loss"] for _ in range(3)]
     for role in (dp2, base):  # a trained role offloads everything and comes back unchanged
         if role is not None:
             lp = role.compute_log_probs(batch)
@@ -174,6 +181,15 @@ def _hf_forward(path):
     return batch, out
 
 
+def _hf_token_log_probs(runs) -> torch.Tensor:
+    """transformers' log-softmax of each response token, token-aligned [B, S] (0 off the response)."""
+    batch, out = _hf_forward(runs["hf_dir"])
+    lp = torch.log_softmax(out.logits.float(), -1)
+    ref = torch.zeros(B, S)
+    ref[:, 1:] = lp[:, :-1].gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    return ref * batch["response_mask"]
+
+
 def _last_stage(runs, role):
     outs = [r for r in runs["roles"][role] if r["last_stage"]]
     assert outs, f"{role}: no last-stage result"
@@ -201,9 +217,7 @@ LAYOUTS = ["tp1pp1", "tp2", "pp2", "dp2", "tp2pp2"]
 def test_log_probs_match_transformers(runs, layout):
     batch, out = _hf_forward(runs["hf_dir"])
     lp = torch.log_softmax(out.logits.float(), -1)
-    ref = torch.zeros(B, S)
-    ref[:, 1:] = lp[:, :-1].gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
-    ref = ref * batch["response_mask"]
+    ref = _hf_token_log_probs(runs)
     for r in _last_stage(runs, layout):
         got = torch.from_numpy(r["before"]["log_probs"])
         assert got.shape == (B, S)
@@ -299,3 +313,12 @@ def test_critic_head_saved_and_loaded_through_dist_checkpoint_at_another_layout(
     np.testing.assert_allclose(reloaded[0]["values"], trained["v1"]["values"], atol=1e-5, rtol=0)
     assert not np.allclose(trained["v1"]["values"], trained["v0"]["values"], atol=1e-4)  # the update is in it
     np.testing.assert_allclose(trained["head"]["score.weight"], runs["score"].numpy(), atol=1e-2)
+
+
+def test_sft_loss_is_response_cross_entropy_and_falls(runs):
+    losses = runs["roles"]["sft"]  # one rank; the fixture flattens per-rank lists
+    assert len(losses) == 3
+    mask = _batch(300)["response_mask"].bool()
+    want = -_hf_token_log_probs(runs)[mask].mean().item()
+    assert losses[0] == pytest.approx(want, abs=1e-5)
+    assert losses[2] < losses[1] < losses[0], losses
