@@ -160,7 +160,8 @@ def main(argv=None):
     tps = statistics.median(ours["tokens_per_s"])
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "gpu": torch.cuda.get_device_name() if on_gpu else None, "torch": torch.__version__},
+                    "gpu": torch.cuda.get_device_name() if on_gpu else None, "torch": torch.__version__,
+                    "load_avg_1m_at_end": os.getloadavg()[0]},  # shared machines: other jobs skew timings
         "model": {"arch": args.arch, "params": spec.num_params, "layers": args.layers, "hidden": args.hidden,
                   "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "ffn": args.ffn,
                   "vocab": args.vocab},
