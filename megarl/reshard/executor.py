@@ -65,8 +65,9 @@ class ReshardReport:
     """What one reshard did on this rank (bytes; seconds).
 
     bytes_received / bytes_local / bytes_lower_bound / bytes_naive: see `planner.RankStats`.
-    peak_extra_bytes: largest sum of this rank's send and receive buffers alive at once (the staging the
-        executor adds on top of the Megatron shards and the destination tensors).
+    peak_extra_bytes: largest sum of this rank's send and receive bytes in one bucket: the used part of the one
+        workspace buffer the executor adds on top of the Megatron shards and the destination tensors (the buffer is
+        kept between reshards; `release_workspace()` frees it).
     """
 
     rank: int
@@ -110,6 +111,30 @@ def _buckets(plan: ReshardPlan, bucket_bytes: int) -> list[list[TransferOp]]:
     if current:
         buckets.append(current)
     return buckets
+
+
+_WORKSPACES: dict[tuple, torch.Tensor] = {}
+
+
+def _workspace(buckets: list[list[TransferOp]], rank: int, dtype: torch.dtype, device: torch.device,
+               dtype_bytes: int) -> torch.Tensor:
+    """One flat buffer holding this rank's largest bucket (sends + receives), kept for the next reshard."""
+    need = 0
+    for bucket in buckets:
+        moved = sum(op.nbytes for op in bucket if op.src != op.dst and rank in (op.src, op.dst))
+        need = max(need, moved // dtype_bytes)
+    key = (dtype, str(device))
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < need:
+        _WORKSPACES.pop(key, None)
+        buf = torch.empty(max(need, 1), dtype=dtype, device=device)
+        _WORKSPACES[key] = buf
+    return buf
+
+
+def release_workspace() -> None:
+    """Free the cached communication buffer (e.g. before training needs the memory)."""
+    _WORKSPACES.clear()
 
 
 def _slice(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
@@ -164,6 +189,7 @@ def execute_reshard(
 
     received = sent = local = peak = 0
     buckets = _buckets(plan, bucket_bytes)
+    workspace = _workspace(buckets, rank, dtype, device, plan.dtype_bytes)
     for bucket in buckets:
         send_ops: dict[int, list[TransferOp]] = defaultdict(list)
         recv_ops: dict[int, list[TransferOp]] = defaultdict(list)
@@ -177,37 +203,36 @@ def execute_reshard(
                 send_ops[op.dst].append(op)
             elif op.dst == rank:
                 recv_ops[op.src].append(op)
-        p2p, send_bufs, recv_bufs = [], [], {}
+        # Pack sends and lay out receives back to back in the workspace (send + receive <= one bucket).
+        p2p, cursor = [], 0
+        recv_views: dict[int, torch.Tensor] = {}
         for dst, ops in sorted(send_ops.items()):
-            buf = torch.cat([
-                _slice(sources[op.src_param], op.piece.dim, op.src_offset, op.piece.length).reshape(-1)
-                for op in ops
-            ]).to(device)
-            send_bufs.append(buf)
-            p2p.append(dist.P2POp(dist.isend, buf, dst, group))
-            sent += buf.numel() * buf.element_size()
-        for src, ops in sorted(recv_ops.items()):
-            numel = sum(op.nbytes for op in ops) // plan.dtype_bytes
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            recv_bufs[src] = buf
-            p2p.append(dist.P2POp(dist.irecv, buf, src, group))
-        extra = sum(b.numel() * b.element_size() for b in send_bufs) + sum(
-            b.numel() * b.element_size() for b in recv_bufs.values()
-        )
-        peak = max(peak, extra)
+            begin = cursor
+            for op in ops:
+                src = _slice(sources[op.src_param], op.piece.dim, op.src_offset, op.piece.length)
+                n = src.numel()
+                workspace[cursor : cursor + n].view(src.shape).copy_(src)
+                cursor += n
+            p2p.append(dist.P2POp(dist.isend, workspace[begin:cursor], dst, group))
+            sent += (cursor - begin) * plan.dtype_bytes
+        for src_rank, ops in sorted(recv_ops.items()):
+            n = sum(op.nbytes for op in ops) // plan.dtype_bytes
+            recv_views[src_rank] = workspace[cursor : cursor + n]
+            p2p.append(dist.P2POp(dist.irecv, recv_views[src_rank], src_rank, group))
+            cursor += n
+        peak = max(peak, cursor * plan.dtype_bytes)
         if p2p:
             for req in dist.batch_isend_irecv(p2p):
                 req.wait()
-        for src, buf in recv_bufs.items():
+        for src_rank, buf in recv_views.items():
             offset = 0
-            for op in recv_ops[src]:
+            for op in recv_ops[src_rank]:
                 dst_view = _slice(target(op.dst_param), op.piece.dim, op.dst_offset, op.piece.length)
-                numel = dst_view.numel()
-                dst_view.copy_(buf[offset : offset + numel].view(dst_view.shape))
-                offset += numel
+                n = dst_view.numel()
+                dst_view.copy_(buf[offset : offset + n].view(dst_view.shape))
+                offset += n
                 received += op.nbytes
                 written(op.dst_param, op.piece.length)
-        del send_bufs, recv_bufs, p2p
     unfinished = [n for n, left in remaining.items() if left]
     if unfinished:
         raise RuntimeError(f"reshard left vLLM parameters incomplete on rank {rank}: {unfinished[:5]}")

@@ -90,6 +90,7 @@ class MegatronEngine:
         last_stage_layers: Optional[int] = None,
         recompute: bool = False,
         head: str = "lm",
+        init_weights: bool = True,
     ) -> None:
         if not groups.is_member:
             raise ValueError("MegatronEngine built on a rank outside the role's layout")
@@ -104,6 +105,7 @@ class MegatronEngine:
         self.dtype = dtype
         self.trainable = optimizer is not None
         self.optimizer_settings = optimizer
+        self._init_weights = init_weights  # False: leave parameters uninitialised (weights are loaded right after)
         with megatron_on_cpu():
             self._build(seed, first_stage_layers, last_stage_layers, recompute)
 
@@ -124,6 +126,7 @@ class MegatronEngine:
         self.config = build_transformer_config(
             self.spec, self.groups, self.dtype, first_stage_layers, last_stage_layers, recompute
         )
+        self.config.perform_initialization = self._init_weights
         self.config.variable_seq_lengths = True  # micro-batches may differ in length (token-budget batching)
         self.config.calculate_per_token_loss = True  # exact global normalisation, see module docstring
         model = build_gpt_model(self.spec, self.groups, self.config)

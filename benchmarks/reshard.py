@@ -1,0 +1,237 @@
+"""Reshard benchmark: megarl's planned, bucketed reshard vs. the naive gather-then-slice, in the same run.
+
+    python benchmarks/reshard.py --model-shape 0.5b --train-tp 2 --train-pp 2 --infer-tp 2 [--json FILE]
+    python benchmarks/reshard.py --simulate --model-shape 70b --train-tp 8 --train-pp 8 --train-dp 4 --infer-tp 8
+
+Measured mode starts train_tp*train_pp*train_dp ranks itself (gloo on CPU, NCCL on GPU) unless it is already under
+torchrun, builds the Megatron model at the training layout with deterministic weights, and on every rank runs the
+planned reshard and the naive baseline `--repeats` times each into plain tensors, checking both give identical
+vLLM shards. Reported (JSON): per rank `bytes_received`, `bytes_local`, `bytes_lower_bound`, `bytes_naive`,
+`peak_extra_bytes`; overall `weights_exact`, `time_s` and `naive_time_s` (median over repeats of the slowest
+rank), their ratio, and the machine.
+
+Simulation mode (`--simulate`) runs only the planner for cluster shapes and prints bytes per rank against naive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import zlib
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megarl.models.spec import ModelSpec  # noqa: E402
+
+PRESETS = {
+    # name: ModelSpec kwargs (shapes of public models; weights are synthetic)
+    "tiny": dict(architecture="LlamaForCausalLM", num_layers=4, hidden_size=256, num_attention_heads=8,
+                 num_query_groups=4, head_dim=32, ffn_hidden_size=512, vocab_size=1000, max_position_embeddings=512),
+    "0.5b": dict(architecture="Qwen2ForCausalLM", num_layers=24, hidden_size=896, num_attention_heads=14,
+                 num_query_groups=2, head_dim=64, ffn_hidden_size=4864, vocab_size=151936,
+                 max_position_embeddings=32768, qkv_bias=True, tie_word_embeddings=True),
+    "7b": dict(architecture="LlamaForCausalLM", num_layers=32, hidden_size=4096, num_attention_heads=32,
+               num_query_groups=32, head_dim=128, ffn_hidden_size=11008, vocab_size=32000, max_position_embeddings=4096),
+    "13b": dict(architecture="LlamaForCausalLM", num_layers=40, hidden_size=5120, num_attention_heads=40,
+                num_query_groups=40, head_dim=128, ffn_hidden_size=13824, vocab_size=32000, max_position_embeddings=4096),
+    "70b": dict(architecture="LlamaForCausalLM", num_layers=80, hidden_size=8192, num_attention_heads=64,
+                num_query_groups=8, head_dim=128, ffn_hidden_size=28672, vocab_size=128256,
+                max_position_embeddings=8192),
+}
+
+
+def spec_for(name: str) -> ModelSpec:
+    if name not in PRESETS:
+        raise SystemExit(f"reshard.py: unknown --model-shape {name!r}; choose from {', '.join(PRESETS)}")
+    return ModelSpec(**PRESETS[name])
+
+
+def machine() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores, gloo"
+
+
+def simulate(args) -> dict:
+    from megarl.parallel.topology import RoleTopology
+    from megarl.reshard.planner import plan_reshard
+
+    spec = spec_for(args.model_shape)
+    topo = RoleTopology(tp=args.train_tp, pp=args.train_pp, dp=args.train_dp)
+    start = time.perf_counter()
+    plan = plan_reshard(spec, topo, args.infer_tp, dtype_bytes=2 if args.dtype == "bf16" else 4)
+    plan_s = time.perf_counter() - start
+    recv = [s.bytes_received for s in plan.stats]
+    naive = [s.bytes_naive for s in plan.stats]
+    totals = plan.totals()
+    result = {
+        "mode": "simulate", "model_shape": args.model_shape, "params": spec.num_params, "dtype": args.dtype,
+        "train": topo.describe(), "gpus": topo.world_size, "infer_tp": args.infer_tp, "plan_time_s": plan_s,
+        "bytes_received_per_rank_max": max(recv), "bytes_received_per_rank_mean": statistics.mean(recv),
+        "bytes_naive_per_rank_max": max(naive), "bytes_naive_per_rank_mean": statistics.mean(naive),
+        "bytes_local_total": totals["bytes_local"], "bytes_received_total": totals["bytes_received"],
+        "bytes_naive_total": totals["bytes_naive"],
+        "received_over_naive": totals["bytes_received"] / max(totals["bytes_naive"], 1),
+    }
+    gib = 2**30
+    print(f"{args.model_shape} ({spec.num_params / 1e9:.1f}B params, {args.dtype}) train {topo.describe()} "
+          f"-> infer tp={args.infer_tp} on {topo.world_size} GPUs (plan {plan_s:.1f}s)")
+    print(f"  per rank received: max {max(recv) / gib:.2f} GiB, mean {statistics.mean(recv) / gib:.2f} GiB")
+    print(f"  per rank naive:    max {max(naive) / gib:.2f} GiB, mean {statistics.mean(naive) / gib:.2f} GiB")
+    print(f"  total received / naive = {result['received_over_naive']:.3f} "
+          f"({1 - result['received_over_naive']:.1%} less traffic)")
+    return result
+
+
+def _fill_deterministic(engine) -> None:
+    import torch
+
+    from megarl.reshard.sources import megatron_sources
+
+    # Seeded per (parameter, TP rank) -- per parameter only for TP-replicated norms -- so replicas hold identical
+    # values and a tied output layer on the last stage equals the first stage's embedding, as in training.
+    from megarl.checkpoint.name_map import module_param_layout
+
+    tp_rank = engine.groups.coord.tp
+    tied = engine.spec.tie_word_embeddings
+    for name, t in sorted(megatron_sources(engine).items()):
+        key = "embedding.word_embeddings.weight" if (tied and name == "output_layer.weight") else name
+        replicated = module_param_layout(engine.spec, key).kind == "replicated"
+        seed = (zlib.crc32(key.encode()) * 31 + (0 if replicated else tp_rank)) % (2**31)
+        g = torch.Generator().manual_seed(seed)
+        t.copy_(torch.rand(t.shape, generator=g, dtype=torch.float32).to(t.dtype))
+
+
+def _measure_rank(rank, world_size, args_dict):
+    import torch
+    import torch.distributed as dist
+
+    from megarl.parallel.groups import build_role_groups
+    from megarl.parallel.topology import RoleTopology
+    from megarl.reshard.executor import DictSink, execute_reshard
+    from megarl.reshard.naive import naive_reshard
+    from megarl.reshard.planner import plan_reshard
+    from megarl.reshard.sources import megatron_sources
+    from megarl.roles.megatron_engine import MegatronEngine
+
+    args = argparse.Namespace(**args_dict)
+    spec = spec_for(args.model_shape)
+    groups = build_role_groups(RoleTopology(tp=args.train_tp, pp=args.train_pp, dp=args.train_dp))
+    t0 = time.perf_counter()
+    engine = MegatronEngine(spec, groups, dtype=args.dtype, optimizer=None, init_weights=False)
+    _fill_deterministic(engine)
+    build_s = time.perf_counter() - t0
+    sources = megatron_sources(engine)
+    elem = next(iter(sources.values())).element_size()
+    plan = plan_reshard(spec, groups.topology, args.infer_tp, dtype_bytes=elem)
+    bucket = int(args.bucket_mb * 2**20)
+
+    def timed(fn):
+        dist.barrier()
+        t = time.perf_counter()
+        out = fn()
+        elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return out, float(elapsed)
+
+    times, naive_times, report, naive_report = [], [], None, None
+    sink = naive_sink = None
+    for _ in range(args.repeats):
+        sink = DictSink()
+        report, t = timed(lambda: execute_reshard(plan, sources, sink, bucket_bytes=bucket))
+        times.append(t)
+        sink_keep = sink
+        naive_sink = DictSink()
+        naive_report, t = timed(lambda: naive_reshard(plan, groups, sources, naive_sink))
+        naive_times.append(t)
+        sink = sink_keep
+    exact = all(torch.equal(sink.tensors[k], naive_sink.tensors[k]) for k in naive_sink.tensors) and \
+        set(sink.tensors) == set(naive_sink.tensors)
+    flag = torch.tensor([1 if exact else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return {
+        "rank": rank, "infer_tp_rank": plan.infer_rank_of[rank],
+        "bytes_received": report.bytes_received, "bytes_sent": report.bytes_sent, "bytes_local": report.bytes_local,
+        "bytes_lower_bound": report.bytes_lower_bound, "bytes_naive": report.bytes_naive,
+        "naive_bytes_received": naive_report.bytes_received,
+        "peak_extra_bytes": report.peak_extra_bytes, "naive_peak_extra_bytes": naive_report.peak_extra_bytes,
+        "buckets": report.buckets, "weights_exact": bool(flag.item()),
+        "times": times, "naive_times": naive_times, "build_s": build_s,
+    }
+
+
+def measure(args) -> dict:
+    from megarl.platform.spawn import run_ranks
+
+    world = args.train_tp * args.train_pp * args.train_dp
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from megarl.platform.distributed import init_distributed
+
+        rank, ws = init_distributed()
+        per_rank = [_measure_rank(rank, ws, vars(args))]  # each rank reports its own line under torchrun
+    else:
+        per_rank = run_ranks(world, _measure_rank, vars(args), timeout_s=args.timeout_s)
+    spec = spec_for(args.model_shape)
+    time_s = statistics.median(per_rank[0]["times"])
+    naive_s = statistics.median(per_rank[0]["naive_times"])
+    result = {
+        "mode": "measure", "model_shape": args.model_shape, "params": spec.num_params, "dtype": args.dtype,
+        "train_tp": args.train_tp, "train_pp": args.train_pp, "train_dp": args.train_dp, "infer_tp": args.infer_tp,
+        "bucket_bytes": int(args.bucket_mb * 2**20), "repeats": args.repeats, "machine": machine(),
+        "command": "python " + " ".join(sys.argv),
+        "weights_exact": all(r["weights_exact"] for r in per_rank),
+        "time_s": time_s, "naive_time_s": naive_s, "naive_over_megarl_time": naive_s / time_s,
+        "peak_extra_bytes": max(r["peak_extra_bytes"] for r in per_rank),
+        "naive_peak_extra_bytes": max(r["naive_peak_extra_bytes"] for r in per_rank),
+        "ranks": [{k: v for k, v in r.items() if k not in ("times", "naive_times", "weights_exact")} for r in per_rank],
+    }
+    mib = 2**20
+    print(f"{args.model_shape} ({spec.num_params / 1e6:.0f}M params, {args.dtype}) train tp={args.train_tp} "
+          f"pp={args.train_pp} dp={args.train_dp} -> infer tp={args.infer_tp} on {machine()}")
+    for r in per_rank:
+        print(f"  rank {r['rank']}: received {r['bytes_received'] / mib:.1f} MiB (lower bound "
+              f"{r['bytes_lower_bound'] / mib:.1f}, naive {r['naive_bytes_received'] / mib:.1f}), local "
+              f"{r['bytes_local'] / mib:.1f} MiB, peak extra {r['peak_extra_bytes'] / mib:.1f} MiB "
+              f"(naive {r['naive_peak_extra_bytes'] / mib:.1f})")
+    print(f"  time: megarl {time_s:.3f}s, naive {naive_s:.3f}s -> naive/megarl = {naive_s / time_s:.2f}x; "
+          f"weights exact: {result['weights_exact']}")
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-shape", default="tiny", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--train-tp", type=int, default=1)
+    p.add_argument("--train-pp", type=int, default=1)
+    p.add_argument("--train-dp", type=int, default=1)
+    p.add_argument("--infer-tp", type=int, default=1)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--bucket-mb", type=float, default=256.0, help="bound on one bucket's send+receive per rank")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--simulate", action="store_true", help="planner only, for cluster shapes (no ranks started)")
+    p.add_argument("--timeout-s", type=float, default=1800.0)
+    p.add_argument("--json", help="write the result here")
+    args = p.parse_args(argv)
+    if args.simulate:
+        result = simulate(args)
+    else:
+        result = measure(args)
+        if not result["weights_exact"]:
+            print("reshard.py: planned and naive reshard disagree", file=sys.stderr)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0 if result.get("weights_exact", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
