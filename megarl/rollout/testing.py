@@ -26,12 +26,14 @@ def build_tiny_llama(
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = False,
     dtype: str = "float32",
+    weights: bool = True,
 ) -> str:
     """Write a random Llama (HF format, safetensors) and a WordLevel tokenizer to `path`; return `path`.
 
     `init_std` is larger than HF's 0.02 so the random model's next-token distribution is peaked enough for greedy
     decoding to be stable between implementations (no near-ties that fp32 rounding could flip).
-    Token ids: 0 <unk>, 1 <s> (BOS), 2 </s> (EOS), 3.. words "w3", "w4", ...
+    weights=False writes only config.json and the tokenizer (for vLLM's load_format="dummy": random weights drawn
+    by vLLM itself, e.g. for benchmarks of large shapes). Token ids: 0 <unk>, 1 <s> (BOS), 2 </s> (EOS), 3.. words "w3", "w4", ...
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -45,9 +47,12 @@ def build_tiny_llama(
         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=tie_word_embeddings,
         initializer_range=init_std, dtype=dtype,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
-    model.save_pretrained(path, safe_serialization=True)
+    if weights:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+        model.save_pretrained(path, safe_serialization=True)
+    else:
+        cfg.save_pretrained(path)
 
     vocab: dict[str, int] = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for i in range(3, vocab_size):

