@@ -109,6 +109,18 @@ def _on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def _require_outside_megatron_scope(what: str) -> None:
+    """vLLM must not run under megarl's CUDA->CPU function mode (it would rewrite vLLM's own device logic and add a
+    Python call per op): fail loudly instead of misbehaving."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from megarl.platform.megatron_cpu_compat import CudaToCpuMode
+
+    if any(isinstance(m, CudaToCpuMode) for m in _get_current_function_mode_stack()):
+        raise RuntimeError(f"rollout engine {what} called inside megatron_on_cpu(): leave that scope before "
+                           "using vLLM (enter it only around Megatron work)")
+
+
 def _set_cpu_env(settings: VllmEngineSettings, world_size: int) -> None:
     """VLLM_CPU_KVCACHE_SPACE (else vLLM reserves ~10 GiB) and VLLM_CPU_OMP_THREADS_BIND (one core set per local
     rank; "nobind" when there are more local ranks than cores). User-set values win."""
@@ -129,6 +141,7 @@ class VllmRolloutEngine:
     """`RolloutEngine` on `vllm.LLM`, built in this process (see the module docstring for the distributed shape)."""
 
     def __init__(self, settings: VllmEngineSettings) -> None:
+        _require_outside_megatron_scope("construction")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import torch.distributed as dist
 
@@ -181,6 +194,7 @@ class VllmRolloutEngine:
         """
         from vllm import SamplingParams
 
+        _require_outside_megatron_scope("generate")
         if len(self.tp_ranks) > 1:
             import torch.distributed as dist
 
@@ -245,6 +259,7 @@ class VllmRolloutEngine:
         layout="vllm_shard": vLLM names from `param_shards()`, this rank's shard with exactly the listed shape
             (vocab padding rows included); feed every parameter of each layer you update in one call.
         """
+        _require_outside_megatron_scope("update_weights")
         counter = _Counted(weights)
         if layout == "hf":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counter)})

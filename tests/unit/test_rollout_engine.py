@@ -77,3 +77,13 @@ def test_build_shard_qkv_row_vocab():
     assert build_shard(voc, hf.__getitem__).tolist() == [[6, 7], [8, 9], [0, 0], [0, 0]]
     with pytest.raises(ValueError, match="built shape"):
         build_shard(ParamShard("e", (3, 2), torch.float32, "vocab", 0, (ShardPart("e", 3, 2),)), hf.__getitem__)
+
+
+def test_vllm_engine_refuses_to_run_inside_the_megatron_cpu_scope():
+    from megarl.platform import megatron_on_cpu
+    from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine
+
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA->CPU mode only exists on CPU machines")
+    with megatron_on_cpu(), pytest.raises(RuntimeError, match="inside megatron_on_cpu"):
+        VllmRolloutEngine(VllmEngineSettings(model_path="/nonexistent"))
