@@ -1,0 +1,384 @@
+"""Megatron distributed checkpoints (megatron-core `dist_checkpointing`, torch_dist format) for megarl models.
+
+A checkpoint directory holds megatron-core's files (`metadata.json`, `common.pt`, `__*.distcp`) plus
+`megarl_checkpoint.json` (the HF `config.json` the model came from, the dtype) and `hf_assets/`
+(generation config and tokenizer files), so it converts back to a complete HF directory.
+
+Layout independence: keys and global shapes are megatron-core's own (layers stacked on a leading axis, fc1 as
+[gate; up]) except the word embedding and output layer, which are stored with the *real* vocabulary rows only
+(global shape [vocab, hidden], uneven TP chunks): megatron pads the vocabulary to a multiple of 128*tp, so its
+padded global shape depends on TP and would not load at another TP.
+
+megatron-core 0.16.1 workaround: layers that fall back to megatron's global parallel state (any call path
+that passes a dp_cp group but no tp group) give replicated tensors such as the norm weights replica_id
+(0, 0, 0) on every TP rank, and `save` fails with "Invalid access pattern". `assign_replica_ids` recomputes
+every ShardedTensor's replica_id from what all ranks actually hold: exactly one main replica per chunk.
+
+Every function here that touches a checkpoint is collective over the *whole* torch.distributed world (that is
+what megatron-core's save/load are): ranks outside the role pass `engine=None` and contribute nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.checkpoint.atomic import check_output_dir, commit_dir, make_temp_dir, temp_dir_for
+from megarl.checkpoint.engine_io import check_same_model, named_layouts, refresh_optimizer_copies
+from megarl.checkpoint.errors import CheckpointError
+from megarl.checkpoint.hf_io import HFReader, HFWriter, spec_from_hf_config
+from megarl.checkpoint.name_map import (
+    ParamLayout,
+    hf_to_megatron_full,
+    megatron_full_to_hf,
+    param_layouts,
+    shard_segments,
+)
+from megarl.models.gpt import DTYPES
+from megarl.models.spec import ModelSpec
+from megarl.platform.megatron_cpu_compat import megatron_on_cpu
+
+META_NAME = "megarl_checkpoint.json"
+ASSETS_DIR = "hf_assets"
+FORMAT = "megarl-megatron-v1"
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+# ----------------------------------------------------------------------------------------------- replica ids
+def plan_replica_ids(chunks_per_rank: list[list[tuple]]) -> list[list[int]]:
+    """Pure: given, per rank, the chunks it holds ((key, global_offset, local_shape) tuples, in order), return
+    per rank a replica id per chunk: 0 for the lowest rank holding that chunk, 1, 2, ... for the other holders."""
+    seen: dict[tuple, int] = {}
+    out = []
+    for chunks in chunks_per_rank:
+        ids = []
+        for c in chunks:
+            ids.append(seen.get(c, 0))
+            seen[c] = seen.get(c, 0) + 1
+        out.append(ids)
+    return out
+
+
+def assign_replica_ids(sharded_sd: dict) -> None:
+    """Collective over the world: set each ShardedTensor's replica_id so every chunk has one main replica."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    tensors = [v for v in sharded_sd.values() if isinstance(v, ShardedTensor)]
+    mine = [(t.key, tuple(t.global_offset), tuple(t.local_shape)) for t in tensors]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    ids = plan_replica_ids(everyone)[dist.get_rank()]
+    for t, rid in zip(tensors, ids):
+        t.replica_id = rid
+
+
+# ----------------------------------------------------------------------------------------------- engine side
+def engine_sharded_state_dict(engine) -> dict:
+    """This rank's megatron-core sharded state dict in megarl's layout-independent form (see module doc)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    module = engine.module
+    spec, topo, coord = engine.spec, engine.groups.topology, engine.groups.coord
+    # megatron-core 0.16.1 ties a last stage's output layer to the first stage's embedding through the global
+    # parallel state (LanguageModule.tie_embeddings_and_output_weights_state_dict reads
+    # parallel_state.get_data_parallel_rank), which megarl never initialises. Build that entry untied and key it
+    # as the embedding below; `assign_replica_ids` then makes it a non-main replica of the first stage's copy.
+    retie = spec.tie_word_embeddings and module.post_process and not module.pre_process
+    if retie:
+        module.share_embeddings_and_output_weights = False
+    try:
+        sd = module.sharded_state_dict(metadata={"dp_cp_group": engine.groups.pgs.dp_cp})
+    finally:
+        if retie:
+            module.share_embeddings_and_output_weights = True
+    out = {}
+    for name, item in sd.items():
+        if isinstance(item, ShardedObject) or name.endswith("_extra_state"):
+            continue  # local-spec / bf16 extra state is None; TE fp8 scaling state is not carried over
+        if name in VOCAB_KEYS:
+            segs = shard_segments(spec, _vocab_layout(spec), coord.tp, topo.tp, pad_vocab=False)
+            if not segs:
+                continue  # this TP rank holds padding rows only
+            seg = segs[0]
+            data = item.data[: seg.size]
+            out[name] = ShardedTensor(
+                key=VOCAB_KEYS[0] if spec.tie_word_embeddings else item.key, data=data, dtype=data.dtype, local_shape=tuple(data.shape),
+                global_shape=(spec.vocab_size, spec.hidden_size), global_offset=(seg.start, 0),
+                axis_fragmentations=None, replica_id=item.replica_id,
+            )
+            continue
+        out[name] = item
+    return out
+
+
+def _vocab_layout(spec: ModelSpec) -> ParamLayout:
+    return param_layouts(spec)[0]
+
+
+def _broadcast_error(msg: Optional[str]) -> None:
+    """Rank 0's check result to every rank; all raise together so no rank waits in a collective."""
+    box = [msg]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise CheckpointError(box[0])
+
+
+def _rank0_token() -> int:
+    box = [os.getpid()]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_engine_checkpoint(engine, out: str, overwrite: bool = False, hf_config: Optional[dict] = None,
+                           assets: tuple[str, ...] = ()) -> None:
+    """Collective over the world: save `engine` (None on ranks outside the role) to `out`, atomically."""
+    from megatron.core import dist_checkpointing
+
+    err = None
+    if dist.get_rank() == 0:
+        try:
+            check_output_dir(out, overwrite)
+            make_temp_dir(out, os.getpid())
+        except CheckpointError as e:
+            err = str(e)
+    _broadcast_error(err)
+    tmp = temp_dir_for(out, _rank0_token())
+    spec = None
+    with megatron_on_cpu():
+        sd = {}
+        if engine is not None:
+            sd = engine_sharded_state_dict(engine)
+            spec = engine.spec
+        assign_replica_ids(sd)
+        dist_checkpointing.save(sd, tmp)
+    specs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(specs, (repr(spec), engine.dtype) if engine is not None else None)
+    if dist.get_rank() == 0:
+        if hf_config is None:
+            src = engine.spec if engine is not None else None
+            if src is None:
+                raise CheckpointError("save_engine_checkpoint: rank 0 must be in the role or pass hf_config")
+            hf_config = spec_to_hf_config(src)
+        dtype = engine.dtype if engine is not None else next(s[1] for s in specs if s)
+        _write_meta(tmp, hf_config, dtype, assets)
+        commit_dir(tmp, out)
+    dist.barrier()
+
+
+def load_engine_checkpoint(engine, mdir: str) -> None:
+    """Collective over the world: load the checkpoint at `mdir` into `engine` (None outside the role), in place."""
+    from megatron.core import dist_checkpointing
+
+    err = None
+    if dist.get_rank() == 0:
+        try:
+            read_meta(mdir)
+        except CheckpointError as e:
+            err = str(e)
+    _broadcast_error(err)
+    if engine is not None:
+        meta = read_meta(mdir)
+        check_same_model(engine.spec, spec_from_hf_config(meta["hf_config"]))
+    with megatron_on_cpu():
+        sd = engine_sharded_state_dict(engine) if engine is not None else {}
+        try:
+            loaded = dist_checkpointing.load(sd, mdir)
+        except Exception as e:  # DCP wraps reader errors in its own exception types
+            raise CheckpointError(f"cannot load {mdir}: {_first_line(e)}") from None
+    if engine is None:
+        return
+    with torch.no_grad():
+        params = dict(engine.module.named_parameters())
+        for name, param in params.items():
+            if name in VOCAB_KEYS:
+                t = loaded.get(name)
+                n = 0 if t is None else t.shape[0]
+                if t is not None:
+                    param.data[:n].copy_(t)
+                param.data[n:].zero_()
+                continue
+            if name not in loaded:
+                raise CheckpointError(f"checkpoint {mdir} did not provide {name}")
+            param.data.copy_(loaded[name])
+    refresh_optimizer_copies(engine)
+
+
+# ----------------------------------------------------------------------------------------------- metadata
+def spec_to_hf_config(spec: ModelSpec) -> dict:
+    """A minimal HF `config.json` for `spec` (used when a checkpoint was not converted from an HF directory)."""
+    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                  "MistralForCausalLM": "mistral"}[spec.architecture]
+    cfg = dict(
+        architectures=[spec.architecture], model_type=model_type, num_hidden_layers=spec.num_layers,
+        hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_query_groups, head_dim=spec.head_dim, intermediate_size=spec.ffn_hidden_size,
+        vocab_size=spec.vocab_size, max_position_embeddings=spec.max_position_embeddings,
+        rope_theta=spec.rope_theta, rms_norm_eps=spec.norm_eps, tie_word_embeddings=spec.tie_word_embeddings,
+        hidden_act="silu",
+    )
+    if spec.rope_scaling:
+        cfg["rope_scaling"] = dict(spec.rope_scaling)
+    if spec.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        cfg["attention_bias"] = spec.qkv_bias
+    return cfg
+
+
+def _write_meta(tmp: str, hf_config: dict, dtype: str, assets) -> None:
+    with open(os.path.join(tmp, META_NAME), "w") as f:
+        json.dump({"format": FORMAT, "dtype": dtype, "hf_config": hf_config}, f, indent=2, sort_keys=True)
+    if assets:
+        os.makedirs(os.path.join(tmp, ASSETS_DIR), exist_ok=True)
+        for path in assets:
+            shutil.copy2(path, os.path.join(tmp, ASSETS_DIR, os.path.basename(path)))
+
+
+def read_meta(mdir: str) -> dict:
+    if not os.path.isdir(mdir):
+        raise CheckpointError(f"Megatron checkpoint directory {mdir} does not exist")
+    for need in ("metadata.json", META_NAME):
+        if not os.path.isfile(os.path.join(mdir, need)):
+            raise CheckpointError(f"{mdir} is not a megarl Megatron checkpoint: {need} is missing")
+    try:
+        with open(os.path.join(mdir, META_NAME)) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{os.path.join(mdir, META_NAME)} is not valid JSON: {e.msg}") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{mdir}: unknown checkpoint format {meta.get('format')!r}, expected {FORMAT}")
+    return meta
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]
+
+
+# ----------------------------------------------------------------------------------------------- offline
+def _full_sharded_tensor(spec: ModelSpec, layout: ParamLayout, data: torch.Tensor):
+    """The ShardedTensor that holds a whole (TP=1, real-vocab) Megatron tensor, keyed as megatron-core keys it."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if layout.layer is None:
+        return ShardedTensor.from_rank_offsets(layout.dist_ckpt_key, data, replica_id=0)
+    return ShardedTensor.from_rank_offsets(
+        layout.dist_ckpt_key, data, (0, layout.layer, spec.num_layers), replica_id=0, prepend_axis_num=1
+    )
+
+
+def hf_to_megatron(hf_dir: str, out: str, dtype: Optional[str] = None, overwrite: bool = False) -> dict:
+    """Collective over the world: convert the HF directory to a Megatron distributed checkpoint at `out`.
+
+    Rank 0 streams the HF tensors one at a time into Megatron layout (peak memory: one copy of the model in the
+    target dtype plus one tensor); other ranks take part in megatron-core's collective save with nothing.
+    Returns {"params": n, "bytes": b} on rank 0.
+    """
+    from megatron.core import dist_checkpointing
+
+    err, reader = None, None
+    if dist.get_rank() == 0:
+        try:
+            reader = HFReader(hf_dir)
+            check_output_dir(out, overwrite)
+            if dtype is not None and dtype not in DTYPES:
+                raise CheckpointError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+            make_temp_dir(out, os.getpid())
+        except CheckpointError as e:
+            err = str(e)
+    _broadcast_error(err)
+    tmp = temp_dir_for(out, _rank0_token())
+    sd, stats = {}, {"params": 0, "bytes": 0}
+    if reader is not None:
+        spec = reader.spec
+        torch_dtype = DTYPES[dtype] if dtype else reader.dtype
+        for layout in param_layouts(spec):
+            hf = {n: reader.read(n) for n in layout.hf_names}
+            full = hf_to_megatron_full(spec, layout, hf).to(torch_dtype).contiguous()
+            del hf
+            sd[layout.megatron_name] = _full_sharded_tensor(spec, layout, full)
+            stats["params"] += full.numel()
+            stats["bytes"] += full.numel() * full.element_size()
+    try:
+        with megatron_on_cpu():
+            dist_checkpointing.save(sd, tmp)
+    except Exception:
+        if reader is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if reader is not None:
+        name = {v: k for k, v in DTYPES.items()}[torch_dtype]
+        _write_meta(tmp, reader.config, name, reader.asset_files())
+        commit_dir(tmp, out)
+    dist.barrier()
+    return stats
+
+
+def megatron_to_hf(mdir: str, out: str, overwrite: bool = False, max_shard_bytes: int = 2 * 1024**3) -> dict:
+    """Collective over the world: write the Megatron checkpoint at `mdir` as an HF directory at `out`.
+
+    Reads one layer at a time (peak memory: one layer plus one safetensors shard being written). The HF
+    config, generation config and tokenizer files come from the checkpoint's `hf_assets/`.
+    """
+    from megatron.core import dist_checkpointing
+
+    err, meta, writer = None, None, None
+    if dist.get_rank() == 0:
+        try:
+            meta = read_meta(mdir)
+            writer = HFWriter(out, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
+        except CheckpointError as e:
+            err = str(e)
+    _broadcast_error(err)
+    meta = read_meta(mdir)
+    spec = spec_from_hf_config(meta["hf_config"])
+    dtype = DTYPES[meta["dtype"]]
+    layouts = param_layouts(spec)
+    steps: dict[Optional[int], list[ParamLayout]] = {}
+    for lay in layouts:
+        steps.setdefault(lay.layer, []).append(lay)
+    order = [None] + list(range(spec.num_layers))  # embedding/final norm/output first, then layer by layer
+    try:
+        for step in order:
+            sd = {}
+            if writer is not None:
+                for lay in steps[step]:
+                    shape = _full_shape(spec, lay)
+                    sd[lay.megatron_name] = _full_sharded_tensor(spec, lay, torch.empty(shape, dtype=dtype))
+            with megatron_on_cpu():
+                try:
+                    loaded = dist_checkpointing.load(sd, mdir, validate_access_integrity=False)
+                except Exception as e:
+                    raise CheckpointError(f"cannot read {mdir}: {_first_line(e)}") from None
+            if writer is not None:
+                for lay in steps[step]:
+                    for name, t in megatron_full_to_hf(spec, lay, loaded[lay.megatron_name]).items():
+                        writer.add(name, t)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    stats = {}
+    if writer is not None:
+        config = dict(meta["hf_config"])
+        config["torch_dtype"] = meta["dtype"].replace("fp32", "float32").replace("bf16", "bfloat16").replace("fp16", "float16")
+        assets_dir = os.path.join(mdir, ASSETS_DIR)
+        assets = [os.path.join(assets_dir, f) for f in sorted(os.listdir(assets_dir))] if os.path.isdir(assets_dir) else []
+        writer.finish(config, assets)
+        stats = {"bytes": writer.total_bytes}
+    dist.barrier()
+    return stats
+
+
+def _full_shape(spec: ModelSpec, layout: ParamLayout) -> tuple[int, ...]:
+    from megarl.checkpoint.name_map import hf_shapes
+
+    shapes = hf_shapes(spec)
+    first = shapes[layout.hf_names[0]]
+    if layout.partition_dim is None or len(layout.hf_names) == 1:
+        return first
+    rows = sum(shapes[n][0] for n in layout.hf_names)
+    return (rows,) + tuple(first[1:])

@@ -1,0 +1,94 @@
+"""HF weights straight into a live `MegatronEngine` (no offline step), and full-vocab logits out of one.
+
+`load_hf_into_engine` runs on every rank of a role independently (no collectives): each rank reads only the
+slices of the HF tensors its own shards need (`name_map.build_shard`) and copies them into its parameters in
+place, then refreshes the optimizer's fp32 master copies when there are any.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.checkpoint.errors import CheckpointError
+from megarl.checkpoint.hf_io import HFReader
+from megarl.checkpoint.name_map import ParamLayout, build_shard, canonical_name, module_param_layout, validate_tp
+
+
+def stage_layer_offset(module) -> int:
+    """Global number of this pipeline stage's first transformer layer (0 on the first stage)."""
+    layers = getattr(getattr(module, "decoder", None), "layers", None)
+    if layers is None or len(layers) == 0:
+        return 0
+    return int(layers[0].layer_number) - 1
+
+
+def named_layouts(engine) -> Iterator[tuple[str, torch.nn.Parameter, ParamLayout]]:
+    """(module name, parameter, layout) for every parameter of this rank's model chunk."""
+    offset = stage_layer_offset(engine.module)
+    for name, param in engine.module.named_parameters():
+        yield name, param, module_param_layout(engine.spec, canonical_name(name, offset))
+
+
+def check_same_model(engine_spec, hf_spec) -> None:
+    fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
+              "ffn_hidden_size", "vocab_size", "qkv_bias", "qk_layernorm", "tie_word_embeddings")
+    diff = [f"{f}: engine {getattr(engine_spec, f)} vs checkpoint {getattr(hf_spec, f)}"
+            for f in fields if getattr(engine_spec, f) != getattr(hf_spec, f)]
+    if diff:
+        raise CheckpointError("checkpoint does not match the model: " + "; ".join(diff))
+
+
+@torch.no_grad()
+def load_hf_into_engine(engine, hf_dir: str, reader: Optional[HFReader] = None) -> int:
+    """Copy the HF checkpoint at `hf_dir` into `engine`'s parameters in place. Returns bytes read by this rank."""
+    reader = reader or HFReader(hf_dir)
+    check_same_model(engine.spec, reader.spec)
+    topo, coord = engine.groups.topology, engine.groups.coord
+    validate_tp(engine.spec, topo.tp)
+    nbytes = 0
+    for name, param, layout in named_layouts(engine):
+        shard = build_shard(engine.spec, layout, coord.tp, topo.tp, reader.read)
+        if tuple(shard.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"{name}: built shard {list(shard.shape)} from {layout.hf_names} but the parameter is {list(param.shape)}"
+            )
+        param.data.copy_(shard)
+        nbytes += shard.numel() * shard.element_size()
+    refresh_optimizer_copies(engine)
+    return nbytes
+
+
+def refresh_optimizer_copies(engine) -> None:
+    """After writing model parameters in place, copy them into the optimizer's fp32 master weights (bf16/fp16)."""
+    opt = getattr(engine, "optimizer", None)
+    if opt is not None and hasattr(opt, "reload_model_params"):
+        opt.reload_model_params()
+
+
+@torch.no_grad()
+def engine_logits(engine, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """Full-vocabulary logits [batch, seq, vocab] float32 for `input_ids` [batch, seq] (same on every rank).
+
+    Returned on every rank of the last pipeline stage (gathered over the TP group); None on other stages.
+    """
+
+    def stash(logits, batch):
+        zero = logits.sum() * 0
+        return zero, torch.tensor(1, dtype=torch.int), {"logits": logits.detach().float().clone()}
+
+    out = engine.run([{"input_ids": input_ids}], stash, forward_only=True)
+    if not engine.groups.is_last_stage:
+        return None
+    shard = out[0]["logits"]
+    tp = engine.groups.topology.tp
+    if tp == 1:
+        return shard
+    width = engine.padded_vocab_size // tp
+    padded = torch.zeros(*shard.shape[:-1], width, dtype=shard.dtype)
+    padded[..., : shard.shape[-1]] = shard
+    parts = [torch.empty_like(padded) for _ in range(tp)]
+    dist.all_gather(parts, padded, group=engine.groups.pgs.tp)
+    return torch.cat(parts, dim=-1)[..., : engine.spec.vocab_size]

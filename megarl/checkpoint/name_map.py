@@ -1,0 +1,326 @@
+"""HF <-> Megatron parameter names and layouts: the one place that knows how each tensor maps. Pure.
+
+Every Megatron parameter of a supported model is described by a `ParamLayout`: which HF tensor(s) it comes
+from, its tensor-parallel partition dim, and, for any TP rank, the ordered list of `Segment`s (contiguous runs
+of one HF tensor along that dim) whose concatenation is the rank's shard. Loading, export, offline conversion
+and the reshard engine all build shards from these segments, so the layout rules live only here:
+
+  - `linear_qkv` [q_g; k_g; v_g] per query group g (q_g = heads_per_group * head_dim rows), groups split over TP;
+    the same for its bias.
+  - `linear_fc1` = [gate_shard; up_shard] on every TP rank (at TP=1: [gate; up]).
+  - `linear_proj`, `linear_fc2` row-parallel: split along dim 1 (HF columns).
+  - word embedding / output layer split along rows, padded with zero rows to `padded_vocab_size(vocab, tp)`.
+  - RMSNorm weights (input, pre-MLP, final, q/k layernorm) replicated.
+  - tied embeddings: no `output_layer.weight` in the layout list; a last pipeline stage that holds one reads
+    the word embedding's segments (`module_param_layout` resolves it).
+
+Megatron names are the local-spec names with *global* layer numbers (`decoder.layers.{i}.…`). Transformer
+Engine fuses the norms into the next linear (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`);
+`canonical_name` folds those aliases and a pipeline stage's local layer numbers into this one naming.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from megarl.models.gpt import padded_vocab_size
+from megarl.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec
+
+# One family today: Llama, Qwen2, Qwen3 and Mistral share HF names; their quirks (qkv bias, q/k norm, tied
+# embeddings, explicit head_dim) are flags on `ModelSpec`. A new family adds its own table here.
+LLAMA_FAMILY = {
+    "embedding": "model.embed_tokens.weight",
+    "final_norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "input_norm": "model.layers.{i}.input_layernorm.weight",
+    "q": "model.layers.{i}.self_attn.q_proj.{p}",
+    "k": "model.layers.{i}.self_attn.k_proj.{p}",
+    "v": "model.layers.{i}.self_attn.v_proj.{p}",
+    "o": "model.layers.{i}.self_attn.o_proj.weight",
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+    "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "gate": "model.layers.{i}.mlp.gate_proj.weight",
+    "up": "model.layers.{i}.mlp.up_proj.weight",
+    "down": "model.layers.{i}.mlp.down_proj.weight",
+}
+FAMILIES = {arch: LLAMA_FAMILY for arch in SUPPORTED_ARCHITECTURES}
+
+# Transformer Engine spec name -> local spec name (suffix within a layer).
+TE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+# Local spec name -> the name megatron-core uses inside distributed checkpoints (the TE name, spec-independent).
+DIST_CKPT_NAMES = {v: k for k, v in TE_ALIASES.items()}
+
+KINDS = ("vocab", "qkv", "fc1", "column", "row", "replicated")
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+class LayoutError(ValueError):
+    """A layout the model cannot be split into (the message names the numbers)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A contiguous run [start, stop) of HF tensor `hf_name` along the layout's partition dim.
+
+    `hf_name=None` is zero padding of `stop - start` rows (vocab padding).
+    """
+
+    hf_name: Optional[str]
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """How one Megatron parameter relates to HF tensors.
+
+    Attributes:
+        megatron_name: local-spec name with the global layer number.
+        hf_names: the HF tensors it is built from, in concatenation order (q, k, v / gate, up / one name).
+        kind: one of KINDS; decides how TP shards are cut (see module docstring).
+        partition_dim: TP split dim of the Megatron tensor (and of each HF tensor), None when replicated.
+        layer: global layer number, None for embedding / final norm / output layer.
+    """
+
+    megatron_name: str
+    hf_names: tuple[str, ...]
+    kind: str
+    partition_dim: Optional[int]
+    layer: Optional[int] = None
+
+    @property
+    def dist_ckpt_key(self) -> str:
+        """Key of this tensor in a megatron-core distributed checkpoint (layers stacked along a leading axis)."""
+        m = _LAYER_RE.match(self.megatron_name)
+        if not m:
+            return self.megatron_name
+        suffix = m.group(2)
+        return "decoder.layers." + DIST_CKPT_NAMES.get(suffix, suffix)
+
+
+def family(spec: ModelSpec) -> dict[str, str]:
+    return FAMILIES[spec.architecture]
+
+
+def validate_tp(spec: ModelSpec, tp: int) -> None:
+    """Raise `LayoutError` naming the numbers when `tp` cannot split the model."""
+    for what, n in (
+        ("num_attention_heads", spec.num_attention_heads),
+        ("num_query_groups (num_key_value_heads)", spec.num_query_groups),
+        ("ffn_hidden_size (intermediate_size)", spec.ffn_hidden_size),
+    ):
+        if n % tp != 0:
+            raise LayoutError(f"tp={tp} does not divide {what}={n}")
+
+
+def param_layouts(spec: ModelSpec) -> list[ParamLayout]:
+    """Every Megatron parameter of the full model (all stages), in HF file order."""
+    f = family(spec)
+    out = [ParamLayout("embedding.word_embeddings.weight", (f["embedding"],), "vocab", 0)]
+    for i in range(spec.num_layers):
+        p = f"decoder.layers.{i}."
+
+        def hf(key: str, part: str = "weight") -> str:
+            return f[key].format(i=i, p=part)
+
+        out.append(ParamLayout(p + "input_layernorm.weight", (hf("input_norm"),), "replicated", None, i))
+        out.append(ParamLayout(p + "self_attention.linear_qkv.weight", (hf("q"), hf("k"), hf("v")), "qkv", 0, i))
+        if spec.qkv_bias:
+            out.append(ParamLayout(
+                p + "self_attention.linear_qkv.bias", (hf("q", "bias"), hf("k", "bias"), hf("v", "bias")), "qkv", 0, i
+            ))
+        if spec.qk_layernorm:
+            out.append(ParamLayout(p + "self_attention.q_layernorm.weight", (hf("q_norm"),), "replicated", None, i))
+            out.append(ParamLayout(p + "self_attention.k_layernorm.weight", (hf("k_norm"),), "replicated", None, i))
+        out.append(ParamLayout(p + "self_attention.linear_proj.weight", (hf("o"),), "row", 1, i))
+        out.append(ParamLayout(p + "pre_mlp_layernorm.weight", (hf("post_attn_norm"),), "replicated", None, i))
+        out.append(ParamLayout(p + "mlp.linear_fc1.weight", (hf("gate"), hf("up")), "fc1", 0, i))
+        out.append(ParamLayout(p + "mlp.linear_fc2.weight", (hf("down"),), "row", 1, i))
+    out.append(ParamLayout("decoder.final_layernorm.weight", (f["final_norm"],), "replicated", None))
+    if not spec.tie_word_embeddings:
+        out.append(ParamLayout("output_layer.weight", (f["lm_head"],), "vocab", 0))
+    return out
+
+
+def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Shape of every HF tensor the model needs (what `config.json` implies)."""
+    h, d = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
+    f = family(spec)
+    shapes: dict[str, tuple[int, ...]] = {f["embedding"]: (spec.vocab_size, h), f["final_norm"]: (h,)}
+    if not spec.tie_word_embeddings:
+        shapes[f["lm_head"]] = (spec.vocab_size, h)
+    for i in range(spec.num_layers):
+        g = {k: v.format(i=i, p="weight") for k, v in f.items()}
+        shapes.update({
+            g["input_norm"]: (h,), g["post_attn_norm"]: (h,),
+            g["q"]: (q, h), g["k"]: (kv, h), g["v"]: (kv, h), g["o"]: (h, q),
+            g["gate"]: (spec.ffn_hidden_size, h), g["up"]: (spec.ffn_hidden_size, h), g["down"]: (h, spec.ffn_hidden_size),
+        })
+        if spec.qkv_bias:
+            for k in ("q", "k", "v"):
+                shapes[f[k].format(i=i, p="bias")] = (q if k == "q" else kv,)
+        if spec.qk_layernorm:
+            shapes[g["q_norm"]] = (d,)
+            shapes[g["k_norm"]] = (d,)
+    return shapes
+
+
+def canonical_name(module_name: str, layer_offset: int = 0) -> str:
+    """A stage module's parameter name -> the global local-spec name (`layer_offset` = first layer of the stage)."""
+    m = _LAYER_RE.match(module_name)
+    if not m:
+        return module_name
+    suffix = TE_ALIASES.get(m.group(2), m.group(2))
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{suffix}"
+
+
+def module_param_layout(spec: ModelSpec, megatron_name: str) -> ParamLayout:
+    """Layout of a (canonical) Megatron parameter name; a tied `output_layer.weight` maps to the embedding."""
+    if megatron_name == "output_layer.weight" and spec.tie_word_embeddings:
+        emb = _layout_index(spec)["embedding.word_embeddings.weight"]
+        return dataclasses.replace(emb, megatron_name="output_layer.weight")
+    try:
+        return _layout_index(spec)[megatron_name]
+    except KeyError:
+        raise LayoutError(f"no HF mapping for Megatron parameter {megatron_name!r} of {spec.architecture}") from None
+
+
+# Keyed by repr(spec): a spec with rope_scaling (a dict) is not hashable.
+_INDEX_CACHE: dict[str, dict[str, ParamLayout]] = {}
+_SHAPES_CACHE: dict[str, dict[str, tuple[int, ...]]] = {}
+
+
+def _hf_shapes_cached(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    key = repr(spec)
+    if key not in _SHAPES_CACHE:
+        _SHAPES_CACHE[key] = hf_shapes(spec)
+    return _SHAPES_CACHE[key]
+
+
+def _layout_index(spec: ModelSpec) -> dict[str, ParamLayout]:
+    key = repr(spec)
+    if key not in _INDEX_CACHE:
+        _INDEX_CACHE[key] = {lay.megatron_name: lay for lay in param_layouts(spec)}
+    return _INDEX_CACHE[key]
+
+
+def shard_segments(
+    spec: ModelSpec, layout: ParamLayout, tp_rank: int, tp: int, pad_vocab: bool = True
+) -> list[Segment]:
+    """The HF runs, in order along `layout.partition_dim`, whose concatenation is TP rank `tp_rank`'s shard.
+
+    Replicated parameters give one segment covering the whole HF tensor (dim 0). With `pad_vocab=False` vocab
+    shards hold only real rows (the distributed-checkpoint form; at tp=1 that is the HF tensor itself).
+    """
+    validate_tp(spec, tp)
+    if not 0 <= tp_rank < tp:
+        raise LayoutError(f"tp_rank={tp_rank} is outside 0..{tp - 1}")
+    names = layout.hf_names
+    if layout.kind == "replicated":
+        return [Segment(names[0], 0, _hf_shapes_cached(spec)[names[0]][0])]
+    if layout.kind == "vocab":
+        rows = padded_vocab_size(spec.vocab_size, tp) // tp
+        start = tp_rank * rows
+        stop = min(start + rows, spec.vocab_size)
+        segs = [Segment(names[0], start, stop)] if stop > start else []
+        real = max(0, stop - start)
+        if pad_vocab and real < rows:
+            segs.append(Segment(None, 0, rows - real))
+        return segs
+    if layout.kind == "qkv":
+        d = spec.head_dim
+        per_group = spec.num_attention_heads // spec.num_query_groups
+        groups = spec.num_query_groups // tp
+        segs = []
+        for g in range(tp_rank * groups, (tp_rank + 1) * groups):
+            segs.append(Segment(names[0], g * per_group * d, (g + 1) * per_group * d))
+            segs.append(Segment(names[1], g * d, (g + 1) * d))
+            segs.append(Segment(names[2], g * d, (g + 1) * d))
+        return segs
+    if layout.kind == "fc1":
+        rows = spec.ffn_hidden_size // tp
+        return [Segment(n, tp_rank * rows, (tp_rank + 1) * rows) for n in names]
+    if layout.kind == "row":
+        cols = _hf_shapes_cached(spec)[names[0]][1] // tp
+        return [Segment(names[0], tp_rank * cols, (tp_rank + 1) * cols)]
+    raise LayoutError(f"unknown layout kind {layout.kind!r}")  # pragma: no cover - KINDS is closed
+
+
+def hf_indices(spec: ModelSpec, layout: ParamLayout, tp_rank: int, tp: int) -> list[tuple[Optional[str], torch.Tensor]]:
+    """For the reshard engine: per segment, (HF name or None for padding, int64 indices along the partition dim)."""
+    return [(s.hf_name, torch.arange(s.start, s.stop)) for s in shard_segments(spec, layout, tp_rank, tp)]
+
+
+# Reads HF tensor `name`, rows/columns [start, stop) along `dim` (dim None: the whole tensor).
+SliceReader = Callable[[str, Optional[int], int, int], torch.Tensor]
+
+
+def build_shard(spec: ModelSpec, layout: ParamLayout, tp_rank: int, tp: int, read: SliceReader,
+                pad_vocab: bool = True) -> torch.Tensor:
+    """This TP rank's Megatron shard of `layout`, reading only the HF slices it needs through `read`."""
+    dim = layout.partition_dim
+    parts = []
+    dtype = None
+    for seg in shard_segments(spec, layout, tp_rank, tp, pad_vocab):
+        if seg.hf_name is None:
+            parts.append(None)
+            continue
+        t = read(seg.hf_name, dim, seg.start, seg.stop)
+        dtype = t.dtype
+        parts.append(t)
+    if any(p is None for p in parts):  # vocab padding: zero rows of the same width
+        segs = shard_segments(spec, layout, tp_rank, tp, pad_vocab)
+        dtype = dtype or torch.float32
+        parts = [
+            p if p is not None else torch.zeros((s.size, spec.hidden_size), dtype=dtype)
+            for p, s in zip(parts, segs)
+        ]
+    return torch.cat(parts, dim=dim or 0) if len(parts) > 1 else parts[0]
+
+
+def scatter_shard(spec: ModelSpec, layout: ParamLayout, tp_rank: int, tp: int, shard: torch.Tensor,
+                  out: Mapping[str, torch.Tensor], pad_vocab: bool = True) -> None:
+    """Inverse of `build_shard`: copy `shard`'s pieces into the full HF tensors in `out` (padding dropped)."""
+    dim = layout.partition_dim or 0
+    offset = 0
+    for seg in shard_segments(spec, layout, tp_rank, tp, pad_vocab):
+        piece = shard.narrow(dim, offset, seg.size)
+        offset += seg.size
+        if seg.hf_name is None:
+            continue
+        dst = out[seg.hf_name]
+        if layout.partition_dim is None:
+            dst.copy_(piece)
+        else:
+            dst.narrow(dim, seg.start, seg.size).copy_(piece)
+
+
+def hf_to_megatron_full(spec: ModelSpec, layout: ParamLayout, hf: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The unsharded Megatron tensor (TP=1 layout, real vocab rows: the distributed-checkpoint global tensor)."""
+
+    def read(name, dim, start, stop):
+        t = hf[name]
+        return t if dim is None else t.narrow(dim, start, stop - start)
+
+    return build_shard(spec, layout, 0, 1, read, pad_vocab=False)
+
+
+def megatron_full_to_hf(spec: ModelSpec, layout: ParamLayout, full: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Inverse of `hf_to_megatron_full`: the HF tensors (new memory) that `full` is made of."""
+    shapes = _hf_shapes_cached(spec)
+    out = {n: torch.empty(shapes[n], dtype=full.dtype) for n in layout.hf_names}
+    scatter_shard(spec, layout, 0, 1, full, out, pad_vocab=False)
+    return out

