@@ -259,12 +259,21 @@ def _first_line(e: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- offline
-def _full_sharded_tensor(spec: ModelSpec, layout: ParamLayout, data: torch.Tensor):
+def _full_sharded_tensor(spec: ModelSpec, layout: ParamLayout, data: torch.Tensor, regular_grid: bool = True):
     """The ShardedTensor that holds a whole (TP=1, real-vocab) Megatron tensor, keyed as megatron-core keys it."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     if layout.layer is None:
         return ShardedTensor.from_rank_offsets(layout.dist_ckpt_key, data, replica_id=0)
+    if not regular_grid:
+        # One layer of the stacked tensor, as an irregular chunk: megatron-core builds a regular grid's torch
+        # metadata as if this rank held every layer, and DCP then refuses a read of a single layer.
+        data = data.unsqueeze(0)
+        return ShardedTensor(
+            key=layout.dist_ckpt_key, data=data, dtype=data.dtype, local_shape=tuple(data.shape),
+            global_shape=(spec.num_layers,) + tuple(data.shape[1:]), global_offset=(layout.layer,) + (0,) * (data.dim() - 1),
+            axis_fragmentations=None, replica_id=0,
+        )
     return ShardedTensor.from_rank_offsets(
         layout.dist_ckpt_key, data, (0, layout.layer, spec.num_layers), replica_id=0, prepend_axis_num=1
     )
@@ -347,7 +356,7 @@ def megatron_to_hf(mdir: str, out: str, overwrite: bool = False, max_shard_bytes
             if writer is not None:
                 for lay in steps[step]:
                     shape = _full_shape(spec, lay)
-                    sd[lay.megatron_name] = _full_sharded_tensor(spec, lay, torch.empty(shape, dtype=dtype))
+                    sd[lay.megatron_name] = _full_sharded_tensor(spec, lay, torch.empty(shape, dtype=dtype), regular_grid=False)
             with megatron_on_cpu():
                 try:
                     loaded = dist_checkpointing.load(sd, mdir, validate_access_integrity=False)
@@ -355,7 +364,9 @@ def megatron_to_hf(mdir: str, out: str, overwrite: bool = False, max_shard_bytes
                     raise CheckpointError(f"cannot read {mdir}: {_first_line(e)}") from None
             if writer is not None:
                 for lay in steps[step]:
-                    for name, t in megatron_full_to_hf(spec, lay, loaded[lay.megatron_name]).items():
+                    full = loaded[lay.megatron_name]
+                    full = full.squeeze(0) if lay.layer is not None else full
+                    for name, t in megatron_full_to_hf(spec, lay, full).items():
                         writer.add(name, t)
     except BaseException:
         if writer is not None:

@@ -1,0 +1,23 @@
+"""Shared plumbing of the `checkpoint_tools/` scripts: bad input -> one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from megarl.checkpoint.errors import EXIT_BAD_INPUT, CheckpointError
+from megarl.checkpoint.name_map import LayoutError
+from megarl.models.spec import UnsupportedModelError
+from megarl.parallel.topology import TopologyError
+
+BAD_INPUT = (CheckpointError, UnsupportedModelError, LayoutError, TopologyError)
+
+
+def run_tool(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """Call `main(argv)`; a bad-input error prints `error: <message>` (one line) and returns 2."""
+    try:
+        return main(argv)
+    except BAD_INPUT as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT

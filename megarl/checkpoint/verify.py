@@ -1,0 +1,114 @@
+"""Logit parity: the same token batch through transformers and through the Megatron model at a TP/PP layout.
+
+`verify_ranks` is the per-rank body (under torchrun, or spawned by `verify` when not under torchrun): build the
+model at the layout, load weights from the Megatron checkpoint (or straight from the HF directory), run the
+batch through megatron's pipeline schedule, gather the vocab shards; rank 0 compares with transformers' eager
+fp32 forward and returns the metrics.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.checkpoint.errors import CheckpointError
+from megarl.checkpoint.hf_io import HFReader
+from megarl.checkpoint.name_map import LayoutError, validate_tp
+from megarl.parallel.topology import TopologyError, layer_split
+
+DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+
+
+def token_batch(vocab_size: int, batch: int = 2, seq: int = 32, seed: int = 0) -> torch.Tensor:
+    """A fixed random batch [batch, seq] int64 (all rows the same length: the engine passes no attention mask)."""
+    return torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
+    """transformers' own forward, fp32, eager attention: [batch, seq, vocab] float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids).logits.float()
+
+
+def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    diff = (ours.float() - ref.float()).abs()
+    return {
+        "max_abs_logit_diff": float(diff.max()),
+        "mean_abs_logit_diff": float(diff.mean()),
+        "argmax_agreement": float((ours.argmax(-1) == ref.argmax(-1)).float().mean()),
+    }
+
+
+def check_layout(hf_dir: str, tp: int, pp: int) -> HFReader:
+    """Validate the HF directory and the layout before any rank starts (raises CheckpointError)."""
+    reader = HFReader(hf_dir)
+    try:
+        validate_tp(reader.spec, tp)
+        layer_split(reader.spec.num_layers, pp)
+    except (LayoutError, TopologyError) as e:
+        raise CheckpointError(str(e)) from None
+    return reader
+
+
+def verify_ranks(rank: int, world_size: int, hf_dir: str, megatron_dir: Optional[str], tp: int, pp: int,
+                 dtype: str, input_ids: torch.Tensor, tolerance: float) -> Optional[dict]:
+    """Per-rank body; returns the metrics dict on rank 0 (None elsewhere). Collective over the world."""
+    from megarl.checkpoint.dist_ckpt import load_engine_checkpoint
+    from megarl.checkpoint.engine_io import engine_logits, load_hf_into_engine
+    from megarl.models.spec import ModelSpec
+    from megarl.parallel.groups import build_role_groups
+    from megarl.parallel.topology import RoleTopology
+    from megarl.roles.megatron_engine import MegatronEngine
+
+    if world_size != tp * pp:
+        raise CheckpointError(f"verify needs tp*pp = {tp}*{pp} = {tp * pp} ranks, the world has {world_size}")
+    spec = ModelSpec.from_hf_dir(hf_dir)
+    groups = build_role_groups(RoleTopology(tp=tp, pp=pp))
+    engine = MegatronEngine(spec, groups, dtype=dtype)
+    if megatron_dir:
+        load_engine_checkpoint(engine, megatron_dir)
+    else:
+        load_hf_into_engine(engine, hf_dir)
+    logits = engine_logits(engine, input_ids)
+    mine = logits if (logits is not None and groups.coord.tp == 0) else None
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    if rank != 0:
+        return None
+    ours = next(t for t in gathered if t is not None)
+    result = compare_logits(ours, hf_logits(hf_dir, input_ids))
+    result.update(tp=tp, pp=pp, dtype=dtype, tolerance=tolerance, source="megatron" if megatron_dir else "hf",
+                  batch=list(input_ids.shape), passed=result["max_abs_logit_diff"] <= tolerance)
+    return result
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def verify(hf_dir: str, megatron_dir: Optional[str], tp: int, pp: int, dtype: str = "fp32",
+           tolerance: Optional[float] = None, batch: int = 2, seq: int = 32, seed: int = 0) -> Optional[dict]:
+    """Run the parity check; spawns tp*pp local ranks unless already under torchrun. Metrics on rank 0."""
+    reader = check_layout(hf_dir, tp, pp)
+    if megatron_dir:
+        from megarl.checkpoint.dist_ckpt import read_meta
+
+        read_meta(megatron_dir)
+    tolerance = DEFAULT_TOLERANCE[dtype] if tolerance is None else tolerance
+    ids = token_batch(reader.spec.vocab_size, batch, seq, seed)
+    args = (hf_dir, megatron_dir, tp, pp, dtype, ids, tolerance)
+    if under_torchrun():
+        from megarl.platform.distributed import init_distributed
+
+        rank, world = init_distributed()
+        return verify_ranks(rank, world, *args)
+    from megarl.platform.spawn import run_ranks
+
+    return run_ranks(tp * pp, verify_ranks, *args, timeout_s=1800)[0]
