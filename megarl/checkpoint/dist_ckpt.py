@@ -65,10 +65,14 @@ def plan_replica_ids(chunks_per_rank: list[list[tuple]]) -> list[list[int]]:
 
 
 def assign_replica_ids(sharded_sd: dict) -> None:
-    """Collective over the world: set each ShardedTensor's replica_id so every chunk has one main replica."""
+    """Collective over the world: set each ShardedTensor's replica_id so every chunk has one main replica.
+
+    Apply factories first (`_prepared`): a factory's tensors only exist once built."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    tensors = [v for v in sharded_sd.values() if isinstance(v, ShardedTensor)]
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    tensors = [v for v in nested_values(sharded_sd) if isinstance(v, ShardedTensor)]
     mine = [(t.key, tuple(t.global_offset), tuple(t.local_shape)) for t in tensors]
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -116,6 +120,18 @@ def engine_sharded_state_dict(engine) -> dict:
     return out
 
 
+def _prepared(sd: dict) -> dict:
+    """Build factories (fc1's [gate; up] split) in place, fix replica ids world-wide; returns the factories,
+    which `apply_factory_merges` needs to merge loaded pieces back. Collective over the world."""
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory, apply_factories
+
+    factories, _ = extract_matching_values(sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True)
+    apply_factories(sd)
+    assign_replica_ids(sd)
+    return factories
+
+
 def _vocab_layout(spec: ModelSpec) -> ParamLayout:
     return param_layouts(spec)[0]
 
@@ -154,7 +170,7 @@ def save_engine_checkpoint(engine, out: str, overwrite: bool = False, hf_config:
         if engine is not None:
             sd = engine_sharded_state_dict(engine)
             spec = engine.spec
-        assign_replica_ids(sd)
+        _prepared(sd)
         dist_checkpointing.save(sd, tmp)
     specs: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(specs, (repr(spec), engine.dtype) if engine is not None else None)
@@ -185,11 +201,17 @@ def load_engine_checkpoint(engine, mdir: str) -> None:
         meta = read_meta(mdir)
         check_same_model(engine.spec, spec_from_hf_config(meta["hf_config"]))
     with megatron_on_cpu():
+        from megatron.core.dist_checkpointing.mapping import apply_factory_merges
+
         sd = engine_sharded_state_dict(engine) if engine is not None else {}
+        factories = _prepared(sd)
         try:
-            loaded = dist_checkpointing.load(sd, mdir)
+            # No world-wide access validation on load: roles at different layouts may load in one call (their
+            # chunk shapes differ, which megatron-core's check rejects); DCP still fails on any missing chunk.
+            loaded = dist_checkpointing.load(sd, mdir, validate_access_integrity=False)
         except Exception as e:  # DCP wraps reader errors in its own exception types
             raise CheckpointError(f"cannot load {mdir}: {_first_line(e)}") from None
+        loaded = apply_factory_merges(loaded, factories)
     if engine is None:
         return
     with torch.no_grad():
