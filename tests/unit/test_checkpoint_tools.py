@@ -1,0 +1,160 @@
+"""checkpoint_tools/: --help, bad input (one-line error, exit status 2), atomic output, and one real CLI round
+trip (HF -> Megatron -> HF in a world of one, bit-exact)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megarl.checkpoint.cli import run_tool
+from megarl.checkpoint.tiny import make_hf_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOLS = os.path.join(REPO, "checkpoint_tools")
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(f"_tool_{name}", os.path.join(TOOLS, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return make_hf_model("mistral", str(tmp_path_factory.mktemp("hf") / "mistral"))
+
+
+def _copy_dir(src: str, dst) -> str:
+    import shutil
+
+    shutil.copytree(src, str(dst))
+    return str(dst)
+
+
+def _run(tool: str, argv, capsys) -> tuple[int, str]:
+    rc = run_tool(_tool(tool), [str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    return rc, err
+
+
+def _edit_config(path: str, **changes) -> None:
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+
+
+@pytest.mark.parametrize("tool", ["hf_to_megatron", "megatron_to_hf", "verify"])
+def test_help(tool):
+    proc = subprocess.run([sys.executable, os.path.join(TOOLS, f"{tool}.py"), "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "usage" in proc.stdout
+
+
+def test_missing_directory(tmp_path, capsys):
+    rc, err = _run("hf_to_megatron", ["--hf-dir", tmp_path / "nope", "--out", tmp_path / "m"], capsys)
+    assert rc == 2 and err.startswith("error: ") and "does not exist" in err and "\n" not in err
+
+
+def test_unsupported_architecture_lists_supported(hf_dir, tmp_path, capsys):
+    bad = _copy_dir(hf_dir, tmp_path / "gpt2")
+    _edit_config(bad, architectures=["GPT2LMHeadModel"])
+    rc, err = _run("hf_to_megatron", ["--hf-dir", bad, "--out", tmp_path / "m"], capsys)
+    assert rc == 2 and "GPT2LMHeadModel" in err
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
+        assert arch in err
+
+
+def test_truncated_weights(hf_dir, tmp_path, capsys):
+    bad = _copy_dir(hf_dir, tmp_path / "trunc")
+    path = os.path.join(bad, "model.safetensors")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    rc, err = _run("hf_to_megatron", ["--hf-dir", bad, "--out", tmp_path / "m"], capsys)
+    assert rc == 2 and "truncated" in err and "\n" not in err
+
+
+def test_missing_weights_file(hf_dir, tmp_path, capsys):
+    bad = _copy_dir(hf_dir, tmp_path / "noweights")
+    os.remove(os.path.join(bad, "model.safetensors"))
+    rc, err = _run("hf_to_megatron", ["--hf-dir", bad, "--out", tmp_path / "m"], capsys)
+    assert rc == 2 and "model.safetensors" in err
+
+
+def test_missing_tensor(hf_dir, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    bad = _copy_dir(hf_dir, tmp_path / "missing")
+    path = os.path.join(bad, "model.safetensors")
+    tensors = load_file(path)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path)
+    rc, err = _run("hf_to_megatron", ["--hf-dir", bad, "--out", tmp_path / "m"], capsys)
+    assert rc == 2 and "model.layers.1.mlp.up_proj.weight is missing" in err
+
+
+def test_shapes_that_do_not_match_config(hf_dir, tmp_path, capsys):
+    bad = _copy_dir(hf_dir, tmp_path / "shape")
+    _edit_config(bad, intermediate_size=96)
+    rc, err = _run("hf_to_megatron", ["--hf-dir", bad, "--out", tmp_path / "m"], capsys)
+    assert rc == 2 and "has shape [128, 64] but config.json implies [96, 64]" in err
+
+
+def test_tp_that_does_not_divide_heads(hf_dir, capsys):
+    rc, err = _run("verify", ["--hf-dir", hf_dir, "--tp", 3], capsys)
+    assert rc == 2 and "tp=3 does not divide num_attention_heads=4" in err
+
+
+def test_tp_that_does_not_divide_query_groups(hf_dir, capsys):
+    rc, err = _run("verify", ["--hf-dir", hf_dir, "--tp", 4], capsys)
+    assert rc == 2 and "tp=4 does not divide num_query_groups" in err
+
+
+def test_existing_output_refused_without_overwrite(hf_dir, tmp_path, capsys):
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "metadata.json").write_text("{}")
+    rc, err = _run("hf_to_megatron", ["--hf-dir", hf_dir, "--out", out], capsys)
+    assert rc == 2 and "--overwrite" in err
+    rc, err = _run("megatron_to_hf", ["--megatron-dir", out, "--out", tmp_path / "h"], capsys)
+    assert rc == 2 and "not a megarl Megatron checkpoint" in err
+
+
+def test_unfinished_output_never_looks_finished(tmp_path):
+    from megarl.checkpoint.hf_io import HFWriter
+
+    out = tmp_path / "h"
+    w = HFWriter(str(out))
+    w.add("x", torch.zeros(4))
+    w._flush()  # a crash here leaves only the temporary directory
+    assert not out.exists()
+    assert any(p.name.startswith("h.tmp-") for p in tmp_path.iterdir())
+    w.abort()
+    assert not any(tmp_path.iterdir())
+
+
+def test_cli_round_trip_is_bit_exact(hf_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    m, h2 = tmp_path / "m", tmp_path / "h2"
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    for args in (["hf_to_megatron.py", "--hf-dir", hf_dir, "--out", m],
+                 ["megatron_to_hf.py", "--megatron-dir", m, "--out", h2]):
+        proc = subprocess.run([sys.executable, os.path.join(TOOLS, args[0]), *map(str, args[1:])],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout.strip().splitlines()[-1])["out"] == str(args[-1])
+    before = load_file(os.path.join(hf_dir, "model.safetensors"))
+    after = load_file(os.path.join(h2, "model.safetensors"))
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    assert os.path.isfile(os.path.join(h2, "generation_config.json"))
+    assert not any(p.name.endswith(tuple(f".tmp-{i}" for i in range(10))) for p in tmp_path.iterdir())
