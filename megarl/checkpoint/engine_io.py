@@ -92,3 +92,15 @@ def engine_logits(engine, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
     parts = [torch.empty_like(padded) for _ in range(tp)]
     dist.all_gather(parts, padded, group=engine.groups.pgs.tp)
     return torch.cat(parts, dim=-1)[..., : engine.spec.vocab_size]
+
+
+def build_engine_from_hf(hf_dir: str, groups, dtype: str = "fp32", optimizer=None, seed: int = 1234, **engine_kwargs):
+    """Startup path for a config whose model points at an HF directory: build the `MegatronEngine` at `groups`'
+    TP/PP layout and load the HF weights into it directly (no offline conversion). Call on every rank of the role."""
+    from megarl.roles.megatron_engine import MegatronEngine
+
+    reader = HFReader(hf_dir)
+    validate_tp(reader.spec, groups.topology.tp)
+    engine = MegatronEngine(reader.spec, groups, dtype=dtype, optimizer=optimizer, seed=seed, **engine_kwargs)
+    load_hf_into_engine(engine, hf_dir, reader=reader)
+    return engine
