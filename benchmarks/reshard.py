@@ -186,6 +186,7 @@ def measure(args) -> dict:
         "train_tp": args.train_tp, "train_pp": args.train_pp, "train_dp": args.train_dp, "infer_tp": args.infer_tp,
         "bucket_bytes": int(args.bucket_mb * 2**20), "repeats": args.repeats, "machine": machine(),
         "command": "python " + " ".join(sys.argv),
+        "load_average_1m_at_end": os.getloadavg()[0],  # the CPU machines are shared: read timings with it
         "weights_exact": all(r["weights_exact"] for r in per_rank),
         "time_s": time_s, "naive_time_s": naive_s, "naive_over_megarl_time": naive_s / time_s,
         "peak_extra_bytes": max(r["peak_extra_bytes"] for r in per_rank),
