@@ -151,9 +151,17 @@ def _rank0_token() -> int:
 
 
 def save_engine_checkpoint(engine, out: str, overwrite: bool = False, hf_config: Optional[dict] = None,
-                           assets: tuple[str, ...] = ()) -> None:
-    """Collective over the world: save `engine` (None on ranks outside the role) to `out`, atomically."""
+                           assets: tuple[str, ...] = (), hf_dir: Optional[str] = None) -> None:
+    """Collective over the world: save `engine` (None on ranks outside the role) to `out`, atomically.
+
+    `hf_dir` (the directory the model came from) supplies the HF config and tokenizer files that
+    `megatron_to_hf` writes back; without it `hf_config`/`assets` are used, or a config built from the spec.
+    """
     from megatron.core import dist_checkpointing
+
+    if hf_dir is not None and dist.get_rank() == 0:
+        reader = HFReader(hf_dir)
+        hf_config, assets = hf_config or reader.config, tuple(assets) or tuple(reader.asset_files())
 
     err = None
     if dist.get_rank() == 0:
@@ -164,23 +172,21 @@ def save_engine_checkpoint(engine, out: str, overwrite: bool = False, hf_config:
             err = str(e)
     _broadcast_error(err)
     tmp = temp_dir_for(out, _rank0_token())
-    spec = None
     with megatron_on_cpu():
         sd = {}
         if engine is not None:
             sd = engine_sharded_state_dict(engine)
-            spec = engine.spec
         _prepared(sd)
         dist_checkpointing.save(sd, tmp)
-    specs: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(specs, (repr(spec), engine.dtype) if engine is not None else None)
+    dtypes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(dtypes, engine.dtype if engine is not None else None)
     if dist.get_rank() == 0:
         if hf_config is None:
             src = engine.spec if engine is not None else None
             if src is None:
                 raise CheckpointError("save_engine_checkpoint: rank 0 must be in the role or pass hf_config")
             hf_config = spec_to_hf_config(src)
-        dtype = engine.dtype if engine is not None else next(s[1] for s in specs if s)
+        dtype = next(d for d in dtypes if d)
         _write_meta(tmp, hf_config, dtype, assets)
         commit_dir(tmp, out)
     dist.barrier()

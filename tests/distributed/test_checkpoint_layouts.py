@@ -108,8 +108,9 @@ def _worker(rank: int, world_size: int, root: str):
                 if loaded is not None:
                     _logits_of(loaded, out, (name, a, f"from_{load_from}"))
             if saver is not None:
-                save_engine_checkpoint(direct if name == saver else None, ckpt(a, saver), hf_config=None,
-                                       assets=tuple(os.path.join(hf[a], f) for f in ("generation_config.json",)))
+                # tp2 carries the source config and tokenizer files; tp2pp2 rebuilds config.json from the spec
+                kw = {"hf_dir": hf[a]} if saver == "tp2" else {"assets": (os.path.join(hf[a], "generation_config.json"),)}
+                save_engine_checkpoint(direct if name == saver else None, ckpt(a, saver), **kw)
             if a == "llama" and saver == "tp2":
                 out[("replica", rank)] = _replica_check(direct if name == "tp2" else None)
             dist.barrier()
