@@ -1,6 +1,7 @@
 """Reshard benchmark: megarl's planned, bucketed reshard vs. the naive gather-then-slice, in the same run.
 
     python benchmarks/reshard.py --model-shape 0.5b --train-tp 2 --train-pp 2 --infer-tp 2 [--json FILE]
+    python benchmarks/reshard.py --model-shape 7b --dtype bf16 --into-vllm            # on one GPU: refit time
     python benchmarks/reshard.py --simulate --model-shape 70b --train-tp 8 --train-pp 8 --train-dp 4 --infer-tp 8
 
 Measured mode starts train_tp*train_pp*train_dp ranks itself (gloo on CPU, NCCL on GPU) unless it is already under
@@ -156,8 +157,9 @@ def _measure_rank(rank, world_size, args_dict):
         set(sink.tensors) == set(naive_sink.tensors)
     flag = torch.tensor([1 if exact else 0])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    refit_times = _refit_into_vllm(args, spec, plan, sources, bucket, timed) if args.into_vllm else []
     return {
-        "rank": rank, "infer_tp_rank": plan.infer_rank_of[rank],
+        "rank": rank, "infer_tp_rank": plan.infer_rank_of[rank], "refit_times": refit_times,
         "bytes_received": report.bytes_received, "bytes_sent": report.bytes_sent, "bytes_local": report.bytes_local,
         "bytes_lower_bound": report.bytes_lower_bound, "bytes_naive": report.bytes_naive,
         "naive_bytes_received": naive_report.bytes_received,
@@ -165,6 +167,43 @@ def _measure_rank(rank, world_size, args_dict):
         "buckets": report.buckets, "weights_exact": bool(flag.item()),
         "times": times, "naive_times": naive_times, "build_s": build_s,
     }
+
+
+def _refit_into_vllm(args, spec, plan, sources, bucket, timed) -> list[float]:
+    """Reshard straight into a vLLM engine built with random weights ("refit"): plan + transfer + weight load."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from megarl.reshard.executor import execute_reshard
+    from megarl.reshard.vllm_sink import VllmShardSink
+    from megarl.rollout.testing import build_tiny_llama
+    from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine
+
+    if spec.architecture != "LlamaForCausalLM":
+        raise SystemExit("reshard.py: --into-vllm supports the Llama-shaped presets (tiny, 7b, 13b, 70b)")
+    box = [tempfile.mkdtemp(prefix="megarl-refit-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    model_dir = box[0]
+    if dist.get_rank() == 0:  # config + tokenizer only: vLLM draws its own random weights (load_format="dummy")
+        build_tiny_llama(
+            model_dir, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+            intermediate_size=spec.ffn_hidden_size, num_layers=spec.num_layers, num_heads=spec.num_attention_heads,
+            num_kv_heads=spec.num_query_groups, head_dim=spec.head_dim, weights=False,
+            dtype="bfloat16" if args.dtype == "bf16" else "float32",
+        )
+    dist.barrier()
+    engine = VllmRolloutEngine(VllmEngineSettings(
+        model_path=model_dir, tp=args.infer_tp, dtype="bfloat16" if args.dtype == "bf16" else "float32",
+        max_model_len=256, max_prompt_tokens=128, load_format="dummy", kv_cache_gib=1.0,
+        gpu_memory_utilization=0.3,
+    ))
+    sink = VllmShardSink(engine)
+    times = []
+    for _ in range(args.repeats):
+        _, t = timed(lambda: execute_reshard(plan, sources, sink, bucket_bytes=bucket))
+        times.append(t)
+    return times
 
 
 def measure(args) -> dict:
@@ -191,8 +230,11 @@ def measure(args) -> dict:
         "time_s": time_s, "naive_time_s": naive_s, "naive_over_megarl_time": naive_s / time_s,
         "peak_extra_bytes": max(r["peak_extra_bytes"] for r in per_rank),
         "naive_peak_extra_bytes": max(r["naive_peak_extra_bytes"] for r in per_rank),
-        "ranks": [{k: v for k, v in r.items() if k not in ("times", "naive_times", "weights_exact")} for r in per_rank],
+        "ranks": [{k: v for k, v in r.items() if k not in ("times", "naive_times", "weights_exact", "refit_times")}
+                  for r in per_rank],
     }
+    if args.into_vllm:
+        result["refit_time_s"] = statistics.median(per_rank[0]["refit_times"])
     mib = 2**20
     print(f"{args.model_shape} ({spec.num_params / 1e6:.0f}M params, {args.dtype}) train tp={args.train_tp} "
           f"pp={args.train_pp} dp={args.train_dp} -> infer tp={args.infer_tp} on {machine()}")
@@ -203,6 +245,8 @@ def measure(args) -> dict:
               f"(naive {r['naive_peak_extra_bytes'] / mib:.1f})")
     print(f"  time: megarl {time_s:.3f}s, naive {naive_s:.3f}s -> naive/megarl = {naive_s / time_s:.2f}x; "
           f"weights exact: {result['weights_exact']}")
+    if args.into_vllm:
+        print(f"  refit into vLLM (reshard + weight load): {result['refit_time_s']:.3f}s")
     return result
 
 
@@ -216,6 +260,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--bucket-mb", type=float, default=256.0, help="bound on one bucket's send+receive per rank")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--into-vllm", action="store_true",
+                   help="also time the refit into a real vLLM engine (random-weight engine, Llama presets)")
     p.add_argument("--simulate", action="store_true", help="planner only, for cluster shapes (no ranks started)")
     p.add_argument("--timeout-s", type=float, default=1800.0)
     p.add_argument("--json", help="write the result here")

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One prepared GPU session (about 10 minutes on one H200): the gpu-marked tests and the GPU benchmarks, results
+# written to benchmarks/results/ (or $OUT when set, e.g. by the device runner). Needs a CUDA torch, megatron-core,
+# vllm (GPU build) and optionally transformer-engine: `pip install -e .[gpu,test]`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/results}"
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu_check_device.txt"
+python -m pytest -q -m gpu tests/gpu 2>&1 | tail -20 | tee "$OUT/gpu_check_tests.txt"
+# refit of a 7B shape on one GPU: Megatron (TP1) -> vLLM (TP1), bf16
+python benchmarks/reshard.py --model-shape 7b --dtype bf16 --into-vllm --repeats 3 \
+  --json "$OUT/reshard_7b_tp1_infer1_refit_gpu_bf16.json" 2>&1 | tail -8
+python benchmarks/train_step.py --help >/dev/null 2>&1 && \
+  python benchmarks/train_step.py --json "$OUT/train_step_gpu.json" 2>&1 | tail -8
