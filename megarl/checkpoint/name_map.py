@@ -203,7 +203,8 @@ _INDEX_CACHE: dict[str, dict[str, ParamLayout]] = {}
 _SHAPES_CACHE: dict[str, dict[str, tuple[int, ...]]] = {}
 
 
-def _hf_shapes_cached(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+def cached_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """`hf_shapes(spec)`, computed once per spec (do not mutate the result)."""
     key = repr(spec)
     if key not in _SHAPES_CACHE:
         _SHAPES_CACHE[key] = hf_shapes(spec)
@@ -230,7 +231,7 @@ def shard_segments(
         raise LayoutError(f"tp_rank={tp_rank} is outside 0..{tp - 1}")
     names = layout.hf_names
     if layout.kind == "replicated":
-        return [Segment(names[0], 0, _hf_shapes_cached(spec)[names[0]][0])]
+        return [Segment(names[0], 0, cached_hf_shapes(spec)[names[0]][0])]
     if layout.kind == "vocab":
         rows = padded_vocab_size(spec.vocab_size, tp) // tp
         start = tp_rank * rows
@@ -254,7 +255,7 @@ def shard_segments(
         rows = spec.ffn_hidden_size // tp
         return [Segment(n, tp_rank * rows, (tp_rank + 1) * rows) for n in names]
     if layout.kind == "row":
-        cols = _hf_shapes_cached(spec)[names[0]][1] // tp
+        cols = cached_hf_shapes(spec)[names[0]][1] // tp
         return [Segment(names[0], tp_rank * cols, (tp_rank + 1) * cols)]
     raise LayoutError(f"unknown layout kind {layout.kind!r}")  # pragma: no cover - KINDS is closed
 
@@ -320,7 +321,7 @@ def hf_to_megatron_full(spec: ModelSpec, layout: ParamLayout, hf: Mapping[str, t
 
 def megatron_full_to_hf(spec: ModelSpec, layout: ParamLayout, full: torch.Tensor) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_megatron_full`: the HF tensors (new memory) that `full` is made of."""
-    shapes = _hf_shapes_cached(spec)
+    shapes = cached_hf_shapes(spec)
     out = {n: torch.empty(shapes[n], dtype=full.dtype) for n in layout.hf_names}
     scatter_shard(spec, layout, 0, 1, full, out, pad_vocab=False)
     return out

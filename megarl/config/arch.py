@@ -10,38 +10,33 @@ import json
 import os
 
 from megarl.config.errors import ConfigError
-from megarl.config.schema import SUPPORTED_ARCHITECTURES, ArchConfig, ModelConfig
+from megarl.config.schema import ArchConfig, ModelConfig
+from megarl.models.spec import ModelSpec, UnsupportedModelError
 
 
 def arch_from_hf_config(hf: dict, where: str) -> ArchConfig:
-    """ArchConfig from the contents of a HF config.json (`where` names the file in errors)."""
-    architectures = hf.get("architectures") or []
-    architecture = architectures[0] if architectures else None
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError(
-            f"{where}: architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    """ArchConfig from the contents of a HF config.json (`where` names the file in errors).
+
+    The parsing rules (GQA defaults, explicit head_dim, rope settings) live in `ModelSpec.from_hf_config`.
+    """
     try:
-        heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        return ArchConfig(
-            architecture=architecture,
-            num_layers=int(hf["num_hidden_layers"]),
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_query_groups=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            ffn_hidden_size=int(hf["intermediate_size"]),
-            vocab_size=int(hf["vocab_size"]),
-            max_position_embeddings=int(hf["max_position_embeddings"]),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        )
-    except KeyError as e:
-        raise ConfigError(f"{where}: missing field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: malformed value ({e})") from None
+        spec = ModelSpec.from_hf_config(hf)
+    except UnsupportedModelError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return ArchConfig(
+        architecture=spec.architecture,
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        head_dim=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        rope_theta=spec.rope_theta,
+        norm_eps=spec.norm_eps,
+    )
 
 
 def resolve_arch(model: ModelConfig, key: str = "model") -> ArchConfig:

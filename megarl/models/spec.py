@@ -96,7 +96,7 @@ class ModelSpec:
         arch = archs[0] if archs else cfg.get("architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"unsupported architecture {arch!r} in config.json; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         try:
             heads = int(cfg["num_attention_heads"])
@@ -115,6 +115,8 @@ class ModelSpec:
             )
         except KeyError as e:
             raise UnsupportedModelError(f"config.json is missing required key {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise UnsupportedModelError(f"config.json has a malformed value ({e})") from None
         rope_theta = cfg.get("rope_theta")
         rope_params = cfg.get("rope_parameters") or {}
         if rope_theta is None:

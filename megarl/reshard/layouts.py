@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from megarl.checkpoint.name_map import hf_shapes, param_layouts, shard_segments
+from megarl.checkpoint.name_map import cached_hf_shapes, param_layouts, shard_segments
 from megarl.models.spec import ModelSpec
 from megarl.parallel.topology import RoleTopology, layer_split
 
@@ -76,17 +76,7 @@ def _element_bytes_per_index(shapes: dict[str, tuple[int, ...]], piece: Piece, d
 
 def piece_bytes(spec: ModelSpec, piece: Piece, dtype_bytes: int) -> int:
     """Bytes of `piece` at `dtype_bytes` per element."""
-    return piece.length * _element_bytes_per_index(_shapes(spec), piece, dtype_bytes)
-
-
-_SHAPES: dict[str, dict[str, tuple[int, ...]]] = {}
-
-
-def _shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    key = repr(spec)
-    if key not in _SHAPES:
-        _SHAPES[key] = hf_shapes(spec)
-    return _SHAPES[key]
+    return piece.length * _element_bytes_per_index(cached_hf_shapes(spec), piece, dtype_bytes)
 
 
 # ------------------------------------------------------------------------------------------------- Megatron side
@@ -165,7 +155,7 @@ def vllm_needs(spec: ModelSpec, infer_tp: int, tp_rank: int) -> list[Placement]:
             out.append(Placement(param, 0, Piece(hf_name, 0, start, stop)))
 
     def whole(hf_name: str, param: str) -> None:
-        out.append(Placement(param, 0, Piece(hf_name, 0, 0, _shapes(spec)[hf_name][0])))
+        out.append(Placement(param, 0, Piece(hf_name, 0, 0, cached_hf_shapes(spec)[hf_name][0])))
 
     vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
     for i in range(spec.num_layers):
@@ -197,7 +187,7 @@ def vllm_param_shapes(spec: ModelSpec, infer_tp: int, tp_rank: int) -> dict[str,
     Vocab-parallel parameters include vLLM's padding rows (left zero by the reshard); everything else is exactly
     covered by the rank's pieces.
     """
-    shapes = _shapes(spec)
+    shapes = cached_hf_shapes(spec)
     per_rank_vocab = vllm_padded_vocab(spec.vocab_size) // infer_tp
     extent: dict[str, int] = {}
     dims: dict[str, tuple[int, str]] = {}
