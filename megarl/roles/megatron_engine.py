@@ -52,7 +52,8 @@ class OptimizerSettings:
     """Optimizer and LR schedule of a trainable role.
 
     Attributes:
-        name: 'adam' (megatron's Adam with decoupled weight decay, i.e. AdamW when weight_decay > 0).
+        name: 'adamw' (decoupled weight decay) or 'adam' (weight decay as an L2 term in the gradient);
+            megatron-core's `decoupled_weight_decay`.
         lr: peak learning rate.
         min_lr: floor of the cosine schedule.
         weight_decay: decoupled weight decay.
@@ -64,7 +65,7 @@ class OptimizerSettings:
         lr_schedule: 'constant' or 'cosine'.
     """
 
-    name: str = "adam"
+    name: str = "adamw"
     lr: float = 1e-6
     min_lr: float = 0.0
     weight_decay: float = 0.0
@@ -174,6 +175,7 @@ class MegatronEngine:
             adam_beta2=s.betas[1],
             adam_eps=s.eps,
             clip_grad=s.clip_grad,
+            decoupled_weight_decay=s.name == "adamw",
             bf16=torch_dtype is torch.bfloat16,
             fp16=torch_dtype is torch.float16,
             params_dtype=torch_dtype,

@@ -1,0 +1,83 @@
+"""Build a role from a validated job config: the configured layout, model and weights, on this rank.
+
+`model.path` (an HF directory) is loaded directly at the configured TP/PP: each rank reads only the slices of the
+safetensors tensors its own shards need, with no offline conversion step. An inline `model.arch` builds a
+randomly initialised model (seeded by `trainer.seed`; with pp=1 the initial weights do not depend on TP or DP).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megarl.config.placement import role_topology
+from megarl.config.schema import ArchConfig, JobConfig, ModelConfig
+from megarl.models.spec import ModelSpec
+from megarl.parallel.groups import RoleGroups, build_role_groups
+from megarl.roles.actor import Actor, PolicyLossSettings, Reference
+from megarl.roles.base import BatchingSettings, Role, optimizer_settings_from_config
+from megarl.roles.critic import Critic, RewardModel
+
+ROLE_CLASSES = {"actor": Actor, "reference": Reference, "critic": Critic, "reward_model": RewardModel}
+
+
+def spec_from_model_config(model: ModelConfig) -> ModelSpec:
+    """`ModelSpec` of a model config: from `path`'s config.json, or from the inline `arch` block."""
+    if model.path is not None:
+        return ModelSpec.from_hf_dir(model.path)
+    return spec_from_arch(model.arch)
+
+
+def spec_from_arch(arch: ArchConfig) -> ModelSpec:
+    """An inline architecture as a `ModelSpec` (the architecture's quirks follow its HF class, as for a checkpoint)."""
+    return ModelSpec(
+        architecture=arch.architecture, num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups, head_dim=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size, vocab_size=arch.vocab_size,
+        max_position_embeddings=arch.max_position_embeddings, rope_theta=arch.rope_theta, norm_eps=arch.norm_eps,
+        qkv_bias=arch.architecture == "Qwen2ForCausalLM", qk_layernorm=arch.architecture == "Qwen3ForCausalLM",
+        tie_word_embeddings=arch.tie_word_embeddings,
+    )
+
+
+def role_model_config(cfg: JobConfig, role: str) -> ModelConfig:
+    """The model a role runs: its own `model` block (critic, reward model) or the top-level one."""
+    own = getattr(cfg.role(role), "model", None)
+    return own if own is not None else cfg.model
+
+
+def build_role(cfg: JobConfig, role: str, groups: Optional[RoleGroups] = None) -> Optional[Role]:
+    """Build `role` ('actor', 'reference', 'critic', 'reward_model') of `cfg` on this rank.
+
+    Collective over the world when `groups` is None (the role's process groups are created here). Returns None on
+    ranks outside the role's pool. Trained roles get their optimizer (LR schedule over `trainer.total_steps` x
+    `algorithm.ppo_epochs` x mini-batches per step), batching from the role's micro/mini-batch keys, and the actor
+    its loss from `algorithm`.
+    """
+    if role not in ROLE_CLASSES:
+        raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLE_CLASSES)}")
+    role_cfg = cfg.role(role)
+    groups = groups or build_role_groups(role_topology(cfg, role))
+    if not groups.is_member:
+        return None
+    model = role_model_config(cfg, role)
+    spec = spec_from_model_config(model)
+    dtype = model.dtype
+    samples_per_prompt = cfg.rollout.samples_per_prompt
+    epochs = cfg.algorithm.ppo_epochs if role in ("actor", "critic") else 1
+    kwargs = dict(
+        batching=BatchingSettings.from_config(role_cfg, samples_per_prompt=samples_per_prompt, epochs=epochs),
+        dtype=dtype, seed=cfg.trainer.seed, hf_dir=model.path,
+        first_stage_layers=role_cfg.parallel.first_stage_layers, last_stage_layers=role_cfg.parallel.last_stage_layers,
+    )
+    if role in ("actor", "critic"):
+        mini = getattr(role_cfg, "mini_batch_prompts", None) or cfg.data.prompts_per_step
+        steps_per_rl_step = epochs * max(1, cfg.data.prompts_per_step // mini)
+        kwargs["optimizer"] = optimizer_settings_from_config(
+            role_cfg.optimizer, total_steps=cfg.trainer.total_steps * steps_per_rl_step
+        )
+    if role == "actor":
+        kwargs["loss"] = PolicyLossSettings.from_config(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
+    if role == "critic":
+        kwargs["value_clip"] = role_cfg.value_clip
+        kwargs["agg"] = cfg.algorithm.loss_agg
+    return ROLE_CLASSES[role](spec, groups, **kwargs)
