@@ -1,0 +1,224 @@
+"""Distribution declared on the worker method: `@dispatch(mode)` says how one controller call becomes per-rank calls
+and how the per-rank results become one controller result.
+
+Data path (one controller call `group.method(*args, **kwargs)`):
+  1. `plan_calls(spec, args, kwargs, world_size, replica_of)` -> one (args, kwargs) per rank  [pure, this module]
+  2. the `WorkerGroup` sends call r to rank r (every rank is called in every mode: SPMD collectives need all)
+  3. `collect(spec, results, replica_of)` -> the controller's return value                      [pure, this module]
+
+Modes (`Dispatch`):
+  ONE_TO_ALL               same args to every rank; returns [result of rank 0, ..., result of rank W-1].
+  ALL_TO_ALL               every argument is a sequence of length W; rank i gets element i of each; returns the list.
+  RANK_ZERO                same args to every rank; returns rank 0's result.
+  LAST_STAGE_FIRST_RESULT  same args to every rank; returns the first non-None result in rank order (roles return
+                           results only on their last pipeline stage) or None.
+  DP_SPLIT                 the first positional argument (a list, tuple, tensor -- dim 0 -- or `megarl.data.Batch`)
+                           is cut into n_replicas contiguous equal chunks; every rank of replica k gets chunk k, the
+                           other arguments go to every rank unchanged. Per replica the first non-None result (rank
+                           order) is kept; the replicas' results are concatenated in replica order (lists/tuples ->
+                           list, tensors -> torch.cat on dim 0, Batch -> Batch.concat); results of other types come
+                           back as a list with one entry per replica.
+
+Replicas for DP_SPLIT: replica of rank r = r // group_size, where group_size (the ranks of one model replica,
+tp*cp for pp=1) is taken from, in order: `dispatch(..., group_size=N)`; the worker attribute (or zero-argument
+method) named by `dispatch(..., group_size_attr="name")`; the worker attribute `dp_group_size`. This matches
+megatron's rank order only when pp == 1 (dp varies faster than pp, see megarl.parallel.topology); for pp > 1 give
+`replica_attr="name"`: a worker attribute/method returning (replica index, number of replicas) of its rank, e.g.
+(groups.coord.dp, topo.dp), which is asked of every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable, Optional, Sequence
+
+DISPATCH_ATTR = "__megarl_dispatch__"
+DEFAULT_GROUP_SIZE_ATTR = "dp_group_size"
+
+
+class Dispatch(enum.Enum):
+    ONE_TO_ALL = "one_to_all"
+    ALL_TO_ALL = "all_to_all"
+    RANK_ZERO = "rank_zero"
+    LAST_STAGE_FIRST_RESULT = "last_stage_first_result"
+    DP_SPLIT = "dp_split"
+
+
+ONE_TO_ALL = Dispatch.ONE_TO_ALL
+ALL_TO_ALL = Dispatch.ALL_TO_ALL
+RANK_ZERO = Dispatch.RANK_ZERO
+LAST_STAGE_FIRST_RESULT = Dispatch.LAST_STAGE_FIRST_RESULT
+DP_SPLIT = Dispatch.DP_SPLIT
+
+
+class DispatchError(ValueError):
+    """A controller call whose arguments do not fit the method's dispatch mode (names the method and the numbers)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchSpec:
+    """What `@dispatch` records on a worker method."""
+
+    mode: Dispatch
+    group_size: Optional[int] = None
+    group_size_attr: Optional[str] = None
+    replica_attr: Optional[str] = None
+    timeout_s: Optional[float] = None
+
+
+def dispatch(
+    mode: Dispatch,
+    *,
+    group_size: Optional[int] = None,
+    group_size_attr: Optional[str] = None,
+    replica_attr: Optional[str] = None,
+    timeout_s: Optional[float] = None,
+) -> Callable[[Callable], Callable]:
+    """Mark a worker method as callable from the controller with distribution `mode` (see the module docstring).
+
+    `timeout_s` overrides the worker group's call timeout for this method. The method itself is unchanged: on the
+    worker it is an ordinary method; only `WorkerGroup` reads the mark.
+    """
+    if not isinstance(mode, Dispatch):
+        raise TypeError(f"dispatch mode must be a megarl.controller.Dispatch, got {mode!r}")
+    if mode is not Dispatch.DP_SPLIT and (group_size or group_size_attr or replica_attr):
+        raise TypeError(f"group_size/group_size_attr/replica_attr only apply to DP_SPLIT, not {mode.name}")
+    if group_size is not None and group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    spec = DispatchSpec(mode, group_size, group_size_attr, replica_attr, timeout_s)
+
+    def mark(fn: Callable) -> Callable:
+        setattr(fn, DISPATCH_ATTR, spec)
+        return fn
+
+    return mark
+
+
+def dispatched_methods(worker_cls: type) -> dict[str, DispatchSpec]:
+    """Name -> spec of every `@dispatch`-decorated method of `worker_cls` (inherited ones included)."""
+    out = {}
+    for name in dir(worker_cls):
+        spec = getattr(getattr(worker_cls, name, None), DISPATCH_ATTR, None)
+        if isinstance(spec, DispatchSpec):
+            out[name] = spec
+    return out
+
+
+# -- replicas --------------------------------------------------------------------------------------------------------
+
+
+def replicas_from_group_size(world_size: int, group_size: int, method: str = "?") -> list[int]:
+    """Replica index of each rank when replica = rank // group_size."""
+    if group_size < 1 or world_size % group_size:
+        raise DispatchError(
+            f"{method}: DP_SPLIT group_size {group_size} does not divide the group's {world_size} ranks"
+        )
+    return [r // group_size for r in range(world_size)]
+
+
+def replicas_from_coords(coords: Sequence[Sequence[int]], method: str = "?") -> list[int]:
+    """Replica index of each rank from per-rank (replica, n_replicas); checks they agree and cover 0..n-1."""
+    ns = {int(n) for _, n in coords}
+    if len(ns) != 1:
+        raise DispatchError(f"{method}: ranks disagree on the number of replicas: {[tuple(c) for c in coords]}")
+    n = ns.pop()
+    replica_of = [int(k) for k, _ in coords]
+    if sorted(set(replica_of)) != list(range(n)):
+        raise DispatchError(f"{method}: replica indices {replica_of} do not cover 0..{n - 1}")
+    return replica_of
+
+
+# -- split and concatenate -------------------------------------------------------------------------------------------
+
+
+def _is_batch(x: Any) -> bool:
+    return type(x).__name__ == "Batch" and hasattr(x, "slice") and hasattr(type(x), "concat")
+
+
+def split_contiguous(x: Any, n: int, method: str = "?") -> list[Any]:
+    """Cut `x` (list, tuple, torch.Tensor on dim 0, or Batch) into `n` contiguous equal chunks."""
+    import torch
+
+    if isinstance(x, (list, tuple)) or isinstance(x, torch.Tensor) or _is_batch(x):
+        size = len(x)
+    else:
+        raise DispatchError(
+            f"{method}: DP_SPLIT splits its first positional argument, which must be a list, tuple, tensor or "
+            f"Batch; got {type(x).__name__}"
+        )
+    if size % n:
+        raise DispatchError(f"{method}: DP_SPLIT cannot cut {size} items into {n} equal replica chunks")
+    k = size // n
+    if _is_batch(x):
+        return [x.slice(i * k, (i + 1) * k) for i in range(n)]
+    return [x[i * k : (i + 1) * k] for i in range(n)]
+
+
+def concat_results(parts: list[Any]) -> Any:
+    """Concatenate per-replica results in order (see the module docstring for the types)."""
+    import torch
+
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    if len(present) == len(parts):
+        if all(isinstance(p, (list, tuple)) for p in parts):
+            return [x for p in parts for x in p]
+        if all(isinstance(p, torch.Tensor) for p in parts):
+            return torch.cat(parts, dim=0)
+        if all(_is_batch(p) for p in parts):
+            return type(parts[0]).concat(parts)
+    return list(parts)
+
+
+# -- plan and collect ------------------------------------------------------------------------------------------------
+
+
+def plan_calls(
+    spec: DispatchSpec,
+    args: tuple,
+    kwargs: dict,
+    world_size: int,
+    replica_of: Optional[list[int]] = None,
+    method: str = "?",
+) -> list[tuple[tuple, dict]]:
+    """The (args, kwargs) each rank receives. `replica_of` (rank -> replica) is needed for DP_SPLIT only."""
+    mode = spec.mode
+    if mode in (Dispatch.ONE_TO_ALL, Dispatch.RANK_ZERO, Dispatch.LAST_STAGE_FIRST_RESULT):
+        return [(args, kwargs)] * world_size
+    if mode is Dispatch.ALL_TO_ALL:
+        for where, v in [(f"argument {i}", a) for i, a in enumerate(args)] + [(k, v) for k, v in kwargs.items()]:
+            if not hasattr(v, "__len__") or not hasattr(v, "__getitem__") or len(v) != world_size:
+                got = len(v) if hasattr(v, "__len__") else type(v).__name__
+                raise DispatchError(f"{method}: ALL_TO_ALL needs every argument to have {world_size} elements (one per rank); {where} has {got}")
+        return [(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(world_size)]
+    if mode is Dispatch.DP_SPLIT:
+        if not args:
+            raise DispatchError(f"{method}: DP_SPLIT needs the data to split as the first positional argument")
+        if replica_of is None or len(replica_of) != world_size:
+            raise DispatchError(f"{method}: DP_SPLIT needs the replica of each of the {world_size} ranks")
+        chunks = split_contiguous(args[0], max(replica_of) + 1, method)
+        per_replica = [((chunk,) + tuple(args[1:]), kwargs) for chunk in chunks]  # ranks of a replica share one
+        return [per_replica[replica_of[r]] for r in range(world_size)]
+    raise DispatchError(f"{method}: unknown dispatch mode {mode!r}")
+
+
+def collect(spec: DispatchSpec, results: list[Any], replica_of: Optional[list[int]] = None) -> Any:
+    """The controller's return value from the per-rank results (rank order)."""
+    mode = spec.mode
+    if mode in (Dispatch.ONE_TO_ALL, Dispatch.ALL_TO_ALL):
+        return list(results)
+    if mode is Dispatch.RANK_ZERO:
+        return results[0]
+    if mode is Dispatch.LAST_STAGE_FIRST_RESULT:
+        return next((r for r in results if r is not None), None)
+    if mode is Dispatch.DP_SPLIT:
+        assert replica_of is not None
+        n = max(replica_of) + 1
+        per_replica: list[Any] = [None] * n
+        for rank, res in enumerate(results):
+            if res is not None and per_replica[replica_of[rank]] is None:
+                per_replica[replica_of[rank]] = res
+        return concat_results(per_replica)
+    raise ValueError(f"unknown dispatch mode {mode!r}")

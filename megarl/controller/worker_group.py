@@ -1,0 +1,288 @@
+"""Worker groups: one Ray actor per device slot of a `ResourcePool`, together one torch.distributed world.
+
+Start-up (what torchrun would do, done by the controller):
+  1. one host actor per slot, pinned to its placement-group bundle, with RANK / WORLD_SIZE / LOCAL_RANK /
+     LOCAL_WORLD_SIZE in its environment (ranks node-major, as in `megarl.config.placement`) plus the caller's `env`;
+  2. rank 0's host reports its node IP and a free TCP port on that node (one tiny remote call) -> MASTER_ADDR/PORT;
+  3. every host, concurrently, calls `megarl.platform.distributed.init_distributed()` (gloo on CPU, NCCL on GPU)
+     and then constructs `worker_cls(*args, **kwargs)` -- so the worker's constructor may already run collectives
+     (build process groups, a `MegatronEngine`, ...).
+
+Calls: every `@dispatch(mode)` method of `worker_cls` becomes a method of the group with the same name. A controller
+call plans the per-rank arguments (`megarl.controller.dispatch.plan_calls`; each distinct argument set is
+`ray.put` once, so a broadcast batch is serialised once, not once per rank), calls *every* rank, waits for all of
+them with a timeout and collects (`dispatch.collect`). A worker exception is re-raised on the controller as
+`WorkerError` naming the rank, with the remote traceback; ranks that do not answer in time raise `CallTimeout`
+naming them. Either leaves the world in an unknown state (a peer may be stuck in a collective): shut the group down.
+
+Colocation (the hybrid engine): roles that share devices live in the same processes. Do that with one
+`worker_cls` that owns several roles -- e.g. a `HybridWorker` whose constructor builds the actor's
+`MegatronEngine`, the rollout engine and the reference model, each with its own `RoleTopology`, and whose
+dispatch methods forward to them. One worker group per pool: a pool's slots are fully taken by its group's actors.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Any, Callable, Optional
+
+from megarl.controller.dispatch import (
+    DEFAULT_GROUP_SIZE_ATTR,
+    Dispatch,
+    DispatchSpec,
+    collect,
+    dispatched_methods,
+    plan_calls,
+    replicas_from_coords,
+    replicas_from_group_size,
+)
+from megarl.controller.resource_pool import ResourcePool
+
+
+class WorkerError(RuntimeError):
+    """A worker method raised on some rank; `rank` names it and the message carries the remote traceback."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class CallTimeout(TimeoutError):
+    """Some ranks did not answer a controller call in time; `ranks` lists them."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class _WorkerHost:
+    """The Ray actor body on every rank: torchrun-style env, the process group, and the user's worker object."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, local_world_size: int) -> None:
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+            LOCAL_WORLD_SIZE=str(local_world_size),
+        )
+        self.rank = rank
+        self.worker: Any = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a TCP port free on it right now (becomes MASTER_ADDR / MASTER_PORT)."""
+        import socket
+
+        import ray
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_world(self, master_addr: str, master_port: int, worker_cls: type, args: tuple, kwargs: dict, pg_timeout_s: float) -> int:
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        from megarl.platform.distributed import init_distributed
+
+        init_distributed(timeout_s=pg_timeout_s)
+        self.worker = worker_cls(*args, **kwargs)
+        return self.rank
+
+    def call(self, method: str, packed: tuple[tuple, dict]) -> Any:
+        args, kwargs = packed
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def attr(self, name: str) -> Any:
+        """Value of a worker attribute, or the result of calling it if it is a method."""
+        value = getattr(self.worker, name)
+        return value() if callable(value) else value
+
+
+class WorkerGroup:
+    """One Ray actor per slot of `pool`, each holding `worker_cls(*args, **kwargs)` inside one torch.distributed world.
+
+    Args:
+        pool: where the ranks run (`ready()` is awaited here, bounded by the pool's timeout).
+        worker_cls: a plain Python class (not `ray.remote`); its `@dispatch` methods become methods of the group.
+        *args, **kwargs: passed to `worker_cls` on every rank (serialised once per rank at start-up).
+        env: extra environment variables for every rank (set before the worker process imports anything).
+        call_timeout_s: default seconds a controller call waits for all ranks (a method's
+            `dispatch(..., timeout_s=...)` overrides it; the attribute may be changed later).
+        init_timeout_s: seconds to wait for the world to form and every `worker_cls` constructor to return.
+
+    `env`, `call_timeout_s` and `init_timeout_s` are the group's own keyword arguments; every other keyword goes to
+    `worker_cls`.
+    """
+
+    def __init__(
+        self,
+        pool: ResourcePool,
+        worker_cls: type,
+        *args: Any,
+        env: Optional[dict[str, str]] = None,
+        call_timeout_s: float = 600.0,
+        init_timeout_s: float = 600.0,
+        **kwargs: Any,
+    ) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if isinstance(worker_cls, ray.actor.ActorClass):
+            raise TypeError("WorkerGroup wraps a plain Python class; pass the class, not its ray.remote version")
+        self.pool = pool
+        self.worker_cls = worker_cls
+        self.call_timeout_s = call_timeout_s
+        self._methods = dispatched_methods(worker_cls)
+        clashes = sorted(set(self._methods) & set(dir(WorkerGroup)))
+        if clashes:
+            raise TypeError(f"{worker_cls.__name__}: dispatch methods {clashes} clash with WorkerGroup's own attributes")
+        pool.ready()
+        host_cls = ray.remote(_WorkerHost)
+        runtime_env = {"env_vars": {k: str(v) for k, v in env.items()}} if env else None
+        self._actors = []
+        for rank in range(pool.world_size):
+            pg, bundle = pool.slot(rank)
+            opts = dict(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+                **pool.actor_resources(),
+            )
+            if runtime_env:
+                opts["runtime_env"] = runtime_env
+            self._actors.append(host_cls.options(**opts).remote(rank, pool.world_size, bundle, pool.devices_per_node))
+        try:
+            addr, port = self._gather([self._actors[0].address.remote()], "address of rank 0", init_timeout_s)[0]
+            init = [
+                a.init_world.remote(addr, port, worker_cls, args, kwargs, max(init_timeout_s, call_timeout_s))
+                for a in self._actors
+            ]
+            self._gather(init, f"{worker_cls.__name__}.__init__", init_timeout_s)
+        except BaseException:
+            self._kill_actors()
+            raise
+        self.master_addr, self.master_port = addr, port
+        for name, spec in self._methods.items():
+            setattr(self, name, self._controller_method(name, spec))
+
+    # -- shape ---------------------------------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return len(self._actors)
+
+    @property
+    def actors(self) -> list:
+        """The Ray actor handles, in rank order (for tools that need them; prefer dispatch methods)."""
+        return list(self._actors)
+
+    @property
+    def methods(self) -> list[str]:
+        """Names of the controller-side (dispatch) methods."""
+        return sorted(self._methods)
+
+    def __len__(self) -> int:
+        return self.world_size
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({self.worker_cls.__name__} x {self.world_size} on pool {self.pool.name!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached when normal lookup fails: undecorated worker methods and typos
+        if name.startswith("_") or name in ("worker_cls", "pool"):
+            raise AttributeError(name)
+        exposed = sorted(self.__dict__.get("_methods", {}))
+        raise AttributeError(
+            f"{self.worker_cls.__name__} worker group has no controller method {name!r}: only @dispatch-decorated "
+            f"methods are exposed; exposed: {exposed}"
+        )
+
+    # -- calls ---------------------------------------------------------------------------------------------------
+
+    def _controller_method(self, name: str, spec: DispatchSpec) -> Callable:
+        worker_fn = getattr(self.worker_cls, name)
+
+        @functools.wraps(worker_fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._call(name, spec, args, kwargs)
+
+        call.__doc__ = f"[{spec.mode.name} over {self.world_size} ranks] " + (worker_fn.__doc__ or "")
+        return call
+
+    def _call(self, name: str, spec: DispatchSpec, args: tuple, kwargs: dict) -> Any:
+        import ray
+
+        what = f"{self.worker_cls.__name__}.{name}"
+        timeout = spec.timeout_s if spec.timeout_s is not None else self.call_timeout_s
+        replica_of = self._replicas(what, spec, timeout) if spec.mode is Dispatch.DP_SPLIT else None
+        calls = plan_calls(spec, args, kwargs, self.world_size, replica_of, what)
+        put: dict[int, Any] = {}  # one ray.put per distinct argument set
+        refs = []
+        for actor, c in zip(self._actors, calls):
+            if id(c) not in put:
+                put[id(c)] = ray.put(c)
+            refs.append(actor.call.remote(name, put[id(c)]))
+        return collect(spec, self._gather(refs, what, timeout), replica_of)
+
+    def _replicas(self, what: str, spec: DispatchSpec, timeout: float) -> list[int]:
+        if spec.group_size is not None:
+            return replicas_from_group_size(self.world_size, spec.group_size, what)
+        if spec.replica_attr is not None:
+            coords = self._gather([a.attr.remote(spec.replica_attr) for a in self._actors], f"{what} ({spec.replica_attr})", timeout)
+            return replicas_from_coords(coords, what)
+        attr = spec.group_size_attr or DEFAULT_GROUP_SIZE_ATTR
+        size = self._gather([self._actors[0].attr.remote(attr)], f"{what} (group size from worker attribute {attr!r})", timeout)[0]
+        return replicas_from_group_size(self.world_size, int(size), what)
+
+    def _gather(self, refs: list, what: str, timeout_s: float) -> list[Any]:
+        """`ray.get` every ref (refs[i] is rank i's) within `timeout_s`; the first failing rank raises at once."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        rank_of = {ref: i for i, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            ready = []
+            if remaining > 0:
+                ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                late = sorted(rank_of[r] for r in pending)
+                answered = sorted(set(range(len(refs))) - set(late))
+                raise CallTimeout(
+                    f"{what}: rank(s) {late} of {self.world_size} did not answer within {timeout_s:g}s "
+                    f"(answered: {answered}); the call keeps running on them -- shut the group down if it is stuck",
+                    late,
+                )
+            for ref in ready:
+                rank = rank_of[ref]
+                try:
+                    results[rank] = ray.get(ref)
+                except RayTaskError as e:
+                    raise WorkerError(f"{what} raised on rank {rank} of {self.world_size}:\n{e}", rank) from None
+                except RayActorError as e:
+                    raise WorkerError(f"{what}: the actor of rank {rank} of {self.world_size} died:\n{e}", rank) from None
+        return results
+
+    # -- teardown ------------------------------------------------------------------------------------------------
+
+    def _kill_actors(self) -> None:
+        import ray
+
+        for a in self._actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already dead or Ray gone: nothing left to kill
+                pass
+        self._actors = []
+
+    def shutdown(self, remove_pool: bool = True) -> None:
+        """Kill every rank's actor and (by default) remove the pool's placement groups. Idempotent."""
+        self._kill_actors()
+        if remove_pool:
+            self.pool.shutdown()
+
+    def __enter__(self) -> "WorkerGroup":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

@@ -1,0 +1,236 @@
+"""The Ray single controller on CPU: a pool of 2 slots, one worker group of 2 gloo ranks, every dispatch mode with
+hand-checked results, errors (worker exception, timeout, oversized / unavailable pool) and a real megatron-core
+engine at TP=2 driven through dispatch methods. One Ray session for the module."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from megarl.controller import (  # noqa: E402
+    ALL_TO_ALL,
+    DP_SPLIT,
+    LAST_STAGE_FIRST_RESULT,
+    ONE_TO_ALL,
+    RANK_ZERO,
+    CallTimeout,
+    DispatchError,
+    ResourceError,
+    ResourcePool,
+    WorkerError,
+    WorkerGroup,
+    dispatch,
+)
+
+VOCAB = 256
+SEQ = 16
+
+
+class ProbeWorker:
+    """Constructed on every rank after init_distributed(); each method is one dispatch case."""
+
+    dp_group_size = 1  # default DP_SPLIT group size: every rank is its own replica
+
+    def __init__(self, tag: str, scale: int = 1) -> None:
+        import torch.distributed as dist
+
+        self.tag, self.scale = tag, scale
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def model_group(self) -> int:  # DP_SPLIT group size given by a method
+        return 2
+
+    @dispatch(ONE_TO_ALL)
+    def world_info(self):
+        import torch.distributed as dist
+
+        t = torch.tensor([self.rank + 1.0])
+        dist.all_reduce(t)
+        return {
+            "rank": self.rank, "world": self.world, "local_rank": int(os.environ["LOCAL_RANK"]),
+            "backend": dist.get_backend(), "sum": float(t.item()), "tag": self.tag, "scale": self.scale,
+            "master": (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]), "env": os.environ.get("MEGARL_TEST_ENV"),
+        }
+
+    @dispatch(ONE_TO_ALL)
+    def echo(self, x, y=0):
+        return (self.rank, x, y)
+
+    @dispatch(ALL_TO_ALL)
+    def affine(self, x, b):
+        return x * 10 + b + 100 * self.rank
+
+    @dispatch(RANK_ZERO)
+    def weighted_sum(self, v):
+        import torch.distributed as dist
+
+        t = torch.tensor([v * (self.rank + 1.0)])
+        dist.all_reduce(t)  # needs every rank: RANK_ZERO still calls both
+        return (self.rank, float(t.item()))
+
+    @dispatch(LAST_STAGE_FIRST_RESULT)
+    def last_stage(self, x):
+        return None if self.rank == 0 else f"rank{self.rank}:{x}"
+
+    @dispatch(DP_SPLIT)
+    def tag_items(self, items, offset=0):
+        return [(self.rank, i + offset) for i in items]
+
+    @dispatch(DP_SPLIT, group_size_attr="model_group")
+    def tag_items_grouped(self, items):
+        # both ranks form one replica; only the "last stage" (rank 1) reports
+        return [(self.rank, i) for i in items] if self.rank == 1 else None
+
+    @dispatch(DP_SPLIT, group_size=1)
+    def double(self, t):
+        return t * 2 + self.rank
+
+    @dispatch(ONE_TO_ALL)
+    def boom(self):
+        if self.rank == 1:
+            raise ValueError("boom on purpose")
+        return "ok"
+
+    @dispatch(ONE_TO_ALL, timeout_s=1.0)
+    def slow(self):
+        time.sleep(2.5)
+        return "late"
+
+    def hidden(self):
+        return "not exposed"
+
+    @dispatch(ONE_TO_ALL)
+    def megatron_tp2(self, steps: int):
+        """Build a MegatronEngine at TP=2 over the group's world, train `steps` steps, return the mean losses."""
+        from megarl.algorithms.log_probs import vocab_parallel_log_probs
+        from megarl.models.spec import ModelSpec
+        from megarl.parallel.groups import build_role_groups
+        from megarl.parallel.topology import RoleTopology
+        from megarl.roles.megatron_engine import MegatronEngine, OptimizerSettings
+
+        spec = ModelSpec(
+            architecture="LlamaForCausalLM", num_layers=2, hidden_size=64, num_attention_heads=4,
+            num_query_groups=2, head_dim=16, ffn_hidden_size=128, vocab_size=VOCAB, max_position_embeddings=64,
+        )
+        groups = build_role_groups(RoleTopology(tp=2))
+        engine = MegatronEngine(spec, groups, optimizer=OptimizerSettings(lr=5e-3), seed=1234)
+        vocab_start, _ = engine.vocab_shard()
+
+        def loss_fn(logits, batch):
+            tokens = batch["input_ids"]
+            logp = vocab_parallel_log_probs(logits[:, :-1], tokens[:, 1:], engine.groups.pgs.tp, vocab_start)
+            loss_sum = -logp.sum()
+            units = torch.tensor(logp.numel(), dtype=torch.int)
+            return loss_sum, units, {"loss_sum": loss_sum.detach().clone(), "units": units.clone()}
+
+        tokens = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(7))
+        micro = [{"input_ids": tokens[:2]}, {"input_ids": tokens[2:]}]
+        losses = []
+        for _ in range(steps):
+            out = engine.run(micro, loss_fn, forward_only=False)
+            engine.step()
+            losses.append(sum(float(m["loss_sum"]) for m in out) / sum(float(m["units"]) for m in out))
+        return {"rank": self.rank, "tp_rank": groups.coord.tp, "losses": losses}
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def group(ray_session):
+    pool = ResourcePool("probe_pool", nodes=1, devices_per_node=2, device="cpu", cpus_per_slot=1.0, timeout_s=30)
+    g = WorkerGroup(pool, ProbeWorker, "hello", env={"MEGARL_TEST_ENV": "yes"}, call_timeout_s=120, scale=3)
+    try:
+        yield g
+    finally:
+        g.shutdown()
+
+
+def test_workers_form_one_gloo_world(group):
+    infos = group.world_info()
+    assert [i["rank"] for i in infos] == [0, 1]
+    assert [i["local_rank"] for i in infos] == [0, 1]
+    assert all(i["world"] == 2 and i["backend"] == "gloo" for i in infos)
+    assert [i["sum"] for i in infos] == [3.0, 3.0]  # all_reduce of rank+1
+    assert all(i["tag"] == "hello" and i["scale"] == 3 and i["env"] == "yes" for i in infos)
+    assert infos[0]["master"] == infos[1]["master"] == (group.master_addr, str(group.master_port))
+
+
+def test_one_to_all_and_all_to_all(group):
+    assert group.echo("x", y=5) == [(0, "x", 5), (1, "x", 5)]
+    assert group.affine([1, 2], b=[3, 4]) == [1 * 10 + 3, 2 * 10 + 4 + 100]
+    with pytest.raises(DispatchError, match=r"affine: ALL_TO_ALL needs every argument to have 2 elements.*has 3"):
+        group.affine([1, 2, 3], b=[3, 4])
+
+
+def test_rank_zero_and_last_stage(group):
+    assert group.weighted_sum(2.0) == (0, 2.0 * 1 + 2.0 * 2)
+    assert group.last_stage("z") == "rank1:z"
+
+
+def test_dp_split_group_size_1_and_2(group):
+    assert group.tag_items([10, 11, 12, 13], offset=1) == [(0, 11), (0, 12), (1, 13), (1, 14)]
+    assert group.tag_items_grouped([10, 11, 12]) == [(1, 10), (1, 11), (1, 12)]  # one replica of 2 ranks
+    out = group.double(torch.arange(4.0))
+    assert torch.equal(out, torch.tensor([0.0, 2.0, 5.0, 7.0]))
+    with pytest.raises(DispatchError, match=r"tag_items: DP_SPLIT cannot cut 3 items into 2 equal replica chunks"):
+        group.tag_items([1, 2, 3])
+
+
+def test_undecorated_methods_are_not_exposed(group):
+    assert "hidden" not in group.methods and "echo" in group.methods
+    with pytest.raises(AttributeError, match=r"no controller method 'hidden'.*exposed: \[.*'echo'"):
+        group.hidden()
+
+
+def test_worker_exception_names_the_rank(group):
+    with pytest.raises(WorkerError, match=r"ProbeWorker\.boom raised on rank 1 of 2") as info:
+        group.boom()
+    assert info.value.rank == 1
+    assert "ValueError: boom on purpose" in str(info.value)  # the remote traceback
+    assert group.echo(1) == [(0, 1, 0), (1, 1, 0)]  # the group still works
+
+
+def test_timeout_names_the_method_and_ranks(group):
+    t0 = time.monotonic()
+    with pytest.raises(CallTimeout, match=r"ProbeWorker\.slow: rank\(s\) \[0, 1\] of 2 did not answer within 1s") as info:
+        group.slow()
+    assert info.value.ranks == [0, 1]
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_megatron_engine_tp2_through_the_controller(group):
+    results = group.megatron_tp2(2)
+    assert [r["tp_rank"] for r in results] == [0, 1]
+    losses = [r["losses"] for r in results]
+    assert losses[0] == losses[1], f"TP ranks disagree: {losses}"
+    assert all(math.isfinite(x) for x in losses[0])
+    assert abs(losses[0][0] - math.log(VOCAB)) < 0.5  # random init ~ ln(vocab)
+    assert losses[0][1] < losses[0][0]
+
+
+def test_oversized_pool_fails_fast(ray_session):
+    t0 = time.monotonic()
+    with pytest.raises(ResourceError, match=r"pool 'too_big' needs 1 node\(s\) x 3 slot\(s\) of \{'CPU': 1.0\} = 3 cpu") as info:
+        ResourcePool("too_big", nodes=1, devices_per_node=3)
+    assert "{'CPU': 3.0}" in str(info.value) and "only 0 of the cluster's 1 node(s)" in str(info.value)
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_busy_cluster_times_out_with_the_numbers(group):
+    # the group holds both CPUs: a further slot cannot be granted, and ready() gives up after its timeout
+    pool = ResourcePool("late_pool", nodes=1, devices_per_node=1)
+    with pytest.raises(ResourceError, match=r"pool 'late_pool': 1 of 1 node reservation\(s\) \(nodes \[0\]\) not granted within 1.\ds"):
+        pool.ready(timeout_s=1.0)
