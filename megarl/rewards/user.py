@@ -1,0 +1,36 @@
+"""User reward functions loaded from a Python file (`reward.file` + `reward.function`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+from megarl.rewards.registry import RewardFn
+
+
+def load_reward_file(path: str, function_name: str) -> RewardFn:
+    """Import `path` as a module and return its `function_name`, which must be callable as
+    `fn(response_text, answer, record) -> float`. Errors name the file and the function."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"reward file {path!r} does not exist")
+    if not path.endswith(".py"):
+        raise ValueError(f"reward file {path!r} must be a Python file (.py)")
+    module_name = f"megarl_user_reward_{abs(hash(os.path.abspath(path)))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import reward file {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses / pickling inside the user file need the module registered
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(module_name, None)
+        raise ImportError(f"reward file {path!r} failed to import: {type(e).__name__}: {e}") from e
+    if not hasattr(module, function_name):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise AttributeError(f"reward file {path!r} defines no {function_name!r}; its callables: {public}")
+    fn = getattr(module, function_name)
+    if not callable(fn):
+        raise TypeError(f"{function_name!r} in reward file {path!r} is not callable (it is a {type(fn).__name__})")
+    return fn
