@@ -155,7 +155,9 @@ class PromptLoader:
     seed), so it is deterministic, and `state_dict()` (epoch, position within the epoch) resumes it exactly.
     """
 
-    def __init__(self, dataset: Sequence[PromptRecord], prompts_per_step: int, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(
+        self, dataset: Sequence[PromptRecord], prompts_per_step: int, shuffle: bool = True, seed: int = 0
+    ) -> None:
         if prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
         if len(dataset) == 0:

@@ -54,7 +54,9 @@ def _write_jsonl(path: str, records: list[dict[str, str]]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
-def build_quickstart(out_dir: str, vocab_size: int = 512, n_train: int = 256, n_val: int = 32, seed: int = 0) -> dict[str, str]:
+def build_quickstart(
+    out_dir: str, vocab_size: int = 512, n_train: int = 256, n_val: int = 32, seed: int = 0
+) -> dict[str, str]:
     """Write the quickstart dataset and tokenizer to `out_dir`; return their paths (keys train, val, tokenizer)."""
     if vocab_size < 3 + 8:
         raise ValueError(f"vocab_size must be >= 11 (3 special tokens + at least one target word), got {vocab_size}")

@@ -55,7 +55,8 @@ def test_errors(tok):
     with pytest.raises(ValueError, match=re.escape("chat_template 'User: ' is not one of 'none', 'hf' (or null), a template")):
         PromptEncoder(tok, "User: ")
     enc = PromptEncoder(tok, "none")
-    with pytest.raises(ValueError, match=re.escape("chat_template='none' formats string prompts, but this prompt is a chat message list")):
+    with pytest.raises(ValueError, match=re.escape(
+            "chat_template='none' formats string prompts, but this prompt is a chat message list")):
         enc.encode([{"role": "user", "content": "w5"}])
     with pytest.raises(ValueError, match=re.escape("prompt '' encodes to no tokens")):
         enc.encode("")

@@ -120,7 +120,8 @@ def test_score_batch_errors_name_the_record():
     with pytest.raises(RewardError, match=re.escape(
             "reward function 'boom' raised on response 1 (dataset record 9): ZeroDivisionError: division by zero")):
         score_batch(boom, ["ok", "bad"], recs)
-    with pytest.raises(RewardError, match=re.escape("reward function '<lambda>' returned None on response 0 (dataset record 5); expected a finite float")):
+    with pytest.raises(RewardError, match=re.escape(
+            "reward function '<lambda>' returned None on response 0 (dataset record 5); expected a finite float")):
         score_batch(lambda t, a, r: None, ["x", "y"], recs)
     with pytest.raises(RewardError, match=re.escape("returned nan on response 0; expected a finite float")):
         score_batch(lambda t, a, r: float("nan"), ["x"], [{}])
