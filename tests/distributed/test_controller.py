@@ -87,6 +87,13 @@ class ProbeWorker:
         # both ranks form one replica; only the "last stage" (rank 1) reports
         return [(self.rank, i) for i in items] if self.rank == 1 else None
 
+    def reversed_replica(self) -> tuple[int, int]:  # (replica, n_replicas): rank 0 holds replica 1
+        return (1 - self.rank, 2)
+
+    @dispatch(DP_SPLIT, replica_attr="reversed_replica")
+    def tag_items_reversed(self, items):
+        return [(self.rank, i) for i in items]
+
     @dispatch(DP_SPLIT, group_size=1)
     def double(self, t):
         return t * 2 + self.rank
@@ -183,6 +190,8 @@ def test_rank_zero_and_last_stage(group):
 def test_dp_split_group_size_1_and_2(group):
     assert group.tag_items([10, 11, 12, 13], offset=1) == [(0, 11), (0, 12), (1, 13), (1, 14)]
     assert group.tag_items_grouped([10, 11, 12]) == [(1, 10), (1, 11), (1, 12)]  # one replica of 2 ranks
+    # replicas from a per-rank (replica, n) attribute (the pp > 1 path): results still come back in replica order
+    assert group.tag_items_reversed([10, 11, 12, 13]) == [(1, 10), (1, 11), (0, 12), (0, 13)]
     out = group.double(torch.arange(4.0))
     assert torch.equal(out, torch.tensor([0.0, 2.0, 5.0, 7.0]))
     with pytest.raises(DispatchError, match=r"tag_items: DP_SPLIT cannot cut 3 items into 2 equal replica chunks"):
@@ -234,3 +243,17 @@ def test_busy_cluster_times_out_with_the_numbers(group):
     pool = ResourcePool("late_pool", nodes=1, devices_per_node=1)
     with pytest.raises(ResourceError, match=r"pool 'late_pool': 1 of 1 node reservation\(s\) \(nodes \[0\]\) not granted within 1.\ds"):
         pool.ready(timeout_s=1.0)
+
+
+def test_shutdown_kills_actors_and_frees_the_pool(group):
+    """Last in the module: the fixture's own shutdown afterwards is a no-op."""
+    actors = group.actors
+    group.shutdown()
+    group.shutdown()  # idempotent
+    assert group.world_size == 0 and group.pool.placement_groups == []
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actors[0].attr.remote("rank"), timeout=30)
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 2
