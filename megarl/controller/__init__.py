@@ -18,7 +18,7 @@ from megarl.controller.dispatch import (
     dispatch,
 )
 from megarl.controller.resource_pool import ResourceError, ResourcePool
-from megarl.controller.worker_group import CallTimeout, WorkerError, WorkerGroup
+from megarl.controller.worker_group import CallTimeout, PendingCall, WorkerError, WorkerGroup
 
 __all__ = [
     "ALL_TO_ALL",
@@ -28,6 +28,7 @@ __all__ = [
     "RANK_ZERO",
     "CallTimeout",
     "Dispatch",
+    "PendingCall",
     "DispatchError",
     "ResourceError",
     "ResourcePool",

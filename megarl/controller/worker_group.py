@@ -11,7 +11,8 @@ Start-up (what torchrun would do, done by the controller):
 Calls: every `@dispatch(mode)` method of `worker_cls` becomes a method of the group with the same name. A controller
 call plans the per-rank arguments (`megarl.controller.dispatch.plan_calls`; each distinct argument set is
 `ray.put` once, so a broadcast batch is serialised once, not once per rank), calls *every* rank, waits for all of
-them with a timeout and collects (`dispatch.collect`). A worker exception is re-raised on the controller as
+them with a timeout and collects (`dispatch.collect`); `group.method.submit(...)` returns a `PendingCall` instead
+of waiting, so calls on different groups can overlap. A worker exception is re-raised on the controller as
 `WorkerError` naming the rank, with the remote traceback; ranks that do not answer in time raise `CallTimeout`
 naming them. Either leaves the world in an unknown state (a peer may be stuck in a collective): shut the group down.
 
@@ -55,6 +56,27 @@ class CallTimeout(TimeoutError):
     def __init__(self, message: str, ranks: list[int]) -> None:
         super().__init__(message)
         self.ranks = ranks
+
+
+class PendingCall:
+    """A dispatched call in flight (`group.method.submit(...)`): `result()` waits (within the call's timeout,
+    counted from submission), collects, and raises like a blocking call. Lets the controller overlap groups on
+    different pools, e.g. the critic's update with the actor's."""
+
+    def __init__(self, group: "WorkerGroup", what: str, spec: DispatchSpec, refs: list, replica_of, deadline: float, timeout_s: float) -> None:
+        self._group, self._what, self._spec, self._refs = group, what, spec, refs
+        self._replica_of, self._deadline, self._timeout_s = replica_of, deadline, timeout_s
+
+    def result(self) -> Any:
+        results = self._group._gather(self._refs, self._what, self._timeout_s, self._deadline)
+        return collect(self._spec, results, self._replica_of)
+
+    def done(self) -> bool:
+        """Whether every rank has answered (without waiting)."""
+        import ray
+
+        ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0)
+        return len(ready) == len(self._refs)
 
 
 class _WorkerHost:
@@ -201,12 +223,16 @@ class WorkerGroup:
 
         @functools.wraps(worker_fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            return self._call(name, spec, args, kwargs)
+            return self._submit(name, spec, args, kwargs).result()
+
+        def submit(*args: Any, **kwargs: Any) -> PendingCall:
+            return self._submit(name, spec, args, kwargs)
 
         call.__doc__ = f"[{spec.mode.name} over {self.world_size} ranks] " + (worker_fn.__doc__ or "")
+        call.submit = submit  # type: ignore[attr-defined]
         return call
 
-    def _call(self, name: str, spec: DispatchSpec, args: tuple, kwargs: dict) -> Any:
+    def _submit(self, name: str, spec: DispatchSpec, args: tuple, kwargs: dict) -> "PendingCall":
         import ray
 
         what = f"{self.worker_cls.__name__}.{name}"
@@ -219,7 +245,7 @@ class WorkerGroup:
             if id(c) not in put:
                 put[id(c)] = ray.put(c)
             refs.append(actor.call.remote(name, put[id(c)]))
-        return collect(spec, self._gather(refs, what, timeout), replica_of)
+        return PendingCall(self, what, spec, refs, replica_of, time.monotonic() + timeout, timeout)
 
     def _replicas(self, what: str, spec: DispatchSpec, timeout: float) -> list[int]:
         if spec.group_size is not None:
@@ -231,15 +257,16 @@ class WorkerGroup:
         size = self._gather([self._actors[0].attr.remote(attr)], f"{what} (group size from worker attribute {attr!r})", timeout)[0]
         return replicas_from_group_size(self.world_size, int(size), what)
 
-    def _gather(self, refs: list, what: str, timeout_s: float) -> list[Any]:
-        """`ray.get` every ref (refs[i] is rank i's) within `timeout_s`; the first failing rank raises at once."""
+    def _gather(self, refs: list, what: str, timeout_s: float, deadline: Optional[float] = None) -> list[Any]:
+        """`ray.get` every ref (refs[i] is rank i's) by `deadline` (default: now + `timeout_s`); the first failing
+        rank raises at once (its peers may be blocked in a collective with it and never answer)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
         rank_of = {ref: i for i, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s if deadline is None else deadline
         while pending:
             remaining = deadline - time.monotonic()
             ready = []

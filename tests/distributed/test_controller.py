@@ -146,6 +146,11 @@ class ProbeWorker:
         return {"rank": self.rank, "tp_rank": groups.coord.tp, "losses": losses}
 
 
+class FailingInit:
+    def __init__(self) -> None:
+        raise RuntimeError("cannot build this role")
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -157,7 +162,8 @@ def ray_session():
 
 @pytest.fixture(scope="module")
 def group(ray_session):
-    pool = ResourcePool("probe_pool", nodes=1, devices_per_node=2, device="cpu", cpus_per_slot=1.0, timeout_s=30)
+    # half a CPU per slot: the group leaves one of the session's 2 CPUs free for the pool tests below
+    pool = ResourcePool("probe_pool", nodes=1, devices_per_node=2, device="cpu", cpus_per_slot=0.5, timeout_s=30)
     g = WorkerGroup(pool, ProbeWorker, "hello", env={"MEGARL_TEST_ENV": "yes"}, call_timeout_s=120, scale=3)
     try:
         yield g
@@ -232,17 +238,33 @@ def test_megatron_engine_tp2_through_the_controller(group):
 
 def test_oversized_pool_fails_fast(ray_session):
     t0 = time.monotonic()
-    with pytest.raises(ResourceError, match=r"pool 'too_big' needs 1 node\(s\) x 3 slot\(s\) of \{'CPU': 1.0\} = 3 cpu") as info:
-        ResourcePool("too_big", nodes=1, devices_per_node=3)
-    assert "{'CPU': 3.0}" in str(info.value) and "only 0 of the cluster's 1 node(s)" in str(info.value)
+    with pytest.raises(ResourceError, match=r"pool 'too_big' needs 1 node\(s\) x 5 slot\(s\) of \{'CPU': 0.5\} = 5 cpu") as info:
+        ResourcePool("too_big", nodes=1, devices_per_node=5, cpus_per_slot=0.5)
+    assert "{'CPU': 2.5}" in str(info.value) and "only 0 of the cluster's 1 node(s)" in str(info.value)
     assert time.monotonic() - t0 < 5.0
 
 
 def test_busy_cluster_times_out_with_the_numbers(group):
-    # the group holds both CPUs: a further slot cannot be granted, and ready() gives up after its timeout
-    pool = ResourcePool("late_pool", nodes=1, devices_per_node=1)
+    # the group holds 1 of the 2 CPUs: a 1.5-CPU slot fits the node but cannot be granted now; ready() gives up
+    pool = ResourcePool("late_pool", nodes=1, devices_per_node=1, cpus_per_slot=1.5)
     with pytest.raises(ResourceError, match=r"pool 'late_pool': 1 of 1 node reservation\(s\) \(nodes \[0\]\) not granted within 1.\ds"):
         pool.ready(timeout_s=1.0)
+
+
+def test_submit_overlaps_and_collects(group):
+    first, second = group.echo.submit(7), group.weighted_sum.submit(1.0)
+    assert second.result() == (0, 3.0)
+    assert first.done() and first.result() == [(0, 7, 0), (1, 7, 0)]
+
+
+def test_constructor_failure_names_the_rank_and_cleans_up(group):
+    pool = ResourcePool("fail_pool", nodes=1, devices_per_node=1, cpus_per_slot=0.5)
+    try:
+        with pytest.raises(WorkerError, match=r"FailingInit\.__init__ raised on rank 0 of 1") as info:
+            WorkerGroup(pool, FailingInit, init_timeout_s=60)
+        assert "RuntimeError: cannot build this role" in str(info.value)
+    finally:
+        pool.shutdown()
 
 
 def test_shutdown_kills_actors_and_frees_the_pool(group):
@@ -256,4 +278,4 @@ def test_shutdown_kills_actors_and_frees_the_pool(group):
     deadline = time.monotonic() + 10
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert ray.available_resources().get("CPU", 0) == 2
+    assert ray.available_resources().get("CPU", 0) == 2  # every pool of the module is gone
