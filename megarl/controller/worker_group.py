@@ -101,7 +101,8 @@ class _WorkerHost:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def init_world(self, master_addr: str, master_port: int, worker_cls: type, args: tuple, kwargs: dict, pg_timeout_s: float) -> int:
+    def init_world(self, master_addr: str, master_port: int, build: tuple[type, tuple, dict], pg_timeout_s: float) -> int:
+        worker_cls, args, kwargs = build
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         from megarl.platform.distributed import init_distributed
 
@@ -125,7 +126,7 @@ class WorkerGroup:
     Args:
         pool: where the ranks run (`ready()` is awaited here, bounded by the pool's timeout).
         worker_cls: a plain Python class (not `ray.remote`); its `@dispatch` methods become methods of the group.
-        *args, **kwargs: passed to `worker_cls` on every rank (serialised once per rank at start-up).
+        *args, **kwargs: passed to `worker_cls` on every rank (serialised once, at start-up).
         env: extra environment variables for every rank (set before the worker process imports anything).
         call_timeout_s: default seconds a controller call waits for all ranks (a method's
             `dispatch(..., timeout_s=...)` overrides it; the attribute may be changed later).
@@ -172,10 +173,8 @@ class WorkerGroup:
             self._actors.append(host_cls.options(**opts).remote(rank, pool.world_size, bundle, pool.devices_per_node))
         try:
             addr, port = self._gather([self._actors[0].address.remote()], "address of rank 0", init_timeout_s)[0]
-            init = [
-                a.init_world.remote(addr, port, worker_cls, args, kwargs, max(init_timeout_s, call_timeout_s))
-                for a in self._actors
-            ]
+            build = ray.put((worker_cls, args, kwargs))  # serialised once for all ranks
+            init = [a.init_world.remote(addr, port, build, max(init_timeout_s, call_timeout_s)) for a in self._actors]
             self._gather(init, f"{worker_cls.__name__}.__init__", init_timeout_s)
         except BaseException:
             self._kill_actors()
