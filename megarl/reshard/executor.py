@@ -12,6 +12,9 @@ Buckets: (destination rank, vLLM parameter) units in the plan's order (identical
 every rank's send plus receive bytes in the bucket stay within `bucket_bytes`, so a rank's communication buffers
 never exceed one bucket (a single parameter shard larger than the bucket travels alone). No rank ever materialises a full
 TP-sharded parameter: it only holds its Megatron shards and the vLLM shards it needs.
+
+Delta mode (opt-in, `delta=DeltaState()`): after a first full sync, remote ops move only the elements that changed
+since the last sync (indices + values, or dense when that is cheaper); see `megarl.reshard.delta`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from megarl.reshard.delta import BucketDelta, DeltaState, exchange_bucket
 from megarl.reshard.layouts import Placement, vllm_needs, vllm_param_shapes
 from megarl.reshard.planner import ReshardPlan, TransferOp
 
@@ -40,17 +44,27 @@ class WeightSink(Protocol):
     def finish(self) -> None:
         """The reshard is complete (e.g. reset the prefix cache)."""
 
+    # Optional attribute `keeps_targets: bool`: True when `target` returns the tensor holding what was committed for
+    # `param` at the previous reshard (required by delta mode, which writes only the changed elements).
+
 
 class DictSink:
-    """A sink that keeps each vLLM shard as a plain tensor (tests, benchmarks, the naive baseline)."""
+    """A sink that keeps each vLLM shard as a plain tensor (tests, benchmarks, the naive baseline).
 
-    def __init__(self, device: Optional[torch.device] = None) -> None:
+    `persistent=True` hands back the same tensors at every reshard (needed by delta mode); otherwise each reshard
+    writes into fresh tensors.
+    """
+
+    def __init__(self, device: Optional[torch.device] = None, persistent: bool = False) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.committed: list[str] = []
         self.device = device
+        self.keeps_targets = persistent
 
     def target(self, param, shape, dtype):
-        self.tensors[param] = torch.zeros(shape, dtype=dtype, device=self.device)
+        old = self.tensors.get(param)
+        if not (self.keeps_targets and old is not None and old.shape == tuple(shape) and old.dtype == dtype):
+            self.tensors[param] = torch.zeros(shape, dtype=dtype, device=self.device)
         return self.tensors[param]
 
     def commit(self, param):
@@ -67,7 +81,17 @@ class ReshardReport:
     bytes_received / bytes_local / bytes_lower_bound / bytes_naive: see `planner.RankStats`.
     peak_extra_bytes: largest sum of this rank's send and receive bytes in one bucket: the used part of the one
         workspace buffer the executor adds on top of the Megatron shards and the destination tensors (the buffer is
-        kept between reshards; `release_workspace()` frees it).
+        kept between reshards; `release_workspace()` frees it). In delta mode it includes indices and counts.
+
+    Delta mode (`delta=DeltaState()`; outside it the fields keep their defaults):
+    bytes_received / bytes_sent: payload actually moved (int32 indices + values); `bytes_lower_bound` stays the
+        dense lower bound, so the saving is `1 - bytes_received / bytes_lower_bound`.
+    bytes_control: the per-op int64 change counts this rank received (8 bytes per remote op received).
+    delta_elements / delta_changed: elements of the remote ops this rank received / how many had changed.
+    delta_changed_fraction: delta_changed / delta_elements (1.0 on a full sync, 0.0 when nothing was received).
+    delta_sparse_ops / delta_dense_ops: remote ops received as indices + values / as every value.
+    delta_sync: 1.0 when deltas flowed with every peer of this rank, 0.0 when some pair synced in full (first sync,
+        after `reset()` on either side); ops of a full pair count as dense ops with every element changed.
     """
 
     rank: int
@@ -79,6 +103,13 @@ class ReshardReport:
     peak_extra_bytes: int
     buckets: int
     time_s: float
+    bytes_control: int = 0
+    delta_elements: int = 0
+    delta_changed: int = 0
+    delta_changed_fraction: float = 1.0
+    delta_sparse_ops: int = 0
+    delta_dense_ops: int = 0
+    delta_sync: float = 0.0
 
     def as_metrics(self, prefix: str = "reshard/") -> dict[str, float]:
         return {prefix + k: float(v) for k, v in dataclasses.asdict(self).items() if k != "rank"}
@@ -149,6 +180,7 @@ def execute_reshard(
     bucket_bytes: int = 256 << 20,
     group: Optional[dist.ProcessGroup] = None,
     device: Optional[torch.device] = None,
+    delta: Optional[DeltaState] = None,
 ) -> ReshardReport:
     """Run `plan` on this rank. Collective over the actor's ranks (every rank calls it with the same plan).
 
@@ -159,14 +191,26 @@ def execute_reshard(
         bucket_bytes: bound on the bytes one bucket moves between ranks.
         group: process group spanning the actor's ranks (global ranks are used for peers); default world.
         device: device of the communication buffers (default: the sources' device).
+        delta: opt-in delta mode: the same `DeltaState` at every call; the first call (and any after `reset()`)
+            is a full sync that takes snapshots, later ones send only changed elements. Needs a sink whose targets
+            persist (`keeps_targets`).
     """
     rank = dist.get_rank() if dist.is_initialized() else plan.train.rank_offset
     start_time = time.perf_counter()
-    dtype = next(iter(sources.values())).dtype if sources else torch.float32
-    device = device or (next(iter(sources.values())).device if sources else torch.device("cpu"))
-    if sources and next(iter(sources.values())).element_size() != plan.dtype_bytes:
+    # Wire and destination dtype: the sources' dtype of the plan's element size. A bf16 engine on the CPU keeps its
+    # norms in fp32 (megatron-core's torch-norm fallback); they are cast on the way, so every rank agrees.
+    dtype = next((t.dtype for t in sources.values() if t.element_size() == plan.dtype_bytes), None)
+    if sources and dtype is None:
         raise ValueError(
-            f"plan was built for {plan.dtype_bytes}-byte elements but the Megatron weights are {dtype}"
+            f"plan was built for {plan.dtype_bytes}-byte elements but the Megatron weights are "
+            f"{sorted({str(t.dtype) for t in sources.values()})}"
+        )
+    dtype = dtype or torch.float32
+    device = device or (next(iter(sources.values())).device if sources else torch.device("cpu"))
+    if delta is not None and not getattr(sink, "keeps_targets", False):
+        raise ValueError(
+            f"delta mode needs a sink whose targets persist between reshards; {type(sink).__name__} does not "
+            "(use DictSink(persistent=True) or VllmShardSink(engine, persistent=True))"
         )
     my_infer_rank = plan.infer_rank_of[rank]
     shapes = vllm_param_shapes(plan.spec, plan.infer_tp, my_infer_rank)
@@ -190,6 +234,8 @@ def execute_reshard(
     received = sent = local = peak = 0
     buckets = _buckets(plan, bucket_bytes)
     workspace = _workspace(buckets, rank, dtype, device, plan.dtype_bytes)
+    delta_sync = delta.begin(plan, rank, group, device) if delta is not None else False
+    tally = BucketDelta()
     for bucket in buckets:
         send_ops: dict[int, list[TransferOp]] = defaultdict(list)
         recv_ops: dict[int, list[TransferOp]] = defaultdict(list)
@@ -203,6 +249,15 @@ def execute_reshard(
                 send_ops[op.dst].append(op)
             elif op.dst == rank:
                 recv_ops[op.src].append(op)
+        if delta is not None:
+            exchange_bucket(
+                send_ops, recv_ops,
+                piece_of=lambda op: _slice(sources[op.src_param], op.piece.dim, op.src_offset, op.piece.length),
+                target_of=lambda op: _slice(target(op.dst_param), op.piece.dim, op.dst_offset, op.piece.length),
+                written=lambda op: written(op.dst_param, op.piece.length),
+                state=delta, workspace=workspace, group=group, tally=tally,
+            )
+            continue
         # Pack sends and lay out receives back to back in the workspace (send + receive <= one bucket).
         p2p, cursor = [], 0
         recv_views: dict[int, torch.Tensor] = {}
@@ -238,8 +293,17 @@ def execute_reshard(
         raise RuntimeError(f"reshard left vLLM parameters incomplete on rank {rank}: {unfinished[:5]}")
     sink.finish()
     stats = next(s for s in plan.stats if s.rank == rank)
-    return ReshardReport(
+    report = ReshardReport(
         rank=rank, bytes_received=received, bytes_sent=sent, bytes_local=local,
         bytes_lower_bound=stats.bytes_lower_bound, bytes_naive=stats.bytes_naive,
         peak_extra_bytes=peak, buckets=len(buckets), time_s=time.perf_counter() - start_time,
+    )
+    if delta is None:
+        return report
+    delta.end()
+    return dataclasses.replace(
+        report, bytes_received=tally.received, bytes_sent=tally.sent, bytes_control=tally.control,
+        peak_extra_bytes=tally.peak, delta_elements=tally.considered, delta_changed=tally.changed,
+        delta_changed_fraction=tally.changed / tally.considered if tally.considered else float(not delta_sync),
+        delta_sparse_ops=tally.sparse_ops, delta_dense_ops=tally.dense_ops, delta_sync=float(delta_sync),
     )

@@ -1,0 +1,293 @@
+"""Delta mode for the reshard executor: after a first full sync, send only the elements that changed.
+
+Between two RL steps many weights do not change bit for bit (bf16 rounding absorbs small updates; frozen or
+sparsely-updated parameters). Delta mode keeps, on each rank, what it last sent and what it last received, and
+on later syncs moves only the changed elements of every remote `TransferOp`:
+
+  source rank, per remote op it sends:
+      mask = bits(current piece) != bits(snapshot of what it last sent)     # bitwise: NaN and -0.0 handled
+      count = mask.sum()
+      kind = "none" (count 0) | "sparse" (int32 flat indices + values) | "dense" (every value, as without delta)
+  per bucket, two rounds of batched isend/irecv per peer pair:
+      1. counts: int64[ops from src to dst in this bucket]  (both sides then know every op's kind and payload size)
+      2. payload: values (weight dtype, tag 0) and, when some op is sparse, indices (int32, tag 1)
+  destination rank: applies each op's payload onto the persistent destination shard (the previous sync's result),
+      which the sink then delivers as without delta mode.
+
+Sparse costs `count * (4 + e)` bytes against `numel * e` dense (e = element bytes), so an op is sent sparse only
+while fewer than e / (4 + e) of its elements changed: 1/3 for bf16, 1/2 for fp32 (`wire_kind`). Local ops are
+copied whole, as without delta mode (no traffic).
+
+Memory (per rank, on top of the default path):
+  - snapshots: one contiguous copy of every piece this rank sends (= the default path's `bytes_sent`), kept in
+    `DeltaState` between syncs;
+  - the destination shards must persist between syncs in the sink (`DictSink(persistent=True)`,
+    `VllmShardSink(engine, persistent=True)`): on the CPU vLLM build that is one extra inference shard of the model;
+    on GPU, a sink that hands out the engine's own parameters costs nothing extra;
+  - an int32 index buffer for the sparse ops of the largest bucket (grown on demand, kept in `DeltaState`).
+
+Coherence: a delta is only correct if the receiver's shard still equals what the sender's snapshot says it sent.
+Each sync starts with a handshake (one int64 each way per peer rank of the plan, batched isend/irecv): a rank is
+ready when its state completed a sync of the same plan since the last `reset()` and no sync raised midway; between
+two peers deltas flow only when both are ready, otherwise every op between them travels dense (count = numel) and
+the snapshots are retaken. So the first sync is full, and a rank that resets re-syncs fully with its peers alone;
+no collective over a group is needed (the default path is point-to-point only, and so is delta mode). Call
+`reset()` whenever the inference weights were replaced behind the executor's back (engine rebuilt, weights
+offloaded and reloaded from elsewhere, another sink).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.reshard.planner import ReshardPlan, TransferOp
+
+NONE, SPARSE, DENSE = "none", "sparse", "dense"
+INDEX_BYTES = 4  # int32 flat indices
+_MAX_SPARSE_NUMEL = 2**31 - 1  # int32 indices: larger pieces always go dense
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t` reinterpreted as same-width integers (no copy; works on strided views)."""
+    return t.view(_BITS[t.element_size()])
+
+
+def changed_mask(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """bool[current.shape]: elements whose bits differ (NaN == NaN when identical bits; -0.0 != 0.0)."""
+    return _bits(current) != _bits(previous)
+
+
+def wire_kind(changed: int, numel: int, elem_bytes: int) -> str:
+    """How an op with `changed` of `numel` elements travels: NONE, SPARSE (indices + values) or DENSE (values).
+
+    Sparse is chosen only when strictly cheaper: changed * (4 + elem_bytes) < numel * elem_bytes.
+    """
+    if changed == 0:
+        return NONE
+    if numel <= _MAX_SPARSE_NUMEL and changed * (INDEX_BYTES + elem_bytes) < numel * elem_bytes:
+        return SPARSE
+    return DENSE
+
+
+def payload_elems(changed: int, numel: int, elem_bytes: int) -> tuple[int, int]:
+    """(value elements, index elements) an op puts on the wire."""
+    kind = wire_kind(changed, numel, elem_bytes)
+    if kind == SPARSE:
+        return changed, changed
+    return (numel, 0) if kind == DENSE else (0, 0)
+
+
+def pack(current: torch.Tensor, mask: torch.Tensor, kind: str, values_out: torch.Tensor,
+         indices_out: torch.Tensor) -> None:
+    """Write an op's payload: values (row-major order of `current`'s shape) and, if SPARSE, int32 flat indices.
+
+    `values_out` / `indices_out`: flat buffers of exactly `payload_elems(...)` elements.
+    """
+    if kind == DENSE:
+        values_out.view(current.shape).copy_(current)
+    elif kind == SPARSE:
+        if values_out.dtype == current.dtype:
+            torch.masked_select(current, mask, out=values_out)
+        else:  # fp32 norms of a bf16 engine travel as bf16
+            values_out.copy_(current[mask])
+        indices_out.copy_(mask.reshape(-1).nonzero().squeeze(1))
+
+
+def unpack(target: torch.Tensor, kind: str, values: torch.Tensor, indices: torch.Tensor) -> None:
+    """Apply an op's payload onto `target` (the receiver's previous copy of the piece; any strides), in place."""
+    if kind == DENSE:
+        target.copy_(values.view(target.shape))
+    elif kind == SPARSE:
+        flat = indices.long()
+        where = torch.unravel_index(flat, target.shape) if target.dim() > 1 else (flat,)
+        target.index_put_(where, values)
+
+
+def update_snapshot(snapshot: torch.Tensor, current: torch.Tensor, mask: torch.Tensor, kind: str) -> None:
+    """Bring the sender's snapshot to what the receiver now holds."""
+    if kind == DENSE:
+        snapshot.copy_(current)
+    elif kind == SPARSE:
+        snapshot[mask] = current[mask]
+
+
+class DeltaState:
+    """What one rank remembers between syncs in delta mode (pass the same object to every `execute_reshard`).
+
+    Holds a snapshot of every piece this rank sent at the last sync (bytes = the plan's `bytes_sent` for this
+    rank) and a grow-only int32 index buffer. `reset()` drops them: the next sync is full.
+    """
+
+    def __init__(self) -> None:
+        self.snapshots: dict[TransferOp, torch.Tensor] = {}
+        self.syncs = 0  # completed syncs since the last reset
+        self.pair_ready: dict[int, bool] = {}  # peer rank -> deltas flow with it in the current sync
+        self._plan_id: Optional[int] = None
+        self._in_flight = False
+        self._index_buf: Optional[torch.Tensor] = None
+
+    def reset(self) -> None:
+        self.snapshots.clear()
+        self.syncs = 0
+        self.pair_ready = {}
+        self._plan_id = None
+        self._in_flight = False
+        self._index_buf = None
+
+    def snapshot_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.snapshots.values())
+
+    def begin(self, plan: ReshardPlan, rank: int, group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
+        """Start a sync: handshake with every peer of `rank` in `plan`; True when deltas flow with all of them."""
+        ready = self.syncs > 0 and not self._in_flight and self._plan_id == id(plan)
+        if not ready:
+            self.snapshots.clear()
+        peers = sorted({op.dst if op.src == rank else op.src for op in plan.ops
+                        if op.src != op.dst and rank in (op.src, op.dst)})
+        mine = torch.tensor([int(ready)], dtype=torch.int64, device=device)
+        theirs = {p: torch.zeros(1, dtype=torch.int64, device=device) for p in peers}
+        p2p = [dist.P2POp(dist.isend, mine, p, group) for p in peers]
+        p2p += [dist.P2POp(dist.irecv, theirs[p], p, group) for p in peers]
+        if p2p:
+            for req in dist.batch_isend_irecv(p2p):
+                req.wait()
+        self.pair_ready = {p: ready and bool(t.item()) for p, t in theirs.items()}
+        self._plan_id = id(plan)
+        self._in_flight = True
+        return ready and all(self.pair_ready.values())
+
+    def end(self) -> None:
+        self._in_flight = False
+        self.syncs += 1
+
+    def remember(self, op: TransferOp, sent: torch.Tensor) -> None:
+        """A dense send: keep (or refresh) a copy of what `op` sent."""
+        snap = self.snapshots.get(op)
+        if snap is None or snap.shape != sent.shape or snap.dtype != sent.dtype:
+            self.snapshots[op] = sent.clone(memory_format=torch.contiguous_format)
+        else:
+            snap.copy_(sent)
+
+    def index_buffer(self, n: int, device: torch.device) -> torch.Tensor:
+        if self._index_buf is None or self._index_buf.numel() < n or self._index_buf.device != device:
+            self._index_buf = torch.empty(max(n, 1), dtype=torch.int32, device=device)
+        return self._index_buf
+
+
+class BucketDelta:
+    """Tallies of one delta sync on this rank (receiver side for changed/considered; both sides for bytes)."""
+
+    def __init__(self) -> None:
+        self.received = self.sent = self.control = self.peak = 0
+        self.considered = self.changed = 0
+        self.sparse_ops = self.dense_ops = 0
+
+
+def exchange_bucket(
+    send_ops: dict[int, list[TransferOp]],
+    recv_ops: dict[int, list[TransferOp]],
+    piece_of: Callable[[TransferOp], torch.Tensor],
+    target_of: Callable[[TransferOp], torch.Tensor],
+    written: Callable[[TransferOp], None],
+    state: DeltaState,
+    workspace: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    tally: BucketDelta,
+) -> None:
+    """Delta exchange of one bucket's remote ops (point-to-point with the peers of this rank in the bucket).
+
+    Ops to a peer that is not `state.pair_ready` are sent whole (count = numel, hence dense) and snapshotted.
+
+    piece_of(op): this rank's current source view of a send op; target_of(op): the destination view of a receive
+    op (holding the previous sync's values); written(op): called once each receive op is applied.
+    `workspace`: the executor's flat buffer in the weights' dtype, large enough for the bucket's dense traffic.
+    """
+    device = workspace.device
+    elem = workspace.element_size()
+    # Sender: diff every op against its snapshot.
+    diffs: dict[int, list[tuple[TransferOp, torch.Tensor, torch.Tensor, int]]] = defaultdict(list)
+    send_counts: dict[int, torch.Tensor] = {}
+    for dst, ops in sorted(send_ops.items()):
+        if not state.pair_ready.get(dst, False):
+            diffs[dst] = [(op, piece_of(op), None, op.nbytes // elem) for op in ops]
+            send_counts[dst] = torch.tensor([d[3] for d in diffs[dst]], dtype=torch.int64, device=device)
+            continue
+        masks = [(op, piece_of(op)) for op in ops]
+        masks = [(op, cur, changed_mask(cur, state.snapshots[op])) for op, cur in masks]
+        send_counts[dst] = torch.stack([m.sum() for _, _, m in masks]).to(torch.int64)  # no host sync per op
+        diffs[dst] = [(op, cur, m, c) for (op, cur, m), c in zip(masks, send_counts[dst].tolist())]
+    recv_counts = {src: torch.empty(len(ops), dtype=torch.int64, device=device) for src, ops in sorted(recv_ops.items())}
+    p2p = [dist.P2POp(dist.isend, c, dst, group) for dst, c in send_counts.items()]
+    p2p += [dist.P2POp(dist.irecv, c, src, group) for src, c in recv_counts.items()]
+    if p2p:
+        for req in dist.batch_isend_irecv(p2p):
+            req.wait()
+    tally.control += sum(c.numel() * 8 for c in recv_counts.values())
+
+    # Sizes of every message, known to both sides from the counts.
+    def sizes(ops_counts):
+        nv = ni = 0
+        for op, count in ops_counts:
+            v, i = payload_elems(count, op.nbytes // elem, elem)
+            nv, ni = nv + v, ni + i
+        return nv, ni
+
+    recv_list = {src: list(zip(ops, recv_counts[src].tolist())) for src, ops in recv_ops.items()}
+    send_sizes = {dst: sizes([(d[0], d[3]) for d in ds]) for dst, ds in diffs.items()}
+    recv_sizes = {src: sizes(oc) for src, oc in recv_list.items()}
+    total_idx = sum(s[1] for s in send_sizes.values()) + sum(s[1] for s in recv_sizes.values())
+    index_buf = state.index_buffer(total_idx, device)
+
+    p2p, vcur, icur = [], 0, 0
+    for dst, ds in diffs.items():
+        nv, ni = send_sizes[dst]
+        vbeg, ibeg = vcur, icur
+        for op, cur, mask, count in ds:
+            kind = wire_kind(count, cur.numel(), elem)
+            v, i = payload_elems(count, cur.numel(), elem)
+            pack(cur, mask, kind, workspace[vcur : vcur + v], index_buf[icur : icur + i])
+            if mask is None:
+                state.remember(op, cur)
+            else:
+                update_snapshot(state.snapshots[op], cur, mask, kind)
+            vcur, icur = vcur + v, icur + i
+        if nv:
+            p2p.append(dist.P2POp(dist.isend, workspace[vbeg:vcur], dst, group, tag=0))
+        if ni:
+            p2p.append(dist.P2POp(dist.isend, index_buf[ibeg:icur], dst, group, tag=1))
+        tally.sent += nv * elem + ni * INDEX_BYTES
+    recv_bufs = {}
+    for src, (nv, ni) in recv_sizes.items():
+        vals, idx = workspace[vcur : vcur + nv], index_buf[icur : icur + ni]
+        if nv:
+            p2p.append(dist.P2POp(dist.irecv, vals, src, group, tag=0))
+        if ni:
+            p2p.append(dist.P2POp(dist.irecv, idx, src, group, tag=1))
+        recv_bufs[src] = (vals, idx)
+        vcur, icur = vcur + nv, icur + ni
+        tally.received += nv * elem + ni * INDEX_BYTES
+    tally.peak = max(tally.peak, vcur * elem + icur * INDEX_BYTES
+                     + 8 * sum(c.numel() for c in (*send_counts.values(), *recv_counts.values())))
+    if p2p:
+        for req in dist.batch_isend_irecv(p2p):
+            req.wait()
+
+    for src, oc in recv_list.items():
+        vals, idx = recv_bufs[src]
+        vo = io = 0
+        for op, count in oc:
+            numel = op.nbytes // elem
+            kind = wire_kind(count, numel, elem)
+            v, i = payload_elems(count, numel, elem)
+            unpack(target_of(op), kind, vals[vo : vo + v], idx[io : io + i])
+            vo, io = vo + v, io + i
+            tally.considered += numel
+            tally.changed += count
+            tally.sparse_ops += kind == SPARSE
+            tally.dense_ops += kind == DENSE
+            written(op)
