@@ -3,6 +3,8 @@
     python benchmarks/reshard.py --model-shape 0.5b --train-tp 2 --train-pp 2 --infer-tp 2 [--json FILE]
     python benchmarks/reshard.py --model-shape 7b --dtype bf16 --into-vllm            # on one GPU: refit time
     python benchmarks/reshard.py --simulate --model-shape 70b --train-tp 8 --train-pp 8 --train-dp 4 --infer-tp 8
+    python benchmarks/reshard.py --delta --delta-change-fraction 0.1 --model-shape tiny --train-tp 2 --train-pp 2 \
+        --infer-tp 2 --dtype bf16
 
 Measured mode starts train_tp*train_pp*train_dp ranks itself (gloo on CPU, NCCL on GPU) unless it is already under
 torchrun, builds the Megatron model at the training layout with deterministic weights, and on every rank runs the
@@ -12,6 +14,12 @@ vLLM shards. Reported (JSON): per rank `bytes_received`, `bytes_local`, `bytes_l
 rank), their ratio, and the machine.
 
 Simulation mode (`--simulate`) runs only the planner for cluster shapes and prints bytes per rank against naive.
+
+Delta mode (`--delta`): one full sync into persistent shards, then per repeat: change `--delta-change-fraction` of
+every parameter's elements (+1.0, the same elements on replicas), sync in delta mode, and reshard the same weights
+in full into fresh tensors (the dense reference: identical shards required); finally one delta sync with no change.
+Reported per rank: payload bytes received (indices + values) against the dense lower bound, the changed fraction
+the receivers saw, sparse/dense op counts; overall delta, dense and no-change times (median, slowest rank).
 """
 
 from __future__ import annotations
@@ -130,9 +138,11 @@ def _measure_rank(rank, world_size, args_dict):
     _fill_deterministic(engine)
     build_s = time.perf_counter() - t0
     sources = megatron_sources(engine)
-    elem = next(iter(sources.values())).element_size()
+    elem = 2 if args.dtype == "bf16" else 4  # a CPU bf16 engine keeps its norms in fp32: not the first tensor's size
     plan = plan_reshard(spec, groups.topology, args.infer_tp, dtype_bytes=elem)
     bucket = int(args.bucket_mb * 2**20)
+    if args.delta:
+        return _measure_delta(args, engine, groups, plan, sources, bucket, build_s)
 
     def timed(fn):
         dist.barrier()
@@ -167,6 +177,112 @@ def _measure_rank(rank, world_size, args_dict):
         "buckets": report.buckets, "weights_exact": bool(flag.item()),
         "times": times, "naive_times": naive_times, "build_s": build_s,
     }
+
+
+def _perturb(engine, fraction: float, step: int) -> None:
+    """+1.0 on `fraction` of each parameter's elements (seeded like `_fill_deterministic`: replicas agree)."""
+    import torch
+
+    from megarl.checkpoint.name_map import module_param_layout
+    from megarl.reshard.sources import megatron_sources
+
+    tp_rank = engine.groups.coord.tp
+    tied = engine.spec.tie_word_embeddings
+    for name, t in sorted(megatron_sources(engine).items()):
+        key = "embedding.word_embeddings.weight" if (tied and name == "output_layer.weight") else name
+        replicated = module_param_layout(engine.spec, key).kind == "replicated"
+        seed = (zlib.crc32(key.encode()) * 31 + (0 if replicated else tp_rank) + 7919 * (step + 1)) % (2**31)
+        g = torch.Generator().manual_seed(seed)
+        t[torch.rand(t.shape, generator=g) < fraction] += 1.0
+
+
+def _measure_delta(args, engine, groups, plan, sources, bucket, build_s) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from megarl.reshard.delta import DeltaState
+    from megarl.reshard.executor import DictSink, execute_reshard
+
+    def timed(fn):
+        dist.barrier()
+        t = time.perf_counter()
+        out = fn()
+        elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return out, float(elapsed)
+
+    state, sink = DeltaState(), DictSink(persistent=True)
+    first, first_s = timed(lambda: execute_reshard(plan, sources, sink, bucket_bytes=bucket, delta=state))
+    delta_times, full_times, exact = [], [], True
+    report = full_report = None
+    for step in range(args.repeats):
+        _perturb(engine, args.delta_change_fraction, step)
+        report, t = timed(lambda: execute_reshard(plan, sources, sink, bucket_bytes=bucket, delta=state))
+        delta_times.append(t)
+        full = DictSink()
+        full_report, t = timed(lambda: execute_reshard(plan, sources, full, bucket_bytes=bucket))
+        full_times.append(t)
+        exact &= set(full.tensors) == set(sink.tensors) and all(
+            torch.equal(full.tensors[k], sink.tensors[k]) for k in full.tensors)
+    quiet, quiet_s = timed(lambda: execute_reshard(plan, sources, sink, bucket_bytes=bucket, delta=state))
+    flag = torch.tensor([1 if exact else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return {
+        "rank": dist.get_rank(), "infer_tp_rank": plan.infer_rank_of[dist.get_rank()], "build_s": build_s,
+        "weights_exact": bool(flag.item()), "first_sync_s": first_s, "no_change_sync_s": quiet_s,
+        "times": delta_times, "naive_times": full_times,  # "naive" slot: the dense reshard of the same weights
+        "bytes_received": report.bytes_received, "bytes_sent": report.bytes_sent,
+        "bytes_control": report.bytes_control, "bytes_lower_bound": report.bytes_lower_bound,
+        "dense_bytes_received": full_report.bytes_received, "first_sync_bytes_received": first.bytes_received,
+        "no_change_bytes_received": quiet.bytes_received, "no_change_bytes_control": quiet.bytes_control,
+        "delta_elements": report.delta_elements, "delta_changed": report.delta_changed,
+        "delta_changed_fraction": report.delta_changed_fraction, "delta_sparse_ops": report.delta_sparse_ops,
+        "delta_dense_ops": report.delta_dense_ops, "peak_extra_bytes": report.peak_extra_bytes,
+        "dense_peak_extra_bytes": full_report.peak_extra_bytes, "snapshot_bytes": state.snapshot_bytes(),
+        "bytes_local": report.bytes_local,
+    }
+
+
+def _delta_summary(args, per_rank) -> dict:
+    spec = spec_for(args.model_shape)
+    delta_s = statistics.median(per_rank[0]["times"])
+    dense_s = statistics.median(per_rank[0]["naive_times"])
+    recv = sum(r["bytes_received"] for r in per_rank)
+    dense = sum(r["dense_bytes_received"] for r in per_rank)
+    changed = sum(r["delta_changed"] for r in per_rank)
+    elems = sum(r["delta_elements"] for r in per_rank)
+    result = {
+        "mode": "delta", "model_shape": args.model_shape, "params": spec.num_params, "dtype": args.dtype,
+        "train_tp": args.train_tp, "train_pp": args.train_pp, "train_dp": args.train_dp, "infer_tp": args.infer_tp,
+        "bucket_bytes": int(args.bucket_mb * 2**20), "repeats": args.repeats,
+        "delta_change_fraction_requested": args.delta_change_fraction, "machine": machine(),
+        "command": "python " + " ".join(sys.argv),
+        "load_average_1m_at_end": os.getloadavg()[0],  # the CPU machines are shared: read timings with it
+        "weights_exact": all(r["weights_exact"] for r in per_rank),
+        "changed_fraction_measured": changed / elems if elems else 0.0,
+        "bytes_received_total": recv, "dense_bytes_received_total": dense,
+        "received_over_dense": recv / dense if dense else 0.0,
+        "no_change_bytes_received_total": sum(r["no_change_bytes_received"] for r in per_rank),
+        "no_change_bytes_control_total": sum(r["no_change_bytes_control"] for r in per_rank),
+        "delta_time_s": delta_s, "dense_time_s": dense_s, "dense_over_delta_time": dense_s / delta_s,
+        "first_sync_s": per_rank[0]["first_sync_s"], "no_change_sync_s": per_rank[0]["no_change_sync_s"],
+        "ranks": [{k: v for k, v in r.items() if k not in ("times", "naive_times", "weights_exact")}
+                  for r in per_rank],
+    }
+    mib = 2**20
+    print(f"{args.model_shape} ({spec.num_params / 1e6:.0f}M params, {args.dtype}) train tp={args.train_tp} "
+          f"pp={args.train_pp} dp={args.train_dp} -> infer tp={args.infer_tp} on {machine()}, delta mode, "
+          f"{args.delta_change_fraction:.0%} of elements changed per step")
+    for r in per_rank:
+        print(f"  rank {r['rank']}: received {r['bytes_received'] / mib:.2f} MiB payload (dense "
+              f"{r['dense_bytes_received'] / mib:.2f}, counts {r['bytes_control'] / 1024:.1f} KiB), changed "
+              f"{r['delta_changed_fraction']:.3f}, ops sparse/dense {r['delta_sparse_ops']}/{r['delta_dense_ops']}, "
+              f"snapshots {r['snapshot_bytes'] / mib:.2f} MiB")
+    print(f"  total received / dense = {result['received_over_dense']:.3f}; no-change sync received "
+          f"{result['no_change_bytes_received_total']} B payload")
+    print(f"  time: delta {delta_s:.3f}s, dense {dense_s:.3f}s, no change {result['no_change_sync_s']:.3f}s; "
+          f"weights exact: {result['weights_exact']}")
+    return result
 
 
 def _refit_into_vllm(args, spec, plan, sources, bucket, timed) -> list[float]:
@@ -217,6 +333,8 @@ def measure(args) -> dict:
         per_rank = [_measure_rank(rank, ws, vars(args))]  # each rank reports its own line under torchrun
     else:
         per_rank = run_ranks(world, _measure_rank, vars(args), timeout_s=args.timeout_s)
+    if args.delta:
+        return _delta_summary(args, per_rank)
     spec = spec_for(args.model_shape)
     time_s = statistics.median(per_rank[0]["times"])
     naive_s = statistics.median(per_rank[0]["naive_times"])
@@ -262,6 +380,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--into-vllm", action="store_true",
                    help="also time the refit into a real vLLM engine (random-weight engine, Llama presets)")
+    p.add_argument("--delta", action="store_true",
+                   help="delta mode: after a full sync, perturb the weights and sync only what changed")
+    p.add_argument("--delta-change-fraction", type=float, default=0.1,
+                   help="with --delta: fraction of every parameter's elements changed between syncs")
     p.add_argument("--simulate", action="store_true", help="planner only, for cluster shapes (no ranks started)")
     p.add_argument("--timeout-s", type=float, default=1800.0)
     p.add_argument("--json", help="write the result here")
@@ -271,7 +393,7 @@ def main(argv=None) -> int:
     else:
         result = measure(args)
         if not result["weights_exact"]:
-            print("reshard.py: planned and naive reshard disagree", file=sys.stderr)
+            print("reshard.py: planned and reference reshard disagree", file=sys.stderr)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
