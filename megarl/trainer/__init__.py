@@ -1,1 +1,70 @@
+"""The RL trainer: `run(cfg)` is what `megarl train CONFIG` calls after the config validated.
 
+It joins a Ray cluster (`RAY_ADDRESS`, e.g. from `launch/ray_submit.sh`) or starts a local one, places a
+`HybridWorker` on every device slot of the actor's pool (actor, reference/critic and the vLLM engine colocated),
+and runs `RLTrainer.fit` on this process, the single controller. Metrics go to the console and to
+`<logging.dir>/metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+from megarl.config.schema import JobConfig
+
+logger = logging.getLogger("megarl.trainer")
+
+
+def run(cfg: JobConfig) -> Optional[int]:
+    import ray
+
+    from megarl.controller.resource_pool import ResourcePool
+    from megarl.controller.worker_group import WorkerGroup
+    from megarl.data.dataset import PromptDataset, PromptLoader
+    from megarl.data.tokenization import PromptEncoder
+    from megarl.platform.device import device_kind
+    from megarl.rewards import build_reward_fn
+    from megarl.trainer.engine_model_dir import engine_model_dir
+    from megarl.trainer.hybrid_worker import HybridWorker
+    from megarl.trainer.rl_trainer import RLTrainer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run_dir = os.path.abspath(cfg.logging.dir)
+    os.makedirs(run_dir, exist_ok=True)
+    # Everything the controller needs is checked before any worker starts.
+    dataset = PromptDataset.from_config(cfg.data, split="train")
+    val = PromptDataset.from_config(cfg.data, split="val") if cfg.data.val_path else None
+    loader = PromptLoader(dataset, cfg.data.prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    encoder = PromptEncoder(cfg.model.tokenizer or cfg.model.path, cfg.data.chat_template)
+    reward_fn = build_reward_fn(cfg.reward)
+    model_dir = engine_model_dir(cfg, run_dir)
+
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        address = os.environ.get("RAY_ADDRESS")
+        ray.init(address=address, include_dashboard=False, log_to_driver=True,
+                 **({} if address else {"num_cpus": max(2, os.cpu_count() or 2)}))
+    pool_cfg = cfg.resources.pools[cfg.actor.pool]
+    pool = ResourcePool(cfg.actor.pool, nodes=pool_cfg.nodes, devices_per_node=pool_cfg.devices_per_node,
+                        device=device_kind(cfg.resources.device))
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(-(-cfg.rollout.kv_cache_gib // 1)))), "OMP_NUM_THREADS": "1"}
+    workers = None
+    try:
+        workers = WorkerGroup(pool, HybridWorker, cfg, model_dir, env=env)
+        trainer = RLTrainer(cfg, workers, loader, encoder, reward_fn,
+                            val_records=list(val) if val is not None else None,
+                            metrics_path=os.path.join(run_dir, "metrics.jsonl"))
+        results = trainer.fit()
+        last = results[-1].metrics if results else {}
+        logger.info("finished %d steps; last reward %.3f; metrics in %s", len(results),
+                    last.get("reward/mean", float("nan")), os.path.join(run_dir, "metrics.jsonl"))
+    finally:
+        if workers is not None:
+            workers.shutdown()  # kills the actors and removes the pool's placement groups
+        else:
+            pool.shutdown()
+        if started_ray:
+            ray.shutdown()
+    return 0

@@ -1,0 +1,129 @@
+"""`HybridWorker`: everything one device slot of the actor's pool runs (the colocated "hybrid engine").
+
+One instance per rank of the actor's pool, all in one torch.distributed world. It owns:
+  - the Megatron roles placed on this pool (actor; reference and critic when enabled), built from the job config
+    at their configured layouts (`megarl.roles.factory.build_role`), HF weights loaded directly;
+  - the vLLM rollout engine (one replica per `rollout.tp` consecutive ranks), built with random weights: its
+    weights only ever come from the actor through the reshard, before the first rollout and after every update;
+  - the reshard plan (actor layout -> rollout TP), built once.
+Every method is SPMD: the controller calls it on every rank (`megarl.controller` dispatch), because the roles'
+collectives need all ranks. Data path of one RL step (controller view):
+  prompts -> `generate` (each replica its chunk) -> rewards (controller) -> Batch -> `compute_log_probs`
+  (+ `compute_ref_log_probs`, `compute_values`) -> advantages (controller) -> `update_critic`, `update_actor`
+  -> `sync_weights` (reshard into vLLM for the next rollout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+from megarl.config.schema import JobConfig
+from megarl.controller.dispatch import Dispatch, dispatch
+from megarl.data.batch import Batch
+from megarl.reshard.executor import execute_reshard
+from megarl.reshard.planner import plan_reshard
+from megarl.reshard.sources import megatron_sources
+from megarl.reshard.vllm_sink import VllmShardSink
+from megarl.roles.factory import build_role
+from megarl.rollout.engine import SamplingSettings
+from megarl.trainer.samples import chunk_bounds
+
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class HybridWorker:
+    """One rank of the actor's pool: Megatron roles + vLLM engine + reshard (see module docstring)."""
+
+    def __init__(self, cfg: JobConfig, engine_model_dir: str) -> None:
+        from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine
+
+        self.cfg = cfg
+        for role in ("reference", "critic"):
+            if cfg.role(role).enabled and cfg.role(role).pool != cfg.actor.pool:
+                raise ValueError(
+                    f"{role}.pool={cfg.role(role).pool!r}: roles in their own pool are not supported by the "
+                    f"trainer yet; place it on the actor's pool {cfg.actor.pool!r}"
+                )
+        self.actor = build_role(cfg, "actor")
+        self.reference = build_role(cfg, "reference") if cfg.reference.enabled else None
+        self.critic = build_role(cfg, "critic") if cfg.critic.enabled else None
+        self.engine = VllmRolloutEngine(VllmEngineSettings.from_config(
+            cfg.rollout, engine_model_dir, load_format="dummy", dtype=VLLM_DTYPES[cfg.model.dtype],
+        ))
+        sources = megatron_sources(self.actor.engine)
+        elem = next(iter(sources.values())).element_size()
+        self.plan = plan_reshard(self.actor.engine.spec, self.actor.groups.topology, cfg.rollout.tp, dtype_bytes=elem)
+        self.sink = VllmShardSink(self.engine)
+        self.bucket_bytes = cfg.rollout.reshard_bucket_mb << 20
+
+    # ------------------------------------------------------------------------------------------- rollout
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def sync_weights(self) -> dict[str, float]:
+        """Reshard the actor's current weights into the vLLM engine; returns this rank's reshard metrics."""
+        report = execute_reshard(self.plan, megatron_sources(self.actor.engine), self.sink,
+                                 bucket_bytes=self.bucket_bytes)
+        return report.as_metrics()
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Optional[dict]:
+        """Sample responses for this replica's contiguous chunk of `prompts` (token ids, the whole step's list).
+
+        Returns, on the first rank of each replica (None on the others): {"samples": [RolloutSample with
+        prompt_index global], "dropped": [global prompt indices], "truncated": [...]}. GPU: the engine is woken
+        for the rollout and put back to sleep after it, freeing memory for training.
+        """
+        replicas, k = self.engine.replicas, self.engine.replica_index
+        lo, hi = chunk_bounds(len(prompts), replicas, k)
+        self.engine.wake()
+        try:
+            out = self.engine.generate(prompts[lo:hi], sampling)
+        finally:
+            self.engine.sleep()
+        if self.engine.tp_rank != 0:
+            return None
+        return {
+            "samples": [dataclasses.replace(s, prompt_index=lo + s.prompt_index) for s in out],
+            "dropped": [lo + i for i in out.dropped_prompt_indices],
+            "truncated": [lo + i for i in out.truncated_prompt_indices],
+        }
+
+    # ------------------------------------------------------------------------------------------- Megatron roles
+    @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
+    def compute_log_probs(self, batch: Batch) -> Optional[Batch]:
+        """Actor log-probs (and entropy) of the batch's tokens, token-aligned [B, S]; None off the last stage."""
+        return self.actor.compute_log_probs(batch)
+
+    @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
+    def compute_ref_log_probs(self, batch: Batch) -> Optional[Batch]:
+        if self.reference is None:
+            raise RuntimeError("reference.enabled is false: no reference role to compute log-probs with")
+        return self.reference.compute_log_probs(batch, with_entropy=False)
+
+    @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
+    def compute_values(self, batch: Batch) -> Optional[Batch]:
+        if self.critic is None:
+            raise RuntimeError("critic.enabled is false: no critic to compute values with")
+        return self.critic.compute_values(batch)
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """PPO/GSPO update of the actor over mini- and micro-batches; metrics (identical on every rank)."""
+        return self.actor.update(batch)
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        if self.critic is None:
+            raise RuntimeError("critic.enabled is false: no critic to update")
+        return self.critic.update(batch)
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def process_info(self) -> dict[str, object]:
+        """Where this worker runs (for logs): pid, rank, the actor's layout, the engine's replica."""
+        import torch.distributed as dist
+
+        return {
+            "pid": os.getpid(), "rank": dist.get_rank(), "world_size": dist.get_world_size(),
+            "actor_layout": self.actor.groups.topology.describe(), "rollout_replicas": self.engine.replicas,
+        }

@@ -1,0 +1,200 @@
+"""The RL loop, on the controller. One screen of dataflow; the work happens in the workers.
+
+    prompts -> rollout (vLLM, each replica its chunk) -> rewards -> old / reference log-probs (Megatron)
+            -> advantages -> critic + actor updates -> reshard into vLLM -> metrics
+
+`RLTrainer` talks to a group of `HybridWorker`s through `megarl.controller` (a Ray worker group): each call runs on
+every rank (SPMD) and returns the collected result. Rewards and advantages are computed here, on the controller,
+from plain tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import torch
+
+from megarl.algorithms import apply_kl_penalty, get_advantage, scores_to_token_rewards
+from megarl.config.schema import JobConfig
+from megarl.data.batch import Batch
+from megarl.rollout.engine import SamplingSettings
+from megarl.trainer.samples import samples_to_batch
+
+logger = logging.getLogger("megarl.trainer")
+
+SCORE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one RL step produced (all floats are means over the step's samples unless named otherwise)."""
+
+    step: int
+    metrics: dict[str, float]
+
+
+class RLTrainer:
+    """Drives `workers` (a `WorkerGroup` of `HybridWorker`) through `cfg.trainer.total_steps` RL steps."""
+
+    def __init__(self, cfg: JobConfig, workers, loader, encoder, reward_fn, val_records: Optional[list] = None,
+                 metrics_path: Optional[str] = None) -> None:
+        self.cfg = cfg
+        self.workers = workers
+        self.loader = loader
+        self.encoder = encoder
+        self.reward_fn = reward_fn
+        self.val_records = val_records or []
+        self.metrics_path = metrics_path
+        self.sampling = SamplingSettings.from_config(cfg.rollout)
+        self.estimator = cfg.algorithm.estimator
+        self.kl_in_reward = cfg.reference.enabled and cfg.algorithm.kl.placement == "reward" and cfg.algorithm.kl.coef > 0
+
+    # --------------------------------------------------------------------------------------------- the loop
+    def fit(self) -> list[StepResult]:
+        results = []
+        timings: dict[str, float] = {}
+        with _timer(timings, "sync_weights"):
+            self.workers.sync_weights()  # the engine starts with random weights: give it the actor's
+        for step in range(1, self.cfg.trainer.total_steps + 1):
+            results.append(self.step(step))
+            if self.val_records and self.cfg.trainer.val_every and step % self.cfg.trainer.val_every == 0:
+                results[-1].metrics.update(self.validate())
+            self._log(results[-1])
+        return results
+
+    def step(self, step: int) -> StepResult:
+        t: dict[str, float] = {}
+        start = time.perf_counter()
+        records = self.loader.next_batch()
+        prompts = [self.encoder.encode(r.prompt) for r in records]
+        sampling = dataclasses.replace(self.sampling, seed=self.sampling.seed + step)
+        with _timer(t, "rollout"):
+            samples, dropped = self._generate(prompts, sampling)
+        with _timer(t, "reward"):
+            scores = self._scores(samples, records)
+        batch = samples_to_batch(samples, pad_id=self.encoder.pad_token_id or 0)
+        batch.tensors["scores"] = scores
+        with _timer(t, "old_log_probs"):
+            old = self.workers.compute_log_probs(batch)
+            batch.tensors["old_log_probs"] = old.tensors["log_probs"]
+        if self.cfg.reference.enabled:
+            with _timer(t, "ref_log_probs"):
+                batch.tensors["ref_log_probs"] = self.workers.compute_ref_log_probs(batch).tensors["log_probs"]
+        if self.cfg.critic.enabled:
+            with _timer(t, "values"):
+                batch.tensors["old_values"] = self.workers.compute_values(batch).tensors["values"]
+        with _timer(t, "advantages"):
+            extra = self._advantages(batch)
+        metrics: dict[str, float] = {}
+        if self.cfg.critic.enabled:
+            with _timer(t, "update_critic"):
+                metrics.update({f"critic/{k}": v for k, v in self.workers.update_critic(batch).items()})
+        with _timer(t, "update_actor"):
+            metrics.update({f"actor/{k}": v for k, v in self.workers.update_actor(batch).items()})
+        with _timer(t, "sync_weights"):
+            reshard = self.workers.sync_weights()
+        mask = batch.tensors["response_mask"].float()
+        lengths = mask.sum(-1)
+        tokens = float(batch.tensors["attention_mask"].sum())
+        step_time = time.perf_counter() - start
+        metrics.update({
+            "reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min()),
+            "response_length/mean": float(lengths.mean()), "samples": float(len(samples)),
+            "prompts_dropped": float(len(dropped)), "tokens": tokens, "tokens_per_s": tokens / step_time,
+            "time/step_s": step_time, **{f"time/{k}_s": v for k, v in t.items()}, **extra,
+        })
+        if reshard:
+            first = reshard[0] if isinstance(reshard, list) else reshard
+            metrics.update({k: v for k, v in first.items() if k in ("reshard/bytes_received", "reshard/time_s",
+                                                                    "reshard/peak_extra_bytes")})
+        return StepResult(step, metrics)
+
+    # --------------------------------------------------------------------------------------------- pieces
+    def _generate(self, prompts: list[list[int]], sampling: SamplingSettings):
+        per_rank = self.workers.generate(prompts, sampling)
+        samples, dropped = [], []
+        for out in per_rank:
+            if out is None:
+                continue  # not the first rank of its replica
+            samples.extend(out["samples"])
+            dropped.extend(out["dropped"])
+        if dropped:
+            logger.warning("%d prompt(s) longer than rollout.max_prompt_tokens=%d were dropped this step "
+                           "(rollout.overlong_prompt=%s)", len(dropped), self.cfg.rollout.max_prompt_tokens,
+                           self.cfg.rollout.overlong_prompt)
+        samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
+        return samples, dropped
+
+    def _scores(self, samples, records) -> torch.Tensor:
+        from megarl.rewards import score_batch
+
+        texts = [self.encoder.decode(s.response_ids) for s in samples]
+        per_sample_records = [records[s.prompt_index] for s in samples]
+        return torch.tensor(score_batch(self.reward_fn, texts, per_sample_records), dtype=torch.float32)
+
+    def _advantages(self, batch: Batch) -> dict[str, float]:
+        """Fill `advantages` (and `returns` with a critic); returns KL metrics when KL is in the reward."""
+        algo = self.cfg.algorithm
+        tensors = batch.tensors
+        mask = tensors["response_mask"]
+        metrics: dict[str, float] = {}
+        estimator = get_advantage(self.estimator)
+        if self.estimator in SCORE_ESTIMATORS:
+            kwargs: dict[str, Any] = dict(scores=tensors["scores"], group_ids=tensors["group_ids"], response_mask=mask)
+            if self.estimator == "grpo":
+                kwargs["norm_by_std"] = algo.grpo_norm_by_std
+            advantages, returns = estimator(**kwargs)
+        else:
+            token_rewards = scores_to_token_rewards(tensors["scores"], mask)
+            if self.kl_in_reward:
+                token_rewards, kl_metrics = apply_kl_penalty(
+                    token_rewards, tensors["old_log_probs"], tensors["ref_log_probs"], mask, algo.kl.coef, algo.kl.kind
+                )
+                metrics.update({f"kl/{k}": float(v) for k, v in kl_metrics.items()})
+            if self.estimator == "gae":
+                advantages, returns = estimator(token_rewards, tensors["old_values"], mask, algo.gamma, algo.lam)
+            else:
+                advantages, returns = estimator(token_rewards, mask, algo.gamma)
+        tensors["advantages"] = advantages
+        tensors["returns"] = returns
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """Greedy (rollout.val_temperature) responses to the validation prompts; mean reward."""
+        prompts = [self.encoder.encode(r.prompt) for r in self.val_records]
+        sampling = SamplingSettings.from_config(self.cfg.rollout, validation=True)
+        samples, _ = self._generate(prompts, sampling)
+        scores = self._scores(samples, self.val_records)
+        return {"val/reward_mean": float(scores.mean()) if len(scores) else float("nan")}
+
+    def _log(self, result: StepResult) -> None:
+        m = result.metrics
+        if result.step % max(1, self.cfg.trainer.log_every) == 0:
+            logger.info(
+                "step %d/%d reward %.3f len %.1f loss %.4f kl %.4f grad_norm %.3f | %.1f s (rollout %.1f, update %.1f)",
+                result.step, self.cfg.trainer.total_steps, m["reward/mean"], m["response_length/mean"],
+                m.get("actor/loss", float("nan")), m.get("actor/approx_kl", float("nan")),
+                m.get("actor/grad_norm", float("nan")), m["time/step_s"], m["time/rollout_s"],
+                m["time/update_actor_s"],
+            )
+        if self.metrics_path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps({"step": result.step, **m}) + "\n")
+
+
+class _timer:
+    def __init__(self, into: dict[str, float], name: str) -> None:
+        self.into, self.name = into, name
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.into[self.name] = self.into.get(self.name, 0.0) + time.perf_counter() - self.start
+        return False
