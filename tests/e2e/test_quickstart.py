@@ -57,3 +57,22 @@ def test_the_policy_learns(quickstart_run):
     vals = {r["step"]: r["val/reward_mean"] for r in rows if "val/reward_mean" in r}
     assert set(vals) == {10, 20}
     assert vals[20] > vals[10]
+
+
+def test_ppo_with_a_critic_runs_end_to_end(tmp_path):
+    """PPO preset: GAE advantages from a critic (TP=2) colocated with the actor; 3 steps, every metric finite."""
+    import math
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart.yaml", "algorithm.name=ppo",
+         "critic.enabled=true", "critic.parallel={tp: 2}", "critic.optimizer.lr=1e-3", "trainer.total_steps=3",
+         "trainer.val_every=0", f"logging.dir={tmp_path}"],
+        cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        for key in ("critic/value_loss", "critic/grad_norm", "actor/loss", "reward/mean"):
+            assert math.isfinite(r[key]), (key, r[key])
+        assert r["critic/optimizer_steps"] == 1
