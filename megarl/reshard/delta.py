@@ -24,7 +24,8 @@ Memory (per rank, on top of the default path):
   - the destination shards must persist between syncs in the sink (`DictSink(persistent=True)`,
     `VllmShardSink(engine, persistent=True)`): on the CPU vLLM build that is one extra inference shard of the model;
     on GPU, a sink that hands out the engine's own parameters costs nothing extra;
-  - an int32 index buffer for the sparse ops of the largest bucket (grown on demand, kept in `DeltaState`).
+  - an int32 index buffer for the sparse ops of the largest bucket (grown on demand, kept in `DeltaState`), and
+    while a bucket is packed, one bool change mask per element this rank sends in it (counted in `peak_extra_bytes`).
 
 Coherence: a delta is only correct if the receiver's shard still equals what the sender's snapshot says it sent.
 Each sync starts with a handshake (one int64 each way per peer rank of the plan, batched isend/irecv): a rank is
@@ -271,7 +272,8 @@ def exchange_bucket(
         recv_bufs[src] = (vals, idx)
         vcur, icur = vcur + nv, icur + ni
         tally.received += nv * elem + ni * INDEX_BYTES
-    tally.peak = max(tally.peak, vcur * elem + icur * INDEX_BYTES
+    mask_bytes = sum(m.numel() for ds in diffs.values() for _, _, m, _ in ds if m is not None)  # bool: 1 B each
+    tally.peak = max(tally.peak, vcur * elem + icur * INDEX_BYTES + mask_bytes
                      + 8 * sum(c.numel() for c in (*send_counts.values(), *recv_counts.values())))
     if p2p:
         for req in dist.batch_isend_irecv(p2p):
