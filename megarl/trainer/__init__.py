@@ -8,13 +8,41 @@ and runs `RLTrainer.fit` on this process, the single controller. Metrics go to t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Optional
 
+from megarl.config import ConfigError
 from megarl.config.schema import JobConfig
 
 logger = logging.getLogger("megarl.trainer")
+
+
+def check_supported(cfg: JobConfig) -> None:
+    """Refuse, by config key, what the trainer does not run yet (rather than silently ignoring it)."""
+    unsupported = [b for b in cfg.logging.backends if b not in ("console", "jsonl")]
+    if unsupported:
+        raise ConfigError(f"logging.backends: {unsupported} not supported by the trainer yet; use console and jsonl "
+                          "(metrics.jsonl holds every metric of every step)")
+    if cfg.reward_model.enabled:
+        raise ConfigError("reward_model.enabled: learned reward models are not wired into the trainer yet; use a "
+                          "rule-based or user reward (reward.function / reward.file)")
+    for role in ("reference", "critic"):
+        if cfg.role(role).enabled and cfg.role(role).pool != cfg.actor.pool:
+            raise ConfigError(f"{role}.pool: {cfg.role(role).pool!r} differs from actor.pool {cfg.actor.pool!r}; "
+                              "the trainer colocates every role with the actor for now")
+
+
+@contextlib.contextmanager
+def _config_key(key: str):
+    """Re-raise a setup error (missing file, bad tokenizer, unknown reward) as a ConfigError naming `key`."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{key}: {e.args[0] if e.args else e}") from None
 
 
 def run(cfg: JobConfig) -> Optional[int]:
@@ -30,16 +58,22 @@ def run(cfg: JobConfig) -> Optional[int]:
     from megarl.trainer.hybrid_worker import HybridWorker
     from megarl.trainer.rl_trainer import RLTrainer
 
+    check_supported(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run_dir = os.path.abspath(cfg.logging.dir)
     os.makedirs(run_dir, exist_ok=True)
-    # Everything the controller needs is checked before any worker starts.
-    dataset = PromptDataset.from_config(cfg.data, split="train")
-    val = PromptDataset.from_config(cfg.data, split="val") if cfg.data.val_path else None
+    # Everything the controller needs is checked before any worker starts; problems name their config key.
+    with _config_key("data.train_path"):
+        dataset = PromptDataset.from_config(cfg.data, split="train")
+    with _config_key("data.val_path"):
+        val = PromptDataset.from_config(cfg.data, split="val") if cfg.data.val_path else None
     loader = PromptLoader(dataset, cfg.data.prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-    encoder = PromptEncoder(cfg.model.tokenizer or cfg.model.path, cfg.data.chat_template)
-    reward_fn = build_reward_fn(cfg.reward)
-    model_dir = engine_model_dir(cfg, run_dir)
+    with _config_key("model.tokenizer"):
+        encoder = PromptEncoder(cfg.model.tokenizer or cfg.model.path, cfg.data.chat_template)
+    with _config_key("reward.function"):
+        reward_fn = build_reward_fn(cfg.reward)
+    with _config_key("model.tokenizer"):
+        model_dir = engine_model_dir(cfg, run_dir)
 
     started_ray = not ray.is_initialized()
     if started_ray:

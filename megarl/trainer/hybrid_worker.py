@@ -40,12 +40,9 @@ class HybridWorker:
         from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine
 
         self.cfg = cfg
-        for role in ("reference", "critic"):
-            if cfg.role(role).enabled and cfg.role(role).pool != cfg.actor.pool:
-                raise ValueError(
-                    f"{role}.pool={cfg.role(role).pool!r}: roles in their own pool are not supported by the "
-                    f"trainer yet; place it on the actor's pool {cfg.actor.pool!r}"
-                )
+        from megarl.trainer import check_supported
+
+        check_supported(cfg)
         self.actor = build_role(cfg, "actor")
         self.reference = build_role(cfg, "reference") if cfg.reference.enabled else None
         self.critic = build_role(cfg, "critic") if cfg.critic.enabled else None
@@ -117,6 +114,34 @@ class HybridWorker:
         if self.critic is None:
             raise RuntimeError("critic.enabled is false: no critic to update")
         return self.critic.update(batch)
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    @dispatch(Dispatch.RANK_ZERO)
+    def save_checkpoint(self, step_dir: str) -> list[str]:
+        """Megatron distributed checkpoints of the trained roles under `step_dir` (actor/, critic/), each atomic.
+
+        Model weights only: the optimizer state (Adam moments) is not saved, so a resumed run restarts them.
+        """
+        from megarl.checkpoint.dist_ckpt import save_engine_checkpoint
+
+        saved = []
+        for name, role in (("actor", self.actor), ("critic", self.critic)):
+            if role is not None:
+                save_engine_checkpoint(role.engine, os.path.join(step_dir, name), hf_dir=self.cfg.model.path)
+                saved.append(name)
+        return saved
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def load_checkpoint(self, step_dir: str) -> list[str]:
+        """Load the trained roles' weights from `step_dir` (any layout they were saved at)."""
+        from megarl.checkpoint.dist_ckpt import load_engine_checkpoint
+
+        loaded = []
+        for name, role in (("actor", self.actor), ("critic", self.critic)):
+            if role is not None:
+                load_engine_checkpoint(role.engine, os.path.join(step_dir, name))
+                loaded.append(name)
+        return loaded
 
     @dispatch(Dispatch.RANK_ZERO)
     def process_info(self) -> dict[str, object]:

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 from typing import Any, Optional
 
@@ -23,6 +24,7 @@ from megarl.algorithms import apply_kl_penalty, get_advantage, scores_to_token_r
 from megarl.config.schema import JobConfig
 from megarl.data.batch import Batch
 from megarl.rollout.engine import SamplingSettings
+from megarl.trainer import checkpointing
 from megarl.trainer.samples import samples_to_batch
 
 logger = logging.getLogger("megarl.trainer")
@@ -57,15 +59,47 @@ class RLTrainer:
     # --------------------------------------------------------------------------------------------- the loop
     def fit(self) -> list[StepResult]:
         results = []
-        timings: dict[str, float] = {}
-        with _timer(timings, "sync_weights"):
-            self.workers.sync_weights()  # the engine starts with random weights: give it the actor's
-        for step in range(1, self.cfg.trainer.total_steps + 1):
+        first = self._resume() + 1
+        self.workers.sync_weights()  # the engine starts with random weights: give it the actor's
+        total = self.cfg.trainer.total_steps
+        for step in range(first, total + 1):
             results.append(self.step(step))
             if self.val_records and self.cfg.trainer.val_every and step % self.cfg.trainer.val_every == 0:
                 results[-1].metrics.update(self.validate())
             self._log(results[-1])
+            every = self.cfg.checkpoint.save_every
+            if self.cfg.checkpoint.dir and (step == total or (every and step % every == 0)):
+                self.save(step)
         return results
+
+    # --------------------------------------------------------------------------------------------- checkpoints
+    def _resume(self) -> int:
+        """Load the newest complete checkpoint when `checkpoint.resume`; returns the step it ended (0: none)."""
+        ckpt = self.cfg.checkpoint
+        if not (ckpt.dir and ckpt.resume):
+            return 0
+        path = checkpointing.latest(ckpt.dir)
+        if path is None:
+            return 0
+        state = checkpointing.read_state(path)
+        self.workers.load_checkpoint(path)
+        self.loader.load_state_dict(state["loader"])
+        logger.info("resumed from %s (step %d of %d; optimizer state restarts)", path, state["step"],
+                    self.cfg.trainer.total_steps)
+        return int(state["step"])
+
+    def save(self, step: int) -> str:
+        """Checkpoint the trained roles and the loader position after `step` (see `trainer.checkpointing`)."""
+        root = self.cfg.checkpoint.dir
+        path = checkpointing.step_dir(root, step)
+        if os.path.exists(path):  # an incomplete save of this step (no trainer_state.json): start over
+            shutil.rmtree(path)
+        os.makedirs(path)
+        self.workers.save_checkpoint(path)
+        checkpointing.write_state(path, {"step": step, "loader": self.loader.state_dict()})
+        pruned = checkpointing.prune(root, self.cfg.checkpoint.keep_last)
+        logger.info("saved checkpoint %s%s", path, f" (removed steps {pruned})" if pruned else "")
+        return path
 
     def step(self, step: int) -> StepResult:
         t: dict[str, float] = {}
