@@ -29,7 +29,9 @@ def naive_reshard(plan: ReshardPlan, groups: RoleGroups, sources: dict[str, torc
     spec, topo = plan.spec, plan.train
     rank = dist.get_rank()
     coord = groups.coord
-    dtype = next(iter(sources.values())).dtype
+    # The plan's element size decides the dtype (as in the executor): a CPU bf16 engine keeps fp32 norms, which are
+    # cast so every rank agrees on the wire format.
+    dtype = next(t.dtype for t in sources.values() if t.element_size() == plan.dtype_bytes)
     device = next(iter(sources.values())).device
     shapes = hf_shapes(spec)
     my_infer = plan.infer_rank_of[rank]
@@ -56,7 +58,7 @@ def naive_reshard(plan: ReshardPlan, groups: RoleGroups, sources: dict[str, torc
         full_shape = None
         gathered = None
         if coord.pp == owner:
-            shard = sources[name].contiguous()
+            shard = sources[name].to(dtype).contiguous()
             if topo.tp > 1:
                 parts = [torch.empty_like(shard) for _ in range(topo.tp)]
                 dist.all_gather(parts, shard, group=groups.pgs.tp)

@@ -53,12 +53,14 @@ class HybridWorker:
         elem = next(iter(sources.values())).element_size()
         self.plan = plan_reshard(self.actor.engine.spec, self.actor.groups.topology, cfg.rollout.tp, dtype_bytes=elem)
         self.sink = VllmShardSink(self.engine)
+        self._awake = True  # a new engine is awake
         self.bucket_bytes = cfg.rollout.reshard_bucket_mb << 20
 
     # ------------------------------------------------------------------------------------------- rollout
     @dispatch(Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> dict[str, float]:
         """Reshard the actor's current weights into the vLLM engine; returns this rank's reshard metrics."""
+        self._wake()  # never write weights into a sleeping engine (GPU: its weights live on the host then)
         report = execute_reshard(self.plan, megatron_sources(self.actor.engine), self.sink,
                                  bucket_bytes=self.bucket_bytes)
         return report.as_metrics()
@@ -73,11 +75,12 @@ class HybridWorker:
         """
         replicas, k = self.engine.replicas, self.engine.replica_index
         lo, hi = chunk_bounds(len(prompts), replicas, k)
-        self.engine.wake()
+        self._wake()
         try:
             out = self.engine.generate(prompts[lo:hi], sampling)
         finally:
-            self.engine.sleep()
+            self.engine.sleep()  # GPU: free the KV cache and weights for training
+            self._awake = False
         if self.engine.tp_rank != 0:
             return None
         return {
@@ -85,6 +88,11 @@ class HybridWorker:
             "dropped": [lo + i for i in out.dropped_prompt_indices],
             "truncated": [lo + i for i in out.truncated_prompt_indices],
         }
+
+    def _wake(self) -> None:
+        if not self._awake:
+            self.engine.wake()
+            self._awake = True
 
     # ------------------------------------------------------------------------------------------- Megatron roles
     @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
