@@ -123,17 +123,10 @@ def _worker(rank, world_size, hf_dir, infer_tp, cases):
 
 @pytest.fixture(scope="module")
 def hybrid_runs(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from megarl.rollout.testing import build_tiny_llama
+    from megarl.rollout.testing import build_tiny_llama, hf_greedy
 
     hf_dir = build_tiny_llama(str(tmp_path_factory.mktemp("hf") / "llama"), seed=3)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32, attn_implementation="eager")
-    expected = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            out = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, min_new_tokens=MAX_NEW)
-            expected.append(out[0, len(p):].tolist())
+    expected = hf_greedy(hf_dir, PROMPTS, MAX_NEW)
     by_case = {}
     for world, infer_tp, cases in WORLDS:
         for rank_result in run_ranks(world, _worker, hf_dir, infer_tp, cases, timeout_s=1200,

@@ -3,7 +3,6 @@ weights, so every weight it uses came through the reshard); greedy generations e
 log-probs equal the actor's within 1e-3 (fp32)."""
 
 import pytest
-import torch
 
 from megarl.platform.spawn import run_ranks
 from tests.distributed.test_hybrid_reshard_vllm import MAX_NEW, PROMPTS, _compare_log_probs
@@ -37,17 +36,10 @@ def _gpu_worker(rank, world_size, hf_dir):
 
 
 def test_hybrid_engine_on_gpu(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from megarl.rollout.testing import build_tiny_llama
+    from megarl.rollout.testing import build_tiny_llama, hf_greedy
 
     hf_dir = build_tiny_llama(str(tmp_path / "llama"), seed=3)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32, attn_implementation="eager")
-    expected = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            out = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, min_new_tokens=MAX_NEW)
-            expected.append(out[0, len(p):].tolist())
+    expected = hf_greedy(hf_dir, PROMPTS, MAX_NEW)
     generations, diff, _ = run_ranks(1, _gpu_worker, hf_dir, timeout_s=900)[0]
     assert generations == expected
     assert diff is not None and diff < 1e-3
