@@ -7,6 +7,7 @@ randomly initialised model (seeded by `trainer.seed`; with pp=1 the initial weig
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from megarl.config.placement import role_topology
@@ -45,18 +46,24 @@ def role_model_config(cfg: JobConfig, role: str) -> ModelConfig:
     return own if own is not None else cfg.model
 
 
-def build_role(cfg: JobConfig, role: str, groups: Optional[RoleGroups] = None) -> Optional[Role]:
+def build_role(cfg: JobConfig, role: str, groups: Optional[RoleGroups] = None,
+               rank_offset: Optional[int] = None) -> Optional[Role]:
     """Build `role` ('actor', 'reference', 'critic', 'reward_model') of `cfg` on this rank.
 
-    Collective over the world when `groups` is None (the role's process groups are created here). Returns None on
-    ranks outside the role's pool. Trained roles get their optimizer (LR schedule over `trainer.total_steps` x
+    Collective over the world when `groups` is None (the role's process groups are created here). `rank_offset`
+    is the role's first rank in this torch.distributed world: the pool's offset in the job-wide rank table by
+    default, 0 when each pool is its own world (the Ray trainer). Returns None on ranks outside the role. Trained roles get their optimizer (LR schedule over `trainer.total_steps` x
     `algorithm.ppo_epochs` x mini-batches per step), batching from the role's micro/mini-batch keys, and the actor
     its loss from `algorithm`.
     """
     if role not in ROLE_CLASSES:
         raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLE_CLASSES)}")
     role_cfg = cfg.role(role)
-    groups = groups or build_role_groups(role_topology(cfg, role))
+    if groups is None:
+        topo = role_topology(cfg, role)
+        if rank_offset is not None:
+            topo = dataclasses.replace(topo, rank_offset=rank_offset)
+        groups = build_role_groups(topo)
     if not groups.is_member:
         return None
     model = role_model_config(cfg, role)

@@ -1,8 +1,9 @@
 """The RL trainer: `run(cfg)` is what `megarl train CONFIG` calls after the config validated.
 
 It joins a Ray cluster (`RAY_ADDRESS`, e.g. from `launch/ray_submit.sh`) or starts a local one, places a
-`HybridWorker` on every device slot of the actor's pool (actor, reference/critic and the vLLM engine colocated),
-and runs `RLTrainer.fit` on this process, the single controller. Metrics go to the console and to
+`HybridWorker` on every device slot of the actor's pool (the actor, the vLLM engine and any role configured on the
+same pool), a `RoleWorker` group on each other pool (a critic, reference or reward model of its own layout and
+size), and runs `RLTrainer.fit` on this process, the single controller. Metrics go to the console and to
 `<logging.dir>/metrics.jsonl`.
 """
 
@@ -19,19 +20,23 @@ from megarl.config.schema import JobConfig
 logger = logging.getLogger("megarl.trainer")
 
 
+SIDE_ROLES = ("reference", "critic", "reward_model")
+
+
 def check_supported(cfg: JobConfig) -> None:
     """Refuse, by config key, what the trainer does not run yet (rather than silently ignoring it)."""
     unsupported = [b for b in cfg.logging.backends if b not in ("console", "jsonl")]
     if unsupported:
         raise ConfigError(f"logging.backends: {unsupported} not supported by the trainer yet; use console and jsonl "
                           "(metrics.jsonl holds every metric of every step)")
-    if cfg.reward_model.enabled:
-        raise ConfigError("reward_model.enabled: learned reward models are not wired into the trainer yet; use a "
-                          "rule-based or user reward (reward.function / reward.file)")
-    for role in ("reference", "critic"):
-        if cfg.role(role).enabled and cfg.role(role).pool != cfg.actor.pool:
-            raise ConfigError(f"{role}.pool: {cfg.role(role).pool!r} differs from actor.pool {cfg.actor.pool!r}; "
-                              "the trainer colocates every role with the actor for now")
+    separate: dict[str, str] = {}
+    for role in SIDE_ROLES:
+        r = cfg.role(role)
+        if r.enabled and r.pool != cfg.actor.pool:
+            if r.pool in separate:
+                raise ConfigError(f"{role}.pool: pool {r.pool!r} already hosts the {separate[r.pool]}; a pool away "
+                                  "from the actor hosts one role (give each its own pool, or colocate with the actor)")
+            separate[r.pool] = role
 
 
 @contextlib.contextmanager
@@ -56,6 +61,7 @@ def run(cfg: JobConfig) -> Optional[int]:
     from megarl.rewards import build_reward_fn
     from megarl.trainer.engine_model_dir import engine_model_dir
     from megarl.trainer.hybrid_worker import HybridWorker
+    from megarl.trainer.role_worker import RoleWorker
     from megarl.trainer.rl_trainer import RLTrainer
 
     check_supported(cfg)
@@ -78,16 +84,33 @@ def run(cfg: JobConfig) -> Optional[int]:
     started_ray = not ray.is_initialized()
     if started_ray:
         address = os.environ.get("RAY_ADDRESS")
+        # A local cluster gets one logical CPU per device slot (at least the machine's cores): Ray CPUs are only
+        # accounting here, the workers share the real cores.
+        slots = sum(p.nodes * p.devices_per_node for p in cfg.resources.pools.values())
         ray.init(address=address, include_dashboard=False, log_to_driver=True,
-                 **({} if address else {"num_cpus": max(2, os.cpu_count() or 2)}))
-    pool_cfg = cfg.resources.pools[cfg.actor.pool]
-    pool = ResourcePool(cfg.actor.pool, nodes=pool_cfg.nodes, devices_per_node=pool_cfg.devices_per_node,
-                        device=device_kind(cfg.resources.device))
+                 **({} if address else {"num_cpus": max(slots, os.cpu_count() or 2)}))
+    device = device_kind(cfg.resources.device)
+
+    def make_pool(name: str):
+        p = cfg.resources.pools[name]
+        return ResourcePool(name, nodes=p.nodes, devices_per_node=p.devices_per_node, device=device)
+
     env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(-(-cfg.rollout.kv_cache_gib // 1)))), "OMP_NUM_THREADS": "1"}
-    workers = None
+    groups: list = []
     try:
-        workers = WorkerGroup(pool, HybridWorker, cfg, model_dir, env=env)
-        trainer = RLTrainer(cfg, workers, loader, encoder, reward_fn,
+        workers = WorkerGroup(make_pool(cfg.actor.pool), HybridWorker, cfg, model_dir, env=env)
+        groups.append(workers)
+        role_groups = {}
+        for role in SIDE_ROLES:
+            r = cfg.role(role)
+            if not r.enabled:
+                continue
+            if r.pool == cfg.actor.pool:
+                role_groups[role] = workers
+            else:  # its own pool, world and layout
+                role_groups[role] = WorkerGroup(make_pool(r.pool), RoleWorker, cfg, role, env={"OMP_NUM_THREADS": "1"})
+                groups.append(role_groups[role])
+        trainer = RLTrainer(cfg, workers, loader, encoder, reward_fn, role_groups=role_groups,
                             val_records=list(val) if val is not None else None,
                             metrics_path=os.path.join(run_dir, "metrics.jsonl"))
         results = trainer.fit()
@@ -95,10 +118,8 @@ def run(cfg: JobConfig) -> Optional[int]:
         logger.info("finished %d steps; last reward %.3f; metrics in %s", len(results),
                     last.get("reward/mean", float("nan")), os.path.join(run_dir, "metrics.jsonl"))
     finally:
-        if workers is not None:
-            workers.shutdown()  # kills the actors and removes the pool's placement groups
-        else:
-            pool.shutdown()
+        for group in reversed(groups):
+            group.shutdown()  # kills the actors and removes the pool's placement groups
         if started_ray:
             ray.shutdown()
     return 0

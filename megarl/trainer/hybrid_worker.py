@@ -1,7 +1,8 @@
 """`HybridWorker`: everything one device slot of the actor's pool runs (the colocated "hybrid engine").
 
 One instance per rank of the actor's pool, all in one torch.distributed world. It owns:
-  - the Megatron roles placed on this pool (actor; reference and critic when enabled), built from the job config
+  - the Megatron roles placed on this pool (the actor; reference, critic and reward model when enabled and placed
+    on the actor's pool -- roles on other pools run in a `RoleWorker` group), built from the job config
     at their configured layouts (`megarl.roles.factory.build_role`), HF weights loaded directly;
   - the vLLM rollout engine (one replica per `rollout.tp` consecutive ranks), built with random weights: its
     weights only ever come from the actor through the reshard, before the first rollout and after every update;
@@ -43,9 +44,16 @@ class HybridWorker:
         from megarl.trainer import check_supported
 
         check_supported(cfg)
-        self.actor = build_role(cfg, "actor")
-        self.reference = build_role(cfg, "reference") if cfg.reference.enabled else None
-        self.critic = build_role(cfg, "critic") if cfg.critic.enabled else None
+        # This pool is its own torch.distributed world: roles start at rank 0 in it.
+        self.actor = build_role(cfg, "actor", rank_offset=0)
+
+        def colocated(role: str):
+            r = cfg.role(role)
+            return build_role(cfg, role, rank_offset=0) if r.enabled and r.pool == cfg.actor.pool else None
+
+        self.reference = colocated("reference")
+        self.critic = colocated("critic")
+        self.reward_model = colocated("reward_model")
         self.engine = VllmRolloutEngine(VllmEngineSettings.from_config(
             cfg.rollout, engine_model_dir, load_format="dummy", dtype=VLLM_DTYPES[cfg.model.dtype],
         ))
@@ -111,6 +119,13 @@ class HybridWorker:
         if self.critic is None:
             raise RuntimeError("critic.enabled is false: no critic to compute values with")
         return self.critic.compute_values(batch)
+
+    @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
+    def score(self, batch: Batch) -> Optional[Batch]:
+        """Reward-model scores [B] (when the reward model is colocated with the actor)."""
+        if self.reward_model is None:
+            raise RuntimeError("no reward model in the actor's pool")
+        return self.reward_model.score(batch)
 
     @dispatch(Dispatch.RANK_ZERO)
     def update_actor(self, batch: Batch) -> dict[str, float]:

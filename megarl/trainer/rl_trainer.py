@@ -43,10 +43,13 @@ class StepResult:
 class RLTrainer:
     """Drives `workers` (a `WorkerGroup` of `HybridWorker`) through `cfg.trainer.total_steps` RL steps."""
 
-    def __init__(self, cfg: JobConfig, workers, loader, encoder, reward_fn, val_records: Optional[list] = None,
-                 metrics_path: Optional[str] = None) -> None:
+    def __init__(self, cfg: JobConfig, workers, loader, encoder, reward_fn, role_groups: Optional[dict] = None,
+                 val_records: Optional[list] = None, metrics_path: Optional[str] = None) -> None:
+        """`workers`: the actor pool's group (HybridWorker). `role_groups`: for each enabled reference / critic /
+        reward_model, the group that hosts it (`workers` itself when colocated, else its own RoleWorker group)."""
         self.cfg = cfg
         self.workers = workers
+        self.role_groups = dict(role_groups or {})
         self.loader = loader
         self.encoder = encoder
         self.reward_fn = reward_fn
@@ -82,11 +85,20 @@ class RLTrainer:
         if path is None:
             return 0
         state = checkpointing.read_state(path)
-        self.workers.load_checkpoint(path)
+        for group in self._checkpointed_groups():
+            group.load_checkpoint(path)
         self.loader.load_state_dict(state["loader"])
         logger.info("resumed from %s (step %d of %d; optimizer state restarts)", path, state["step"],
                     self.cfg.trainer.total_steps)
         return int(state["step"])
+
+    def _checkpointed_groups(self) -> list:
+        """Groups holding trained roles: the actor's, and the critic's when it has its own pool."""
+        groups = [self.workers]
+        critic = self.role_groups.get("critic")
+        if critic is not None and critic is not self.workers:
+            groups.append(critic)
+        return groups
 
     def save(self, step: int) -> str:
         """Checkpoint the trained roles and the loader position after `step` (see `trainer.checkpointing`)."""
@@ -95,7 +107,8 @@ class RLTrainer:
         if os.path.exists(path):  # an incomplete save of this step (no trainer_state.json): start over
             shutil.rmtree(path)
         os.makedirs(path)
-        self.workers.save_checkpoint(path)
+        for group in self._checkpointed_groups():
+            group.save_checkpoint(path)
         checkpointing.write_state(path, {"step": step, "loader": self.loader.state_dict()})
         pruned = checkpointing.prune(root, self.cfg.checkpoint.keep_last)
         logger.info("saved checkpoint %s%s", path, f" (removed steps {pruned})" if pruned else "")
@@ -109,27 +122,38 @@ class RLTrainer:
         sampling = dataclasses.replace(self.sampling, seed=self.sampling.seed + step)
         with _timer(t, "rollout"):
             samples, dropped = self._generate(prompts, sampling)
+        batch = samples_to_batch(samples, pad_id=self.encoder.pad_token_id or 0)
+        metrics: dict[str, float] = {}
         with _timer(t, "reward"):
             scores = self._scores(samples, records)
-        batch = samples_to_batch(samples, pad_id=self.encoder.pad_token_id or 0)
+            if "reward_model" in self.role_groups:  # the learned reward is what is trained on
+                metrics["reward/rule_mean"] = float(scores.mean())
+                scores = self.role_groups["reward_model"].score(batch).tensors["scores"].float()
         batch.tensors["scores"] = scores
         with _timer(t, "old_log_probs"):
             old = self.workers.compute_log_probs(batch)
             batch.tensors["old_log_probs"] = old.tensors["log_probs"]
-        if self.cfg.reference.enabled:
+        if "reference" in self.role_groups:
             with _timer(t, "ref_log_probs"):
-                batch.tensors["ref_log_probs"] = self.workers.compute_ref_log_probs(batch).tensors["log_probs"]
-        if self.cfg.critic.enabled:
+                ref = self.role_groups["reference"].compute_ref_log_probs(batch)
+                batch.tensors["ref_log_probs"] = ref.tensors["log_probs"]
+        critic = self.role_groups.get("critic")
+        if critic is not None:
             with _timer(t, "values"):
-                batch.tensors["old_values"] = self.workers.compute_values(batch).tensors["values"]
+                batch.tensors["old_values"] = critic.compute_values(batch).tensors["values"]
         with _timer(t, "advantages"):
             extra = self._advantages(batch)
-        metrics: dict[str, float] = {}
-        if self.cfg.critic.enabled:
+        pending = None
+        if critic is not None and critic is not self.workers:
+            pending = critic.update_critic.submit(batch)  # its own pool: overlaps the actor update
+        elif critic is not None:
             with _timer(t, "update_critic"):
-                metrics.update({f"critic/{k}": v for k, v in self.workers.update_critic(batch).items()})
+                metrics.update({f"critic/{k}": v for k, v in critic.update_critic(batch).items()})
         with _timer(t, "update_actor"):
             metrics.update({f"actor/{k}": v for k, v in self.workers.update_actor(batch).items()})
+        if pending is not None:
+            with _timer(t, "update_critic_wait"):
+                metrics.update({f"critic/{k}": v for k, v in pending.result().items()})
         with _timer(t, "sync_weights"):
             reshard = self.workers.sync_weights()
         mask = batch.tensors["response_mask"].float()

@@ -107,3 +107,35 @@ def test_checkpoint_save_prune_and_resume(tmp_path):
     golden = json.load(open(GOLDEN))["reward_mean"]
     assert abs(rows[2]["reward/mean"] - golden[2]) < 1e-3, (rows[2]["reward/mean"], golden[2])
     assert sorted(os.listdir(ckpt)) == ["step_000003"]
+
+
+def test_heterogeneous_placement_critic_on_its_own_pool_and_a_reward_model(tmp_path):
+    """HybridFlow placement: the critic on its own pool (1 device, TP=1, its own torch.distributed world) beside
+    the actor's pool (TP=2 + vLLM), a learned reward model colocated with the actor; the rewards trained on are
+    the reward model's scores, and the rule's are still logged."""
+    import math
+
+    import yaml
+
+    cfg = yaml.safe_load(open(os.path.join(ROOT, "yaml_configs", "cpu_quickstart.yaml")))
+    cfg["resources"]["pools"]["critic_pool"] = {"nodes": 1, "devices_per_node": 1}
+    cfg["algorithm"]["name"] = "ppo"
+    cfg["critic"] = {"enabled": True, "pool": "critic_pool", "parallel": {"tp": 1}, "optimizer": {"lr": 1.0e-3}}
+    cfg["reward_model"] = {"enabled": True, "pool": "default", "parallel": {"tp": 2},
+                           "model": {"arch": cfg["model"]["arch"], "dtype": "fp32"}}
+    cfg["trainer"].update(total_steps=3, val_every=0)
+    cfg["data"]["train_path"] = os.path.join(ROOT, cfg["data"]["train_path"])
+    cfg["data"]["val_path"] = os.path.join(ROOT, cfg["data"]["val_path"])
+    cfg["model"]["tokenizer"] = os.path.join(ROOT, cfg["model"]["tokenizer"])
+    config = tmp_path / "hetero.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run(
+        [sys.executable, "-m", "megarl", "train", str(config), f"logging.dir={tmp_path / 'run'}"],
+        cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert math.isfinite(r["critic/value_loss"]) and math.isfinite(r["reward/mean"])
+        assert "reward/rule_mean" in r and r["reward/mean"] != r["reward/rule_mean"]
