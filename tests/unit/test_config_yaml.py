@@ -76,8 +76,11 @@ def test_there_are_configs():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_loads_and_validates(path, tmp_path):
+    from megarl.trainer import check_supported
+
     cfg = load_config(path, _model_path_overrides(read_yaml(path), tmp_path))
     assert cfg.actor.parallel.dp is not None
+    check_supported(cfg)  # every shipped config is one the trainer runs (nothing it would refuse)
 
 
 def test_gpu_configs_resolve_as_documented(tmp_path):
