@@ -29,6 +29,7 @@ from megarl.reshard.sources import megatron_sources
 from megarl.reshard.vllm_sink import VllmShardSink
 from megarl.roles.factory import build_role
 from megarl.rollout.engine import SamplingSettings
+from megarl.trainer.offload_policy import OffloadPolicy
 from megarl.trainer.samples import chunk_bounds
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -54,6 +55,12 @@ class HybridWorker:
         self.reference = colocated("reference")
         self.critic = colocated("critic")
         self.reward_model = colocated("reward_model")
+        self.offload = {
+            "actor": OffloadPolicy(self.actor, cfg.actor.offload),
+            "reference": OffloadPolicy(self.reference, cfg.reference.offload),
+            "critic": OffloadPolicy(self.critic, cfg.critic.offload),
+            "reward_model": OffloadPolicy(self.reward_model, cfg.reward_model.offload),
+        }
         self.engine = VllmRolloutEngine(VllmEngineSettings.from_config(
             cfg.rollout, engine_model_dir, load_format="dummy", dtype=VLLM_DTYPES[cfg.model.dtype],
         ))
@@ -69,9 +76,11 @@ class HybridWorker:
     def sync_weights(self) -> dict[str, float]:
         """Reshard the actor's current weights into the vLLM engine; returns this rank's reshard metrics."""
         self._wake()  # never write weights into a sleeping engine (GPU: its weights live on the host then)
+        self.offload["actor"].before_use()
         report = execute_reshard(self.plan, megatron_sources(self.actor.engine), self.sink,
                                  bucket_bytes=self.bucket_bytes)
-        return report.as_metrics()
+        moved = self.offload["actor"].after_use()  # the actor's last use in a step: free memory for the rollout
+        return {**report.as_metrics(), "offload/actor_bytes": float(moved)}
 
     @dispatch(Dispatch.ONE_TO_ALL)
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Optional[dict]:
@@ -97,6 +106,13 @@ class HybridWorker:
             "truncated": [lo + i for i in out.truncated_prompt_indices],
         }
 
+    def _use(self, role: str, fn):
+        """Run `fn` with `role`'s state on the device, then offload it again if its config asks to."""
+        self.offload[role].before_use()
+        out = fn()
+        self.offload[role].after_use()
+        return out
+
     def _wake(self) -> None:
         if not self._awake:
             self.engine.wake()
@@ -106,18 +122,20 @@ class HybridWorker:
     @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
     def compute_log_probs(self, batch: Batch) -> Optional[Batch]:
         """Actor log-probs (and entropy) of the batch's tokens, token-aligned [B, S]; None off the last stage."""
+        self.offload["actor"].before_use()
         return self.actor.compute_log_probs(batch)
 
     @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
     def compute_ref_log_probs(self, batch: Batch) -> Optional[Batch]:
         if self.reference is None:
             raise RuntimeError("reference.enabled is false: no reference role to compute log-probs with")
-        return self.reference.compute_log_probs(batch, with_entropy=False)
+        return self._use("reference", lambda: self.reference.compute_log_probs(batch, with_entropy=False))
 
     @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
     def compute_values(self, batch: Batch) -> Optional[Batch]:
         if self.critic is None:
             raise RuntimeError("critic.enabled is false: no critic to compute values with")
+        self.offload["critic"].before_use()
         return self.critic.compute_values(batch)
 
     @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
@@ -125,18 +143,19 @@ class HybridWorker:
         """Reward-model scores [B] (when the reward model is colocated with the actor)."""
         if self.reward_model is None:
             raise RuntimeError("no reward model in the actor's pool")
-        return self.reward_model.score(batch)
+        return self._use("reward_model", lambda: self.reward_model.score(batch))
 
     @dispatch(Dispatch.RANK_ZERO)
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO/GSPO update of the actor over mini- and micro-batches; metrics (identical on every rank)."""
+        self.offload["actor"].before_use()
         return self.actor.update(batch)
 
     @dispatch(Dispatch.RANK_ZERO)
     def update_critic(self, batch: Batch) -> dict[str, float]:
         if self.critic is None:
             raise RuntimeError("critic.enabled is false: no critic to update")
-        return self.critic.update(batch)
+        return self._use("critic", lambda: self.critic.update(batch))
 
     # ------------------------------------------------------------------------------------------- checkpoints
     @dispatch(Dispatch.RANK_ZERO)
@@ -150,6 +169,7 @@ class HybridWorker:
         saved = []
         for name, role in (("actor", self.actor), ("critic", self.critic)):
             if role is not None:
+                self.offload[name].before_use()
                 save_engine_checkpoint(role.engine, os.path.join(step_dir, name), hf_dir=self.cfg.model.path)
                 saved.append(name)
         return saved
@@ -162,6 +182,7 @@ class HybridWorker:
         loaded = []
         for name, role in (("actor", self.actor), ("critic", self.critic)):
             if role is not None:
+                self.offload[name].before_use()
                 load_engine_checkpoint(role.engine, os.path.join(step_dir, name))
                 loaded.append(name)
         return loaded

@@ -169,7 +169,7 @@ class RLTrainer:
         if reshard:
             first = reshard[0] if isinstance(reshard, list) else reshard
             metrics.update({k: v for k, v in first.items() if k in ("reshard/bytes_received", "reshard/time_s",
-                                                                    "reshard/peak_extra_bytes")})
+                                                                    "reshard/peak_extra_bytes", "offload/actor_bytes")})
         return StepResult(step, metrics)
 
     # --------------------------------------------------------------------------------------------- pieces

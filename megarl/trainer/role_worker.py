@@ -14,6 +14,7 @@ from megarl.config.schema import JobConfig
 from megarl.controller.dispatch import Dispatch, dispatch
 from megarl.data.batch import Batch
 from megarl.roles.factory import build_role
+from megarl.trainer.offload_policy import OffloadPolicy
 
 
 class RoleWorker:
@@ -24,10 +25,12 @@ class RoleWorker:
             raise ValueError(f"RoleWorker hosts critic, reference or reward_model, not {role!r}")
         self.role_name = role
         self.role = build_role(cfg, role, rank_offset=0)
+        self.offload = OffloadPolicy(self.role, cfg.role(role).offload)
 
     def _need(self, name: str):
         if self.role_name != name:
             raise RuntimeError(f"this worker group hosts the {self.role_name}, not the {name}")
+        self.offload.before_use()
         return self.role
 
     @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
@@ -36,16 +39,22 @@ class RoleWorker:
 
     @dispatch(Dispatch.RANK_ZERO)
     def update_critic(self, batch: Batch) -> dict[str, float]:
-        return self._need("critic").update(batch)
+        out = self._need("critic").update(batch)
+        self.offload.after_use()
+        return out
 
     @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
     def compute_ref_log_probs(self, batch: Batch) -> Optional[Batch]:
-        return self._need("reference").compute_log_probs(batch, with_entropy=False)
+        out = self._need("reference").compute_log_probs(batch, with_entropy=False)
+        self.offload.after_use()
+        return out
 
     @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
     def score(self, batch: Batch) -> Optional[Batch]:
         """Reward-model scores [B] read at each sequence's last real token."""
-        return self._need("reward_model").score(batch)
+        out = self._need("reward_model").score(batch)
+        self.offload.after_use()
+        return out
 
     @dispatch(Dispatch.RANK_ZERO)
     def save_checkpoint(self, step_dir: str) -> list[str]:
@@ -55,6 +64,7 @@ class RoleWorker:
 
         if self.role_name != "critic":
             return []
+        self.offload.before_use()
         save_engine_checkpoint(self.role.engine, os.path.join(step_dir, "critic"))
         return ["critic"]
 
@@ -66,5 +76,6 @@ class RoleWorker:
 
         if self.role_name != "critic":
             return []
+        self.offload.before_use()
         load_engine_checkpoint(self.role.engine, os.path.join(step_dir, "critic"))
         return ["critic"]

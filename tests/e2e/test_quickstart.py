@@ -139,3 +139,15 @@ def test_heterogeneous_placement_critic_on_its_own_pool_and_a_reward_model(tmp_p
     for r in rows:
         assert math.isfinite(r["critic/value_loss"]) and math.isfinite(r["reward/mean"])
         assert "reward/rule_mean" in r and r["reward/mean"] != r["reward/rule_mean"]
+
+
+def test_offload_between_phases_changes_nothing(tmp_path):
+    """actor (params, grads, optimizer) and reference (params) offloaded to host memory between phases: on CPU
+    that is bookkeeping only, so the run must reproduce the golden curve exactly -- every piece of state that left
+    came back."""
+    _train(tmp_path, "trainer.total_steps=3", "actor.offload.params=true", "actor.offload.grads=true",
+           "actor.offload.optimizer=true", "reference.offload.params=true")
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    golden = json.load(open(GOLDEN))["reward_mean"][:3]
+    assert [round(r["reward/mean"], 6) for r in rows] == golden
+    assert all(r["offload/actor_bytes"] > 0 for r in rows)  # the actor's state really left the device each step
