@@ -29,6 +29,14 @@ def check_supported(cfg: JobConfig) -> None:
     if unsupported:
         raise ConfigError(f"logging.backends: {unsupported} not supported by the trainer yet; use console and jsonl "
                           "(metrics.jsonl holds every metric of every step)")
+    kl = cfg.algorithm.kl
+    if kl.target is not None and kl.placement != "reward":
+        raise ConfigError("algorithm.kl.target: the adaptive KL controller adjusts a KL penalty in the reward; set "
+                          "algorithm.kl.placement=reward, or drop kl.target for a fixed KL loss coefficient")
+    if kl.coef > 0 and kl.placement == "reward" and cfg.algorithm.estimator in ("grpo", "rloo",
+                                                                                "reinforce_plus_plus_baseline"):
+        raise ConfigError(f"algorithm.kl.placement: '{cfg.algorithm.estimator}' advantages use sequence scores and "
+                          "ignore token rewards, so a KL penalty in the reward would be dropped; use placement=loss")
     separate: dict[str, str] = {}
     for role in SIDE_ROLES:
         r = cfg.role(role)

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from megarl.algorithms import apply_kl_penalty, get_advantage, scores_to_token_rewards
+from megarl.algorithms import apply_kl_penalty, build_kl_controller, get_advantage, scores_to_token_rewards
 from megarl.config.schema import JobConfig
 from megarl.data.batch import Batch
 from megarl.rollout.engine import SamplingSettings
@@ -57,7 +57,11 @@ class RLTrainer:
         self.metrics_path = metrics_path
         self.sampling = SamplingSettings.from_config(cfg.rollout)
         self.estimator = cfg.algorithm.estimator
-        self.kl_in_reward = cfg.reference.enabled and cfg.algorithm.kl.placement == "reward" and cfg.algorithm.kl.coef > 0
+        kl = cfg.algorithm.kl
+        self.kl_in_reward = cfg.reference.enabled and kl.placement == "reward" and kl.coef > 0
+        # KL in the reward: a fixed coefficient, or Ziegler et al.'s adaptive controller when kl.target is set.
+        self.kl_ctl = build_kl_controller("adaptive" if kl.target is not None else "fixed", kl.coef, kl.target,
+                                          kl.horizon)
 
     # --------------------------------------------------------------------------------------------- the loop
     def fit(self) -> list[StepResult]:
@@ -88,6 +92,7 @@ class RLTrainer:
         for group in self._checkpointed_groups():
             group.load_checkpoint(path)
         self.loader.load_state_dict(state["loader"])
+        self.kl_ctl.value = float(state.get("kl_coef", self.kl_ctl.value))
         logger.info("resumed from %s (step %d of %d; optimizer state restarts)", path, state["step"],
                     self.cfg.trainer.total_steps)
         return int(state["step"])
@@ -109,7 +114,8 @@ class RLTrainer:
         os.makedirs(path)
         for group in self._checkpointed_groups():
             group.save_checkpoint(path)
-        checkpointing.write_state(path, {"step": step, "loader": self.loader.state_dict()})
+        checkpointing.write_state(path, {"step": step, "loader": self.loader.state_dict(),
+                                         "kl_coef": self.kl_ctl.value})
         pruned = checkpointing.prune(root, self.cfg.checkpoint.keep_last)
         logger.info("saved checkpoint %s%s", path, f" (removed steps {pruned})" if pruned else "")
         return path
@@ -211,9 +217,13 @@ class RLTrainer:
             token_rewards = scores_to_token_rewards(tensors["scores"], mask)
             if self.kl_in_reward:
                 token_rewards, kl_metrics = apply_kl_penalty(
-                    token_rewards, tensors["old_log_probs"], tensors["ref_log_probs"], mask, algo.kl.coef, algo.kl.kind
+                    token_rewards, tensors["old_log_probs"], tensors["ref_log_probs"], mask, self.kl_ctl.value,
+                    algo.kl.kind,
                 )
                 metrics.update({f"kl/{k}": float(v) for k, v in kl_metrics.items()})
+                metrics["kl/coef"] = self.kl_ctl.value
+                # the controller's quantity is the per-sequence KL; n_steps counts samples (kl.horizon's unit)
+                self.kl_ctl.update(float(kl_metrics["kl_seq_sum"]), n_steps=int(mask.shape[0]))
             if self.estimator == "gae":
                 advantages, returns = estimator(token_rewards, tensors["old_values"], mask, algo.gamma, algo.lam)
             else:

@@ -151,3 +151,17 @@ def test_offload_between_phases_changes_nothing(tmp_path):
     golden = json.load(open(GOLDEN))["reward_mean"][:3]
     assert [round(r["reward/mean"], 6) for r in rows] == golden
     assert all(r["offload/actor_bytes"] > 0 for r in rows)  # the actor's state really left the device each step
+
+
+def test_reinforce_pp_with_adaptive_kl_in_the_reward(tmp_path):
+    """REINFORCE++ with the KL penalty in the token rewards and the adaptive controller steering its coefficient."""
+    _train(tmp_path, "trainer.total_steps=3", "algorithm.name=reinforce_plus_plus", "algorithm.kl.placement=reward",
+           "algorithm.kl.coef=0.05", "algorithm.kl.target=0.001", "algorithm.kl.horizon=100")
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    coefs = [r["kl/coef"] for r in rows]
+    assert coefs[0] == 0.05
+    # step 1: actor == reference, KL 0 < target: error clipped to -0.2, 32 samples / horizon 100
+    assert coefs[1] == pytest.approx(0.05 * (1 - 0.2 * 32 / 100)), coefs
+    # step 2: the policy has moved away, KL above the tiny target: the coefficient rises again
+    assert rows[1]["kl/kl_seq_sum"] > 0.001 and coefs[2] > coefs[1], coefs
+    assert all(r["kl/kl_seq_sum"] >= 0 for r in rows)

@@ -9,6 +9,7 @@ path-based config needs its model's config.json added to HF_CONFIGS below.
 from __future__ import annotations
 
 import json
+import re
 import os
 from pathlib import Path
 
@@ -96,3 +97,17 @@ def test_gpu_configs_resolve_as_documented(tmp_path):
 def test_docs_in_sync():
     doc = REPO / "docs" / "config.md"
     assert doc.read_text() == render_markdown(), "docs/config.md is stale: run python -m megarl.config.docs"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["algorithm.kl.target=0.1", "algorithm.kl.coef=0.01"], "algorithm.kl.target: the adaptive KL controller"),
+    (["algorithm.kl.placement=reward", "algorithm.kl.coef=0.01"], "algorithm.kl.placement: 'grpo' advantages"),
+    (["logging.backends=[console, wandb]"], "logging.backends: ['wandb'] not supported by the trainer yet"),
+])
+def test_trainer_refuses_what_it_would_otherwise_ignore(overrides, message):
+    from megarl.config import ConfigError
+    from megarl.trainer import check_supported
+
+    cfg = load_config(REPO / "yaml_configs" / "cpu_quickstart.yaml", overrides)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_supported(cfg)
