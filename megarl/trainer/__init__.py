@@ -88,6 +88,13 @@ def run(cfg: JobConfig) -> Optional[int]:
         reward_fn = build_reward_fn(cfg.reward)
     with _config_key("model.tokenizer"):
         model_dir = engine_model_dir(cfg, run_dir)
+    if cfg.checkpoint.dir and not cfg.checkpoint.resume:
+        from megarl.trainer.checkpointing import complete_steps
+
+        existing = complete_steps(cfg.checkpoint.dir)
+        if existing:
+            raise ConfigError(f"checkpoint.dir: {cfg.checkpoint.dir} holds checkpoints of an earlier run (steps "
+                              f"{existing}); set checkpoint.resume=true to continue it, or choose another directory")
 
     started_ray = not ray.is_initialized()
     if started_ray:

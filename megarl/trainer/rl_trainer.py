@@ -83,7 +83,15 @@ class RLTrainer:
     def _resume(self) -> int:
         """Load the newest complete checkpoint when `checkpoint.resume`; returns the step it ended (0: none)."""
         ckpt = self.cfg.checkpoint
-        if not (ckpt.dir and ckpt.resume):
+        if not ckpt.dir:
+            return 0
+        if not ckpt.resume:
+            existing = checkpointing.complete_steps(ckpt.dir)
+            if existing:  # never overwrite another run's checkpoints
+                raise RuntimeError(
+                    f"checkpoint.dir {ckpt.dir} holds checkpoints of an earlier run (steps {existing}); set "
+                    "checkpoint.resume=true to continue it, or choose another checkpoint.dir"
+                )
             return 0
         path = checkpointing.latest(ckpt.dir)
         if path is None:
@@ -109,8 +117,10 @@ class RLTrainer:
         """Checkpoint the trained roles and the loader position after `step` (see `trainer.checkpointing`)."""
         root = self.cfg.checkpoint.dir
         path = checkpointing.step_dir(root, step)
-        if os.path.exists(path):  # an incomplete save of this step (no trainer_state.json): start over
-            shutil.rmtree(path)
+        if os.path.exists(path):
+            if step in checkpointing.complete_steps(root):
+                raise RuntimeError(f"refusing to overwrite the complete checkpoint {path}")
+            shutil.rmtree(path)  # an incomplete save of this step (crashed before trainer_state.json): redo it
         os.makedirs(path)
         for group in self._checkpointed_groups():
             group.save_checkpoint(path)

@@ -33,3 +33,21 @@ def test_prune_keeps_newest_complete(tmp_path):
 def test_state_write_leaves_no_temporary(tmp_path):
     path = _complete(tmp_path, 7)
     assert sorted(os.listdir(path)) == ["actor", "trainer_state.json"]
+
+
+def test_a_new_run_refuses_to_overwrite_an_earlier_runs_checkpoints(tmp_path):
+    import pytest
+
+    from megarl.config import ConfigError, load_config
+    from megarl.trainer import run
+
+    _complete(tmp_path, 5)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = load_config(os.path.join(root, "yaml_configs", "cpu_quickstart.yaml"),
+                      [f"checkpoint.dir={tmp_path}", "checkpoint.resume=false", f"logging.dir={tmp_path / 'run'}",
+                       f"data.train_path={root}/data/quickstart/train.jsonl",
+                       f"data.val_path={root}/data/quickstart/val.jsonl",
+                       f"model.tokenizer={root}/data/quickstart/tokenizer"])
+    with pytest.raises(ConfigError, match=r"checkpoint.dir: .* holds checkpoints of an earlier run \(steps \[5\]\)"):
+        run(cfg)  # refused before any Ray worker starts
+    assert ck.complete_steps(str(tmp_path)) == [5]
