@@ -33,6 +33,7 @@ from megarl.trainer.offload_policy import OffloadPolicy
 from megarl.trainer.samples import chunk_bounds
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 class HybridWorker:
@@ -40,11 +41,10 @@ class HybridWorker:
 
     def __init__(self, cfg: JobConfig, engine_model_dir: str) -> None:
         from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine
-
-        self.cfg = cfg
         from megarl.trainer import check_supported
 
         check_supported(cfg)
+        self.cfg = cfg
         # This pool is its own torch.distributed world: roles start at rank 0 in it.
         self.actor = build_role(cfg, "actor", rank_offset=0)
 
@@ -64,8 +64,8 @@ class HybridWorker:
         self.engine = VllmRolloutEngine(VllmEngineSettings.from_config(
             cfg.rollout, engine_model_dir, load_format="dummy", dtype=VLLM_DTYPES[cfg.model.dtype],
         ))
-        sources = megatron_sources(self.actor.engine)
-        elem = next(iter(sources.values())).element_size()
+        # Element size of the weights on the wire: the model dtype's (a CPU bf16 engine keeps fp32 norms, cast).
+        elem = ELEMENT_BYTES[cfg.model.dtype]
         self.plan = plan_reshard(self.actor.engine.spec, self.actor.groups.topology, cfg.rollout.tp, dtype_bytes=elem)
         self.sink = VllmShardSink(self.engine)
         self._awake = True  # a new engine is awake
