@@ -99,6 +99,19 @@ def simulate(args) -> dict:
     return result
 
 
+def timed(fn):
+    """(fn(), seconds of the slowest rank): every rank starts together and the max over ranks is taken."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    t = time.perf_counter()
+    out = fn()
+    elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return out, float(elapsed)
+
+
 def _fill_deterministic(engine) -> None:
     import torch
 
@@ -144,14 +157,6 @@ def _measure_rank(rank, world_size, args_dict):
     if args.delta:
         return _measure_delta(args, engine, groups, plan, sources, bucket, build_s)
 
-    def timed(fn):
-        dist.barrier()
-        t = time.perf_counter()
-        out = fn()
-        elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return out, float(elapsed)
-
     times, naive_times, report, naive_report = [], [], None, None
     sink = naive_sink = None
     for _ in range(args.repeats):
@@ -167,7 +172,7 @@ def _measure_rank(rank, world_size, args_dict):
         set(sink.tensors) == set(naive_sink.tensors)
     flag = torch.tensor([1 if exact else 0])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    refit_times = _refit_into_vllm(args, spec, plan, sources, bucket, timed) if args.into_vllm else []
+    refit_times = _refit_into_vllm(args, spec, plan, sources, bucket) if args.into_vllm else []
     return {
         "rank": rank, "infer_tp_rank": plan.infer_rank_of[rank], "refit_times": refit_times,
         "bytes_received": report.bytes_received, "bytes_sent": report.bytes_sent, "bytes_local": report.bytes_local,
@@ -202,14 +207,6 @@ def _measure_delta(args, engine, groups, plan, sources, bucket, build_s) -> dict
 
     from megarl.reshard.delta import DeltaState
     from megarl.reshard.executor import DictSink, execute_reshard
-
-    def timed(fn):
-        dist.barrier()
-        t = time.perf_counter()
-        out = fn()
-        elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return out, float(elapsed)
 
     state, sink = DeltaState(), DictSink(persistent=True)
     first, first_s = timed(lambda: execute_reshard(plan, sources, sink, bucket_bytes=bucket, delta=state))
@@ -285,7 +282,7 @@ def _delta_summary(args, per_rank) -> dict:
     return result
 
 
-def _refit_into_vllm(args, spec, plan, sources, bucket, timed) -> list[float]:
+def _refit_into_vllm(args, spec, plan, sources, bucket) -> list[float]:
     """Reshard straight into a vLLM engine built with random weights ("refit"): plan + transfer + weight load."""
     import tempfile
 

@@ -115,11 +115,11 @@ class ProbeWorker:
     @dispatch(ONE_TO_ALL)
     def megatron_tp2(self, steps: int):
         """Build a MegatronEngine at TP=2 over the group's world, train `steps` steps, return the mean losses."""
-        from megarl.algorithms.log_probs import vocab_parallel_log_probs
         from megarl.models.spec import ModelSpec
         from megarl.parallel.groups import build_role_groups
         from megarl.parallel.topology import RoleTopology
         from megarl.roles.megatron_engine import MegatronEngine, OptimizerSettings
+        from tests.distributed.harness import next_token_ce_loss
 
         spec = ModelSpec(
             architecture="LlamaForCausalLM", num_layers=2, hidden_size=64, num_attention_heads=4,
@@ -127,14 +127,7 @@ class ProbeWorker:
         )
         groups = build_role_groups(RoleTopology(tp=2))
         engine = MegatronEngine(spec, groups, optimizer=OptimizerSettings(lr=5e-3), seed=1234)
-        vocab_start, _ = engine.vocab_shard()
-
-        def loss_fn(logits, batch):
-            tokens = batch["input_ids"]
-            logp = vocab_parallel_log_probs(logits[:, :-1], tokens[:, 1:], engine.groups.pgs.tp, vocab_start)
-            loss_sum = -logp.sum()
-            units = torch.tensor(logp.numel(), dtype=torch.int)
-            return loss_sum, units, {"loss_sum": loss_sum.detach().clone(), "units": units.clone()}
+        loss_fn = next_token_ce_loss(engine)
 
         tokens = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(7))
         micro = [{"input_ids": tokens[:2]}, {"input_ids": tokens[2:]}]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megarl.platform.spawn import run_ranks
+from tests.distributed.harness import group_by_case
 
 PROMPTS = [[1, 5, 9, 14, 22, 7], [1, 40, 41, 42], [1, 100, 3, 250, 17, 18, 19], [1, 77]]
 MAX_NEW = 8
@@ -127,13 +128,11 @@ def hybrid_runs(tmp_path_factory):
 
     hf_dir = build_tiny_llama(str(tmp_path_factory.mktemp("hf") / "llama"), seed=3)
     expected = hf_greedy(hf_dir, PROMPTS, MAX_NEW)
-    by_case = {}
+    per_rank = []
     for world, infer_tp, cases in WORLDS:
-        for rank_result in run_ranks(world, _worker, hf_dir, infer_tp, cases, timeout_s=1200,
-                                     env={"VLLM_CPU_KVCACHE_SPACE": "1"}):
-            for name, res in rank_result.items():
-                by_case.setdefault(name, []).append(res)
-    return by_case, expected
+        per_rank += run_ranks(world, _worker, hf_dir, infer_tp, cases, timeout_s=1200,
+                              env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    return group_by_case(per_rank), expected
 
 
 @pytest.mark.parametrize("case", CASES)

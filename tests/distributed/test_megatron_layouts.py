@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megarl.platform.spawn import run_ranks
+from tests.distributed.harness import group_by_case, next_token_ce_loss
 
 VOCAB = 256  # pads to 256 at tp=1 and tp=2, so the embedding initialises identically
 SEQ = 16
@@ -37,27 +38,11 @@ def _global_batch() -> torch.Tensor:
     return torch.randint(0, VOCAB, (4, SEQ), generator=g)
 
 
-def _ce_loss(engine):
-    """Next-token cross-entropy, summed over tokens; units = tokens (exact token mean after megatron divides)."""
-    from megarl.algorithms.log_probs import vocab_parallel_log_probs
-
-    vocab_start, _ = engine.vocab_shard()
-
-    def loss_fn(logits, batch):
-        tokens = batch["input_ids"]
-        logp = vocab_parallel_log_probs(logits[:, :-1], tokens[:, 1:], engine.groups.pgs.tp, vocab_start)
-        loss_sum = -logp.sum()
-        units = torch.tensor(logp.numel(), dtype=torch.int)
-        return loss_sum, units, {"loss_sum": loss_sum.detach().clone(), "units": units.clone()}
-
-    return loss_fn
-
-
 def _train(engine, micro_batches):
     """STEPS optimizer steps on a fixed batch; returns per-step (global mean loss, grad norm)."""
     import torch.distributed as dist
 
-    loss_fn = _ce_loss(engine)
+    loss_fn = next_token_ce_loss(engine)
     history = []
     for _ in range(STEPS):
         out = engine.run(micro_batches, loss_fn, forward_only=False)
@@ -103,12 +88,7 @@ def _layout_worker(rank: int, world_size: int):
 
 @pytest.fixture(scope="module")
 def layout_runs():
-    per_rank = run_ranks(4, _layout_worker, timeout_s=900)
-    by_role: dict[str, list] = {}
-    for rank_result in per_rank:
-        for name, r in rank_result.items():
-            by_role.setdefault(name, []).append(r)
-    return by_role
+    return group_by_case(run_ranks(4, _layout_worker, timeout_s=900))
 
 
 def _reported_losses(runs):

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from megarl.platform.spawn import run_ranks
+from tests.distributed.harness import group_by_case, tiny_qwen2_dir
 
 # (name, tp, pp, dp, infer_tp, rank_offset, dtype), grouped in phases that run concurrently
 PHASES = [
@@ -109,16 +110,7 @@ def _worker(rank, world_size, hf_dir):
 
 @pytest.fixture(scope="module")
 def delta_runs(tmp_path_factory):
-    from megarl.checkpoint.tiny import make_hf_model
-
-    hf_dir = make_hf_model("qwen2", str(tmp_path_factory.mktemp("hf") / "qwen2"), tie_word_embeddings=False,
-                           hidden_size=128, intermediate_size=256)
-    per_rank = run_ranks(4, _worker, hf_dir, timeout_s=600)
-    by_case: dict[str, list] = {}
-    for r in per_rank:
-        for name, res in r.items():
-            by_case.setdefault(name, []).append(res)
-    return by_case
+    return group_by_case(run_ranks(4, _worker, tiny_qwen2_dir(tmp_path_factory), timeout_s=600))
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
