@@ -198,7 +198,7 @@ def module_param_layout(spec: ModelSpec, megatron_name: str) -> ParamLayout:
         raise LayoutError(f"no HF mapping for Megatron parameter {megatron_name!r} of {spec.architecture}") from None
 
 
-# Keyed by repr(spec): a spec with rope_scaling (a dict) is not hashable.
+# Keyed by repr(spec) (specs are hashable too: `RopeScaling`; repr is what the planner cache keys on as well).
 _INDEX_CACHE: dict[str, dict[str, ParamLayout]] = {}
 _SHAPES_CACHE: dict[str, dict[str, tuple[int, ...]]] = {}
 

@@ -106,7 +106,7 @@ def build_gpt_model(spec: ModelSpec, groups: RoleGroups, config, vp_stage: Optio
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
     else:
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
-    rope = spec.rope_scaling or {}
+    rope_type = spec.rope_scaling.rope_type if spec.rope_scaling else None
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -117,26 +117,33 @@ def build_gpt_model(spec: ModelSpec, groups: RoleGroups, config, vp_stage: Optio
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),
-        rope_scaling=bool(rope),
-        rope_scaling_factor=float(rope.get("factor", 8.0)),
+        rope_scaling=rope_type == "llama3",
+        rope_scaling_factor=float(spec.rope_scaling["factor"]) if rope_type == "llama3" else 8.0,
         pg_collection=groups.pgs,
         vp_stage=vp_stage,
     )
-    if rope:
+    if rope_type is not None:
         # megatron-core 0.16.1 hard-codes low/high_freq_factor=1/4 and original_max_position_embeddings=8192 in
-        # RotaryEmbedding._apply_scaling; recompute inv_freq with the checkpoint's own values.
-        model.rotary_pos_emb.inv_freq = llama3_inv_freq(spec).to(model.rotary_pos_emb.inv_freq.device)
+        # RotaryEmbedding._apply_scaling and has no "linear" type (only seq_len_interpolation_factor): set inv_freq
+        # to the checkpoint's own frequencies, as transformers computes them (every stage has its own copy).
+        model.rotary_pos_emb.inv_freq = rope_inv_freq(spec).to(model.rotary_pos_emb.inv_freq.device)
     return model
 
 
-def llama3_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """RoPE inverse frequencies [head_dim/2] float32 with Llama-3 scaling, as transformers computes them."""
-    rope = spec.rope_scaling or {}
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim/2] float32 for `spec.rope_scaling`, as transformers computes them.
+
+    None: theta^(-2i/d). "linear": divided by `factor` (position interpolation). "llama3": Llama-3's smooth
+    per-band scaling. Other types are refused by `ModelSpec`.
+    """
+    rope = spec.rope_scaling
     dim = spec.head_dim
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if not rope:
         return inv_freq
-    factor = float(rope.get("factor", 8.0))
+    factor = float(rope["factor"])
+    if rope.rope_type == "linear":
+        return inv_freq / factor
     low = float(rope.get("low_freq_factor", 1.0))
     high = float(rope.get("high_freq_factor", 4.0))
     old_ctx = float(rope.get("original_max_position_embeddings", 8192))

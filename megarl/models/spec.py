@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Optional
+from collections.abc import Mapping
+from typing import Any, Iterator, Optional
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -19,8 +20,55 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 
+# RoPE scaling types the Megatron provider reproduces exactly (`megarl.models.gpt.rope_inv_freq`): "llama3"
+# (Llama-3.1/3.2) and "linear" (position interpolation: every frequency divided by `factor`). Others that
+# transformers knows ("dynamic" NTK changes the frequencies with the sequence length; "yarn", "longrope" also scale
+# the attention logits) are refused when the spec is built, i.e. when the config is validated.
+SUPPORTED_ROPE_SCALING = ("llama3", "linear")
+
+
 class UnsupportedModelError(ValueError):
     """The architecture or one of its options is not supported; the message says which and lists what is."""
+
+
+class RopeScaling(Mapping):
+    """A read-only, hashable view of a HF `rope_scaling` dict (`spec.rope_scaling["factor"]`, `dict(...)`).
+
+    `ModelSpec` is frozen and hashed (the reshard planner caches plans per spec): a plain dict field made every
+    spec with rope scaling unhashable. Values are kept as given (JSON scalars; lists become tuples).
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, values: Mapping) -> None:
+        self._items = tuple(sorted((str(k), tuple(v) if isinstance(v, list) else v) for k, v in values.items()))
+
+    def __getitem__(self, key: str) -> Any:
+        for k, v in self._items:
+            if k == key:
+                return v
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(self._items)
+
+    def __repr__(self) -> str:
+        return repr(dict(self._items))
+
+    @property
+    def rope_type(self) -> Optional[str]:
+        """HF's `rope_type` (older configs call it `type`)."""
+        return self.get("rope_type", self.get("type"))
+
+    def to_dict(self) -> dict:
+        """A plain dict (lists back as lists), e.g. for writing a config.json."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self._items}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +86,8 @@ class ModelSpec:
         vocab_size: rows of the embedding in the HF checkpoint (before Megatron's TP padding).
         max_position_embeddings: longest sequence the position encoding supports.
         rope_theta: RoPE base.
-        rope_scaling: HF `rope_scaling` dict (only `rope_type: llama3` is supported) or None.
+        rope_scaling: HF `rope_scaling` as a hashable `RopeScaling` mapping (a dict passed in is converted), with
+            `rope_type` one of `SUPPORTED_ROPE_SCALING`; None for plain RoPE.
         norm_eps: RMSNorm epsilon.
         qkv_bias: bias on q/k/v projections (Qwen2).
         qk_layernorm: RMSNorm on q and k per head (Qwen3).
@@ -55,7 +104,7 @@ class ModelSpec:
     vocab_size: int
     max_position_embeddings: int
     rope_theta: float = 10000.0
-    rope_scaling: Optional[dict] = None
+    rope_scaling: Optional[RopeScaling] = None
     norm_eps: float = 1e-6
     qkv_bias: bool = False
     qk_layernorm: bool = False
@@ -72,11 +121,24 @@ class ModelSpec:
                 f"num_query_groups={self.num_query_groups}"
             )
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ("llama3", "default", None):
+            if not isinstance(self.rope_scaling, Mapping):
                 raise UnsupportedModelError(
-                    f"unsupported rope_scaling type {kind!r}; supported: llama3 (or none)"
+                    f"rope_scaling must be a mapping like {{'rope_type': 'llama3', 'factor': 8.0}}, "
+                    f"got {self.rope_scaling!r}"
                 )
+            rope = self.rope_scaling if isinstance(self.rope_scaling, RopeScaling) else RopeScaling(self.rope_scaling)
+            kind = rope.rope_type
+            if kind in ("default", None):
+                rope = None
+            elif kind not in SUPPORTED_ROPE_SCALING:
+                raise UnsupportedModelError(
+                    f"unsupported rope_scaling type {kind!r} (config.json rope_scaling / rope_parameters); "
+                    f"supported: {', '.join(SUPPORTED_ROPE_SCALING)} (or none). megarl reproduces only these exactly "
+                    "in Megatron; convert the checkpoint or train without rope scaling"
+                )
+            elif "factor" not in rope:
+                raise UnsupportedModelError(f"rope_scaling type {kind!r} needs a 'factor'; got {dict(rope)}")
+            object.__setattr__(self, "rope_scaling", rope)
 
     @property
     def num_params(self) -> int:

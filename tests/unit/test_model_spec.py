@@ -1,0 +1,100 @@
+"""`ModelSpec` with RoPE scaling: hashable (the reshard planner caches per spec), refused types named at config time,
+and the Megatron provider's RoPE frequencies equal to transformers' own for every type the spec accepts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.models.spec import ModelSpec, RopeScaling, UnsupportedModelError
+from megarl.parallel.topology import RoleTopology
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+LINEAR = {"rope_type": "linear", "factor": 4.0}
+
+
+def _hf_cfg(**extra):
+    return {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256,
+            "vocab_size": 300, "max_position_embeddings": 128, "rope_theta": 10000.0, **extra}
+
+
+@pytest.mark.parametrize("rope", [LLAMA3, LINEAR], ids=["llama3", "linear"])
+def test_spec_with_rope_scaling_is_hashable_and_plans(rope):
+    from megarl.reshard.planner import plan_reshard
+
+    a = ModelSpec.from_hf_config(_hf_cfg(rope_scaling=dict(rope)))
+    b = ModelSpec.from_hf_config(_hf_cfg(rope_scaling=dict(rope)))
+    assert hash(a) == hash(b) and a == b
+    assert isinstance(a.rope_scaling, RopeScaling)
+    assert dict(a.rope_scaling) == rope and a.rope_scaling["factor"] == rope["factor"]
+    assert a.rope_scaling.rope_type == rope["rope_type"]
+    plan = plan_reshard(a, RoleTopology(tp=2), 2, dtype_bytes=4)  # raised "unhashable type: 'dict'" before
+    assert plan is plan_reshard(b, RoleTopology(tp=2), 2, dtype_bytes=4)  # cached: equal specs share the plan
+
+
+def test_transformers5_rope_parameters_form_is_read():
+    cfg = _hf_cfg(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0})
+    del cfg["rope_theta"]  # transformers 5 writes rope_theta inside rope_parameters only
+    spec = ModelSpec.from_hf_config(cfg)
+    assert spec.rope_theta == 500.0
+    assert spec.rope_scaling.rope_type == "linear" and spec.rope_scaling["factor"] == 2.0
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 500.0}
+    plain = ModelSpec.from_hf_config(cfg)
+    assert plain.rope_scaling is None and plain.rope_theta == 500.0
+
+
+def test_rope_scaling_differs_means_specs_differ():
+    a = ModelSpec.from_hf_config(_hf_cfg(rope_scaling=dict(LLAMA3)))
+    b = ModelSpec.from_hf_config(_hf_cfg(rope_scaling={**LLAMA3, "factor": 4.0}))
+    c = ModelSpec.from_hf_config(_hf_cfg())
+    assert len({a, b, c}) == 3
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "yarn", "longrope"])
+def test_unsupported_rope_type_is_refused_with_the_supported_list(kind):
+    with pytest.raises(UnsupportedModelError, match=rf"unsupported rope_scaling type '{kind}'.*supported: llama3, linear"):
+        ModelSpec.from_hf_config(_hf_cfg(rope_scaling={"rope_type": kind, "factor": 2.0}))
+
+
+def test_unsupported_rope_type_is_refused_at_config_validation(tmp_path):
+    import json
+
+    from megarl.config.arch import resolve_arch
+    from megarl.config.errors import ConfigError
+    from megarl.config.schema import ModelConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(_hf_cfg(rope_scaling={"rope_type": "yarn", "factor": 2.0})))
+    with pytest.raises(ConfigError, match=r"model\.path: .*config\.json: unsupported rope_scaling type 'yarn'"):
+        resolve_arch(ModelConfig(path=str(tmp_path)))
+
+
+def test_rope_scaling_without_factor_is_refused():
+    with pytest.raises(UnsupportedModelError, match="'linear' needs a 'factor'"):
+        ModelSpec.from_hf_config(_hf_cfg(rope_scaling={"rope_type": "linear"}))
+
+
+def test_rope_scaling_must_be_a_mapping():
+    with pytest.raises(UnsupportedModelError, match="rope_scaling must be a mapping"):
+        ModelSpec.from_hf_config(_hf_cfg(rope_scaling=[8.0]))
+
+
+@pytest.mark.parametrize("rope", [None, LLAMA3, LINEAR], ids=["none", "llama3", "linear"])
+def test_megatron_rope_frequencies_equal_transformers(rope):
+    """The reference is transformers' own RoPE init function for the same config (independent of our code)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megarl.models.gpt import rope_inv_freq
+
+    extra = {"rope_scaling": dict(rope)} if rope else {}
+    cfg = _hf_cfg(**extra)
+    spec = ModelSpec.from_hf_config(cfg)
+    hf = LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    kind = rope["rope_type"] if rope else None
+    if kind is None:
+        expected = 1.0 / (10000.0 ** (torch.arange(0, 32, 2).float() / 32))
+    else:
+        expected, _ = ROPE_INIT_FUNCTIONS[kind](hf, torch.device("cpu"))
+    torch.testing.assert_close(rope_inv_freq(spec), expected.float(), rtol=1e-6, atol=0)
