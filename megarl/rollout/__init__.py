@@ -1,5 +1,6 @@
 """Rollout: the engine protocol, sampling settings and prompt policy (engine.py), vLLM's parameter layout
-(vllm_layout.py), and the in-process vLLM engine (vllm_adapter.py, the only module that imports vLLM)."""
+(vllm_layout.py), and the in-process vLLM engine (vllm_adapter.py;
+its weight-loading path vllm_weights.py: the only modules that import vLLM)."""
 
 from megarl.rollout.engine import (
     OverlongPromptError,

