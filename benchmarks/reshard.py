@@ -35,6 +35,7 @@ import zlib
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from megarl.config.schema import DEFAULT_RESHARD_BUCKET_MB  # noqa: E402
 from megarl.models.spec import ModelSpec  # noqa: E402
 
 PRESETS = {
@@ -141,7 +142,7 @@ def _measure_rank(rank, world_size, args_dict):
     from megarl.reshard.naive import naive_reshard
     from megarl.reshard.planner import plan_reshard
     from megarl.reshard.sources import megatron_sources
-    from megarl.roles.megatron_engine import MegatronEngine
+    from megarl.engine.megatron_engine import MegatronEngine
 
     args = argparse.Namespace(**args_dict)
     spec = spec_for(args.model_shape)
@@ -373,7 +374,8 @@ def main(argv=None) -> int:
     p.add_argument("--train-dp", type=int, default=1)
     p.add_argument("--infer-tp", type=int, default=1)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--bucket-mb", type=float, default=256.0, help="bound on one bucket's send+receive per rank")
+    p.add_argument("--bucket-mb", type=float, default=float(DEFAULT_RESHARD_BUCKET_MB),
+                   help="bound on one bucket's send+receive per rank (default: rollout.reshard_bucket_mb's)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--into-vllm", action="store_true",
                    help="also time the refit into a real vLLM engine (random-weight engine, Llama presets)")

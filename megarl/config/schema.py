@@ -202,6 +202,9 @@ class RewardModelConfig(RoleConfig):
 
 # --------------------------------------------------------------------------------------------------- rollout
 
+# The one default bucket size of the weight reshard (also `megarl.reshard.executor.DEFAULT_BUCKET_BYTES`).
+DEFAULT_RESHARD_BUCKET_MB = 512
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
@@ -223,7 +226,11 @@ class RolloutConfig:
         0.5, "Fraction of GPU memory vLLM may use for weights and KV cache (GPU only).", unit="fraction", min=0
     )
     kv_cache_gib: float = opt(1.0, "KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE).", unit="GiB", min=0)
-    reshard_bucket_mb: int = opt(512, "Bucket size of the Megatron -> vLLM weight reshard.", unit="MiB", min=1)
+    reshard_bucket_mb: int = opt(
+        DEFAULT_RESHARD_BUCKET_MB,
+        "Bucket size of the Megatron -> vLLM weight reshard: bound on one bucket's send + receive bytes per rank, "
+        "i.e. on the reshard's extra memory.", unit="MiB", min=1,
+    )
     val_temperature: float = opt(0.0, "Sampling temperature during validation; 0 = greedy.", min=0)
 
 

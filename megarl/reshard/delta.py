@@ -8,7 +8,7 @@ on later syncs moves only the changed elements of every remote `TransferOp`:
       mask = bits(current piece) != bits(snapshot of what it last sent)     # bitwise: NaN and -0.0 handled
       count = mask.sum()
       kind = "none" (count 0) | "sparse" (int32 flat indices + values) | "dense" (every value, as without delta)
-  per bucket, two rounds of batched isend/irecv per peer pair:
+  per bucket, two `post`/`wait` rounds of the reshard transport per peer pair:
       1. counts: int64[ops from src to dst in this bucket]  (both sides then know every op's kind and payload size)
       2. payload: values (weight dtype, tag 0) and, when some op is sparse, indices (int32, tag 1)
   destination rank: applies each op's payload onto the persistent destination shard (the previous sync's result),
@@ -28,7 +28,7 @@ Memory (per rank, on top of the default path):
     while a bucket is packed, one bool change mask per element this rank sends in it (counted in `peak_extra_bytes`).
 
 Coherence: a delta is only correct if the receiver's shard still equals what the sender's snapshot says it sent.
-Each sync starts with a handshake (one int64 each way per peer rank of the plan, batched isend/irecv): a rank is
+Each sync starts with a handshake (one int64 each way per peer rank of the plan, through the transport): a rank is
 ready when its state completed a sync of the same plan since the last `reset()` and no sync raised midway; between
 two peers deltas flow only when both are ready, otherwise every op between them travels dense (count = numel) and
 the snapshots are retaken. So the first sync is full, and a rank that resets re-syncs fully with its peers alone;
@@ -43,9 +43,9 @@ from collections import defaultdict
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from megarl.reshard.planner import ReshardPlan, TransferOp
+from megarl.reshard.transport import Message, Transport, exchange
 
 NONE, SPARSE, DENSE = "none", "sparse", "dense"
 INDEX_BYTES = 4  # int32 flat indices
@@ -143,7 +143,7 @@ class DeltaState:
     def snapshot_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.snapshots.values())
 
-    def begin(self, plan: ReshardPlan, rank: int, group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
+    def begin(self, plan: ReshardPlan, rank: int, transport: Transport, device: torch.device) -> bool:
         """Start a sync: handshake with every peer of `rank` in `plan`; True when deltas flow with all of them."""
         ready = self.syncs > 0 and not self._in_flight and self._plan_id == id(plan)
         if not ready:
@@ -152,11 +152,7 @@ class DeltaState:
                         if op.src != op.dst and rank in (op.src, op.dst)})
         mine = torch.tensor([int(ready)], dtype=torch.int64, device=device)
         theirs = {p: torch.zeros(1, dtype=torch.int64, device=device) for p in peers}
-        p2p = [dist.P2POp(dist.isend, mine, p, group) for p in peers]
-        p2p += [dist.P2POp(dist.irecv, theirs[p], p, group) for p in peers]
-        if p2p:
-            for req in dist.batch_isend_irecv(p2p):
-                req.wait()
+        exchange(transport, [Message(p, mine) for p in peers], [Message(p, t) for p, t in theirs.items()])
         self.pair_ready = {p: ready and bool(t.item()) for p, t in theirs.items()}
         self._plan_id = id(plan)
         self._in_flight = True
@@ -189,6 +185,31 @@ class BucketDelta:
         self.sparse_ops = self.dense_ops = 0
 
 
+def _message_sizes(ops_counts, elem: int) -> tuple[int, int]:
+    """(value elements, index elements) of one peer's message, from its ops and their change counts."""
+    nv = ni = 0
+    for op, count in ops_counts:
+        v, i = payload_elems(count, op.nbytes // elem, elem)
+        nv, ni = nv + v, ni + i
+    return nv, ni
+
+
+def _diff(send_ops, piece_of, state: DeltaState, elem: int, device: torch.device):
+    """Sender side: per destination, [(op, current piece, change mask or None for a full send, count)] and the
+    int64 counts tensor that tells the receiver every op's kind and size."""
+    diffs: dict[int, list] = {}
+    counts: dict[int, torch.Tensor] = {}
+    for dst, ops in send_ops.items():
+        if not state.pair_ready.get(dst, False):
+            diffs[dst] = [(op, piece_of(op), None, op.nbytes // elem) for op in ops]
+            counts[dst] = torch.tensor([d[3] for d in diffs[dst]], dtype=torch.int64, device=device)
+            continue
+        masks = [(op, cur, changed_mask(cur, state.snapshots[op])) for op in ops for cur in [piece_of(op)]]
+        counts[dst] = torch.stack([m.sum() for _, _, m in masks]).to(torch.int64)  # no host sync per op
+        diffs[dst] = [(op, cur, m, c) for (op, cur, m), c in zip(masks, counts[dst].tolist())]
+    return diffs, counts
+
+
 def exchange_bucket(
     send_ops: dict[int, list[TransferOp]],
     recv_ops: dict[int, list[TransferOp]],
@@ -197,56 +218,33 @@ def exchange_bucket(
     written: Callable[[TransferOp], None],
     state: DeltaState,
     workspace: torch.Tensor,
-    group: Optional[dist.ProcessGroup],
+    transport: Transport,
     tally: BucketDelta,
 ) -> None:
     """Delta exchange of one bucket's remote ops (point-to-point with the peers of this rank in the bucket).
 
     Ops to a peer that is not `state.pair_ready` are sent whole (count = numel, hence dense) and snapshotted.
 
+    send_ops / recv_ops: this rank's remote ops by peer, peers sorted (the order messages are posted in).
     piece_of(op): this rank's current source view of a send op; target_of(op): the destination view of a receive
     op (holding the previous sync's values); written(op): called once each receive op is applied.
     `workspace`: the executor's flat buffer in the weights' dtype, large enough for the bucket's dense traffic.
     """
-    device = workspace.device
-    elem = workspace.element_size()
-    # Sender: diff every op against its snapshot.
-    diffs: dict[int, list[tuple[TransferOp, torch.Tensor, torch.Tensor, int]]] = defaultdict(list)
-    send_counts: dict[int, torch.Tensor] = {}
-    for dst, ops in sorted(send_ops.items()):
-        if not state.pair_ready.get(dst, False):
-            diffs[dst] = [(op, piece_of(op), None, op.nbytes // elem) for op in ops]
-            send_counts[dst] = torch.tensor([d[3] for d in diffs[dst]], dtype=torch.int64, device=device)
-            continue
-        masks = [(op, piece_of(op)) for op in ops]
-        masks = [(op, cur, changed_mask(cur, state.snapshots[op])) for op, cur in masks]
-        send_counts[dst] = torch.stack([m.sum() for _, _, m in masks]).to(torch.int64)  # no host sync per op
-        diffs[dst] = [(op, cur, m, c) for (op, cur, m), c in zip(masks, send_counts[dst].tolist())]
-    recv_counts = {src: torch.empty(len(ops), dtype=torch.int64, device=device) for src, ops in sorted(recv_ops.items())}
-    p2p = [dist.P2POp(dist.isend, c, dst, group) for dst, c in send_counts.items()]
-    p2p += [dist.P2POp(dist.irecv, c, src, group) for src, c in recv_counts.items()]
-    if p2p:
-        for req in dist.batch_isend_irecv(p2p):
-            req.wait()
+    device, elem = workspace.device, workspace.element_size()
+    # Round 1: change counts per op.
+    diffs, send_counts = _diff(send_ops, piece_of, state, elem, device)
+    recv_counts = {src: torch.empty(len(ops), dtype=torch.int64, device=device) for src, ops in recv_ops.items()}
+    exchange(transport, [Message(d, c) for d, c in send_counts.items()],
+             [Message(s, c) for s, c in recv_counts.items()])
     tally.control += sum(c.numel() * 8 for c in recv_counts.values())
 
-    # Sizes of every message, known to both sides from the counts.
-    def sizes(ops_counts):
-        nv = ni = 0
-        for op, count in ops_counts:
-            v, i = payload_elems(count, op.nbytes // elem, elem)
-            nv, ni = nv + v, ni + i
-        return nv, ni
-
+    # Round 2: payloads, sized from the counts on both sides.
     recv_list = {src: list(zip(ops, recv_counts[src].tolist())) for src, ops in recv_ops.items()}
-    send_sizes = {dst: sizes([(d[0], d[3]) for d in ds]) for dst, ds in diffs.items()}
-    recv_sizes = {src: sizes(oc) for src, oc in recv_list.items()}
-    total_idx = sum(s[1] for s in send_sizes.values()) + sum(s[1] for s in recv_sizes.values())
-    index_buf = state.index_buffer(total_idx, device)
-
-    p2p, vcur, icur = [], 0, 0
+    send_sizes = {dst: _message_sizes([(d[0], d[3]) for d in ds], elem) for dst, ds in diffs.items()}
+    recv_sizes = {src: _message_sizes(oc, elem) for src, oc in recv_list.items()}
+    index_buf = state.index_buffer(sum(s[1] for s in (*send_sizes.values(), *recv_sizes.values())), device)
+    sends, recvs, vcur, icur = [], [], 0, 0
     for dst, ds in diffs.items():
-        nv, ni = send_sizes[dst]
         vbeg, ibeg = vcur, icur
         for op, cur, mask, count in ds:
             kind = wire_kind(count, cur.numel(), elem)
@@ -257,27 +255,20 @@ def exchange_bucket(
             else:
                 update_snapshot(state.snapshots[op], cur, mask, kind)
             vcur, icur = vcur + v, icur + i
-        if nv:
-            p2p.append(dist.P2POp(dist.isend, workspace[vbeg:vcur], dst, group, tag=0))
-        if ni:
-            p2p.append(dist.P2POp(dist.isend, index_buf[ibeg:icur], dst, group, tag=1))
-        tally.sent += nv * elem + ni * INDEX_BYTES
+        sends += [Message(dst, workspace[vbeg:vcur], tag=0)] if vcur > vbeg else []
+        sends += [Message(dst, index_buf[ibeg:icur], tag=1)] if icur > ibeg else []
+        tally.sent += (vcur - vbeg) * elem + (icur - ibeg) * INDEX_BYTES
     recv_bufs = {}
     for src, (nv, ni) in recv_sizes.items():
-        vals, idx = workspace[vcur : vcur + nv], index_buf[icur : icur + ni]
-        if nv:
-            p2p.append(dist.P2POp(dist.irecv, vals, src, group, tag=0))
-        if ni:
-            p2p.append(dist.P2POp(dist.irecv, idx, src, group, tag=1))
-        recv_bufs[src] = (vals, idx)
+        recv_bufs[src] = (workspace[vcur : vcur + nv], index_buf[icur : icur + ni])
+        recvs += [Message(src, recv_bufs[src][0], tag=0)] if nv else []
+        recvs += [Message(src, recv_bufs[src][1], tag=1)] if ni else []
         vcur, icur = vcur + nv, icur + ni
         tally.received += nv * elem + ni * INDEX_BYTES
     mask_bytes = sum(m.numel() for ds in diffs.values() for _, _, m, _ in ds if m is not None)  # bool: 1 B each
     tally.peak = max(tally.peak, vcur * elem + icur * INDEX_BYTES + mask_bytes
                      + 8 * sum(c.numel() for c in (*send_counts.values(), *recv_counts.values())))
-    if p2p:
-        for req in dist.batch_isend_irecv(p2p):
-            req.wait()
+    exchange(transport, sends, recvs)
 
     for src, oc in recv_list.items():
         vals, idx = recv_bufs[src]

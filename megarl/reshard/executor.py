@@ -4,7 +4,8 @@ Data path on each rank:
   Megatron parameter tensors (this rank's shards, keyed by canonical Megatron name)
     -> local ops: `narrow` + copy straight into the destination;
     -> remote ops: per (src, dst) pair in a bucket, the pieces are packed into one contiguous send buffer,
-       exchanged with one batched isend/irecv round (gloo on CPU, NCCL on GPU), and unpacked on the receiving side
+       exchanged in one `post`/`wait` of the reshard `Transport` (default: batched isend/irecv over gloo on CPU,
+       NCCL on GPU, `megarl.reshard.transport`), and unpacked on the receiving side
   -> the destination tensor of each vLLM parameter, obtained from a `WeightSink`: on GPU the engine's own parameter
      (written in place), on the CPU build a staging tensor the sink hands to vLLM's weight-reload path once complete.
 
@@ -27,9 +28,15 @@ from typing import Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from megarl.config.schema import DEFAULT_RESHARD_BUCKET_MB
 from megarl.reshard.delta import BucketDelta, DeltaState, exchange_bucket
-from megarl.reshard.layouts import Placement, vllm_needs, vllm_param_shapes
+from megarl.reshard.layouts import vllm_needs, vllm_param_shapes
 from megarl.reshard.planner import ReshardPlan, TransferOp
+from megarl.reshard.transport import Message, TorchP2PTransport, Transport, exchange
+
+# One bucket bound for the trainer (`rollout.reshard_bucket_mb`), the executor and the benchmark: 512 MiB of send +
+# receive per rank and bucket, i.e. at most that much extra memory (the workspace) beside the weights.
+DEFAULT_BUCKET_BYTES = DEFAULT_RESHARD_BUCKET_MB << 20
 
 
 class WeightSink(Protocol):
@@ -172,15 +179,104 @@ def _slice(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     return t.narrow(dim, start, length) if t.dim() > dim else t[start : start + length]
 
 
+class _Destinations:
+    """This rank's vLLM shards being written: targets from the sink, commit once every piece of a parameter landed."""
+
+    def __init__(self, plan: ReshardPlan, rank: int, sink: WeightSink, dtype: torch.dtype) -> None:
+        infer_rank = plan.infer_rank_of[rank]
+        self.sink, self.dtype, self.rank = sink, dtype, rank
+        self.shapes = vllm_param_shapes(plan.spec, plan.infer_tp, infer_rank)
+        self.remaining: dict[str, int] = defaultdict(int)
+        for p in vllm_needs(plan.spec, plan.infer_tp, infer_rank):
+            self.remaining[p.param] += p.piece.length
+        self.targets: dict[str, torch.Tensor] = {}
+
+    def view(self, op: TransferOp) -> torch.Tensor:
+        """The slice of the destination shard `op` writes."""
+        if op.dst_param not in self.targets:
+            self.targets[op.dst_param] = self.sink.target(op.dst_param, self.shapes[op.dst_param], self.dtype)
+        return _slice(self.targets[op.dst_param], op.piece.dim, op.dst_offset, op.piece.length)
+
+    def written(self, op: TransferOp) -> None:
+        self.remaining[op.dst_param] -= op.piece.length
+        if self.remaining[op.dst_param] == 0:
+            self.sink.commit(op.dst_param)
+            self.targets.pop(op.dst_param, None)
+
+    def check_complete(self) -> None:
+        unfinished = [n for n, left in self.remaining.items() if left]
+        if unfinished:
+            raise RuntimeError(f"reshard left vLLM parameters incomplete on rank {self.rank}: {unfinished[:5]}")
+
+
+def _wire_dtype(plan: ReshardPlan, sources: dict[str, torch.Tensor]) -> torch.dtype:
+    """The sources' dtype of the plan's element size. A bf16 engine on the CPU keeps its norms in fp32
+    (megatron-core's torch-norm fallback); they are cast on the way, so every rank agrees."""
+    dtype = next((t.dtype for t in sources.values() if t.element_size() == plan.dtype_bytes), None)
+    if sources and dtype is None:
+        raise ValueError(
+            f"plan was built for {plan.dtype_bytes}-byte elements but the Megatron weights are "
+            f"{sorted({str(t.dtype) for t in sources.values()})}"
+        )
+    return dtype or torch.float32
+
+
+def _split(bucket: list[TransferOp], rank: int):
+    """(local ops, remote sends by destination, remote receives by source) of this rank in `bucket`."""
+    local: list[TransferOp] = []
+    send_ops: dict[int, list[TransferOp]] = defaultdict(list)
+    recv_ops: dict[int, list[TransferOp]] = defaultdict(list)
+    for op in bucket:
+        if op.src == rank and op.dst == rank:
+            local.append(op)
+        elif op.src == rank:
+            send_ops[op.dst].append(op)
+        elif op.dst == rank:
+            recv_ops[op.src].append(op)
+    return local, dict(sorted(send_ops.items())), dict(sorted(recv_ops.items()))
+
+
+def _exchange_dense(send_ops, recv_ops, piece_of, dest: _Destinations, workspace: torch.Tensor,
+                    transport: Transport) -> tuple[int, int, int]:
+    """One bucket's remote ops, every value: pack sends and lay out receives back to back in `workspace` (send +
+    receive <= one bucket), one message per peer, unpack. Returns (bytes sent, bytes received, workspace bytes)."""
+    elem = workspace.element_size()
+    sends, recvs, cursor = [], [], 0
+    for dst, ops in send_ops.items():
+        begin = cursor
+        for op in ops:
+            src = piece_of(op)
+            workspace[cursor : cursor + src.numel()].view(src.shape).copy_(src)
+            cursor += src.numel()
+        sends.append(Message(dst, workspace[begin:cursor]))
+    sent = cursor * elem
+    for src_rank, ops in recv_ops.items():
+        n = sum(op.nbytes for op in ops) // elem
+        recvs.append(Message(src_rank, workspace[cursor : cursor + n]))
+        cursor += n
+    exchange(transport, sends, recvs)
+    received = 0
+    for msg in recvs:
+        offset = 0
+        for op in recv_ops[msg.peer]:
+            dst_view = dest.view(op)
+            dst_view.copy_(msg.tensor[offset : offset + dst_view.numel()].view(dst_view.shape))
+            offset += dst_view.numel()
+            received += op.nbytes
+            dest.written(op)
+    return sent, received, cursor * elem
+
+
 @torch.no_grad()
 def execute_reshard(
     plan: ReshardPlan,
     sources: dict[str, torch.Tensor],
     sink: WeightSink,
-    bucket_bytes: int = 256 << 20,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     group: Optional[dist.ProcessGroup] = None,
     device: Optional[torch.device] = None,
     delta: Optional[DeltaState] = None,
+    transport: Optional[Transport] = None,
 ) -> ReshardReport:
     """Run `plan` on this rank. Collective over the actor's ranks (every rank calls it with the same plan).
 
@@ -188,109 +284,49 @@ def execute_reshard(
         plan: from `plan_reshard` (same on every rank).
         sources: this rank's Megatron parameter tensors by canonical Megatron name (`megatron_sources(engine)`).
         sink: destination of this rank's vLLM shards.
-        bucket_bytes: bound on the bytes one bucket moves between ranks.
-        group: process group spanning the actor's ranks (global ranks are used for peers); default world.
+        bucket_bytes: bound on the bytes one bucket moves between ranks (send + receive per rank);
+            default `DEFAULT_BUCKET_BYTES` (= `rollout.reshard_bucket_mb`'s default).
+        group: process group spanning the actor's ranks (global ranks are used for peers); default world. Used
+            to build the default transport.
         device: device of the communication buffers (default: the sources' device).
         delta: opt-in delta mode: the same `DeltaState` at every call; the first call (and any after `reset()`)
             is a full sync that takes snapshots, later ones send only changed elements. Needs a sink whose targets
             persist (`keeps_targets`).
+        transport: how buffers travel (default `TorchP2PTransport(group)`).
     """
     rank = dist.get_rank() if dist.is_initialized() else plan.train.rank_offset
     start_time = time.perf_counter()
-    # Wire and destination dtype: the sources' dtype of the plan's element size. A bf16 engine on the CPU keeps its
-    # norms in fp32 (megatron-core's torch-norm fallback); they are cast on the way, so every rank agrees.
-    dtype = next((t.dtype for t in sources.values() if t.element_size() == plan.dtype_bytes), None)
-    if sources and dtype is None:
-        raise ValueError(
-            f"plan was built for {plan.dtype_bytes}-byte elements but the Megatron weights are "
-            f"{sorted({str(t.dtype) for t in sources.values()})}"
-        )
-    dtype = dtype or torch.float32
+    dtype = _wire_dtype(plan, sources)
     device = device or (next(iter(sources.values())).device if sources else torch.device("cpu"))
     if delta is not None and not getattr(sink, "keeps_targets", False):
         raise ValueError(
             f"delta mode needs a sink whose targets persist between reshards; {type(sink).__name__} does not "
             "(use DictSink(persistent=True) or VllmShardSink(engine, persistent=True))"
         )
-    my_infer_rank = plan.infer_rank_of[rank]
-    shapes = vllm_param_shapes(plan.spec, plan.infer_tp, my_infer_rank)
-    needs: dict[str, list[Placement]] = defaultdict(list)
-    for p in vllm_needs(plan.spec, plan.infer_tp, my_infer_rank):
-        needs[p.param].append(p)
-    remaining = {name: sum(p.piece.length for p in ps) for name, ps in needs.items()}
-    targets: dict[str, torch.Tensor] = {}
+    transport = transport or TorchP2PTransport(group)
+    transport.begin()
+    dest = _Destinations(plan, rank, sink, dtype)
 
-    def target(param: str) -> torch.Tensor:
-        if param not in targets:
-            targets[param] = sink.target(param, shapes[param], dtype)
-        return targets[param]
-
-    def written(param: str, length: int) -> None:
-        remaining[param] -= length
-        if remaining[param] == 0:
-            sink.commit(param)
-            targets.pop(param, None)
+    def piece_of(op: TransferOp) -> torch.Tensor:
+        return _slice(sources[op.src_param], op.piece.dim, op.src_offset, op.piece.length)
 
     received = sent = local = peak = 0
     buckets = _buckets(plan, bucket_bytes)
     workspace = _workspace(buckets, rank, dtype, device, plan.dtype_bytes)
-    delta_sync = delta.begin(plan, rank, group, device) if delta is not None else False
+    delta_sync = delta.begin(plan, rank, transport, device) if delta is not None else False
     tally = BucketDelta()
     for bucket in buckets:
-        send_ops: dict[int, list[TransferOp]] = defaultdict(list)
-        recv_ops: dict[int, list[TransferOp]] = defaultdict(list)
-        for op in bucket:
-            if op.src == rank and op.dst == rank:
-                src = _slice(sources[op.src_param], op.piece.dim, op.src_offset, op.piece.length)
-                _slice(target(op.dst_param), op.piece.dim, op.dst_offset, op.piece.length).copy_(src)
-                local += op.nbytes
-                written(op.dst_param, op.piece.length)
-            elif op.src == rank:
-                send_ops[op.dst].append(op)
-            elif op.dst == rank:
-                recv_ops[op.src].append(op)
+        local_ops, send_ops, recv_ops = _split(bucket, rank)
+        for op in local_ops:
+            dest.view(op).copy_(piece_of(op))
+            local += op.nbytes
+            dest.written(op)
         if delta is not None:
-            exchange_bucket(
-                send_ops, recv_ops,
-                piece_of=lambda op: _slice(sources[op.src_param], op.piece.dim, op.src_offset, op.piece.length),
-                target_of=lambda op: _slice(target(op.dst_param), op.piece.dim, op.dst_offset, op.piece.length),
-                written=lambda op: written(op.dst_param, op.piece.length),
-                state=delta, workspace=workspace, group=group, tally=tally,
-            )
-            continue
-        # Pack sends and lay out receives back to back in the workspace (send + receive <= one bucket).
-        p2p, cursor = [], 0
-        recv_views: dict[int, torch.Tensor] = {}
-        for dst, ops in sorted(send_ops.items()):
-            begin = cursor
-            for op in ops:
-                src = _slice(sources[op.src_param], op.piece.dim, op.src_offset, op.piece.length)
-                n = src.numel()
-                workspace[cursor : cursor + n].view(src.shape).copy_(src)
-                cursor += n
-            p2p.append(dist.P2POp(dist.isend, workspace[begin:cursor], dst, group))
-            sent += (cursor - begin) * plan.dtype_bytes
-        for src_rank, ops in sorted(recv_ops.items()):
-            n = sum(op.nbytes for op in ops) // plan.dtype_bytes
-            recv_views[src_rank] = workspace[cursor : cursor + n]
-            p2p.append(dist.P2POp(dist.irecv, recv_views[src_rank], src_rank, group))
-            cursor += n
-        peak = max(peak, cursor * plan.dtype_bytes)
-        if p2p:
-            for req in dist.batch_isend_irecv(p2p):
-                req.wait()
-        for src_rank, buf in recv_views.items():
-            offset = 0
-            for op in recv_ops[src_rank]:
-                dst_view = _slice(target(op.dst_param), op.piece.dim, op.dst_offset, op.piece.length)
-                n = dst_view.numel()
-                dst_view.copy_(buf[offset : offset + n].view(dst_view.shape))
-                offset += n
-                received += op.nbytes
-                written(op.dst_param, op.piece.length)
-    unfinished = [n for n, left in remaining.items() if left]
-    if unfinished:
-        raise RuntimeError(f"reshard left vLLM parameters incomplete on rank {rank}: {unfinished[:5]}")
+            exchange_bucket(send_ops, recv_ops, piece_of, dest.view, dest.written, delta, workspace, transport, tally)
+        else:
+            s, r, used = _exchange_dense(send_ops, recv_ops, piece_of, dest, workspace, transport)
+            sent, received, peak = sent + s, received + r, max(peak, used)
+    dest.check_complete()
     sink.finish()
     stats = next(s for s in plan.stats if s.rank == rank)
     report = ReshardReport(

@@ -1,0 +1,107 @@
+"""How reshard buffers travel between ranks: one small protocol, one torch.distributed implementation.
+
+The executor (and delta mode) never call `torch.distributed` point-to-point functions themselves. Per bucket they
+build the list of messages this rank sends and the list it receives, `post` them together, and `wait`:
+
+    pending = transport.post(sends=[Message(peer, tensor, tag), ...], recvs=[Message(peer, buffer, tag), ...])
+    pending.wait()            # the receive buffers now hold the peers' data; the send buffers may be reused
+
+Peers are global ranks. Between one pair of ranks, messages are matched in the order they are posted (tags tell
+them apart where the backend supports tags; NCCL ignores tags, so both sides must post in the same order, which
+the executor does: per peer, sorted by peer, payload before indices before checksums).
+
+`TorchP2PTransport` runs the messages as one `batch_isend_irecv` (gloo on CPU, NCCL on GPU) over a process group.
+NCCL builds its communicator lazily at the first operation on a group, and for a batched P2P that first operation
+must involve every rank of the group (torch.distributed docs, `batch_isend_irecv`); a rank with no messages in a
+bucket posts nothing. So `begin()` -- called by every rank at the start of every reshard -- runs one barrier on
+the group the first time it sees that group on a lazily-initialising backend, after which ranks may skip buckets
+freely. A cross-pool transport (e.g. trainer and rollout engine in different worlds) implements the same two calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """One buffer to send to, or receive from, global rank `peer` (a contiguous tensor; receive buffers are
+    written in place)."""
+
+    peer: int
+    tensor: torch.Tensor
+    tag: int = 0
+
+
+class Pending(Protocol):
+    def wait(self) -> None:
+        """Block until every message of the `post` completed."""
+
+
+class Transport(Protocol):
+    """Point-to-point exchange of one bucket's buffers (see the module docstring)."""
+
+    def begin(self) -> None:
+        """Called by every rank of the reshard, at its start, before any `post` (collective the first time)."""
+
+    def post(self, sends: Sequence[Message], recvs: Sequence[Message]) -> Pending:
+        """Start sending `sends` and receiving into `recvs`; returns immediately."""
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class _Requests:
+    def __init__(self, requests) -> None:
+        self._requests = requests
+
+    def wait(self) -> None:
+        for req in self._requests:
+            req.wait()
+        self._requests = []
+
+
+# Process groups whose (lazily built) NCCL communicator this process already initialised, by group identity.
+_READY_GROUPS: set[int] = set()
+
+
+class TorchP2PTransport:
+    """`Transport` over a torch.distributed process group: one `batch_isend_irecv` per `post`.
+
+    Args:
+        group: the process group spanning the reshard's ranks (peers are still global ranks); None = the default
+            world. On NCCL, `begin()` barriers on this group once, so every rank of it must run the reshard.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.group = group
+
+    def begin(self) -> None:
+        if not dist.is_initialized():
+            return
+        key = id(self.group if self.group is not None else dist.group.WORLD)
+        if key in _READY_GROUPS:
+            return
+        if dist.get_backend(self.group) == "nccl":
+            # Builds the group's communicator with every rank present (issue 15 item 9): later batches may leave
+            # ranks out.
+            dist.barrier(group=self.group, device_ids=[torch.cuda.current_device()])
+        _READY_GROUPS.add(key)
+
+    def post(self, sends: Sequence[Message], recvs: Sequence[Message]) -> Pending:
+        ops = [dist.P2POp(dist.isend, m.tensor, m.peer, self.group, tag=m.tag) for m in sends]
+        ops += [dist.P2POp(dist.irecv, m.tensor, m.peer, self.group, tag=m.tag) for m in recvs]
+        if not ops:
+            return _Done()
+        return _Requests(dist.batch_isend_irecv(ops))
+
+
+def exchange(transport: Transport, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+    """`post` then `wait`."""
+    transport.post(sends, recvs).wait()
