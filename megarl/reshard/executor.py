@@ -85,7 +85,8 @@ class DictSink:
 class ReshardReport:
     """What one reshard did on this rank (bytes; seconds).
 
-    bytes_received / bytes_local / bytes_lower_bound / bytes_naive: see `planner.RankStats`.
+    bytes_received / bytes_local / bytes_lower_bound / bytes_plan_remote / bytes_naive: see `planner.RankStats`
+        (`bytes_lower_bound` is computed from the layouts alone: a plan that received more would show here).
     peak_extra_bytes: largest sum of this rank's send and receive bytes in one bucket: the used part of the one
         workspace buffer the executor adds on top of the Megatron shards and the destination tensors (the buffer is
         kept between reshards; `release_workspace()` frees it). In delta mode it includes indices and counts.
@@ -117,6 +118,7 @@ class ReshardReport:
     delta_sparse_ops: int = 0
     delta_dense_ops: int = 0
     delta_sync: float = 0.0
+    bytes_plan_remote: int = 0
 
     def as_metrics(self, prefix: str = "reshard/") -> dict[str, float]:
         return {prefix + k: float(v) for k, v in dataclasses.asdict(self).items() if k != "rank"}
@@ -333,6 +335,7 @@ def execute_reshard(
         rank=rank, bytes_received=received, bytes_sent=sent, bytes_local=local,
         bytes_lower_bound=stats.bytes_lower_bound, bytes_naive=stats.bytes_naive,
         peak_extra_bytes=peak, buckets=len(buckets), time_s=time.perf_counter() - start_time,
+        bytes_plan_remote=stats.bytes_plan_remote,
     )
     if delta is None:
         return report

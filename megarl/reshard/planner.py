@@ -6,12 +6,17 @@ training rank it comes from:
   2. the rest from a rank that holds it, choosing among the holders (DP replicas; TP ranks for replicated norms)
      the one with the fewest bytes assigned so far, which balances the send load across replicas.
 Every byte a rank needs but does not hold is received exactly once, so the bytes received equal the lower bound
-for the rank mapping; the plan reports that bound and what a naive "gather the full model on every rank" moves.
+for the rank mapping. That bound is computed from the layouts alone (`lower_bound_bytes`: for each inference rank,
+bytes it needs minus bytes of (its Megatron holdings intersected with its needs), no reference to the chosen ops),
+so "received == bound" is a real check of the plan; the plan's own figure (needed minus what it copied locally)
+is reported beside it, with what a naive "gather the full model on every rank" moves.
 
 Rank mapping: inference replicas are blocks of `infer_tp` consecutive global ranks (how vLLM's external launcher
 forms its TP groups). Within each block the planner can choose which rank plays which inference TP rank;
 `choose_mapping` searches the permutations for the one that keeps the most bytes local (ties keep the natural
-order, the one vLLM realises). `plan_reshard(..., search_mapping=False)` fixes the natural order.
+order, the one vLLM realises). vLLM's external launcher fixes TP rank = position in the block, so the trainer plans
+with the natural order (`plan_reshard`'s default, `search_mapping=False`) and checks at start-up that its engine
+agrees (`check_engine_mapping`); `search_mapping=True` shows what a launcher that lets us choose would save.
 """
 
 from __future__ import annotations
@@ -51,7 +56,10 @@ class RankStats:
     bytes_received: bytes this rank receives from other ranks under the plan.
     bytes_local: bytes it copies from its own Megatron shards.
     bytes_sent: bytes it sends to other ranks.
-    bytes_lower_bound: bytes it needs minus bytes it already holds: no plan for this mapping receives less.
+    bytes_lower_bound: bytes it needs minus bytes of (its holdings intersected with its needs), from the layouts
+        alone (`lower_bound_bytes`): no plan for this mapping receives less.
+    bytes_plan_remote: bytes it needs minus what this plan copies locally (the plan's own figure; equals
+        `bytes_received` for any plan that covers every need once, so it is no check of the plan).
     bytes_naive: bytes a gather-the-full-model-on-every-rank approach would receive (model bytes minus held bytes).
     """
 
@@ -62,6 +70,7 @@ class RankStats:
     bytes_sent: int
     bytes_lower_bound: int
     bytes_naive: int
+    bytes_plan_remote: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +96,7 @@ class ReshardPlan:
             "bytes_received": sum(s.bytes_received for s in self.stats),
             "bytes_local": sum(s.bytes_local for s in self.stats),
             "bytes_lower_bound": sum(s.bytes_lower_bound for s in self.stats),
+            "bytes_plan_remote": sum(s.bytes_plan_remote for s in self.stats),
             "bytes_naive": sum(s.bytes_naive for s in self.stats),
         }
 
@@ -143,14 +153,62 @@ def _check_divides(train: RoleTopology, infer_tp: int) -> None:
 
 
 def plan_reshard(spec: ModelSpec, train: RoleTopology, infer_tp: int, dtype_bytes: int = 2,
-                 search_mapping: bool = True) -> ReshardPlan:
-    """The transfer plan (cached: call freely before every rollout)."""
-    return _plan_cached(repr(spec), spec, train, infer_tp, dtype_bytes, search_mapping)
+                 search_mapping: bool = False, _prefer_local: bool = True) -> ReshardPlan:
+    """The transfer plan (cached: call freely before every rollout).
+
+    search_mapping: False (default) = inference TP rank = position in its block of `infer_tp` ranks, what vLLM's
+        external launcher realises; True = the permutation keeping the most bytes local (`choose_mapping`).
+    _prefer_local: testing knob; False routes every need from another holder where one exists (a deliberately
+        worse plan that the independent lower bound must catch).
+    """
+    return _plan_cached(repr(spec), spec, train, infer_tp, dtype_bytes, search_mapping, _prefer_local)
+
+
+def lower_bound_bytes(spec: ModelSpec, train: RoleTopology, infer_tp: int, infer_rank_of: dict[int, int],
+                      dtype_bytes: int = 2) -> dict[int, int]:
+    """{rank: bytes it must receive}: bytes inference rank `infer_rank_of[rank]` needs minus the bytes of (the
+    rank's Megatron holdings intersected with those needs). From the layouts alone; no plan involved."""
+    out = {}
+    for rank in train.ranks:
+        held: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
+        for p in megatron_holdings(spec, train, rank):
+            held[(p.piece.hf_name, p.piece.dim)].append((p.piece.start, p.piece.stop))
+        runs = {key: _merge(v) for key, v in held.items()}
+        total = 0
+        for need in vllm_needs(spec, infer_tp, infer_rank_of[rank]):
+            n = need.piece
+            covered = sum(max(0, min(hi, n.stop) - max(lo, n.start)) for lo, hi in runs.get((n.hf_name, n.dim), []))
+            total += piece_bytes(spec, Piece(n.hf_name, n.dim, 0, n.length - covered), dtype_bytes)
+        out[rank] = total
+    return out
+
+
+def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Union of half-open runs, as disjoint sorted runs."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(runs):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def check_engine_mapping(plan: ReshardPlan, rank: int, engine_tp_rank: int) -> None:
+    """Refuse to reshard when the rollout engine on global `rank` is TP rank `engine_tp_rank` but the plan writes
+    inference TP rank `plan.infer_rank_of[rank]`'s shards there (the engine would hold another rank's weights)."""
+    planned = plan.infer_rank_of.get(rank)
+    if planned != engine_tp_rank:
+        raise RuntimeError(
+            f"reshard plan and rollout engine disagree on rank {rank}: the plan writes inference TP rank {planned}'s "
+            f"shards, the vLLM engine there is TP rank {engine_tp_rank}. Build the plan with the engine's mapping "
+            f"(plan_reshard(..., search_mapping=False): TP rank = position in each block of {plan.infer_tp} ranks)"
+        )
 
 
 @functools.lru_cache(maxsize=32)
 def _plan_cached(_key: str, spec: ModelSpec, train: RoleTopology, infer_tp: int, dtype_bytes: int,
-                 search_mapping: bool) -> ReshardPlan:
+                 search_mapping: bool, prefer_local: bool) -> ReshardPlan:
     _check_divides(train, infer_tp)
     index = _Index(spec, train)
     if search_mapping:
@@ -166,7 +224,7 @@ def _plan_cached(_key: str, spec: ModelSpec, train: RoleTopology, infer_tp: int,
     for dst in train.ranks:
         received = local = lower = 0
         for need in needs[mapping[dst]]:
-            for op in _route(spec, index, dst, need, sent, dtype_bytes):
+            for op in _route(spec, index, dst, need, sent, dtype_bytes, prefer_local):
                 ops.append(op)
                 if op.src == dst:
                     local += op.nbytes
@@ -174,10 +232,10 @@ def _plan_cached(_key: str, spec: ModelSpec, train: RoleTopology, infer_tp: int,
                     received += op.nbytes
                     sent[op.src] += op.nbytes
             lower += piece_bytes(spec, need.piece, dtype_bytes)
-        lower -= local
         held = _unique_bytes(spec, index.by_rank[dst], dtype_bytes)
-        stats.append(RankStats(dst, mapping[dst], received, local, 0, lower, model_bytes - held))
-    stats = [dataclasses.replace(s, bytes_sent=sent[s.rank]) for s in stats]
+        stats.append(RankStats(dst, mapping[dst], received, local, 0, 0, model_bytes - held, lower - local))
+    bound = lower_bound_bytes(spec, train, infer_tp, mapping, dtype_bytes)
+    stats = [dataclasses.replace(s, bytes_sent=sent[s.rank], bytes_lower_bound=bound[s.rank]) for s in stats]
     return ReshardPlan(spec, train, infer_tp, dtype_bytes, mapping, tuple(ops), tuple(stats), model_bytes)
 
 
@@ -215,7 +273,7 @@ def _unique_bytes(spec: ModelSpec, placements: list[Placement], dtype_bytes: int
 
 
 def _route(spec: ModelSpec, index: _Index, dst: int, need: Placement, sent: dict[int, int],
-           dtype_bytes: int) -> list[TransferOp]:
+           dtype_bytes: int, prefer_local: bool = True) -> list[TransferOp]:
     """Ops covering `need` for `dst`: its own holdings first, then the least-loaded holder per sub-run.
 
     `sent` (bytes already assigned to each source) is read for balancing; the caller updates it.
@@ -235,6 +293,8 @@ def _route(spec: ModelSpec, index: _Index, dst: int, need: Placement, sent: dict
         if not candidates:
             raise ValueError(f"no training rank holds {run} (needed by rank {dst})")
         mine = [(r, p) for r, p in candidates if r == dst]
+        if not prefer_local and len(mine) < len(candidates):  # testing knob: a deliberately worse plan
+            candidates, mine = [(r, p) for r, p in candidates if r != dst], []
         src, src_p = mine[0] if mine else min(candidates, key=lambda rp: (sent[rp[0]] + pending[rp[0]], rp[0]))
         nbytes = piece_bytes(spec, run, dtype_bytes)
         if src != dst:

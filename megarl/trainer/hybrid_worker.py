@@ -20,11 +20,13 @@ import dataclasses
 import os
 from typing import Optional
 
+import torch.distributed as dist
+
 from megarl.config.schema import JobConfig
 from megarl.controller.dispatch import Dispatch, dispatch
 from megarl.data.batch import Batch
 from megarl.reshard.executor import execute_reshard
-from megarl.reshard.planner import plan_reshard
+from megarl.reshard.planner import check_engine_mapping, plan_reshard
 from megarl.reshard.sources import megatron_sources
 from megarl.reshard.vllm_sink import VllmShardSink
 from megarl.roles.factory import build_role
@@ -66,7 +68,10 @@ class HybridWorker:
         ))
         # Element size of the weights on the wire: the model dtype's (a CPU bf16 engine keeps fp32 norms, cast).
         elem = ELEMENT_BYTES[cfg.model.dtype]
-        self.plan = plan_reshard(self.actor.engine.spec, self.actor.groups.topology, cfg.rollout.tp, dtype_bytes=elem)
+        # The engine's mapping (vLLM's external launcher: TP rank = position in the block), checked, not searched.
+        self.plan = plan_reshard(self.actor.engine.spec, self.actor.groups.topology, cfg.rollout.tp, dtype_bytes=elem,
+                                 search_mapping=False)
+        check_engine_mapping(self.plan, dist.get_rank(), self.engine.tp_rank)
         self.sink = VllmShardSink(self.engine)
         self._awake = True  # a new engine is awake
         self.bucket_bytes = cfg.rollout.reshard_bucket_mb << 20

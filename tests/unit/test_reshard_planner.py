@@ -110,3 +110,96 @@ def test_piece_bytes_counts_other_dims():
     need = [p for p in vllm_needs(SPEC, 2, 0) if p.param.endswith("o_proj.weight")][0]
     assert (need.piece.dim, need.piece.length) == (1, 64)
     assert piece_bytes(SPEC, need.piece, 2) == 64 * 128 * 2
+
+
+# ------------------------------------------------------------------ the lower bound, independent of the plan
+MORE_LAYOUTS = LAYOUTS + [  # 8-rank layouts (pure planner: no processes)
+    (2, 2, 2, 2), (2, 2, 2, 4), (1, 2, 4, 2), (2, 1, 4, 4), (1, 4, 2, 4), (2, 2, 1, 4), (1, 1, 8, 4), (2, 1, 2, 4),
+]
+
+
+@pytest.mark.parametrize("search", [False, True], ids=["natural", "searched"])
+@pytest.mark.parametrize("spec,tp,pp,dp,infer_tp", [
+    pytest.param(spec, *layout, id=f"{name}-{layout}") for name, spec in (("llama", SPEC), ("qwen2-tied", QWEN_TIED))
+    for layout in MORE_LAYOUTS if spec.num_layers % layout[1] == 0  # QWEN_TIED's 2 layers do not split over pp=4
+])
+def test_received_equals_the_bound_computed_from_layouts_alone(spec, tp, pp, dp, infer_tp, search):
+    train = RoleTopology(tp=tp, pp=pp, dp=dp)
+    plan = plan_reshard(spec, train, infer_tp, dtype_bytes=2, search_mapping=search)
+    for s in plan.stats:
+        assert s.bytes_received == s.bytes_lower_bound, (s.rank, s.bytes_received, s.bytes_lower_bound)
+        assert s.bytes_plan_remote == s.bytes_received
+
+
+@pytest.mark.parametrize("tp,pp,dp,infer_tp", [(1, 1, 2, 2), (1, 1, 2, 1), (2, 1, 2, 2), (1, 2, 2, 2), (2, 2, 2, 4)])
+def test_a_plan_ignoring_local_shards_is_caught_by_the_bound(tp, pp, dp, infer_tp):
+    # With DP replicas every needed piece a rank holds is also held by another replica: the worse plan fetches it.
+    train = RoleTopology(tp=tp, pp=pp, dp=dp)
+    worse = plan_reshard(SPEC, train, infer_tp, dtype_bytes=2, _prefer_local=False)
+    good = plan_reshard(SPEC, train, infer_tp, dtype_bytes=2)
+    assert [s.bytes_lower_bound for s in worse.stats] == [s.bytes_lower_bound for s in good.stats]
+    assert all(s.bytes_local == 0 for s in worse.stats)
+    # the plan's own figure cannot see it (it is needed minus the plan's local copies) ...
+    assert all(s.bytes_plan_remote == s.bytes_received for s in worse.stats)
+    # ... the independent bound does, on every rank
+    assert all(s.bytes_received > s.bytes_lower_bound for s in worse.stats), [
+        (s.bytes_received, s.bytes_lower_bound) for s in worse.stats]
+
+
+def test_theory_tp2pp2_to_infer_tp2_receives_a_quarter_of_the_sharded_bytes():
+    # Llama, untied, vocab 512 so Megatron's padding (multiple of 128*tp = 256) and vLLM's (64) agree: both cut the
+    # vocabulary at row 256. Megatron TP rank t and vLLM TP rank t then hold the same half of every sharded weight
+    # of the layers they share; a rank holds its stage's half of the model and needs its TP half of all of it, so
+    # it receives half of the other stage's sharded bytes = 1/4 of all sharded bytes, plus the other stage's norms.
+    spec = ModelSpec(architecture="LlamaForCausalLM", num_layers=4, hidden_size=128, num_attention_heads=4,
+                     num_query_groups=2, head_dim=32, ffn_hidden_size=256, vocab_size=512,
+                     max_position_embeddings=256)
+    h, ffn = 128, 256
+    per_layer = (4 * 32 * h) + 2 * (2 * 32 * h) + h * (4 * 32) + 3 * (ffn * h)  # q, k+v, o, gate+up+down
+    assert per_layer == 147456
+    sharded = 4 * per_layer + 2 * 512 * h  # + embed_tokens and lm_head
+    layer_norms = 2 * h  # input + post-attention layernorm
+    bf16 = 2
+    plan = plan_reshard(spec, RoleTopology(tp=2, pp=2), 2, dtype_bytes=bf16)
+    expected = {  # ranks 0, 1 = stage 0 (layers 0-1, embedding); ranks 2, 3 = stage 1 (layers 2-3, norm, lm_head)
+        0: sharded // 4 + 2 * layer_norms + h, 1: sharded // 4 + 2 * layer_norms + h,
+        2: sharded // 4 + 2 * layer_norms, 3: sharded // 4 + 2 * layer_norms,
+    }
+    assert {s.rank: s.bytes_received for s in plan.stats} == {r: e * bf16 for r, e in expected.items()}
+    assert {s.rank: s.bytes_lower_bound for s in plan.stats} == {r: e * bf16 for r, e in expected.items()}
+
+
+def test_theory_tp8pp2_to_infer_tp8_receives_a_sixteenth_of_the_model():
+    # 8 heads and 8 KV heads (one of each per TP rank), vocab 1024 = Megatron's padding multiple at tp 8 (128*8)
+    # and a multiple of vLLM's 64: both sides cut 128 rows per rank. Each rank holds 1/8 of its stage (1/16 of
+    # the model) and needs 1/8 of the model: it receives 1/16 of the model, plus the other stage's norms.
+    spec = ModelSpec(architecture="LlamaForCausalLM", num_layers=4, hidden_size=256, num_attention_heads=8,
+                     num_query_groups=8, head_dim=32, ffn_hidden_size=512, vocab_size=1024,
+                     max_position_embeddings=256)
+    h, ffn = 256, 512
+    per_layer = 4 * (h * h) + 3 * (ffn * h)  # q, k, v, o are h x h here; gate, up, down
+    model_without_norms = 4 * per_layer + 2 * 1024 * h
+    assert model_without_norms == 3145728
+    layer_norms = 2 * h
+    plan = plan_reshard(spec, RoleTopology(tp=8, pp=2), 8, dtype_bytes=2)
+    for s in plan.stats:
+        stage = s.rank // 8  # megatron-core's rank order tp-cp-ep-dp-pp: ranks 0-7 are stage 0
+        norms = 2 * layer_norms + (h if stage == 0 else 0)  # the other stage's layer norms (+ final norm)
+        assert s.bytes_received == s.bytes_lower_bound == (model_without_norms // 16 + norms) * 2, s
+
+
+def test_searched_mapping_can_differ_from_what_vllm_realises_and_is_refused():
+    from megarl.reshard.planner import check_engine_mapping
+
+    # TP2PP2 -> infer TP4: block = ranks 0..3 = (tp0,s0), (tp1,s0), (tp0,s1), (tp1,s1). Megatron tp0 holds quarters
+    # 0-1 of each sharded weight, tp1 quarters 2-3; keeping most bytes local puts rank 1 on quarter 2, rank 2 on 1.
+    searched = plan_reshard(SPEC, RoleTopology(tp=2, pp=2), 4, search_mapping=True)
+    assert searched.infer_rank_of == {0: 0, 1: 2, 2: 1, 3: 3}
+    natural = plan_reshard(SPEC, RoleTopology(tp=2, pp=2), 4)
+    assert natural.infer_rank_of == {0: 0, 1: 1, 2: 2, 3: 3} and natural.natural_mapping
+    # vLLM's external launcher: TP rank = position in the block
+    for rank in range(4):
+        check_engine_mapping(natural, rank, engine_tp_rank=rank % 4)
+    with pytest.raises(RuntimeError, match="rank 1: the plan writes inference TP rank 2's shards, the vLLM engine "
+                                           "there is TP rank 1"):
+        check_engine_mapping(searched, 1, engine_tp_rank=1)
