@@ -35,19 +35,21 @@ def hf_config(arch: str, **overrides):
     return AutoConfig.for_model(model_type, **fields)
 
 
-def make_hf_model(arch: str, out_dir: str, seed: int = 0, dtype: str = "float32", **overrides) -> str:
+def make_hf_model(arch: str, out_dir: str, seed: int = 0, dtype: str = "float32", init_std: float = 0.1,
+                  **overrides) -> str:
     """Save a randomly initialised model (and a generation config) to `out_dir`; returns `out_dir`.
 
-    Weights are drawn with a larger std than transformers' default (0.02) so logits are not near-uniform and
-    layout mistakes show up in the logit comparison; norm weights are randomised too.
+    Weights are drawn with std `init_std`, larger than transformers' default (0.02), so logits are not near-uniform
+    and layout mistakes show up in the logit comparison (greedy comparisons between implementations want ~0.3: a
+    peaked next-token distribution has no near-ties for fp32 rounding to flip); norm weights are randomised too.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch.manual_seed(seed)
     cfg = hf_config(arch, **overrides)
-    cfg.initializer_range = 0.1
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=getattr(torch, dtype), attn_implementation="eager")
+    cfg.initializer_range = init_std
+    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype), attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:

@@ -127,6 +127,14 @@ def vllm_padded_vocab(vocab_size: int) -> int:
 
 def vllm_needs(spec: ModelSpec, infer_tp: int, tp_rank: int) -> list[Placement]:
     """Every HF piece vLLM inference TP rank `tp_rank` needs, with its place in the vLLM parameter."""
+    if spec.architecture == "Qwen2ForCausalLM" and spec.head_dim * spec.num_attention_heads != spec.hidden_size:
+        # vllm 0.32 model_executor/models/qwen2.py: head_dim = hidden_size // num_heads (config.head_dim ignored),
+        # while transformers honours config.json's head_dim: the engine would build other shapes.
+        raise ValueError(
+            f"Qwen2ForCausalLM with head_dim={spec.head_dim} != hidden_size/num_attention_heads="
+            f"{spec.hidden_size}/{spec.num_attention_heads}: vLLM's Qwen2 derives head_dim from hidden_size and "
+            "would not match the checkpoint; use Qwen3ForCausalLM (explicit head_dim) or a consistent config"
+        )
     if spec.num_attention_heads % infer_tp:
         raise ValueError(
             f"rollout tp={infer_tp} does not divide num_attention_heads={spec.num_attention_heads}"

