@@ -106,17 +106,47 @@ def simulate(args) -> dict:
     return result
 
 
-def timed(fn):
-    """(fn(), seconds of the slowest rank): every rank starts together and the max over ranks is taken."""
+def collective_device():
+    """Device of the tensors the benchmark's own collectives use: the platform's (`local_device()`), so an
+    NCCL-only world on GPU (which has no CPU backend) can reduce them."""
+    from megarl.platform.device import local_device
+
+    return local_device()
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _all_ranks_true(ok: bool) -> bool:
+    """True when `ok` on every rank (MIN all-reduce on the collective device)."""
     import torch
     import torch.distributed as dist
 
+    flag = torch.tensor([1 if ok else 0], device=collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def timed(fn):
+    """(fn(), seconds of the slowest rank): every rank starts together and the max over ranks is taken.
+
+    GPU work is synchronised before each clock read, so the time covers the kernels, not their launch."""
+    import torch
+    import torch.distributed as dist
+
+    device = collective_device()
+    _sync(device)
     dist.barrier()
     t = time.perf_counter()
     out = fn()
-    elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+    _sync(device)
+    elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return out, float(elapsed)
+    return out, float(elapsed.item())
 
 
 def _fill_deterministic(engine) -> None:
@@ -167,18 +197,17 @@ def _measure_rank(rank, world_size, args_dict):
     times, naive_times, report, naive_report = [], [], None, None
     sink = naive_sink = None
     for _ in range(args.repeats):
-        sink = DictSink()
+        sink = DictSink(device=collective_device())
         report, t = timed(lambda: execute_reshard(plan, sources, sink, bucket_bytes=bucket))
         times.append(t)
         sink_keep = sink
-        naive_sink = DictSink()
+        naive_sink = DictSink(device=collective_device())
         naive_report, t = timed(lambda: naive_reshard(plan, groups, sources, naive_sink))
         naive_times.append(t)
         sink = sink_keep
     exact = all(torch.equal(sink.tensors[k], naive_sink.tensors[k]) for k in naive_sink.tensors) and \
         set(sink.tensors) == set(naive_sink.tensors)
-    flag = torch.tensor([1 if exact else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    exact = _all_ranks_true(exact)
     refit_times = _refit_into_vllm(args, spec, plan, sources, bucket) if args.into_vllm else []
     return {
         "rank": rank, "infer_tp_rank": plan.infer_rank_of[rank], "refit_times": refit_times,
@@ -186,7 +215,7 @@ def _measure_rank(rank, world_size, args_dict):
         "bytes_lower_bound": report.bytes_lower_bound, "bytes_naive": report.bytes_naive,
         "naive_bytes_received": naive_report.bytes_received,
         "peak_extra_bytes": report.peak_extra_bytes, "naive_peak_extra_bytes": naive_report.peak_extra_bytes,
-        "buckets": report.buckets, "weights_exact": bool(flag.item()),
+        "buckets": report.buckets, "weights_exact": exact,
         "times": times, "naive_times": naive_times, "build_s": build_s,
     }
 
@@ -215,7 +244,7 @@ def _measure_delta(args, engine, groups, plan, sources, bucket, build_s) -> dict
     from megarl.reshard.delta import DeltaState
     from megarl.reshard.executor import DictSink, execute_reshard
 
-    state, sink = DeltaState(), DictSink(persistent=True)
+    state, sink = DeltaState(), DictSink(device=collective_device(), persistent=True)
     first, first_s = timed(lambda: execute_reshard(plan, sources, sink, bucket_bytes=bucket, delta=state))
     delta_times, full_times, exact = [], [], True
     report = full_report = None
@@ -223,17 +252,16 @@ def _measure_delta(args, engine, groups, plan, sources, bucket, build_s) -> dict
         _perturb(engine, args.delta_change_fraction, step)
         report, t = timed(lambda: execute_reshard(plan, sources, sink, bucket_bytes=bucket, delta=state))
         delta_times.append(t)
-        full = DictSink()
+        full = DictSink(device=collective_device())
         full_report, t = timed(lambda: execute_reshard(plan, sources, full, bucket_bytes=bucket))
         full_times.append(t)
         exact &= set(full.tensors) == set(sink.tensors) and all(
             torch.equal(full.tensors[k], sink.tensors[k]) for k in full.tensors)
     quiet, quiet_s = timed(lambda: execute_reshard(plan, sources, sink, bucket_bytes=bucket, delta=state))
-    flag = torch.tensor([1 if exact else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    exact = _all_ranks_true(exact)
     return {
         "rank": dist.get_rank(), "infer_tp_rank": plan.infer_rank_of[dist.get_rank()], "build_s": build_s,
-        "weights_exact": bool(flag.item()), "first_sync_s": first_s, "no_change_sync_s": quiet_s,
+        "weights_exact": exact, "first_sync_s": first_s, "no_change_sync_s": quiet_s,
         "times": delta_times, "naive_times": full_times,  # "naive" slot: the dense reshard of the same weights
         "bytes_received": report.bytes_received, "bytes_sent": report.bytes_sent,
         "bytes_control": report.bytes_control, "bytes_lower_bound": report.bytes_lower_bound,

@@ -87,7 +87,7 @@ def engine_logits(engine, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
     if tp == 1:
         return shard
     width = engine.padded_vocab_size // tp
-    padded = torch.zeros(*shard.shape[:-1], width, dtype=shard.dtype)
+    padded = torch.zeros(*shard.shape[:-1], width, dtype=shard.dtype, device=shard.device)  # NCCL: no CPU tensors
     padded[..., : shard.shape[-1]] = shard
     parts = [torch.empty_like(padded) for _ in range(tp)]
     dist.all_gather(parts, padded, group=engine.groups.pgs.tp)
