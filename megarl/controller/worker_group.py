@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from megarl.controller.dispatch import (
     DEFAULT_GROUP_SIZE_ATTR,
@@ -79,10 +79,41 @@ class PendingCall:
         return len(ready) == len(self._refs)
 
 
+def device_local_rank(bundle_index: int, gpu_ids: Sequence[Any], cuda_visible_devices: Optional[str]) -> int:
+    """LOCAL_RANK for an actor: the index of its GPU among the devices this process can see.
+
+    vLLM's external launcher takes LOCAL_RANK as the CUDA device index and asserts it is below `device_count()`
+    (vllm 0.32.0 `v1/worker/gpu_worker.py:Worker.init_device`); Ray gives each GPU actor only its own GPU(s) by
+    setting CUDA_VISIBLE_DEVICES to `ray.get_gpu_ids()`, so the device is at the position of its first assigned id
+    in that list (0 for one GPU per actor), not at the bundle index.
+
+    Args:
+        bundle_index: the slot's index on its node (the torchrun-style local rank); returned as is when the actor
+            has no GPU (CPU pools, where it picks the CPU core set).
+        gpu_ids: `ray.get_gpu_ids()` of this actor (ints or id strings; empty without GPUs).
+        cuda_visible_devices: the CUDA_VISIBLE_DEVICES value this process sees (None when unset: every device of
+            the node is visible, in physical order).
+    Raises ValueError naming both when the assigned GPU is not visible.
+    """
+    if not gpu_ids:
+        return bundle_index
+    first = str(gpu_ids[0])
+    if cuda_visible_devices is None:
+        return int(first)
+    visible = [d.strip() for d in cuda_visible_devices.split(",") if d.strip()]
+    if first not in visible:
+        raise ValueError(f"Ray assigned GPU {first} to this actor but CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} "
+                         "does not list it: do not override CUDA_VISIBLE_DEVICES in the worker group's env")
+    return visible.index(first)
+
+
 class _WorkerHost:
     """The Ray actor body on every rank: torchrun-style env, the process group, and the user's worker object."""
 
     def __init__(self, rank: int, world_size: int, local_rank: int, local_world_size: int) -> None:
+        import ray
+
+        local_rank = device_local_rank(local_rank, ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         os.environ.update(
             RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
             LOCAL_WORLD_SIZE=str(local_world_size),
