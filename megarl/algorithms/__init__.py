@@ -32,6 +32,7 @@ from megarl.algorithms.kl import apply_kl_penalty, kl, kl_kinds, kl_loss
 from megarl.algorithms.kl_controller import AdaptiveKLController, FixedKLController, build_kl_controller
 from megarl.algorithms.policy_loss import gspo_policy_loss, policy_loss, policy_loss_names
 from megarl.algorithms.value_loss import value_loss
+from megarl.algorithms.rollout_correction import mismatch_metrics, rollout_correction
 from megarl.algorithms.log_probs import log_probs_from_logits, vocab_parallel_log_probs
 from megarl.algorithms.entropy import entropy_from_logits, entropy_from_vocab_parallel
 
@@ -60,6 +61,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "mismatch_metrics",
     "policy_loss",
     "policy_loss_names",
     "register_advantage",
@@ -69,6 +71,7 @@ __all__ = [
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "rloo",
+    "rollout_correction",
     "scores_to_token_rewards",
     "value_loss",
     "vocab_parallel_log_probs",

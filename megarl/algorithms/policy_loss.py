@@ -3,12 +3,14 @@
 Both are registered (``get_policy_loss("ppo")``, ``get_policy_loss("gspo")``) with the same call shape::
 
     loss, metrics = fn(log_probs, old_log_probs, advantages, response_mask, clip_low=..., clip_high=...,
-                       clip_c=None, agg=..., norm_horizon=None, global_normalizer=None)
+                       clip_c=None, agg=..., norm_horizon=None, global_normalizer=None, weights=None)
 
 Inputs are [batch, response_len]: ``log_probs`` (float, with grad) are the current policy's log-probs of the
 sampled tokens, ``old_log_probs`` those of the policy that sampled them (no grad needed), ``advantages`` are
 per token, ``response_mask`` is 0/1. ``agg``, ``norm_horizon`` and ``global_normalizer`` are passed to
-``megarl.algorithms.aggregate.aggregate``.
+``megarl.algorithms.aggregate.aggregate``. ``weights`` ([batch, response_len], detached, or None) multiplies
+each token's loss before aggregation: the rollout-correction importance weights of
+``megarl.algorithms.rollout_correction`` (None = all 1, the loss unchanged).
 
 ``loss`` is a 0-dim tensor to minimise. ``metrics`` maps names to **0-dim detached tensors** (no host sync is
 forced inside the loss; call ``.item()`` when logging), all masked means over this micro-batch's valid tokens:
@@ -57,6 +59,15 @@ def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: 
     return torch.where(clip_active, clipped, unclipped), clip_active
 
 
+def _weighted(loss_mat: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Per-token loss times the (detached) importance weights; None leaves the loss untouched."""
+    if weights is None:
+        return loss_mat
+    if weights.shape != loss_mat.shape:
+        raise ValueError(f"weights {tuple(weights.shape)} must have the loss's shape {tuple(loss_mat.shape)}")
+    return loss_mat * weights.detach().to(loss_mat.dtype)
+
+
 def _kl_metrics(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
     log_ratio = log_ratio.detach()
     k3 = torch.expm1(log_ratio) - log_ratio
@@ -78,6 +89,7 @@ def policy_loss(
     agg: str = "token-mean",
     norm_horizon: int | None = None,
     global_normalizer: Normalizer = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017) with asymmetric clip (DAPO's clip-higher) and dual clip.
 
@@ -102,6 +114,7 @@ def policy_loss(
         capped = -advantages * clip_c
         dual_active = (advantages < 0) & (capped < loss_mat)
         loss_mat = torch.where(dual_active, capped, loss_mat)
+    loss_mat = _weighted(loss_mat, weights)
     loss = aggregate(loss_mat, response_mask, agg, norm_horizon=norm_horizon, global_normalizer=global_normalizer)
     metrics = {
         "clip_frac": masked_mean(clip_active.float(), response_mask),
@@ -124,6 +137,7 @@ def gspo_policy_loss(
     agg: str = "seq-mean-token-mean",
     norm_horizon: int | None = None,
     global_normalizer: Normalizer = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025): PPO clipping on a *sequence-level* importance ratio.
 
@@ -149,6 +163,7 @@ def gspo_policy_loss(
     token_log_ratio = log_probs - log_probs.detach() + seq_log_ratio.unsqueeze(-1)
     seq_ratio_tok = torch.exp(token_log_ratio)
     loss_mat, clip_active = _clipped_surrogate(seq_ratio_tok, advantages, clip_low, clip_high)
+    loss_mat = _weighted(loss_mat, weights)
     loss = aggregate(loss_mat, response_mask, agg, norm_horizon=norm_horizon, global_normalizer=global_normalizer)
     has_tokens = response_mask.bool().any(-1)
     metrics = {

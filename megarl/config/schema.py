@@ -255,6 +255,34 @@ class KLConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutCorrectionConfig:
+    """Rollout/train mismatch: metrics (always logged, under `mismatch/`) and its correction (off by default).
+
+    The ratio is r = exp(logp_actor - logp_rollout) per response token, where logp_rollout is vLLM's log-prob of
+    the sampled token and logp_actor the old-policy log-prob recomputed by Megatron before the update; the
+    sequence ratio R is the product of a sequence's r. Off is right for the colocated synchronous trainer (same
+    weights on both sides: only numerical differences); asynchronous / off-policy rollouts need tis or mask.
+    See docs/rollout_correction.md.
+    """
+
+    tis: Literal["off", "token", "sequence"] = opt(
+        "off", "Truncated importance sampling weight on the policy-gradient loss: token = min(r, c) per token; "
+        "sequence = min(R, c) on every token of the sequence; off = no weight."
+    )
+    c: float = opt(
+        2.0, "Ratio bound (> 1): the TIS truncation cap, and the band [1/c, c] of the mismatch/ratio_out_frac "
+        "metrics.", unit="ratio"
+    )
+    mask: Literal["off", "token", "sequence"] = opt(
+        "off", "Exclude from the loss the tokens (token) or whole sequences (sequence) whose r (or R) is outside "
+        "[1/mask_c, mask_c]; counted in actor/rollout_masked_token_frac."
+    )
+    mask_c: Optional[float] = opt(
+        None, "Band of the mask (> 1); null = c. Only with mask != off.", unit="ratio"
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
     """The RL objective."""
 
@@ -282,6 +310,9 @@ class AlgorithmConfig:
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient.", min=0)
     ppo_epochs: int = opt(1, "Passes over each step's samples.", unit="epochs", min=1)
     kl: KLConfig = opt(factory=KLConfig, help="KL penalty against the reference policy.")
+    rollout_correction: RolloutCorrectionConfig = opt(
+        factory=RolloutCorrectionConfig, help="Rollout/train log-prob mismatch: importance weights and masks."
+    )
 
     @property
     def estimator(self) -> str:

@@ -208,6 +208,7 @@ def _check_algorithm(cfg: JobConfig) -> None:
         raise ConfigError(f"algorithm.clip_c: the dual-clip constant must be > 1, got {a.clip_c}")
     if a.clip_low >= 1:
         raise ConfigError(f"algorithm.clip_low: must be < 1 (ratio >= 1 - clip_low), got {a.clip_low}")
+    _check_rollout_correction(a.rollout_correction)
     for key in ("gamma", "lam"):
         if getattr(a, key) > 1:
             raise ConfigError(f"algorithm.{key}: must be in [0, 1], got {getattr(a, key)}")
@@ -220,6 +221,18 @@ def _check_algorithm(cfg: JobConfig) -> None:
             raise ConfigError(f"{name}.optimizer.min_lr={o.min_lr} is larger than lr={o.lr}")
         if not all(0 <= b < 1 for b in o.betas):
             raise ConfigError(f"{name}.optimizer.betas: each beta must be in [0, 1), got {list(o.betas)}")
+
+
+def _check_rollout_correction(rc) -> None:
+    key = "algorithm.rollout_correction"
+    if not rc.c > 1:
+        raise ConfigError(f"{key}.c: the ratio bound must be > 1 (band [1/c, c]), got {rc.c}")
+    if rc.mask_c is not None:
+        if rc.mask == "off":
+            raise ConfigError(f"{key}.mask_c={rc.mask_c} has no effect with mask=off; set {key}.mask=token or "
+                              "sequence, or drop mask_c")
+        if not rc.mask_c > 1:
+            raise ConfigError(f"{key}.mask_c: the mask band [1/mask_c, mask_c] needs mask_c > 1, got {rc.mask_c}")
 
 
 def _check_trainer(cfg: JobConfig) -> None:

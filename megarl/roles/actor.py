@@ -9,7 +9,11 @@ Actor.compute_log_probs(batch) -> Batch (last pipeline stage; None elsewhere)
 Actor.update(batch) -> dict of floats (every rank)
     PPO-style ('ppo' / 'gspo' policy loss, with optional entropy bonus and KL-to-reference loss):
       in: input_ids, attention_mask, response_mask, old_log_probs [B, S], advantages [B, S]
-          (+ ref_log_probs [B, S] when kl_coef > 0)
+          (+ ref_log_probs [B, S] when kl_coef > 0; + rollout_log_probs [B, S] when a rollout correction is on)
+      Rollout correction (`megarl.algorithms.rollout_correction`, off by default): per micro-batch, from the
+      rollout engine's log-probs and `old_log_probs` (the old policy recomputed by Megatron before this update),
+      truncated importance weights multiply each token's policy-gradient loss and masked tokens/sequences leave
+      the loss (policy gradient, entropy bonus, KL term and the normaliser alike).
     SFT warm-up (`loss.name == "sft"`): cross-entropy on response tokens; in: input_ids, attention_mask,
       response_mask.
     Mini-batches of `batching.mini_batch_samples` (one optimizer step each) x `batching.epochs`; micro-batches
@@ -17,7 +21,9 @@ Actor.update(batch) -> dict of floats (every rank)
     loss_fn returns the *sum* of per-unit losses (`aggregate(..., global_normalizer=1)`) and the unit count,
     and megatron divides the summed gradients by the global unit count (`calculate_per_token_loss`).
     Returned metrics: loss, pg_loss, clip_frac, approx_kl, entropy, kl (when used) — token means over the
-    update; grad_norm (mean over steps), lr (last), tokens, tokens_per_s, time_s, optimizer_steps.
+    update; grad_norm (mean over steps), lr (last), tokens, tokens_per_s, time_s, optimizer_steps; with a rollout
+    correction also rollout_tis_weight_mean, rollout_tis_clip_frac (over the tokens in the loss) and
+    rollout_masked_token_frac (response tokens excluded / response tokens).
 
 Reference: a frozen Actor (no optimizer, no gradients), same or different layout; compute_log_probs only.
 """
@@ -30,7 +36,7 @@ from typing import Optional
 import torch
 
 from megarl.algorithms import aggregate, entropy_from_vocab_parallel, get_policy_loss, kl as kl_per_token
-from megarl.algorithms import vocab_parallel_log_probs
+from megarl.algorithms import rollout_correction, vocab_parallel_log_probs
 from megarl.data.batch import Batch
 from megarl.roles.base import Role, count_units, shift_to_tokens
 
@@ -45,6 +51,8 @@ class PolicyLossSettings:
         agg: loss aggregation mode; norm_horizon: its divisor for 'seq-mean-token-sum-norm'.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
         kl_coef, kl_kind: KL-to-reference loss term (needs `ref_log_probs` in the batch when kl_coef > 0).
+        rollout_tis, rollout_c, rollout_mask, rollout_mask_c: the rollout correction
+            (`megarl.algorithms.rollout_correction`: tis / c / mask / mask_c); needs `rollout_log_probs` when on.
     """
 
     name: str = "ppo"
@@ -56,19 +64,30 @@ class PolicyLossSettings:
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
     kl_kind: str = "low_var_kl"
+    rollout_tis: str = "off"
+    rollout_c: float = 2.0
+    rollout_mask: str = "off"
+    rollout_mask_c: Optional[float] = None
+
+    @property
+    def corrects_rollout(self) -> bool:
+        return self.name != "sft" and (self.rollout_tis != "off" or self.rollout_mask != "off")
 
     @classmethod
     def from_config(cls, algo_cfg, max_new_tokens: Optional[int] = None) -> "PolicyLossSettings":
         """From `megarl.config.schema.AlgorithmConfig` (the KL term only when it is placed in the loss)."""
         in_loss = algo_cfg.kl.placement == "loss"
+        rc = algo_cfg.rollout_correction
         return cls(
+            rollout_tis=rc.tis, rollout_c=rc.c, rollout_mask=rc.mask, rollout_mask_c=rc.mask_c,
             name=algo_cfg.policy_loss, clip_low=algo_cfg.clip_low, clip_high=algo_cfg.clip_high,
             clip_c=algo_cfg.clip_c, agg=algo_cfg.loss_agg, norm_horizon=algo_cfg.loss_norm_horizon or max_new_tokens,
             entropy_coef=algo_cfg.entropy_coef, kl_coef=algo_cfg.kl.coef if in_loss else 0.0, kl_kind=algo_cfg.kl.kind,
         )
 
 
-_METRICS = ["loss_sum", "units", "tokens_in_loss", "pg_loss_sum", "clip_sum", "approx_kl_sum", "entropy_sum", "kl_sum"]
+_METRICS = ["loss_sum", "units", "tokens_in_loss", "pg_loss_sum", "clip_sum", "approx_kl_sum", "entropy_sum", "kl_sum",
+            "response_tokens", "tis_weight_sum", "tis_clip_sum"]
 
 
 class Actor(Role):
@@ -114,10 +133,22 @@ class Actor(Role):
             policy_loss = get_policy_loss(s.name)
         if s.kl_coef > 0:
             keys.append("ref_log_probs")
+        if s.corrects_rollout:
+            keys.append("rollout_log_probs")
         batch.require(*keys)
 
         def loss_fn(logits, mb):
-            mask = mb["response_mask"]
+            response_mask = mb["response_mask"]
+            weights = None
+            mask = response_mask
+            if s.corrects_rollout:  # constants of the update: old (Megatron, pre-update) vs rollout (vLLM) log-probs
+                weights, keep, rc = rollout_correction(
+                    mb["old_log_probs"], mb["rollout_log_probs"], response_mask, tis=s.rollout_tis, c=s.rollout_c,
+                    mask=s.rollout_mask, mask_c=s.rollout_mask_c,
+                )
+                mask = keep.to(response_mask.dtype)  # masked tokens leave the loss and its normaliser
+                if s.rollout_tis == "off":
+                    weights = None
             fmask = mask.float()
             need_entropy = s.entropy_coef > 0
             logp, ent = self._token_log_probs(logits, mb, with_entropy=need_entropy)
@@ -132,7 +163,7 @@ class Actor(Role):
             else:
                 pg_sum, m = policy_loss(
                     logp, mb["old_log_probs"], mb["advantages"], mask, clip_low=s.clip_low, clip_high=s.clip_high,
-                    clip_c=s.clip_c, agg=s.agg, norm_horizon=s.norm_horizon, global_normalizer=1.0,
+                    clip_c=s.clip_c, agg=s.agg, norm_horizon=s.norm_horizon, global_normalizer=1.0, weights=weights,
                 )
                 clip, approx_kl = m["clip_frac"] * n_tok, m["approx_kl"] * n_tok
             loss_sum = pg_sum
@@ -148,11 +179,17 @@ class Actor(Role):
                 "loss_sum": loss_sum.detach(), "units": units.float(), "tokens_in_loss": n_tok,
                 "pg_loss_sum": pg_sum.detach(), "clip_sum": clip, "approx_kl_sum": approx_kl,
                 "entropy_sum": (ent.detach() * fmask).sum(), "kl_sum": kl_sum,
+                "response_tokens": response_mask.float().sum(), "tis_weight_sum": torch.zeros(()),
+                "tis_clip_sum": torch.zeros(()),
             }
+            if s.corrects_rollout:
+                metrics["tis_weight_sum"] = rc["tis_weight_mean"] * n_tok
+                metrics["tis_clip_sum"] = rc["tis_clip_frac"] * n_tok
             return loss_sum, units, metrics
 
         totals = self._train(batch, keys, loss_fn, _METRICS)
-        n_tok = max(totals.pop("tokens_in_loss"), 1.0)
+        tokens_in_loss = totals.pop("tokens_in_loss")
+        n_tok = max(tokens_in_loss, 1.0)
         units = max(totals.pop("units"), 1.0)
         out = {
             "loss": totals.pop("loss_sum") / units,
@@ -164,6 +201,12 @@ class Actor(Role):
         kl_sum = totals.pop("kl_sum")
         if s.kl_coef > 0:
             out["kl"] = kl_sum / n_tok
+        response_tokens = max(totals.pop("response_tokens"), 1.0)
+        tis_weight_sum, tis_clip_sum = totals.pop("tis_weight_sum"), totals.pop("tis_clip_sum")
+        if s.corrects_rollout:
+            out["rollout_tis_weight_mean"] = tis_weight_sum / n_tok
+            out["rollout_tis_clip_frac"] = tis_clip_sum / n_tok
+            out["rollout_masked_token_frac"] = 1.0 - tokens_in_loss / response_tokens
         out.update(totals)
         return out
 

@@ -1,7 +1,8 @@
 """The RL loop, on the controller. One screen of dataflow; the work happens in the workers.
 
     prompts -> rollout (vLLM, each replica its chunk) -> rewards -> old / reference log-probs (Megatron)
-            -> advantages -> critic + actor updates -> reshard into vLLM -> metrics
+            -> mismatch (vLLM vs Megatron log-probs) -> advantages -> critic + actor updates -> reshard into vLLM
+            -> metrics
 
 `RLTrainer` talks to a group of `HybridWorker`s through `megarl.controller` (a Ray worker group): each call runs on
 every rank (SPMD) and returns the collected result. Rewards and advantages are computed here, on the controller,
@@ -20,7 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-from megarl.algorithms import apply_kl_penalty, build_kl_controller, get_advantage, scores_to_token_rewards
+from megarl.algorithms import apply_kl_penalty, build_kl_controller, get_advantage, mismatch_metrics
+from megarl.algorithms import scores_to_token_rewards
 from megarl.config.schema import JobConfig
 from megarl.data.batch import Batch
 from megarl.rollout.engine import SamplingSettings
@@ -149,6 +151,7 @@ class RLTrainer:
         with _timer(t, "old_log_probs"):
             old = self.workers.compute_log_probs(batch)
             batch.tensors["old_log_probs"] = old.tensors["log_probs"]
+        metrics.update(self._mismatch(batch))
         if "reference" in self.role_groups:
             with _timer(t, "ref_log_probs"):
                 ref = self.role_groups["reference"].compute_ref_log_probs(batch)
@@ -210,6 +213,15 @@ class RLTrainer:
         texts = [self.encoder.decode(s.response_ids) for s in samples]
         per_sample_records = [records[s.prompt_index] for s in samples]
         return torch.tensor(score_batch(self.reward_fn, texts, per_sample_records), dtype=torch.float32)
+
+    def _mismatch(self, batch: Batch) -> dict[str, float]:
+        """`mismatch/*`: vLLM's log-probs of the sampled tokens (`rollout_log_probs`) against the actor's old-policy
+        log-probs recomputed by Megatron before the update (`old_log_probs`), over the response tokens
+        (`megarl.algorithms.rollout_correction.mismatch_metrics`; its band is algorithm.rollout_correction.c)."""
+        t = batch.tensors
+        m = mismatch_metrics(t["old_log_probs"], t["rollout_log_probs"], t["response_mask"],
+                             c=self.cfg.algorithm.rollout_correction.c)
+        return {f"mismatch/{k}": float(v) for k, v in m.items()}
 
     def _advantages(self, batch: Batch) -> dict[str, float]:
         """Fill `advantages` (and `returns` with a critic); returns KL metrics when KL is in the reward."""

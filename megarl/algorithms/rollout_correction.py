@@ -1,0 +1,157 @@
+"""Rollout/train mismatch: measured every step, corrected on request (truncated importance sampling, masking).
+
+The rollout engine (vLLM) and the trainer (Megatron) evaluate the same weights with different kernels, so the
+log-prob vLLM reports for a sampled token differs slightly from the one Megatron computes (a bf16 model: ~1e-2
+nats; fp32: ~1e-6). Once rollouts come from older weights (asynchronous modes) the gap is a real off-policy gap.
+Per response token t of sample i (token-aligned [B, S] tensors, see `megarl.data.batch`; float32)::
+
+    logp_rollout[i, t]   vLLM's raw log-prob of the sampled token (batch key ``rollout_log_probs``)
+    logp_actor[i, t]     the OLD-policy log-prob, recomputed by Megatron before the update (``old_log_probs``);
+                         the policy that the PPO ratio is taken against
+    d[i, t] = logp_actor - logp_rollout        (nats)
+    r[i, t] = exp(d)                           token importance ratio pi_actor / pi_rollout
+    R[i]    = exp(sum_t d[i, t])               sequence importance ratio (product of the token ratios)
+
+Both log-probs are of the raw model distribution (vLLM ``logprobs_mode="raw_logprobs"``: before temperature,
+top-k, top-p), so with ``rollout.temperature == 1`` and no top-k / top-p the tokens are samples of pi_rollout and
+``mean(r - 1 - log r)`` (k3) estimates KL(pi_rollout || pi_actor) per token without bias.
+
+Corrections (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"; Ionides
+2008 for truncated IS). Both use only the detached log-probs above, never the current policy's, so the weights
+and masks are constants of the update (the same for every PPO epoch and mini-batch):
+
+    tis="token":     w[i, t] = min(r[i, t], c)        a weight on the per-token policy-gradient loss
+    tis="sequence":  w[i, t] = min(R[i], c)           the same weight on every token of sequence i
+    mask="token":    token t of i is excluded from the loss when r[i, t] is outside [1/mask_c, mask_c]
+    mask="sequence": every token of i is excluded when R[i] is outside [1/mask_c, mask_c]
+
+Masks and weights are independent: both are computed from all response tokens of a sequence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megarl.algorithms.masked import masked_mean, masked_sum
+
+TIS_MODES = ("off", "token", "sequence")
+MASK_MODES = ("off", "token", "sequence")
+
+
+def _check(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor) -> None:
+    if not (actor_log_probs.shape == rollout_log_probs.shape == response_mask.shape) or actor_log_probs.dim() != 2:
+        raise ValueError(
+            "need [batch, seq] tensors of one shape: actor_log_probs "
+            f"{tuple(actor_log_probs.shape)}, rollout_log_probs {tuple(rollout_log_probs.shape)}, "
+            f"response_mask {tuple(response_mask.shape)}"
+        )
+
+
+def _check_bound(name: str, value: float) -> None:
+    if not value > 1.0:
+        raise ValueError(f"{name} must be > 1 (the ratio band is [1/{name}, {name}]), got {value}")
+
+
+def log_ratio(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+              response_mask: torch.Tensor) -> torch.Tensor:
+    """``d = actor_log_probs - rollout_log_probs`` [B, S] float32 (nats), 0 where ``response_mask`` is 0."""
+    _check(actor_log_probs, rollout_log_probs, response_mask)
+    d = actor_log_probs.detach().float() - rollout_log_probs.detach().float()
+    return torch.where(response_mask.bool(), d, torch.zeros((), dtype=d.dtype, device=d.device))
+
+
+def mismatch_metrics(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
+                     c: float = 2.0) -> dict[str, torch.Tensor]:
+    """How far the rollout engine's log-probs are from the actor's (see the module docstring for the names).
+
+    Inputs [B, S] (``response_mask`` 0/1; masked positions ignored whatever they hold). Returns 0-dim float32
+    tensors, token means over the response tokens unless named otherwise:
+
+    - ``abs_diff_mean``, ``abs_diff_max``: mean and max of |d| (nats)
+    - ``kl``: k3 estimate ``mean(r - 1 - d)`` of KL(pi_rollout || pi_actor) (nats per token, >= 0)
+    - ``kl_k1``: k1 estimate ``mean(-d)`` of the same KL (unbiased, can be negative)
+    - ``ratio_out_frac``: fraction of tokens with r outside [1/c, c] (i.e. |d| > log c)
+    - ``seq_ratio_out_frac``: fraction of sequences (with a response token) with R outside [1/c, c]
+
+    An empty response mask gives 0 for every metric.
+    """
+    _check_bound("c", c)
+    d = log_ratio(actor_log_probs, rollout_log_probs, response_mask)
+    valid = response_mask.bool()
+    abs_d = d.abs()
+    k3 = torch.expm1(d) - d  # r - 1 - log r, 0 at masked positions (d = 0 there)
+    seq = d.sum(-1)
+    has_tokens = valid.any(-1)
+    log_c = math.log(c)
+    return {
+        "abs_diff_mean": masked_mean(abs_d, valid),
+        "abs_diff_max": abs_d.max() if abs_d.numel() else torch.zeros(()),  # masked positions hold 0
+        "kl": masked_mean(k3, valid),
+        "kl_k1": masked_mean(-d, valid),
+        "ratio_out_frac": masked_mean((abs_d > log_c).float(), valid),
+        "seq_ratio_out_frac": masked_mean((seq.abs() > log_c).float(), has_tokens),
+    }
+
+
+def rollout_correction(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
+                       tis: str = "off", c: float = 2.0, mask: str = "off", mask_c: float | None = None):
+    """Truncated importance weights and the loss mask that corrects for the rollout/train mismatch.
+
+    Args:
+        actor_log_probs: [B, S] old-policy log-probs recomputed by the trainer (no grad needed; detached here).
+        rollout_log_probs: [B, S] the rollout engine's log-probs of the same tokens.
+        response_mask: [B, S] 0/1, the response tokens.
+        tis: 'off', 'token' (w = min(r, c)) or 'sequence' (w = min(R, c) on every token of the sequence).
+        c: truncation cap of the weights, > 1.
+        mask: 'off', 'token' or 'sequence' (see the module docstring).
+        mask_c: band [1/mask_c, mask_c] of the masks, > 1; None = ``c``.
+
+    Returns ``(weights, keep, metrics)``:
+        weights: [B, S] float32 >= 0, detached; 1 everywhere with tis='off'; 0 where ``keep`` is False.
+        keep: [B, S] bool, the response tokens that stay in the loss (``response_mask`` minus the masked ones).
+        metrics: 0-dim float32 tensors: ``tis_weight_mean`` (mean weight over kept tokens), ``tis_clip_frac``
+            (fraction of kept tokens whose weight was truncated at c), ``masked_token_frac`` (fraction of
+            response tokens excluded) and ``masked_seq_frac`` (fraction of sequences with a response token that
+            lost all of them).
+    """
+    if tis not in TIS_MODES:
+        raise ValueError(f"unknown tis mode {tis!r}; valid: {', '.join(TIS_MODES)}")
+    if mask not in MASK_MODES:
+        raise ValueError(f"unknown mask mode {mask!r}; valid: {', '.join(MASK_MODES)}")
+    _check_bound("c", c)
+    mask_c = c if mask_c is None else mask_c
+    _check_bound("mask_c", mask_c)
+    d = log_ratio(actor_log_probs, rollout_log_probs, response_mask)
+    valid = response_mask.bool()
+    seq = d.sum(-1, keepdim=True).expand_as(d)  # log R[i] on every position of row i
+    log_c, log_mc = math.log(c), math.log(mask_c)
+
+    if mask == "token":
+        keep = valid & (d.abs() <= log_mc)
+    elif mask == "sequence":
+        keep = valid & (seq.abs() <= log_mc)
+    else:
+        keep = valid
+
+    if tis == "token":
+        log_w = d
+    elif tis == "sequence":
+        log_w = seq
+    else:
+        log_w = torch.zeros_like(d)
+    # min(exp(x), c) = exp(min(x, log c)): no overflow for a large positive log-ratio
+    weights = torch.exp(log_w.clamp(max=log_c))
+    clipped = (log_w > log_c) & keep
+    weights = torch.where(keep, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
+
+    has_tokens = valid.any(-1)
+    lost_all = has_tokens & ~keep.any(-1)
+    metrics = {
+        "tis_weight_mean": masked_mean(weights, keep),
+        "tis_clip_frac": masked_mean(clipped.float(), keep),
+        "masked_token_frac": masked_sum((~keep).float(), valid) / valid.float().sum().clamp(min=1),
+        "masked_seq_frac": masked_mean(lost_all.float(), has_tokens),
+    }
+    return weights, keep, metrics
