@@ -232,6 +232,10 @@ class RolloutConfig:
         "i.e. on the reshard's extra memory.", unit="MiB", min=1,
     )
     val_temperature: float = opt(0.0, "Sampling temperature during validation; 0 = greedy.", min=0)
+    verify_sync: bool = opt(
+        True, "After every reshard, check each received shard piece against its sender's checksum; a mismatch "
+        "stops the run naming the parameter and ranks (cost: reshard/verify_time_s)."
+    )
 
 
 # --------------------------------------------------------------------------------------------------- algorithm

@@ -33,6 +33,7 @@ from megarl.reshard.delta import BucketDelta, DeltaState, exchange_bucket
 from megarl.reshard.layouts import vllm_needs, vllm_param_shapes
 from megarl.reshard.planner import ReshardPlan, TransferOp
 from megarl.reshard.transport import Message, TorchP2PTransport, Transport, exchange
+from megarl.reshard.verify import check_written, exchange_checksums, local_checksum
 
 # One bucket bound for the trainer (`rollout.reshard_bucket_mb`), the executor and the benchmark: 512 MiB of send +
 # receive per rank and bucket, i.e. at most that much extra memory (the workspace) beside the weights.
@@ -98,6 +99,8 @@ class ReshardReport:
     delta_elements / delta_changed: elements of the remote ops this rank received / how many had changed.
     delta_changed_fraction: delta_changed / delta_elements (1.0 on a full sync, 0.0 when nothing was received).
     delta_sparse_ops / delta_dense_ops: remote ops received as indices + values / as every value.
+    verify_time_s: seconds this rank spent checksumming and comparing (`verify=True`), included in `time_s`.
+    verified_pieces: shard pieces this rank checked against their source's checksum (0 with `verify=False`).
     delta_sync: 1.0 when deltas flowed with every peer of this rank, 0.0 when some pair synced in full (first sync,
         after `reset()` on either side); ops of a full pair count as dense ops with every element changed.
     """
@@ -119,6 +122,8 @@ class ReshardReport:
     delta_dense_ops: int = 0
     delta_sync: float = 0.0
     bytes_plan_remote: int = 0
+    verify_time_s: float = 0.0
+    verified_pieces: int = 0
 
     def as_metrics(self, prefix: str = "reshard/") -> dict[str, float]:
         return {prefix + k: float(v) for k, v in dataclasses.asdict(self).items() if k != "rank"}
@@ -192,6 +197,7 @@ class _Destinations:
         for p in vllm_needs(plan.spec, plan.infer_tp, infer_rank):
             self.remaining[p.param] += p.piece.length
         self.targets: dict[str, torch.Tensor] = {}
+        self._complete: list[str] = []
 
     def view(self, op: TransferOp) -> torch.Tensor:
         """The slice of the destination shard `op` writes."""
@@ -202,8 +208,14 @@ class _Destinations:
     def written(self, op: TransferOp) -> None:
         self.remaining[op.dst_param] -= op.piece.length
         if self.remaining[op.dst_param] == 0:
-            self.sink.commit(op.dst_param)
-            self.targets.pop(op.dst_param, None)
+            self._complete.append(op.dst_param)
+
+    def flush(self) -> None:
+        """Commit the parameters completed since the last flush (after the bucket was verified)."""
+        for param in self._complete:
+            self.sink.commit(param)
+            self.targets.pop(param, None)
+        self._complete.clear()
 
     def check_complete(self) -> None:
         unfinished = [n for n, left in self.remaining.items() if left]
@@ -279,6 +291,7 @@ def execute_reshard(
     device: Optional[torch.device] = None,
     delta: Optional[DeltaState] = None,
     transport: Optional[Transport] = None,
+    verify: bool = True,
 ) -> ReshardReport:
     """Run `plan` on this rank. Collective over the actor's ranks (every rank calls it with the same plan).
 
@@ -295,6 +308,8 @@ def execute_reshard(
             is a full sync that takes snapshots, later ones send only changed elements. Needs a sink whose targets
             persist (`keeps_targets`).
         transport: how buffers travel (default `TorchP2PTransport(group)`).
+        verify: check every written piece against its source's checksum (`megarl.reshard.verify`; raises
+            `ReshardVerificationError` naming parameter and ranks, before the bucket is committed).
     """
     rank = dist.get_rank() if dist.is_initialized() else plan.train.rank_offset
     start_time = time.perf_counter()
@@ -312,22 +327,37 @@ def execute_reshard(
     def piece_of(op: TransferOp) -> torch.Tensor:
         return _slice(sources[op.src_param], op.piece.dim, op.src_offset, op.piece.length)
 
-    received = sent = local = peak = 0
+    received = sent = local = peak = verified = 0
+    verify_s = 0.0
+    infer_rank = plan.infer_rank_of[rank]
     buckets = _buckets(plan, bucket_bytes)
     workspace = _workspace(buckets, rank, dtype, device, plan.dtype_bytes)
     delta_sync = delta.begin(plan, rank, transport, device) if delta is not None else False
     tally = BucketDelta()
     for bucket in buckets:
         local_ops, send_ops, recv_ops = _split(bucket, rank)
+        expected = {}
         for op in local_ops:
-            dest.view(op).copy_(piece_of(op))
+            src = piece_of(op)
+            dest.view(op).copy_(src)
             local += op.nbytes
             dest.written(op)
+            if verify:
+                t0 = time.perf_counter()
+                expected[op] = local_checksum(src, dtype)
+                verify_s += time.perf_counter() - t0
         if delta is not None:
             exchange_bucket(send_ops, recv_ops, piece_of, dest.view, dest.written, delta, workspace, transport, tally)
         else:
             s, r, used = _exchange_dense(send_ops, recv_ops, piece_of, dest, workspace, transport)
             sent, received, peak = sent + s, received + r, max(peak, used)
+        if verify:
+            t0 = time.perf_counter()
+            expected.update(exchange_checksums(send_ops, recv_ops, piece_of, dtype, transport, device))
+            check_written(expected, dest.view, rank, infer_rank)
+            verified += len(expected)
+            verify_s += time.perf_counter() - t0
+        dest.flush()
     dest.check_complete()
     sink.finish()
     stats = next(s for s in plan.stats if s.rank == rank)
@@ -335,7 +365,7 @@ def execute_reshard(
         rank=rank, bytes_received=received, bytes_sent=sent, bytes_local=local,
         bytes_lower_bound=stats.bytes_lower_bound, bytes_naive=stats.bytes_naive,
         peak_extra_bytes=peak, buckets=len(buckets), time_s=time.perf_counter() - start_time,
-        bytes_plan_remote=stats.bytes_plan_remote,
+        bytes_plan_remote=stats.bytes_plan_remote, verify_time_s=verify_s, verified_pieces=verified,
     )
     if delta is None:
         return report

@@ -83,7 +83,7 @@ class HybridWorker:
         self._wake()  # never write weights into a sleeping engine (GPU: its weights live on the host then)
         self.offload["actor"].before_use()
         report = execute_reshard(self.plan, megatron_sources(self.actor.engine), self.sink,
-                                 bucket_bytes=self.bucket_bytes)
+                                 bucket_bytes=self.bucket_bytes, verify=self.cfg.rollout.verify_sync)
         moved = self.offload["actor"].after_use()  # the actor's last use in a step: free memory for the rollout
         return {**report.as_metrics(), "offload/actor_bytes": float(moved)}
 
