@@ -226,6 +226,10 @@ class RolloutConfig:
         0.5, "Fraction of GPU memory vLLM may use for weights and KV cache (GPU only).", unit="fraction", min=0
     )
     kv_cache_gib: float = opt(1.0, "KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE).", unit="GiB", min=0)
+    enforce_eager: Literal["auto", "true", "false"] = opt(
+        "auto", "vLLM eager mode (no CUDA graphs / compilation): auto = eager on CPU, CUDA graphs on GPU; "
+        "true trades rollout speed for start-up time and memory."
+    )
     reshard_bucket_mb: int = opt(
         DEFAULT_RESHARD_BUCKET_MB,
         "Bucket size of the Megatron -> vLLM weight reshard: bound on one bucket's send + receive bytes per rank, "

@@ -30,6 +30,27 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     return int(math.ceil(vocab_size / step) * step)
 
 
+_FUSED_SOFTMAX_MODULES = (
+    "scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda",
+)
+
+
+def fused_softmax_kernels_available(cuda: Optional[bool] = None) -> bool:
+    """Whether megatron-core's fused softmax (`masked_softmax_fusion`) can run: CUDA plus its compiled kernels.
+
+    megatron-core 0.16.1 `fusions/fused_softmax.py` imports `scaled_masked_softmax_cuda` (and the upper-triangular
+    and unmasked variants) inside `get_batch_per_block` / forward as soon as the fusion flag is on and the shapes
+    fit; megatron-core does not ship these modules (they come from apex's or Megatron-LM's fused-kernel builds, not
+    from Transformer Engine), so without them a local-spec model on CUDA fails at its first fp16/bf16 forward.
+    cuda: whether CUDA is usable (default: `torch.cuda.is_available()`).
+    """
+    import importlib.util
+
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        return False
+    return all(importlib.util.find_spec(m) is not None for m in _FUSED_SOFTMAX_MODULES)
+
+
 def transformer_engine_available() -> bool:
     if not torch.cuda.is_available():
         return False
@@ -86,7 +107,7 @@ def build_transformer_config(
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
-        masked_softmax_fusion=not on_cpu,
+        masked_softmax_fusion=fused_softmax_kernels_available(),
         persist_layer_norm=False,
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,

@@ -81,6 +81,7 @@ class VllmEngineSettings:
         there with random weights, for the trainer to push its own weights in before the first rollout.
     max_model_len: prompt + response tokens; must cover max_prompt_tokens + max_new_tokens.
     kv_cache_gib: CPU only (VLLM_CPU_KVCACHE_SPACE, whole GiB, rounded up). gpu_memory_utilization: GPU only.
+    enforce_eager: True = no CUDA graphs (vLLM's eager mode); `rollout.enforce_eager` in the config.
     """
 
     model_path: str
@@ -105,9 +106,21 @@ class VllmEngineSettings:
             max_model_len=rollout.max_prompt_tokens + rollout.max_new_tokens,
             max_prompt_tokens=rollout.max_prompt_tokens, overlong_prompt=rollout.overlong_prompt,
             gpu_memory_utilization=rollout.gpu_memory_utilization, kv_cache_gib=rollout.kv_cache_gib,
+            enforce_eager=resolve_enforce_eager(getattr(rollout, "enforce_eager", "auto"), _on_cpu()),
         )
         kw.update(overrides)
         return cls(**kw)
+
+
+def resolve_enforce_eager(option: str, on_cpu: bool) -> bool:
+    """`rollout.enforce_eager` ("auto" | "true" | "false") -> vLLM's `enforce_eager`.
+
+    auto: eager on CPU (what the CPU suite measures; vllm-cpu would otherwise compile), CUDA graphs on GPU (vLLM's
+    default there: decode steps replay captured graphs instead of launching every kernel from Python).
+    """
+    if option not in ("auto", "true", "false"):
+        raise ValueError(f"rollout.enforce_eager must be auto, true or false, got {option!r}")
+    return on_cpu if option == "auto" else option == "true"
 
 
 def _on_cpu() -> bool:
@@ -271,6 +284,16 @@ class VllmRolloutEngine:
         """
         _require_outside_megatron_scope("update_weights")
         counter = _Counted(weights)
+        # vLLM's loaders `param.copy_` into leaf parameters that require grad (norm weights): no autograd here, on
+        # any caller's path (collective_rpc runs the worker function in this thread: in-process engine).
+        with torch.no_grad():
+            self._reload(counter, layout)
+        if _on_cpu():
+            self.llm.collective_rpc(_repack_tied_params)
+        self.reset_prefix_cache()
+        return counter.n
+
+    def _reload(self, counter: "_Counted", layout: WeightLayout) -> None:
         if layout == "hf":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counter)})
         elif layout == "vllm_shard":
@@ -282,10 +305,6 @@ class VllmRolloutEngine:
                 )
         else:
             raise ValueError(f"layout must be 'hf' or 'vllm_shard', got {layout!r}")
-        if _on_cpu():
-            self.llm.collective_rpc(_repack_tied_params)
-        self.reset_prefix_cache()
-        return counter.n
 
     def param_shards(self) -> list[ParamShard]:
         """This rank's vLLM parameters: names, shard shapes before CPU repacking, and where they come from in HF."""
