@@ -15,6 +15,8 @@ import torch.distributed as dist
 from megarl.checkpoint.errors import CheckpointError
 from megarl.checkpoint.hf_io import HFReader
 from megarl.checkpoint.name_map import ParamLayout, build_shard, canonical_name, module_param_layout, validate_tp
+from megarl.engine import MegatronEngine
+from megarl.engine.heads import HF_HEAD_NAME, MEGATRON_HEAD_NAME
 
 
 def stage_layer_offset(module) -> int:
@@ -32,25 +34,46 @@ def named_layouts(engine) -> Iterator[tuple[str, torch.nn.Parameter, ParamLayout
         yield name, param, module_param_layout(engine.spec, canonical_name(name, offset))
 
 
-def check_same_model(engine_spec, hf_spec) -> None:
+def check_same_model(engine_spec, hf_spec, ignore: tuple[str, ...] = ()) -> None:
+    """Raise `CheckpointError` naming every model field (except `ignore`) where engine and checkpoint differ."""
     fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
               "ffn_hidden_size", "vocab_size", "qkv_bias", "qk_layernorm", "tie_word_embeddings")
     diff = [f"{f}: engine {getattr(engine_spec, f)} vs checkpoint {getattr(hf_spec, f)}"
-            for f in fields if getattr(engine_spec, f) != getattr(hf_spec, f)]
+            for f in fields if f not in ignore and getattr(engine_spec, f) != getattr(hf_spec, f)]
     if diff:
         raise CheckpointError("checkpoint does not match the model: " + "; ".join(diff))
 
 
 @torch.no_grad()
 def load_hf_into_engine(engine, hf_dir: str, reader: Optional[HFReader] = None) -> int:
-    """Copy the HF checkpoint at `hf_dir` into `engine`'s parameters in place. Returns bytes read by this rank."""
+    """Copy the HF checkpoint at `hf_dir` into `engine`'s parameters in place. Returns bytes read by this rank.
+
+    A scalar-head engine (critic, reward model: `engine.head == "scalar"`, always built untied) reads its body
+    from the directory's decoder tensors whether that model is tied or not (its language-model head is ignored),
+    and its head from `score.weight` [1, hidden] when the directory has one (the name transformers'
+    `*ForTokenClassification` / `*ForSequenceClassification` with num_labels=1 use); otherwise the head keeps its
+    seeded initialisation (a critic initialised from the actor).
+    """
     reader = reader or HFReader(hf_dir)
-    check_same_model(engine.spec, reader.spec)
+    scalar = engine.head == "scalar"
+    check_same_model(engine.spec, reader.spec, ignore=("tie_word_embeddings",) if scalar else ())
+    # the body's layouts are the HF model's (tied or not, the embedding is read the same way)
+    spec = reader.spec if scalar else engine.spec
     topo, coord = engine.groups.topology, engine.groups.coord
-    validate_tp(engine.spec, topo.tp)
+    validate_tp(spec, topo.tp)
+    offset = stage_layer_offset(engine.module)
     nbytes = 0
-    for name, param, layout in named_layouts(engine):
-        shard = build_shard(engine.spec, layout, coord.tp, topo.tp, reader.read)
+    for name, param in engine.module.named_parameters():
+        if scalar and name == MEGATRON_HEAD_NAME:
+            if HF_HEAD_NAME in reader.files:
+                t = reader.read(HF_HEAD_NAME)
+                if tuple(t.shape) != tuple(param.shape):
+                    raise CheckpointError(f"{hf_dir}: {HF_HEAD_NAME} is {list(t.shape)}, expected {list(param.shape)}")
+                param.data.copy_(t)
+                nbytes += t.numel() * t.element_size()
+            continue
+        layout = module_param_layout(spec, canonical_name(name, offset))
+        shard = build_shard(spec, layout, coord.tp, topo.tp, reader.read)
         if tuple(shard.shape) != tuple(param.shape):
             raise CheckpointError(
                 f"{name}: built shard {list(shard.shape)} from {layout.hf_names} but the parameter is {list(param.shape)}"
@@ -97,8 +120,6 @@ def engine_logits(engine, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
 def build_engine_from_hf(hf_dir: str, groups, dtype: str = "fp32", optimizer=None, seed: int = 1234, **engine_kwargs):
     """Startup path for a config whose model points at an HF directory: build the `MegatronEngine` at `groups`'
     TP/PP layout and load the HF weights into it directly (no offline conversion). Call on every rank of the role."""
-    from megarl.roles.megatron_engine import MegatronEngine
-
     reader = HFReader(hf_dir)
     validate_tp(reader.spec, groups.topology.tp)
     engine = MegatronEngine(reader.spec, groups, dtype=dtype, optimizer=optimizer, seed=seed, **engine_kwargs)

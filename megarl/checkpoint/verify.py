@@ -14,10 +14,17 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint.dist_ckpt import load_engine_checkpoint, read_meta
+from megarl.checkpoint.engine_io import engine_logits, load_hf_into_engine
 from megarl.checkpoint.errors import CheckpointError
 from megarl.checkpoint.hf_io import HFReader
 from megarl.checkpoint.name_map import LayoutError, validate_tp
-from megarl.parallel.topology import TopologyError, layer_split
+from megarl.engine import MegatronEngine
+from megarl.models.spec import ModelSpec
+from megarl.parallel.groups import build_role_groups
+from megarl.parallel.topology import RoleTopology, TopologyError, layer_split
+from megarl.platform.distributed import init_distributed
+from megarl.platform.spawn import run_ranks
 
 DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 
@@ -60,13 +67,6 @@ def check_layout(hf_dir: str, tp: int, pp: int) -> HFReader:
 def verify_ranks(rank: int, world_size: int, hf_dir: str, megatron_dir: Optional[str], tp: int, pp: int,
                  dtype: str, input_ids: torch.Tensor, tolerance: float) -> Optional[dict]:
     """Per-rank body; returns the metrics dict on rank 0 (None elsewhere). Collective over the world."""
-    from megarl.checkpoint.dist_ckpt import load_engine_checkpoint
-    from megarl.checkpoint.engine_io import engine_logits, load_hf_into_engine
-    from megarl.models.spec import ModelSpec
-    from megarl.parallel.groups import build_role_groups
-    from megarl.parallel.topology import RoleTopology
-    from megarl.roles.megatron_engine import MegatronEngine
-
     if world_size != tp * pp:
         raise CheckpointError(f"verify needs tp*pp = {tp}*{pp} = {tp * pp} ranks, the world has {world_size}")
     spec = ModelSpec.from_hf_dir(hf_dir)
@@ -98,17 +98,11 @@ def verify(hf_dir: str, megatron_dir: Optional[str], tp: int, pp: int, dtype: st
     """Run the parity check; spawns tp*pp local ranks unless already under torchrun. Metrics on rank 0."""
     reader = check_layout(hf_dir, tp, pp)
     if megatron_dir:
-        from megarl.checkpoint.dist_ckpt import read_meta
-
         read_meta(megatron_dir)
     tolerance = DEFAULT_TOLERANCE[dtype] if tolerance is None else tolerance
     ids = token_batch(reader.spec.vocab_size, batch, seq, seed)
     args = (hf_dir, megatron_dir, tp, pp, dtype, ids, tolerance)
     if under_torchrun():
-        from megarl.platform.distributed import init_distributed
-
         rank, world = init_distributed()
         return verify_ranks(rank, world, *args)
-    from megarl.platform.spawn import run_ranks
-
     return run_ranks(tp * pp, verify_ranks, *args, timeout_s=1800)[0]

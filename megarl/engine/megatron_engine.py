@@ -16,7 +16,7 @@ All process groups come from the role's `RoleGroups`; nothing is read from megat
 (apart from its global memory buffer, which is layout-independent).
 
 Heads: `head="lm"` (default) keeps GPTModel's vocab-parallel output layer; `head="scalar"` replaces it on the last
-stage with a `ScalarHead` (hidden -> 1, replicated across TP; see `megarl.roles.heads`) for the critic and the
+stage with a `ScalarHead` (hidden -> 1, replicated across TP; see `megarl.engine.heads`) for the critic and the
 reward model, whose models are always built untied (the head does not share the embedding).
 
 Offload: `offload(params=, grads=, optimizer=)` moves the chosen state to host memory and frees the device copy
@@ -33,6 +33,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from megarl.engine import offload as off
+from megarl.engine.heads import attach_scalar_head
 from megarl.models.gpt import build_gpt_model, build_transformer_config, padded_vocab_size
 from megarl.models.spec import ModelSpec
 from megarl.parallel.groups import RoleGroups
@@ -132,8 +134,6 @@ class MegatronEngine:
         self.config.calculate_per_token_loss = True  # exact global normalisation, see module docstring
         model = build_gpt_model(self.spec, self.groups, self.config)
         if self.head == "scalar" and self.groups.is_last_stage:
-            from megarl.roles.heads import attach_scalar_head
-
             attach_scalar_head(model, self.spec.hidden_size, self.config.params_dtype, seed)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
@@ -308,8 +308,6 @@ class MegatronEngine:
 
         Call `reload()` before the next `run`/`step`. Offloading twice without a reload is an error.
         """
-        from megarl.roles import offload as off
-
         if self._offloaded is not None:
             raise RuntimeError(f"already offloaded ({self._offloaded.kinds}): call reload() first")
         stashed = {
@@ -322,8 +320,6 @@ class MegatronEngine:
 
     def reload(self) -> None:
         """Bring back whatever `offload` moved (no-op when nothing is offloaded)."""
-        from megarl.roles import offload as off
-
         if self._offloaded is None:
             return
         for pairs in self._offloaded.stashed.values():

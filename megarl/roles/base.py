@@ -11,16 +11,18 @@ Data path of a role call (the same on every rank of the role, called collectivel
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint.engine_io import load_hf_into_engine
 from megarl.data.batch import Batch
 from megarl.data.micro_batching import make_micro_batches, plan_micro_batches, restore_order
+from megarl.engine import MegatronEngine, OptimizerSettings
 from megarl.models.spec import ModelSpec
 from megarl.parallel.groups import RoleGroups
-from megarl.roles.megatron_engine import MegatronEngine, OptimizerSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +118,6 @@ class Role:
 
     def load_hf(self, hf_dir: str) -> int:
         """Load weights from a HuggingFace directory (each rank reads its own shards); returns bytes read."""
-        from megarl.checkpoint.engine_io import load_hf_into_engine
-
         return load_hf_into_engine(self.engine, hf_dir)
 
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, int]:
@@ -185,8 +185,6 @@ class Role:
 
         `loss_fn(output, mb) -> (loss_sum, units, metric sums)` as `MegatronEngine.run` expects.
         """
-        import time
-
         batch = batch.select(keys)
         totals = {k: 0.0 for k in metric_keys}
         steps = []

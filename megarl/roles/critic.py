@@ -1,4 +1,4 @@
-"""The critic (value model) and the reward model: a GPTModel body with a `ScalarHead` (see `megarl.roles.heads`).
+"""The critic (value model) and the reward model: a GPTModel body with a `ScalarHead` (see `megarl.engine.heads`).
 
 Critic.compute_values(batch) -> Batch (last pipeline stage; None elsewhere)
     in:  input_ids [B, S] int64, attention_mask [B, S], response_mask [B, S]
@@ -14,26 +14,25 @@ RewardModel.score(batch) -> Batch (last pipeline stage; None elsewhere)
     in:  input_ids [B, S] int64, attention_mask [B, S]
     out: scores [B] float32, the head's output at each sample's last real token (attention_mask).
 
-Checkpoints: the body loads from a HF CausalLM-layout directory (`load_hf`, the language-model head is
-ignored); the head loads from that directory's `score.weight` [1, hidden] when present (the name of
-transformers' `*ForTokenClassification` / `*ForSequenceClassification` with num_labels=1) and keeps its seeded
-initialisation otherwise (a critic initialised from the actor). `head_state_dict()` / `load_head_state_dict()`
-give the head under its HF name; megatron-core distributed checkpoints (`megarl.checkpoint.dist_ckpt`) carry it
-as `output_layer.score.weight`.
+Checkpoints: the body loads from a HF CausalLM-layout directory (`load_hf`, which is
+`megarl.checkpoint.engine_io.load_hf_into_engine`; the language-model head is ignored); the head loads from that
+directory's `score.weight` [1, hidden] when present (the name of transformers' `*ForTokenClassification` /
+`*ForSequenceClassification` with num_labels=1) and keeps its seeded initialisation otherwise (a critic initialised
+from the actor). `head_state_dict()` / `load_head_state_dict()` give the head under its HF name; megatron-core
+distributed checkpoints (`megarl.checkpoint.dist_ckpt`) carry it as `output_layer.score.weight`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from megarl.algorithms import aggregate, value_loss
+from megarl.algorithms import value_loss
+from megarl.checkpoint.engine_io import refresh_optimizer_copies
 from megarl.data.batch import Batch
+from megarl.engine.heads import HF_HEAD_NAME, MEGATRON_HEAD_NAME
 from megarl.roles.base import Role, count_units, shift_to_tokens
-from megarl.roles.heads import HF_HEAD_NAME, MEGATRON_HEAD_NAME
 
 
 class ScalarHeadRole(Role):
@@ -42,44 +41,6 @@ class ScalarHeadRole(Role):
     def _head_param(self) -> Optional[torch.nn.Parameter]:
         return dict(self.engine.module.named_parameters()).get(MEGATRON_HEAD_NAME)
 
-    @torch.no_grad()
-    def load_hf(self, hf_dir: str) -> int:
-        """Body from the HF directory's decoder tensors (each rank reads its own shards), head from `score.weight`
-        when the directory has it. Returns bytes read by this rank."""
-        from megarl.checkpoint.engine_io import refresh_optimizer_copies, stage_layer_offset
-        from megarl.checkpoint.errors import CheckpointError
-        from megarl.checkpoint.hf_io import HFReader
-        from megarl.checkpoint.name_map import build_shard, canonical_name, module_param_layout
-
-        reader = HFReader(hf_dir)
-        body_fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
-                       "ffn_hidden_size", "vocab_size", "qkv_bias", "qk_layernorm")
-        diff = [f for f in body_fields if getattr(reader.spec, f) != getattr(self.engine.spec, f)]
-        if diff:
-            raise CheckpointError(f"{hf_dir} does not match the model in: {', '.join(diff)}")
-        # the body's layouts are the HF model's (tied or not: the embedding is read the same way)
-        src_spec = reader.spec
-        topo, coord = self.groups.topology, self.groups.coord
-        offset = stage_layer_offset(self.engine.module)
-        nbytes = 0
-        for name, param in self.engine.module.named_parameters():
-            if name == MEGATRON_HEAD_NAME:
-                if HF_HEAD_NAME in reader.files:
-                    t = reader.read(HF_HEAD_NAME)
-                    if tuple(t.shape) != tuple(param.shape):
-                        raise CheckpointError(f"{HF_HEAD_NAME} is {list(t.shape)}, expected {list(param.shape)}")
-                    param.data.copy_(t)
-                    nbytes += t.numel() * t.element_size()
-                continue
-            layout = module_param_layout(src_spec, canonical_name(name, offset))
-            shard = build_shard(src_spec, layout, coord.tp, topo.tp, reader.read)
-            if tuple(shard.shape) != tuple(param.shape):
-                raise CheckpointError(f"{name}: shard {list(shard.shape)} but the parameter is {list(param.shape)}")
-            param.data.copy_(shard)
-            nbytes += shard.numel() * shard.element_size()
-        refresh_optimizer_copies(self.engine)
-        return nbytes
-
     def head_state_dict(self) -> dict[str, torch.Tensor]:
         """{'score.weight': [1, hidden]} on last-stage ranks, {} elsewhere (a CPU copy)."""
         p = self._head_param()
@@ -87,8 +48,6 @@ class ScalarHeadRole(Role):
 
     @torch.no_grad()
     def load_head_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        from megarl.checkpoint.engine_io import refresh_optimizer_copies
-
         p = self._head_param()
         if p is not None:
             p.data.copy_(state[HF_HEAD_NAME])

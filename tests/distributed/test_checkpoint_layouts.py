@@ -78,7 +78,7 @@ def _worker(rank: int, world_size: int, root: str):
     from megarl.models.spec import ModelSpec
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
-    from megarl.roles.megatron_engine import MegatronEngine
+    from megarl.engine.megatron_engine import MegatronEngine
 
     hf = {a: os.path.join(root, a) for a in ARCHS}
     spec = {a: ModelSpec.from_hf_dir(hf[a]) for a in ARCHS}

@@ -118,7 +118,7 @@ class ProbeWorker:
         from megarl.models.spec import ModelSpec
         from megarl.parallel.groups import build_role_groups
         from megarl.parallel.topology import RoleTopology
-        from megarl.roles.megatron_engine import MegatronEngine, OptimizerSettings
+        from megarl.engine.megatron_engine import MegatronEngine, OptimizerSettings
         from tests.distributed.harness import next_token_ce_loss
 
         spec = ModelSpec(

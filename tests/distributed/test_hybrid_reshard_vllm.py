@@ -71,7 +71,7 @@ def _worker(rank, world_size, hf_dir, infer_tp, cases):
     from megarl.reshard.sources import megatron_sources
     from megarl.reshard.vllm_sink import VllmShardSink
     from megarl.roles.actor import Actor, PolicyLossSettings
-    from megarl.roles.megatron_engine import OptimizerSettings
+    from megarl.engine.megatron_engine import OptimizerSettings
     from megarl.rollout.engine import SamplingSettings
     from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine
     from megarl.rollout.vllm_layout import build_shard

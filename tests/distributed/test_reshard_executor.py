@@ -47,7 +47,7 @@ def _worker(rank, world_size, hf_dir):
     from megarl.reshard.naive import naive_reshard
     from megarl.reshard.planner import plan_reshard
     from megarl.reshard.sources import megatron_sources
-    from megarl.roles.megatron_engine import MegatronEngine
+    from megarl.engine.megatron_engine import MegatronEngine
 
     spec = HFReader(hf_dir).spec
     results = {}

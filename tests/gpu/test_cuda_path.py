@@ -23,7 +23,7 @@ def _train_on_gpu(rank, world_size, dtype):
     from megarl.models.spec import ModelSpec
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
-    from megarl.roles.megatron_engine import MegatronEngine, OptimizerSettings
+    from megarl.engine.megatron_engine import MegatronEngine, OptimizerSettings
     from megarl.algorithms.log_probs import vocab_parallel_log_probs
 
     spec = ModelSpec(architecture="LlamaForCausalLM", num_layers=2, hidden_size=256, num_attention_heads=4,
