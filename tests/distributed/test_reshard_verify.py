@@ -56,7 +56,7 @@ def _worker(rank, world_size, hf_dir):
     try:
         from megarl.engine.megatron_engine import MegatronEngine
     except ImportError:  # before the engine package move
-        from megarl.roles.megatron_engine import MegatronEngine
+        from megarl.engine.megatron_engine import MegatronEngine
 
     spec = HFReader(hf_dir).spec
     groups = build_role_groups(RoleTopology(pp=2))
