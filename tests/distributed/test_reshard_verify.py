@@ -17,8 +17,8 @@ ONE_BUCKET = 1 << 40  # every op in one bucket: the first message from a peer st
 
 
 class FlipFirstPayloadByte:
-    """A `Transport` wrapper flipping the lowest bit of the first byte of the first payload (tag 0) this rank
-    receives from `src` (the element's lowest mantissa bit in fp32)."""
+    """A `Transport` wrapper flipping one bit of the first payload (tag 0) this rank receives from `src`: bit 6 of
+    the first element's top byte in fp32 (an exponent bit)."""
 
     def __init__(self, inner, src: int) -> None:
         self.inner, self.src, self.done = inner, src, False
@@ -35,7 +35,7 @@ class FlipFirstPayloadByte:
             def wait(self):
                 pending.wait()
                 if target is not None and not outer.done:
-                    target.tensor.view(torch.uint8)[0] ^= 1
+                    target.tensor.view(torch.uint8)[3] ^= 0x40
                     outer.done = True
 
         return _Flip()
