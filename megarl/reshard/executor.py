@@ -14,6 +14,9 @@ every rank's send plus receive bytes in the bucket stay within `bucket_bytes`, s
 never exceed one bucket (a single parameter shard larger than the bucket travels alone). No rank ever materialises a full
 TP-sharded parameter: it only holds its Megatron shards and the vLLM shards it needs.
 
+Verification (default, `verify=True`; `rollout.verify_sync`): each bucket's written slices are checked against
+checksums the sources computed (`megarl.reshard.verify`) before any parameter of the bucket is committed.
+
 Delta mode (opt-in, `delta=DeltaState()`): after a first full sync, remote ops move only the elements that changed
 since the last sync (indices + values, or dense when that is cheaper); see `megarl.reshard.delta`.
 """
