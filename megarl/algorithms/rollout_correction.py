@@ -1,8 +1,9 @@
 """Rollout/train mismatch: measured every step, corrected on request (truncated importance sampling, masking).
 
 The rollout engine (vLLM) and the trainer (Megatron) evaluate the same weights with different kernels, so the
-log-prob vLLM reports for a sampled token differs slightly from the one Megatron computes (a bf16 model: ~1e-2
-nats; fp32: ~1e-6). Once rollouts come from older weights (asynchronous modes) the gap is a real off-policy gap.
+log-prob vLLM reports for a sampled token differs slightly from the one Megatron computes (CPU quickstart, bf16:
+|d| ~2e-3 nats on average, up to ~0.1; fp32: ~1e-7, up to ~2e-6). Once rollouts come from older weights
+(asynchronous modes) the gap is a real off-policy gap.
 Per response token t of sample i (token-aligned [B, S] tensors, see `megarl.data.batch`; float32)::
 
     logp_rollout[i, t]   vLLM's raw log-prob of the sampled token (batch key ``rollout_log_probs``)
