@@ -48,6 +48,7 @@ Cross-field rules checked before anything starts (`megarl/config/validate.py`):
 - `rollout.max_prompt_tokens + rollout.max_new_tokens <= max_position_embeddings` of every model in use;
 - `gae` needs the critic (and only `gae` uses it); `kl.coef > 0` needs the reference; grpo/rloo need
   `samples_per_prompt >= 2`; with `resources.device: cpu`, `head_dim` must be one vLLM's CPU attention supports.
+- `algorithm.rollout_correction`: `c > 1`; `mask_c > 1` and only with `mask` token or sequence.
 
 With `model.path`, only the checkpoint's `config.json` is read for these checks (architectures,
 num_hidden_layers, hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
