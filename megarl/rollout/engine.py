@@ -179,8 +179,8 @@ class RolloutEngine(Protocol):
         """Free memory for training (GPU: KV cache, and weights at level 2). CPU: no-op."""
         ...
 
-    def wake(self) -> None:
-        """Undo `sleep` before the next rollout. CPU: no-op."""
+    def wake(self, tags: Optional[tuple[str, ...]] = None) -> None:
+        """Undo `sleep` (tags None: all; ("weights",) or ("kv_cache",): that part only). CPU: no-op."""
         ...
 
     def reset_prefix_cache(self) -> None:

@@ -49,6 +49,7 @@ Weight updates (`update_weights`), two layouts:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 from typing import Any, Iterable, Literal, Optional
@@ -206,6 +207,9 @@ class VllmRolloutEngine:
         self.replica_index = self.llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
         self._said_cpu_noop = False
         self._closed = False
+        # (call, argument) of every memory-phase / weight / generate call, in order: the phase order is data.
+        # Bounded: the last 256 calls (a reshard feeds update_weights once per bucket).
+        self.events: collections.deque[tuple[str, Any]] = collections.deque(maxlen=256)
 
     # ------------------------------------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutSamples:
@@ -218,6 +222,7 @@ class VllmRolloutEngine:
         from vllm import SamplingParams
 
         _require_outside_megatron_scope("generate")
+        self.events.append(("generate", len(prompts)))
         if len(self.tp_ranks) > 1:
             import torch.distributed as dist
 
@@ -260,15 +265,26 @@ class VllmRolloutEngine:
             self._said_cpu_noop = True
         return True
 
+    @property
+    def sleep_discards_weights(self) -> bool:
+        """Whether `sleep(level=2)` really drops the weights (GPU); on CPU sleep is a no-op and they stay."""
+        return not _on_cpu()
+
     def sleep(self, level: int = 1) -> None:
-        """GPU: `LLM.sleep(level)` (1: weights to host, KV cache dropped; 2: both dropped). CPU: no-op."""
+        """GPU: `LLM.sleep(level)` (1: weights to host, KV cache dropped; 2: both dropped). CPU: no-op.
+
+        Every call is appended to `self.events` as ("sleep", level), on CPU too (the phase order is tested there).
+        """
+        self.events.append(("sleep", level))
         if not self._cpu_noop("sleep"):
             self.llm.sleep(level=level)
 
-    def wake(self) -> None:
-        """GPU: `LLM.wake_up()`. CPU: no-op."""
+    def wake(self, tags: Optional[tuple[str, ...]] = None) -> None:
+        """GPU: `LLM.wake_up(tags)`; tags None = everything, ("weights",) = the weights only (to write new ones
+        before the KV cache is allocated), ("kv_cache",) = the cache. CPU: no-op. Recorded as ("wake", tags)."""
+        self.events.append(("wake", tuple(tags) if tags else None))
         if not self._cpu_noop("wake"):
-            self.llm.wake_up()
+            self.llm.wake_up(tags=list(tags) if tags else None)
 
     def reset_prefix_cache(self) -> None:
         """Drop cached KV blocks (real on CPU too: the prefix cache is correctness, not just memory)."""
@@ -283,6 +299,7 @@ class VllmRolloutEngine:
             (vocab padding rows included); feed every parameter of each layer you update in one call.
         """
         _require_outside_megatron_scope("update_weights")
+        self.events.append(("update_weights", layout))
         counter = _Counted(weights)
         # vLLM's loaders `param.copy_` into leaf parameters that require grad (norm weights): no autograd here, on
         # any caller's path (collective_rpc runs the worker function in this thread: in-process engine).

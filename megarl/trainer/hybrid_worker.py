@@ -73,14 +73,23 @@ class HybridWorker:
                                  search_mapping=False)
         check_engine_mapping(self.plan, dist.get_rank(), self.engine.tp_rank)
         self.sink = VllmShardSink(self.engine)
-        self._awake = True  # a new engine is awake
+        self._awake = {"weights", "kv_cache"}  # the parts of the engine that are awake (a new engine: all)
         self.bucket_bytes = cfg.rollout.reshard_bucket_mb << 20
 
     # ------------------------------------------------------------------------------------------- rollout
     @dispatch(Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> dict[str, float]:
-        """Reshard the actor's current weights into the vLLM engine; returns this rank's reshard metrics."""
-        self._wake()  # never write weights into a sleeping engine (GPU: its weights live on the host then)
+        """Reshard the actor's current weights into the vLLM engine; returns this rank's reshard metrics.
+
+        Engine phase order per step (recorded in `self.engine.events`): generate -> sleep(level=2) -> ... actor
+        update ... -> wake(("weights",)) -> reshard (update_weights per bucket) -> wake(("kv_cache",)) -> generate.
+        """
+        return self._reshard()
+
+    def _reshard(self) -> dict[str, float]:
+        # Weights only: the KV cache is allocated after the reshard (`generate`), so the reshard's buffers and the
+        # actor's weights never share the GPU with it. Never write into a sleeping engine's weights.
+        self._wake(("weights",))
         self.offload["actor"].before_use()
         report = execute_reshard(self.plan, megatron_sources(self.actor.engine), self.sink,
                                  bucket_bytes=self.bucket_bytes, verify=self.cfg.rollout.verify_sync)
@@ -97,12 +106,16 @@ class HybridWorker:
         """
         replicas, k = self.engine.replicas, self.engine.replica_index
         lo, hi = chunk_bounds(len(prompts), replicas, k)
-        self._wake()
+        if "weights" not in self._awake and self.engine.sleep_discards_weights:
+            self._reshard()  # a rollout without a sync since the last one (validation): the weights were dropped
+        self._wake(("weights", "kv_cache"))
         try:
             out = self.engine.generate(prompts[lo:hi], sampling)
         finally:
-            self.engine.sleep()  # GPU: free the KV cache and weights for training
-            self._awake = False
+            # GPU: level 2 drops weights and KV cache without copying the weights to host: the next sync_weights
+            # overwrites every weight anyway (a full reshard; level 1 would copy the model to host and back).
+            self.engine.sleep(level=2)
+            self._awake.clear()
         if self.engine.tp_rank != 0:
             return None
         return {
@@ -118,10 +131,12 @@ class HybridWorker:
         self.offload[role].after_use()
         return out
 
-    def _wake(self) -> None:
-        if not self._awake:
-            self.engine.wake()
-            self._awake = True
+    def _wake(self, tags: tuple[str, ...]) -> None:
+        """Wake the parts of the engine in `tags` ("weights", "kv_cache") that are asleep."""
+        asleep = tuple(t for t in tags if t not in self._awake)
+        if asleep:
+            self.engine.wake(asleep)
+            self._awake.update(asleep)
 
     # ------------------------------------------------------------------------------------------- Megatron roles
     @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
