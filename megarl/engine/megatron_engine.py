@@ -310,10 +310,11 @@ class MegatronEngine:
         """
         if self._offloaded is not None:
             raise RuntimeError(f"already offloaded ({self._offloaded.kinds}): call reload() first")
+        pools = self.__dict__.setdefault("_host_pools", {"params": [], "grads": [], "optimizer": []})
         stashed = {
-            "params": off.stash(off.param_tensors(self)) if params else [],
-            "grads": off.stash(off.grad_tensors(self)) if grads else [],
-            "optimizer": off.stash(off.optimizer_tensors(self)) if optimizer else [],
+            "params": off.stash(off.param_tensors(self), pools["params"]) if params else [],
+            "grads": off.stash(off.grad_tensors(self), pools["grads"]) if grads else [],
+            "optimizer": off.stash(off.optimizer_tensors(self), pools["optimizer"]) if optimizer else [],
         }
         self._offloaded = off.OffloadedState(stashed)
         return {k: self._offloaded.bytes(k) for k in stashed}
