@@ -1,7 +1,7 @@
 """The CPU quickstart task: a synthetic prompt set a tiny random Llama improves on within ~20 GRPO steps.
 
 The task ("speak the prompt's vocabulary"). The vocabulary is the WordLevel one of
-`megarl.rollout.testing.build_tiny_llama`: ids 0 <unk> (also pad), 1 <s> (BOS), 2 </s> (EOS), then words "w3",
+`megarl.checkpoint.tiny.build_tiny_llama`: ids 0 <unk> (also pad), 1 <s> (BOS), 2 </s> (EOS), then words "w3",
 "w4", ... The *target words* are the first vocab_size // 8 words (w3 .. w66 for vocab 512). Each prompt is 4 to 8
 target words drawn at random; its answer is the space-separated list of all target words. The reward
 (`token_fraction`) is the fraction of the response's words that are target words, in [0, 1]: a random model
@@ -29,6 +29,8 @@ import os
 import random
 import shutil
 import tempfile
+
+from megarl.checkpoint.tiny import build_tiny_llama
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MIN_PROMPT_WORDS, MAX_PROMPT_WORDS = 4, 8
@@ -62,8 +64,6 @@ def build_quickstart(
         raise ValueError(f"vocab_size must be >= 11 (3 special tokens + at least one target word), got {vocab_size}")
     if n_train < 1 or n_val < 1:
         raise ValueError(f"n_train and n_val must be >= 1, got {n_train}, {n_val}")
-    from megarl.rollout.testing import build_tiny_llama
-
     os.makedirs(out_dir, exist_ok=True)
     targets = target_words(vocab_size)
     rng = random.Random(seed)
