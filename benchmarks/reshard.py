@@ -194,12 +194,16 @@ def _measure_rank(rank, world_size, args_dict):
     if args.delta:
         return _measure_delta(args, engine, groups, plan, sources, bucket, build_s)
 
-    times, naive_times, report, naive_report = [], [], None, None
+    times, naive_times, unverified_times, verify_s, report, naive_report = [], [], [], [], None, None
     sink = naive_sink = None
     for _ in range(args.repeats):
         sink = DictSink(device=collective_device())
         report, t = timed(lambda: execute_reshard(plan, sources, sink, bucket_bytes=bucket))
         times.append(t)
+        verify_s.append(report.verify_time_s)
+        _, t = timed(lambda: execute_reshard(plan, sources, DictSink(device=collective_device()),
+                                             bucket_bytes=bucket, verify=False))
+        unverified_times.append(t)
         sink_keep = sink
         naive_sink = DictSink(device=collective_device())
         naive_report, t = timed(lambda: naive_reshard(plan, groups, sources, naive_sink))
@@ -217,6 +221,7 @@ def _measure_rank(rank, world_size, args_dict):
         "peak_extra_bytes": report.peak_extra_bytes, "naive_peak_extra_bytes": naive_report.peak_extra_bytes,
         "buckets": report.buckets, "weights_exact": exact,
         "times": times, "naive_times": naive_times, "build_s": build_s,
+        "unverified_times": unverified_times, "verify_times": verify_s, "verified_pieces": report.verified_pieces,
     }
 
 
@@ -378,11 +383,17 @@ def measure(args) -> dict:
         "load_average_1m_at_end": os.getloadavg()[0],  # the CPU machines are shared: read timings with it
         "weights_exact": all(r["weights_exact"] for r in per_rank),
         "time_s": time_s, "naive_time_s": naive_s, "naive_over_megarl_time": naive_s / time_s,
+        # verification (on by default): the reshard timed with and without it, and the checksum time itself
+        "unverified_time_s": statistics.median(per_rank[0]["unverified_times"]),
+        "verify_time_s_max_rank": statistics.median(max(r["verify_times"][i] for r in per_rank)
+                                                    for i in range(len(per_rank[0]["verify_times"]))),
         "peak_extra_bytes": max(r["peak_extra_bytes"] for r in per_rank),
         "naive_peak_extra_bytes": max(r["naive_peak_extra_bytes"] for r in per_rank),
-        "ranks": [{k: v for k, v in r.items() if k not in ("times", "naive_times", "weights_exact", "refit_times")}
+        "ranks": [{k: v for k, v in r.items() if k not in ("times", "naive_times", "weights_exact", "refit_times",
+                                                          "unverified_times", "verify_times")}
                   for r in per_rank],
     }
+    result["verify_over_reshard_time"] = result["verify_time_s_max_rank"] / time_s
     if args.into_vllm:
         result["refit_time_s"] = statistics.median(per_rank[0]["refit_times"])
     mib = 2**20
@@ -393,6 +404,8 @@ def measure(args) -> dict:
               f"{r['bytes_lower_bound'] / mib:.1f}, naive {r['naive_bytes_received'] / mib:.1f}), local "
               f"{r['bytes_local'] / mib:.1f} MiB, peak extra {r['peak_extra_bytes'] / mib:.1f} MiB "
               f"(naive {r['naive_peak_extra_bytes'] / mib:.1f})")
+    print(f"  verification: {result['verify_time_s_max_rank']:.3f}s of {time_s:.3f}s "
+          f"({result['verify_over_reshard_time']:.1%}); unverified reshard {result['unverified_time_s']:.3f}s")
     print(f"  time: megarl {time_s:.3f}s, naive {naive_s:.3f}s -> naive/megarl = {naive_s / time_s:.2f}x; "
           f"weights exact: {result['weights_exact']}")
     if args.into_vllm:
