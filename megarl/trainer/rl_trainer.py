@@ -67,6 +67,14 @@ class RLTrainer:
 
     # --------------------------------------------------------------------------------------------- the loop
     def fit(self) -> list[StepResult]:
+        """Run steps `first..cfg.trainer.total_steps` (first = 1, or the resumed checkpoint's step + 1).
+
+        Before the first step the actor's weights are resharded into the rollout engine (it starts random).
+        After each step: validation every `trainer.val_every` steps (greedy rollouts of `val_records`, metrics
+        prefixed `val/`), one metrics line (console and `metrics_path` jsonl), and a checkpoint every
+        `checkpoint.save_every` steps and at the last one when `checkpoint.dir` is set. Returns one
+        `StepResult` per step run, in order.
+        """
         results = []
         first = self._resume() + 1
         self.workers.sync_weights()  # the engine starts with random weights: give it the actor's
@@ -133,6 +141,17 @@ class RLTrainer:
         return path
 
     def step(self, step: int) -> StepResult:
+        """One RL step (`step` is 1-based; it also offsets the sampling seed: `rollout.seed + step`).
+
+        Data path, all on the controller except the worker calls: next prompt batch from the loader ->
+        `workers.generate` (samples, n per prompt) -> `samples_to_batch` ([B, S] int64 token tensors, B = samples)
+        -> rule scores [B] (or the learned reward model's, the rule mean then logged as `reward/rule_mean`) ->
+        old log-probs [B, S] from the actor -> reference log-probs and critic values [B, S] when enabled ->
+        advantages (and returns) on the controller -> critic update (overlapping the actor's when the critic has
+        its own pool) -> actor update -> reshard into the rollout engine. Returns the step's metrics: rewards,
+        lengths (tokens), per-phase times in seconds (`time/<phase>_s`), tokens/s, the roles' update metrics
+        (`actor/...`, `critic/...`) and the reshard's bytes and time.
+        """
         t: dict[str, float] = {}
         start = time.perf_counter()
         records = self.loader.next_batch()
