@@ -70,8 +70,8 @@ class RLTrainer:
         """Run steps `first..cfg.trainer.total_steps` (first = 1, or the resumed checkpoint's step + 1).
 
         Before the first step the actor's weights are resharded into the rollout engine (it starts random).
-        After each step: validation every `trainer.val_every` steps (greedy rollouts of `val_records`, metrics
-        prefixed `val/`), one metrics line (console and `metrics_path` jsonl), and a checkpoint every
+        After each step: validation every `trainer.val_every` steps (rollouts of `val_records` at
+        `rollout.val_temperature`, metric `val/reward_mean`), one metrics line (console and `metrics_path` jsonl), and a checkpoint every
         `checkpoint.save_every` steps and at the last one when `checkpoint.dir` is set. Returns one
         `StepResult` per step run, in order.
         """
