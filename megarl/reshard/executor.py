@@ -36,7 +36,7 @@ from megarl.reshard.delta import BucketDelta, DeltaState, exchange_bucket
 from megarl.reshard.layouts import vllm_needs, vllm_param_shapes
 from megarl.reshard.planner import ReshardPlan, TransferOp
 from megarl.reshard.transport import Message, TorchP2PTransport, Transport, exchange
-from megarl.reshard.verify import check_written, exchange_checksums, local_checksum
+from megarl.reshard.verify import check_written, local_checksum, post_checksums
 
 # One bucket bound for the trainer (`rollout.reshard_bucket_mb`), the executor and the benchmark: 512 MiB of send +
 # receive per rank and bucket, i.e. at most that much extra memory (the workspace) beside the weights.
@@ -349,6 +349,10 @@ def execute_reshard(
                 t0 = time.perf_counter()
                 expected[op] = local_checksum(src, dtype)
                 verify_s += time.perf_counter() - t0
+        if verify:
+            t0 = time.perf_counter()
+            sums_pending, remote_sums = post_checksums(send_ops, recv_ops, piece_of, dtype, transport, device)
+            verify_s += time.perf_counter() - t0
         if delta is not None:
             exchange_bucket(send_ops, recv_ops, piece_of, dest.view, dest.written, delta, workspace, transport, tally)
         else:
@@ -356,7 +360,8 @@ def execute_reshard(
             sent, received, peak = sent + s, received + r, max(peak, used)
         if verify:
             t0 = time.perf_counter()
-            expected.update(exchange_checksums(send_ops, recv_ops, piece_of, dtype, transport, device))
+            sums_pending.wait()
+            expected.update(remote_sums)
             check_written(expected, dest.view, rank, infer_rank)
             verified += len(expected)
             verify_s += time.perf_counter() - t0

@@ -2,7 +2,8 @@
 
 Data path (per bucket, `execute_reshard(..., verify=True)`, the default; `rollout.verify_sync`):
   sender, per remote op: `checksum(piece)` of the Megatron slice it sends, in the wire dtype, per
-      destination (float64[ops, 2]), one extra message per peer pair (tag 2) through the reshard transport;
+      destination (float64[ops, 2]), one extra message per peer pair (tag 2) through the reshard transport,
+      posted before the bucket's payload and waited after it;
   local ops: the same checksum of the local source slice;
   receiver, once every op of the bucket was written and before the sink commits any parameter: `checksum` of
       the destination slice each op wrote (so a later op overwriting an earlier one is caught too) == the
@@ -29,7 +30,7 @@ from typing import Callable, Optional
 import torch
 
 from megarl.reshard.planner import TransferOp
-from megarl.reshard.transport import Message, Transport, exchange
+from megarl.reshard.transport import Message, Pending, Transport
 
 CHECKSUM_TAG = 2
 _ROW_WEIGHT_MODULUS = 251  # row weights 1..251: rows in another order give another S2
@@ -52,23 +53,24 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([rows.sum(), (rows * weights).sum()])
 
 
-def exchange_checksums(
+def post_checksums(
     send_ops: dict[int, list[TransferOp]],
     recv_ops: dict[int, list[TransferOp]],
     piece_of: Callable[[TransferOp], torch.Tensor],
     dtype: torch.dtype,
     transport: Transport,
     device: torch.device,
-) -> dict[TransferOp, torch.Tensor]:
-    """Senders checksum the pieces they send (cast to the wire `dtype`); returns, for every op this rank receives,
-    the sender's checksum (float64[2]). One message per peer pair (peers in sorted order, as the payload)."""
+) -> tuple[Pending, dict[TransferOp, torch.Tensor]]:
+    """Senders checksum the pieces they send (cast to the wire `dtype`) and post them, one message per peer pair
+    (peers in sorted order), before the bucket's payload so both travel together. Returns the pending exchange and,
+    for every op this rank receives, the buffer that holds the sender's checksum (float64[2]) once it is waited."""
     sends = []
     for dst, ops in send_ops.items():
         sums = [checksum(p if p.dtype == dtype else p.to(dtype)) for op in ops for p in [piece_of(op)]]
         sends.append(Message(dst, torch.stack(sums).to(device), tag=CHECKSUM_TAG))
     bufs = {src: torch.empty(len(ops), 2, dtype=torch.float64, device=device) for src, ops in recv_ops.items()}
-    exchange(transport, sends, [Message(src, b, tag=CHECKSUM_TAG) for src, b in bufs.items()])
-    return {op: bufs[src][i] for src, ops in recv_ops.items() for i, op in enumerate(ops)}
+    pending = transport.post(sends, [Message(src, b, tag=CHECKSUM_TAG) for src, b in bufs.items()])
+    return pending, {op: bufs[src][i] for src, ops in recv_ops.items() for i, op in enumerate(ops)}
 
 
 def check_written(
