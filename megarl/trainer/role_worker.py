@@ -8,8 +8,10 @@ the trainer addresses a role the same way wherever it is placed.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
+from megarl.checkpoint.dist_ckpt import load_engine_checkpoint, save_engine_checkpoint
 from megarl.config.schema import JobConfig
 from megarl.controller.dispatch import Dispatch, dispatch
 from megarl.data.batch import Batch
@@ -21,6 +23,8 @@ class RoleWorker:
     """One rank of a role's own pool."""
 
     def __init__(self, cfg: JobConfig, role: str) -> None:
+        """`cfg`: the whole job config (the role reads `cfg.role(role)`: model, layout, optimizer, offload).
+        `role`: 'critic', 'reference' or 'reward_model'. Collective over the pool: every rank builds its share."""
         if role not in ("critic", "reference", "reward_model"):
             raise ValueError(f"RoleWorker hosts critic, reference or reward_model, not {role!r}")
         self.role_name = role
@@ -35,33 +39,38 @@ class RoleWorker:
 
     @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
     def compute_values(self, batch: Batch) -> Optional[Batch]:
+        """`batch`: the step's samples (input_ids, attention_mask, response_mask [B, S]) -> values [B, S] float32
+        (token-aligned, 0 outside the response), returned from the first last-stage rank."""
         return self._need("critic").compute_values(batch)
 
     @dispatch(Dispatch.RANK_ZERO)
     def update_critic(self, batch: Batch) -> dict[str, float]:
+        """`batch`: as `compute_values` plus old_values and returns [B, S] float32 -> the critic's update metrics
+        (value_loss, value_clip_frac, value_mean, grad_norm, lr, tokens, ...) from rank 0."""
         out = self._need("critic").update(batch)
         self.offload.after_use()
         return out
 
     @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
     def compute_ref_log_probs(self, batch: Batch) -> Optional[Batch]:
+        """`batch`: input_ids, attention_mask, response_mask [B, S] -> the reference's log_probs [B, S] float32 of
+        each response token (0 elsewhere), returned from the first last-stage rank."""
         out = self._need("reference").compute_log_probs(batch, with_entropy=False)
         self.offload.after_use()
         return out
 
     @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
     def score(self, batch: Batch) -> Optional[Batch]:
-        """Reward-model scores [B] read at each sequence's last real token."""
+        """`batch`: input_ids, attention_mask [B, S] -> reward-model scores [B] float32 read at each sequence's last
+        real token, returned from the first last-stage rank."""
         out = self._need("reward_model").score(batch)
         self.offload.after_use()
         return out
 
     @dispatch(Dispatch.RANK_ZERO)
     def save_checkpoint(self, step_dir: str) -> list[str]:
-        import os
-
-        from megarl.checkpoint.dist_ckpt import save_engine_checkpoint
-
+        """Save the critic (the only trainable role a pool of its own can hold) under `step_dir`/critic; returns
+        the names saved ([] for a frozen role)."""
         if self.role_name != "critic":
             return []
         self.offload.before_use()
@@ -70,10 +79,7 @@ class RoleWorker:
 
     @dispatch(Dispatch.RANK_ZERO)
     def load_checkpoint(self, step_dir: str) -> list[str]:
-        import os
-
-        from megarl.checkpoint.dist_ckpt import load_engine_checkpoint
-
+        """Load the critic from `step_dir`/critic (any layout); returns the names loaded ([] for a frozen role)."""
         if self.role_name != "critic":
             return []
         self.offload.before_use()
