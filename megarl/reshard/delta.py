@@ -39,7 +39,6 @@ offloaded and reloaded from elsewhere, another sink).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Callable, Optional
 
 import torch

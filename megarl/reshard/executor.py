@@ -11,8 +11,8 @@ Data path on each rank:
 
 Buckets: (destination rank, vLLM parameter) units in the plan's order (identical on every rank) are grouped while
 every rank's send plus receive bytes in the bucket stay within `bucket_bytes`, so a rank's communication buffers
-never exceed one bucket (a single parameter shard larger than the bucket travels alone). No rank ever materialises a full
-TP-sharded parameter: it only holds its Megatron shards and the vLLM shards it needs.
+never exceed one bucket (a single parameter shard larger than the bucket travels alone). No rank ever
+materialises a full TP-sharded parameter: it only holds its Megatron shards and the vLLM shards it needs.
 
 Verification (default, `verify=True`; `rollout.verify_sync`): each bucket's written slices are checked against
 checksums the sources computed (`megarl.reshard.verify`) before any parameter of the bucket is committed.
