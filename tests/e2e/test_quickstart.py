@@ -18,11 +18,25 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "cpu_quickstart.json")
 
+# Variables that earlier tests (or the caller's shell) may have set and that change what a training run does:
+# thread counts, vLLM switches, torch.distributed rendezvous, CUDA visibility. None of them reaches a run.
+_DROPPED_PREFIXES = ("OMP_", "MKL_", "KMP_", "VLLM_", "TORCH_", "NCCL_", "GLOO_", "RAY_", "CUDA_", "PYTORCH_")
+_DROPPED = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PYTHONHASHSEED"}
+
+
+def clean_env() -> dict[str, str]:
+    """The environment of every training subprocess here: the caller's, minus every variable above, plus an explicit
+    OMP_NUM_THREADS=1 (what tests/conftest.py gives the suite), so `pytest tests/e2e` and the full suite run the
+    same thing whatever ran before."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_DROPPED_PREFIXES) and k not in _DROPPED}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
 
 @pytest.fixture(scope="module")
 def quickstart_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("quickstart")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = clean_env()
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart.yaml", f"logging.dir={run_dir}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
@@ -67,7 +81,7 @@ def test_ppo_with_a_critic_runs_end_to_end(tmp_path):
         [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart.yaml", "algorithm.name=ppo",
          "critic.enabled=true", "critic.parallel={tp: 2}", "critic.optimizer.lr=1e-3", "trainer.total_steps=3",
          "trainer.val_every=0", f"logging.dir={tmp_path}"],
-        cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=900,
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -82,7 +96,7 @@ def _train(tmp_path, *overrides):
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart.yaml", "trainer.val_every=0",
          f"logging.dir={tmp_path / 'run'}", *overrides],
-        cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=900,
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -131,7 +145,7 @@ def test_heterogeneous_placement_critic_on_its_own_pool_and_a_reward_model(tmp_p
     config.write_text(yaml.safe_dump(cfg))
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "train", str(config), f"logging.dir={tmp_path / 'run'}"],
-        cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=900,
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
