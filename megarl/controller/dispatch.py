@@ -13,9 +13,10 @@ Modes (`Dispatch`):
   LAST_STAGE_FIRST_RESULT  same args to every rank; returns the first non-None result in rank order (roles return
                            results only on their last pipeline stage) or None.
   DP_SPLIT                 the first positional argument (a list, tuple, tensor -- dim 0 -- or `megarl.data.Batch`)
-                           is cut into n_replicas contiguous equal chunks; every rank of replica k gets chunk k, the
-                           other arguments go to every rank unchanged. Per replica the first non-None result (rank
-                           order) is kept; the replicas' results are concatenated in replica order (lists/tuples ->
+                           is cut into n_replicas contiguous chunks (sizes differ by at most one, the first ones
+                           larger: `chunk_bounds`); every rank of replica k (its TP ranks and pipeline stages) gets
+                           chunk k and only it, the other arguments go to every rank unchanged. Per replica the
+                           first non-None result (rank order: the replica's first last-stage rank) is kept; the replicas' results are concatenated in replica order (lists/tuples ->
                            list, tensors -> torch.cat on dim 0, Batch -> Batch.concat); results of other types come
                            back as a list with one entry per replica.
 
@@ -136,8 +137,20 @@ def _is_batch(x: Any) -> bool:
     return type(x).__name__ == "Batch" and hasattr(x, "slice") and hasattr(type(x), "concat")
 
 
+def chunk_bounds(n: int, parts: int, k: int) -> tuple[int, int]:
+    """[lo, hi) of chunk k when n items are cut into `parts` contiguous chunks whose sizes differ by at most one
+    (the first n % parts chunks hold one more). The controller's DP split and the offsets it uses to put per-replica
+    results back in order both come from this one function."""
+    if parts < 1 or not 0 <= k < parts:
+        raise ValueError(f"chunk {k} is outside 0..{parts - 1}")
+    base, extra = divmod(n, parts)
+    lo = k * base + min(k, extra)
+    return lo, lo + base + (1 if k < extra else 0)
+
+
 def split_contiguous(x: Any, n: int, method: str = "?") -> list[Any]:
-    """Cut `x` (list, tuple, torch.Tensor on dim 0, or Batch) into `n` contiguous equal chunks."""
+    """Cut `x` (list, tuple, torch.Tensor on dim 0, or Batch) into `n` contiguous chunks, sizes differing by at most
+    one (`chunk_bounds`); concatenating the chunks in order gives `x` back."""
     import torch
 
     if isinstance(x, (list, tuple)) or isinstance(x, torch.Tensor) or _is_batch(x):
@@ -147,12 +160,17 @@ def split_contiguous(x: Any, n: int, method: str = "?") -> list[Any]:
             f"{method}: DP_SPLIT splits its first positional argument, which must be a list, tuple, tensor or "
             f"Batch; got {type(x).__name__}"
         )
-    if size % n:
-        raise DispatchError(f"{method}: DP_SPLIT cannot cut {size} items into {n} equal replica chunks")
-    k = size // n
+    if size < n:
+        raise DispatchError(f"{method}: DP_SPLIT cannot give each of {n} replicas at least one of {size} items; "
+                            f"send at least {n} items (or use fewer data-parallel ranks)")
+    bounds = [chunk_bounds(size, n, k) for k in range(n)]
+    # Tensor chunks are copied: a slice is a view, and pickling a view (what Ray does) ships its whole storage,
+    # i.e. the full batch to every rank again.
     if _is_batch(x):
-        return [x.slice(i * k, (i + 1) * k) for i in range(n)]
-    return [x[i * k : (i + 1) * k] for i in range(n)]
+        return [type(x)({k: v[lo:hi].clone() for k, v in x.tensors.items()}, dict(x.meta)) for lo, hi in bounds]
+    if isinstance(x, torch.Tensor):
+        return [x[lo:hi].clone() for lo, hi in bounds]
+    return [x[lo:hi] for lo, hi in bounds]
 
 
 def concat_results(parts: list[Any]) -> Any:

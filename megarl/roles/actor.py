@@ -112,15 +112,16 @@ class Actor(Role):
 
     # ------------------------------------------------------------------------------------------- API
     @torch.no_grad()
-    def compute_log_probs(self, batch: Batch, with_entropy: bool = True) -> Optional[Batch]:
-        """Per-token log-probs (and entropy) of the response tokens; see the module docstring."""
+    def compute_log_probs(self, batch: Batch, with_entropy: bool = True, share: bool = False) -> Optional[Batch]:
+        """Per-token log-probs (and entropy) of the response tokens; see the module docstring. `share=True`: `batch`
+        is already this DP rank's share (the controller's DP_SPLIT) and the result covers it only (`Role._forward`)."""
         batch.require("input_ids", "attention_mask", "response_mask")
 
         def fn(logits, mb):
             logp, ent = self._token_log_probs(logits, mb, with_entropy)
             return {"log_probs": logp, "entropy": ent} if with_entropy else {"log_probs": logp}
 
-        return self._forward(batch, ["input_ids", "attention_mask", "response_mask"], fn)
+        return self._forward(batch, ["input_ids", "attention_mask", "response_mask"], fn, share=share)
 
     def update(self, batch: Batch) -> dict[str, float]:
         """One PPO (or SFT) update over `batch`; returns metrics (same on every rank)."""

@@ -1,10 +1,11 @@
 """What every Megatron role shares: the engine, the DP split of a batch, micro-batching, result collection.
 
 Data path of a role call (the same on every rank of the role, called collectively):
-  full batch (every rank gets the same `Batch`) -> this DP rank's contiguous share (`Batch.chunk_by_dp`) ->
+  the controller's DP_SPLIT gives each DP rank its contiguous share (`share=True`; or a caller hands every rank
+  the full batch and the role cuts `Batch.chunk_by_dp`) ->
   micro-batches (`micro_batch_samples` or a `micro_batch_tokens` budget, per DP rank, each trimmed to its longest
   sequence) -> megatron's pipeline schedule -> per-micro-batch results on the last pipeline stage -> original
-  sample order -> all-gathered over the DP group. Forward-only results are returned on every rank of the last
+  sample order -> (full-batch calls only) all-gathered over the DP group. Forward-only results are returned on every rank of the last
   pipeline stage (identical on its TP ranks) and None on the other stages; training metrics on every rank.
 """
 
@@ -131,14 +132,21 @@ class Role:
             share.lengths().tolist(), self.batching.micro_batch_samples, self.batching.micro_batch_tokens
         )
 
-    def _forward(self, batch: Batch, keys: list[str], fn: Callable) -> Optional[Batch]:
+    def _forward(self, batch: Batch, keys: list[str], fn: Callable, share: bool = False) -> Optional[Batch]:
         """Forward-only over this DP rank's share; `fn(output, mb) -> dict of [b, s] (or [b]) tensors`.
 
-        Returns the whole batch's results (original order, [B, S] padded to `batch.seq_len`) on last-stage ranks.
+        share=False: `batch` is the whole batch (every rank gets it); returns the whole batch's results (original
+        order, [B, S] padded to `batch.seq_len`, all-gathered over DP) on last-stage ranks. share=True: `batch` is
+        already this DP rank's share (the controller cut it, `Dispatch.DP_SPLIT`; sizes may differ by one between
+        DP ranks); returns the share's results only, no DP collective -- the controller concatenates the shares.
+        None on the other pipeline stages in both cases.
         """
-        share = batch.chunk_by_dp(self.dp_rank, self.dp).select(keys)
-        plan = self._plan(share)
-        mbs = [mb.to(compute_device()) for mb in make_micro_batches(share, plan)]
+        if share and len(batch) == 0:
+            raise ValueError(f"DP rank {self.dp_rank} received an empty share: send at least dp={self.dp} samples")
+        part = batch if share else batch.chunk_by_dp(self.dp_rank, self.dp)
+        share_batch = part.select(keys)
+        plan = self._plan(share_batch)
+        mbs = [mb.to(compute_device()) for mb in make_micro_batches(share_batch, plan)]
 
         def loss_fn(output, mb):
             results = fn(output, mb)
@@ -149,7 +157,7 @@ class Role:
         if not self.groups.is_last_stage:
             return None
         local = restore_order([Batch(o) for o in out], plan, seq_len=batch.seq_len)
-        return self._gather_dp(local)
+        return local if share else self._gather_dp(local)
 
     def _gather_dp(self, local: Batch) -> Batch:
         if self.dp == 1:

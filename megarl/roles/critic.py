@@ -71,10 +71,11 @@ class Critic(ScalarHeadRole):
         return shift_to_tokens(self._head_out(output)[:, :-1], mb["response_mask"])
 
     @torch.no_grad()
-    def compute_values(self, batch: Batch) -> Optional[Batch]:
+    def compute_values(self, batch: Batch, share: bool = False) -> Optional[Batch]:
+        """Values [B, S] float32, token-aligned; `share` as in `Role._forward`."""
         batch.require("input_ids", "attention_mask", "response_mask")
         return self._forward(batch, ["input_ids", "attention_mask", "response_mask"],
-                             lambda out, mb: {"values": self._values(out, mb)})
+                             lambda out, mb: {"values": self._values(out, mb)}, share=share)
 
     def update(self, batch: Batch) -> dict[str, float]:
         keys = ["input_ids", "attention_mask", "response_mask", "old_values", "returns"]
@@ -113,11 +114,12 @@ class RewardModel(ScalarHeadRole):
         super().__init__(*args, **kwargs)
 
     @torch.no_grad()
-    def score(self, batch: Batch) -> Optional[Batch]:
+    def score(self, batch: Batch, share: bool = False) -> Optional[Batch]:
+        """Scores [B] float32 at each sequence's last real token; `share` as in `Role._forward`."""
         batch.require("input_ids", "attention_mask")
 
         def fn(output, mb):
             last = mb["attention_mask"].long().sum(-1).clamp(min=1) - 1
             return {"scores": self._head_out(output).gather(1, last.unsqueeze(1)).squeeze(1)}
 
-        return self._forward(batch, ["input_ids", "attention_mask"], fn)
+        return self._forward(batch, ["input_ids", "attention_mask"], fn, share=share)

@@ -9,7 +9,7 @@ One instance per rank of the actor's pool, all in one torch.distributed world. I
   - the reshard plan (actor layout -> rollout TP), built once.
 Every method is SPMD: the controller calls it on every rank (`megarl.controller` dispatch), because the roles'
 collectives need all ranks. Data path of one RL step (controller view):
-  prompts -> `generate` (each replica its chunk) -> rewards (controller) -> Batch -> `compute_log_probs`
+  prompts -> `generate` (DP_SPLIT: each replica receives its chunk) -> rewards (controller) -> Batch -> `compute_log_probs`
   (+ `compute_ref_log_probs`, `compute_values`) -> advantages (controller) -> `update_critic`, `update_actor`
   -> `sync_weights` (reshard into vLLM for the next rollout).
 """
@@ -32,7 +32,6 @@ from megarl.reshard.vllm_sink import VllmShardSink
 from megarl.roles.factory import build_role
 from megarl.rollout.engine import SamplingSettings
 from megarl.trainer.offload_policy import OffloadPolicy
-from megarl.trainer.samples import chunk_bounds
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -96,21 +95,26 @@ class HybridWorker:
         moved = self.offload["actor"].after_use()  # the actor's last use in a step: free memory for the rollout
         return {**report.as_metrics(), "offload/actor_bytes": float(moved)}
 
-    @dispatch(Dispatch.ONE_TO_ALL)
+    def rollout_replica(self) -> tuple[int, int]:
+        """(this rank's rollout replica, number of replicas): replica = rank // rollout.tp (DP_SPLIT of `generate`)."""
+        return self.engine.replica_index, self.engine.replicas
+
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="rollout_replica")
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Optional[dict]:
-        """Sample responses for this replica's contiguous chunk of `prompts` (token ids, the whole step's list).
+        """Sample responses for `prompts` (token ids): this replica's contiguous chunk of the step's prompts, cut by
+        the controller (`megarl.controller.dispatch.chunk_bounds`); every TP rank of the replica receives the same
+        chunk and only it.
 
         Returns, on the first rank of each replica (None on the others): {"samples": [RolloutSample with
-        prompt_index global], "dropped": [global prompt indices], "truncated": [...]}. GPU: the engine is woken
-        for the rollout and put back to sleep after it, freeing memory for training.
+        prompt_index local to the chunk], "dropped": [local prompt indices], "truncated": [...]}; the controller
+        adds the chunk's offset. GPU: the engine is woken for the rollout and put back to sleep after it, freeing
+        memory for training.
         """
-        replicas, k = self.engine.replicas, self.engine.replica_index
-        lo, hi = chunk_bounds(len(prompts), replicas, k)
         if "weights" not in self._awake and self.engine.sleep_discards_weights:
             self._reshard()  # a rollout without a sync since the last one (validation): the weights were dropped
         self._wake(("weights", "kv_cache"))
         try:
-            out = self.engine.generate(prompts[lo:hi], sampling)
+            out = self.engine.generate(prompts, sampling)
         finally:
             # GPU: level 2 drops weights and KV cache without copying the weights to host: the next sync_weights
             # overwrites every weight anyway (a full reshard; level 1 would copy the model to host and back).
@@ -119,9 +123,9 @@ class HybridWorker:
         if self.engine.tp_rank != 0:
             return None
         return {
-            "samples": [dataclasses.replace(s, prompt_index=lo + s.prompt_index) for s in out],
-            "dropped": [lo + i for i in out.dropped_prompt_indices],
-            "truncated": [lo + i for i in out.truncated_prompt_indices],
+            "samples": list(out),
+            "dropped": list(out.dropped_prompt_indices),
+            "truncated": list(out.truncated_prompt_indices),
         }
 
     def _use(self, role: str, fn):
@@ -139,31 +143,54 @@ class HybridWorker:
             self._awake.update(asleep)
 
     # ------------------------------------------------------------------------------------------- Megatron roles
-    @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
-    def compute_log_probs(self, batch: Batch) -> Optional[Batch]:
-        """Actor log-probs (and entropy) of the batch's tokens, token-aligned [B, S]; None off the last stage."""
-        self.offload["actor"].before_use()
-        return self.actor.compute_log_probs(batch)
+    def _dp_coord(self, role: str) -> tuple[int, int]:
+        r = getattr(self, role)
+        if r is None:
+            raise RuntimeError(f"no {role} role on this pool")
+        return r.dp_rank, r.dp
 
-    @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
+    def actor_dp(self) -> tuple[int, int]:
+        """(this rank's actor DP rank, actor DP size): the replicas of the actor's DP_SPLIT calls."""
+        return self._dp_coord("actor")
+
+    def reference_dp(self) -> tuple[int, int]:
+        return self._dp_coord("reference")
+
+    def critic_dp(self) -> tuple[int, int]:
+        return self._dp_coord("critic")
+
+    def reward_model_dp(self) -> tuple[int, int]:
+        return self._dp_coord("reward_model")
+
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="actor_dp")
+    def compute_log_probs(self, batch: Batch) -> Optional[Batch]:
+        """`batch`: this actor DP rank's share (cut by the controller; the same on its TP ranks and pipeline stages)
+        -> actor log-probs (and entropy) of its tokens, token-aligned [b, S]; None off the last stage. The controller
+        concatenates the shares in order."""
+        self.offload["actor"].before_use()
+        return self.actor.compute_log_probs(batch, share=True)
+
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="reference_dp")
     def compute_ref_log_probs(self, batch: Batch) -> Optional[Batch]:
+        """As `compute_log_probs`, with the reference's DP split; log_probs only."""
         if self.reference is None:
             raise RuntimeError("reference.enabled is false: no reference role to compute log-probs with")
-        return self._use("reference", lambda: self.reference.compute_log_probs(batch, with_entropy=False))
+        return self._use("reference", lambda: self.reference.compute_log_probs(batch, with_entropy=False, share=True))
 
-    @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="critic_dp")
     def compute_values(self, batch: Batch) -> Optional[Batch]:
+        """This critic DP rank's share -> values [b, S] float32 (last stage; None elsewhere)."""
         if self.critic is None:
             raise RuntimeError("critic.enabled is false: no critic to compute values with")
         self.offload["critic"].before_use()
-        return self.critic.compute_values(batch)
+        return self.critic.compute_values(batch, share=True)
 
-    @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="reward_model_dp")
     def score(self, batch: Batch) -> Optional[Batch]:
-        """Reward-model scores [B] (when the reward model is colocated with the actor)."""
+        """This reward-model DP rank's share -> scores [b] (when the reward model is colocated with the actor)."""
         if self.reward_model is None:
             raise RuntimeError("no reward model in the actor's pool")
-        return self._use("reward_model", lambda: self.reward_model.score(batch))
+        return self._use("reward_model", lambda: self.reward_model.score(batch, share=True))
 
     @dispatch(Dispatch.RANK_ZERO)
     def update_actor(self, batch: Batch) -> dict[str, float]:

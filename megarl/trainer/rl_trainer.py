@@ -27,7 +27,7 @@ from megarl.config.schema import JobConfig
 from megarl.data.batch import Batch
 from megarl.rollout.engine import SamplingSettings
 from megarl.trainer import checkpointing
-from megarl.trainer.samples import samples_to_batch
+from megarl.trainer.samples import chunk_bounds, samples_to_batch
 
 logger = logging.getLogger("megarl.trainer")
 
@@ -212,13 +212,12 @@ class RLTrainer:
 
     # --------------------------------------------------------------------------------------------- pieces
     def _generate(self, prompts: list[list[int]], sampling: SamplingSettings):
-        per_rank = self.workers.generate(prompts, sampling)
+        per_replica = self.workers.generate(prompts, sampling)  # DP_SPLIT: one result per rollout replica, in order
         samples, dropped = [], []
-        for out in per_rank:
-            if out is None:
-                continue  # not the first rank of its replica
-            samples.extend(out["samples"])
-            dropped.extend(out["dropped"])
+        for k, out in enumerate(per_replica):
+            lo, _ = chunk_bounds(len(prompts), len(per_replica), k)  # replica k generated prompts [lo, hi)
+            samples.extend(dataclasses.replace(s, prompt_index=lo + s.prompt_index) for s in out["samples"])
+            dropped.extend(lo + i for i in out["dropped"])
         if dropped:
             logger.warning("%d prompt(s) longer than rollout.max_prompt_tokens=%d were dropped this step "
                            "(rollout.overlong_prompt=%s)", len(dropped), self.cfg.rollout.max_prompt_tokens,

@@ -37,11 +37,16 @@ class RoleWorker:
         self.offload.before_use()
         return self.role
 
-    @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
+    def role_dp(self) -> tuple[int, int]:
+        """(this rank's DP rank, DP size) of the hosted role: the replicas of its DP_SPLIT calls."""
+        return self.role.dp_rank, self.role.dp
+
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="role_dp")
     def compute_values(self, batch: Batch) -> Optional[Batch]:
-        """`batch`: the step's samples (input_ids, attention_mask, response_mask [B, S]) -> values [B, S] float32
-        (token-aligned, 0 outside the response), returned from the first last-stage rank."""
-        return self._need("critic").compute_values(batch)
+        """`batch`: this DP rank's share of the step's samples (input_ids, attention_mask, response_mask [b, S]),
+        cut by the controller -> values [b, S] float32 (token-aligned, 0 outside the response) on the last stage;
+        the controller concatenates the shares."""
+        return self._need("critic").compute_values(batch, share=True)
 
     @dispatch(Dispatch.RANK_ZERO)
     def update_critic(self, batch: Batch) -> dict[str, float]:
@@ -51,19 +56,19 @@ class RoleWorker:
         self.offload.after_use()
         return out
 
-    @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="role_dp")
     def compute_ref_log_probs(self, batch: Batch) -> Optional[Batch]:
-        """`batch`: input_ids, attention_mask, response_mask [B, S] -> the reference's log_probs [B, S] float32 of
-        each response token (0 elsewhere), returned from the first last-stage rank."""
-        out = self._need("reference").compute_log_probs(batch, with_entropy=False)
+        """`batch`: this DP rank's share, input_ids, attention_mask, response_mask [b, S] -> the reference's
+        log_probs [b, S] float32 of each response token (0 elsewhere) on the last stage; shares concatenated."""
+        out = self._need("reference").compute_log_probs(batch, with_entropy=False, share=True)
         self.offload.after_use()
         return out
 
-    @dispatch(Dispatch.LAST_STAGE_FIRST_RESULT)
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="role_dp")
     def score(self, batch: Batch) -> Optional[Batch]:
-        """`batch`: input_ids, attention_mask [B, S] -> reward-model scores [B] float32 read at each sequence's last
-        real token, returned from the first last-stage rank."""
-        out = self._need("reward_model").score(batch)
+        """`batch`: this DP rank's share, input_ids, attention_mask [b, S] -> reward-model scores [b] float32 read at
+        each sequence's last real token, on the last stage; shares concatenated by the controller."""
+        out = self._need("reward_model").score(batch, share=True)
         self.offload.after_use()
         return out
 

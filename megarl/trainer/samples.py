@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from megarl.controller.dispatch import chunk_bounds  # noqa: F401  (how a step's prompts are shared among replicas)
 from megarl.data.batch import Batch
 from megarl.rollout.engine import RolloutSample
 
@@ -41,15 +42,3 @@ def samples_to_batch(samples: Sequence[RolloutSample], pad_id: int = 0) -> Batch
         "input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask,
         "rollout_log_probs": rollout_log_probs, "group_ids": group_ids,
     })
-
-
-def chunk_bounds(n: int, parts: int, k: int) -> tuple[int, int]:
-    """[lo, hi) of chunk k when n items are split into `parts` contiguous chunks (sizes differ by at most one).
-
-    How a step's prompts are shared among the rollout replicas: replica k generates prompts [lo, hi).
-    """
-    if not 0 <= k < parts:
-        raise ValueError(f"chunk {k} is outside 0..{parts - 1}")
-    base, extra = divmod(n, parts)
-    lo = k * base + min(k, extra)
-    return lo, lo + base + (1 if k < extra else 0)

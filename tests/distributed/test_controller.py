@@ -193,8 +193,10 @@ def test_dp_split_group_size_1_and_2(group):
     assert group.tag_items_reversed([10, 11, 12, 13]) == [(1, 10), (1, 11), (0, 12), (0, 13)]
     out = group.double(torch.arange(4.0))
     assert torch.equal(out, torch.tensor([0.0, 2.0, 5.0, 7.0]))
-    with pytest.raises(DispatchError, match=r"tag_items: DP_SPLIT cannot cut 3 items into 2 equal replica chunks"):
-        group.tag_items([1, 2, 3])
+    # uneven chunks: rank 0 gets [1, 2], rank 1 gets [3] (the first chunks one larger), order kept
+    assert group.tag_items([1, 2, 3]) == [(0, 1), (0, 2), (1, 3)]
+    with pytest.raises(DispatchError, match=r"tag_items: DP_SPLIT cannot give each of 2 replicas at least one of 1"):
+        group.tag_items([1])
 
 
 def test_undecorated_methods_are_not_exposed(group):
