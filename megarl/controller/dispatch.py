@@ -16,9 +16,10 @@ Modes (`Dispatch`):
                            is cut into n_replicas contiguous chunks (sizes differ by at most one, the first ones
                            larger: `chunk_bounds`); every rank of replica k (its TP ranks and pipeline stages) gets
                            chunk k and only it, the other arguments go to every rank unchanged. Per replica the
-                           first non-None result (rank order: the replica's first last-stage rank) is kept; the replicas' results are concatenated in replica order (lists/tuples ->
-                           list, tensors -> torch.cat on dim 0, Batch -> Batch.concat); results of other types come
-                           back as a list with one entry per replica.
+                           first non-None result (rank order: the replica's first last-stage rank) is kept; the
+                           replicas' results are concatenated in replica order (lists/tuples -> list, tensors ->
+                           torch.cat on dim 0, Batch -> Batch.concat); results of other types come back as a list
+                           with one entry per replica.
 
 Replicas for DP_SPLIT: replica of rank r = r // group_size, where group_size (the ranks of one model replica,
 tp*cp for pp=1) is taken from, in order: `dispatch(..., group_size=N)`; the worker attribute (or zero-argument

@@ -9,14 +9,13 @@ One instance per rank of the actor's pool, all in one torch.distributed world. I
   - the reshard plan (actor layout -> rollout TP), built once.
 Every method is SPMD: the controller calls it on every rank (`megarl.controller` dispatch), because the roles'
 collectives need all ranks. Data path of one RL step (controller view):
-  prompts -> `generate` (DP_SPLIT: each replica receives its chunk) -> rewards (controller) -> Batch -> `compute_log_probs`
+  prompts -> `generate` (DP_SPLIT: a replica receives its chunk) -> rewards (controller) -> Batch -> `compute_log_probs`
   (+ `compute_ref_log_probs`, `compute_values`) -> advantages (controller) -> `update_critic`, `update_actor`
   -> `sync_weights` (reshard into vLLM for the next rollout).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Optional
 

@@ -60,13 +60,17 @@ def _hf_weights(role) -> dict:
 
 
 def _actor_run(role, batch):
+    from megarl.controller.dispatch import split_contiguous
+
     before = role.compute_log_probs(batch)
+    # the controller's DP_SPLIT path: this DP rank gets only its (uneven for dp=2: 2 + 1 samples) share of 3 samples
+    share = role.compute_log_probs(split_contiguous(batch.slice(0, 3), role.dp)[role.dp_rank], share=True)
     adv = torch.tensor(ADVANTAGE).unsqueeze(1) * batch["response_mask"]
     old = before["log_probs"] if before is not None else torch.zeros(B, S)
     metrics = role.update(batch.update({"old_log_probs": old, "advantages": adv}))
     after = role.compute_log_probs(batch)
     return {"before": _np(before), "after": _np(after), "metrics": metrics, "weights": _hf_weights(role),
-            "last_stage": role.groups.is_last_stage}
+            "last_stage": role.groups.is_last_stage, "share": _np(share), "dp_rank": role.dp_rank}
 
 
 def _worker(rank: int, world: int, hf_dir: str, hf_rm_dir: str, ckpt_dir: str):
@@ -227,6 +231,18 @@ def test_log_probs_match_transformers(runs, layout):
         want = -(lp.exp() * lp).sum(-1)
         want = torch.nn.functional.pad(want[:, :-1], (1, 0)) * batch["response_mask"]
         torch.testing.assert_close(ent, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dp_shares_concatenated_in_order_match_transformers(runs, layout):
+    # each DP rank computed only its share of the first 3 samples (share=True, no DP all-gather); the shares in
+    # DP-rank order are transformers' log-probs of those samples
+    ref = _hf_token_log_probs(runs)[:3]
+    by_dp = {r["dp_rank"]: torch.from_numpy(r["share"]["log_probs"]) for r in _last_stage(runs, layout)}
+    parts = [by_dp[k] for k in sorted(by_dp)]
+    if layout == "dp2":
+        assert [len(p) for p in parts] == [2, 1]
+    torch.testing.assert_close(torch.cat(parts), ref, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[1:])

@@ -62,7 +62,8 @@ def test_a_rank_receives_only_its_share_on_the_wire():
     # pickling a tensor view ships its whole storage: the chunks must be compact copies, 1/4 of the bytes here
     import pickle
 
-    b = Batch({"input_ids": torch.zeros(64, 256, dtype=torch.long), "attention_mask": torch.ones(64, 256, dtype=torch.long)})
+    ids = torch.zeros(64, 256, dtype=torch.long)
+    b = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     full = len(pickle.dumps(b))
     chunks = split_contiguous(b, 4)
     assert all(len(pickle.dumps(c)) < full / 4 + 4096 for c in chunks), (full, [len(pickle.dumps(c)) for c in chunks])
