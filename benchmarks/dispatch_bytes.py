@@ -1,0 +1,153 @@
+"""Bytes each rank deserialises per RL step from the controller's calls: the old full broadcast (ONE_TO_ALL /
+LAST_STAGE_FIRST_RESULT: every rank receives the whole prompt list and the whole batch) against the DP split
+(DP_SPLIT: a rank receives only its replica's chunk). Pure: no Ray, no processes.
+
+    python benchmarks/dispatch_bytes.py [--json FILE]
+
+What each rank would receive is computed by the controller's own `plan_calls` (the same function `WorkerGroup` uses)
+for both specs and measured as `len(pickle.dumps(call))` -- what Ray serialises per distinct argument set (tensors
+travel as pickle-5 buffers of the same size). Layouts (rank order as megatron's tp-cp-ep-dp-pp, as
+`megarl.parallel.topology`): actor/reference replica of rank r = (r // tp) % dp; rollout replica = r // rollout_tp.
+Calls of one GRPO step as `RLTrainer.step` makes them: generate(prompts, sampling), compute_log_probs(batch),
+compute_ref_log_probs(batch + scores + old_log_probs). update_actor stays RANK_ZERO (full batch to every rank: its
+mini-batches are global, so it is not split) and is reported unchanged. Also reported: the result bytes the old path
+all-gathered over DP on every last-stage rank (gone with the split) and the in-engine TP broadcast of the prompts
+inside a vLLM replica (`rollout/vllm_adapter.py`, unchanged by this change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pickle
+import platform
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megarl.controller.dispatch import (  # noqa: E402
+    DP_SPLIT,
+    LAST_STAGE_FIRST_RESULT,
+    ONE_TO_ALL,
+    RANK_ZERO,
+    DispatchSpec,
+    plan_calls,
+)
+from megarl.data.batch import Batch  # noqa: E402
+from megarl.rollout.engine import SamplingSettings  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    name: str
+    tp: int
+    pp: int
+    dp: int
+    rollout_tp: int
+    prompts: int
+    samples_per_prompt: int
+    prompt_tokens: int
+    seq_len: int
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+LAYOUTS = [
+    Layout("64-rank simulated: actor/ref TP8 PP2 DP4, rollout TP8; 256 prompts x 8 samples x 1024 tokens",
+           tp=8, pp=2, dp=4, rollout_tp=8, prompts=256, samples_per_prompt=8, prompt_tokens=256, seq_len=1024),
+    Layout("2-rank quickstart (yaml_configs/cpu_quickstart.yaml): actor/ref TP2 DP1, rollout TP2; 8 prompts x 4 "
+           "samples, prompts <= 64 tokens, sequences <= 64 + 32 tokens (its shape limits)",
+           tp=2, pp=1, dp=1, rollout_tp=2, prompts=8, samples_per_prompt=4, prompt_tokens=64, seq_len=96),
+]
+
+
+def step_inputs(lay: Layout):
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 500, (lay.prompts, lay.prompt_tokens), generator=g).tolist()
+    B, S = lay.prompts * lay.samples_per_prompt, lay.seq_len
+    batch = Batch({  # the tensors samples_to_batch makes (int64 ids/masks, fp32 log-probs)
+        "input_ids": torch.randint(3, 500, (B, S), generator=g), "attention_mask": torch.ones(B, S, dtype=torch.long),
+        "response_mask": torch.ones(B, S, dtype=torch.long), "rollout_log_probs": torch.rand(B, S, generator=g),
+        "group_ids": torch.arange(B) // lay.samples_per_prompt,
+    })
+    ref_batch = Batch({**batch.tensors, "scores": torch.rand(B, generator=g), "old_log_probs": torch.rand(B, S)})
+    return prompts, SamplingSettings(samples_per_prompt=lay.samples_per_prompt), batch, ref_batch
+
+
+def per_rank_bytes(spec: DispatchSpec, args: tuple, world: int, replica_of) -> list[int]:
+    calls = plan_calls(spec, args, {}, world, replica_of if spec.mode is DP_SPLIT else None)
+    sizes: dict[int, int] = {}
+    return [sizes.setdefault(id(c), len(pickle.dumps(c, protocol=5))) for c in calls]
+
+
+def measure(lay: Layout) -> dict:
+    prompts, sampling, batch, ref_batch = step_inputs(lay)
+    ranks = range(lay.world)
+    role_replica = [(r // lay.tp) % lay.dp for r in ranks]
+    rollout_replica = [r // lay.rollout_tp for r in ranks]
+    calls = [  # (method, old spec, args, replicas)
+        ("generate", ONE_TO_ALL, (prompts, sampling), rollout_replica),
+        ("compute_log_probs", LAST_STAGE_FIRST_RESULT, (batch,), role_replica),
+        ("compute_ref_log_probs", LAST_STAGE_FIRST_RESULT, (ref_batch,), role_replica),
+    ]
+    rows, before, after = [], [0] * lay.world, [0] * lay.world
+    for name, old_mode, args, replica_of in calls:
+        b = per_rank_bytes(DispatchSpec(old_mode), args, lay.world, replica_of)
+        a = per_rank_bytes(DispatchSpec(DP_SPLIT), args, lay.world, replica_of)
+        before = [x + y for x, y in zip(before, b)]
+        after = [x + y for x, y in zip(after, a)]
+        rows.append({"call": name, "before_max_rank_bytes": max(b), "after_max_rank_bytes": max(a),
+                     "before_total_bytes": sum(b), "after_total_bytes": sum(a)})
+    upd = per_rank_bytes(DispatchSpec(RANK_ZERO), (ref_batch,), lay.world, None)
+    B, S = len(batch), lay.seq_len
+    # old: every last-stage rank all-gathered the other DP ranks' results: log_probs + entropy, then log_probs (fp32)
+    gathered = (lay.dp - 1) * (B // lay.dp) * S * 4 * (2 + 1) if lay.dp > 1 else 0
+    chunk = prompts[: -(-lay.prompts // (lay.world // lay.rollout_tp))]
+    tp_bcast = len(pickle.dumps([chunk, sampling])) if lay.rollout_tp > 1 else 0
+    return {
+        "layout": lay.name, "world_size": lay.world, "samples": B, "seq_len": S, "calls": rows,
+        "step_before_max_rank_bytes": max(before), "step_after_max_rank_bytes": max(after),
+        "step_before_total_bytes": sum(before), "step_after_total_bytes": sum(after),
+        "update_actor_per_rank_bytes_unchanged": upd[0],
+        "old_dp_allgather_bytes_per_last_stage_rank": gathered,
+        "in_engine_tp_broadcast_bytes_per_non_first_tp_rank_unchanged": tp_bcast,
+    }
+
+
+def mib(x: int) -> str:
+    return f"{x / 2**20:.3f} MiB"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    out = {"machine": {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(),
+                       "python": platform.python_version(), "torch": torch.__version__},
+           "results": [measure(lay) for lay in LAYOUTS]}
+    for r in out["results"]:
+        print(r["layout"])
+        for c in r["calls"]:
+            print(f"  {c['call']:24s} per rank (max) {mib(c['before_max_rank_bytes'])} -> "
+                  f"{mib(c['after_max_rank_bytes'])}   all ranks {mib(c['before_total_bytes'])} -> "
+                  f"{mib(c['after_total_bytes'])}")
+        print(f"  step (3 calls)           per rank (max) {mib(r['step_before_max_rank_bytes'])} -> "
+              f"{mib(r['step_after_max_rank_bytes'])}   all ranks {mib(r['step_before_total_bytes'])} -> "
+              f"{mib(r['step_after_total_bytes'])}")
+        print(f"  unchanged: update_actor {mib(r['update_actor_per_rank_bytes_unchanged'])} per rank; in-engine TP "
+              f"broadcast {mib(r['in_engine_tp_broadcast_bytes_per_non_first_tp_rank_unchanged'])} per non-first TP "
+              f"rank; removed: DP all-gather {mib(r['old_dp_allgather_bytes_per_last_stage_rank'])} per last-stage "
+              "rank")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
