@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from megarl.config import ConfigError
+from megarl.config.loader import load_config
 from tests.unit.test_config import base, error, load
 
 CASES = [
@@ -37,3 +39,91 @@ def test_no_pools(tmp_path):
     data = base()
     data["resources"]["pools"] = {}
     assert error(tmp_path, data) == "resources.pools: at least one pool is needed"
+
+
+# ------------------------------------------------- loader, arch and trainer set-up errors that had no message test
+# Expected strings written by hand from each refusal (what is wrong, the offending value, what to do).
+
+
+def test_empty_config_file(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}: the config file is empty"
+
+
+def test_top_level_not_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- actor\n- rollout\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}: the top level must be a mapping of sections, got list"
+
+
+def test_override_into_a_scalar(tmp_path):
+    assert (error(tmp_path, base(), ["model.arch.num_layers.x=3"])
+            == "cannot set 'model.arch.num_layers.x': 'model.arch.num_layers' is 2, not a section")
+
+
+def test_section_given_a_scalar(tmp_path):
+    data = base()
+    data["actor"]["parallel"] = 3
+    assert error(tmp_path, data) == "actor.parallel: expected a mapping (section), got 3"
+
+
+def test_tuple_of_the_wrong_length(tmp_path):
+    assert (error(tmp_path, base(), ["actor.optimizer.betas=[0.9]"])
+            == "actor.optimizer.betas: expected list of 2 (float, float), got 1 values [0.9]")
+
+
+def test_mapping_key_of_the_wrong_type(tmp_path):
+    data = base()
+    data["resources"]["pools"] = {1: {"nodes": 1, "devices_per_node": 4}}  # YAML int key, pool names are str
+    assert error(tmp_path, data) == "resources.pools.1: expected a str key, got 1"
+
+
+def test_model_path_config_json_not_an_object(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("[1, 2]")
+    data = base()
+    del data["model"]["arch"]
+    data["model"]["path"] = str(model)
+    assert error(tmp_path, data) == f"model.path: {model / 'config.json'} must hold a JSON object"
+
+
+def _refusal(tmp_path, check, overrides, data=None) -> str:
+    cfg = load(tmp_path, data or base(), overrides)  # a valid config: the refusal is the set-up's, not validate's
+    with pytest.raises(ConfigError) as e:
+        check(cfg)
+    return str(e.value)
+
+
+def test_trainer_refuses_kl_in_the_reward_with_sequence_score_advantages(tmp_path):
+    from megarl.trainer import check_supported
+
+    msg = _refusal(tmp_path, check_supported,
+                   ["reference.enabled=true", "algorithm.kl.coef=0.01", "algorithm.kl.placement=reward"])
+    assert msg == ("algorithm.kl.placement: 'grpo' advantages use sequence scores and ignore token rewards, so a KL "
+                   "penalty in the reward would be dropped; use placement=loss")
+
+
+def test_trainer_refuses_two_side_roles_on_one_separate_pool(tmp_path):
+    from megarl.trainer import check_supported
+
+    data = base()
+    data["resources"]["pools"]["side"] = {"nodes": 1, "devices_per_node": 1}
+    msg = _refusal(tmp_path, check_supported, ["algorithm.name=ppo", "reference.enabled=true", "reference.pool=side",
+                                               "critic.enabled=true", "critic.pool=side"], data)
+    assert msg == ("critic.pool: pool 'side' already hosts the reference; a pool away from the actor hosts one role "
+                   "(give each its own pool, or colocate with the actor)")
+
+
+def test_rollout_engine_needs_a_tokenizer(tmp_path):
+    from megarl.trainer.engine_model_dir import engine_model_dir
+
+    with pytest.raises(ValueError) as e:
+        engine_model_dir(load(tmp_path, base()), str(tmp_path))
+    assert str(e.value) == ("model.tokenizer: the rollout engine needs a tokenizer; set model.tokenizer to a HF "
+                            "tokenizer directory (model.path has none: an inline model.arch is used)")
