@@ -2,8 +2,9 @@
 
 A local Ray cluster, two worker processes each holding a Megatron actor (TP=2) and reference, and a vLLM engine
 (TP=2) fed by the reshard; GRPO on the synthetic task of `megarl/data/quickstart.py`. The reward curve is compared
-with the golden curve in `golden/cpu_quickstart.json` (recorded on this project's 2-core CPU machines): the run is
-seeded end to end, so it should match closely; the tolerance absorbs floating-point differences between CPUs.
+with the golden curve in `golden/cpu_quickstart.json` (recorded on this project's 2-core CPU machines; regenerate it
+with `python -m tests.e2e.regenerate_golden`) within `GOLDEN_TOLERANCE`. Tests that need identical numbers (resume,
+offload) compare with the `quickstart_run` made in the same session instead of the file.
 """
 
 from __future__ import annotations
@@ -17,6 +18,19 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "cpu_quickstart.json")
+
+# Largest allowed |reward/mean - golden| at any step. Measured spread, 3 runs of the golden test in different orders
+# on the 2-core CPU machine (max over the 20 steps, each run):
+#   pytest tests/e2e/test_quickstart.py::test_reward_curve_matches_golden                   4.87e-7 (step 13)
+#   pytest -p no:randomly tests/e2e/test_rollout_correction.py <that test>                   4.87e-7 (step 13)
+#   pytest -p no:randomly tests/distributed/test_reshard_delta.py <that test>                4.87e-7 (step 13)
+# i.e. the runs are bit-identical (reward, loss and grad norm of all 20 steps equal between the three) and the
+# spread is the file's rounding to 6 decimals (<= 5e-7). 1e-5 is 20x that and below the smallest change one
+# response can make to a step's mean reward: token_fraction is k/n with n <= 32 words (max_new_tokens), distinct
+# such fractions differ by >= 1/(32*31), over 32 samples a step: >= 3.1e-5. So any change in what is sampled fails
+# here. A CPU with other kernels (vector width, oneDNN paths) can sample differently from the first step: there,
+# regenerate the file (tests/e2e/regenerate_golden.py) rather than widen this.
+GOLDEN_TOLERANCE = 1e-5
 
 # Variables that earlier tests (or the caller's shell) may have set and that change what a training run does:
 # thread counts, vLLM switches, torch.distributed rendezvous, CUDA visibility. None of them reaches a run.
@@ -61,7 +75,7 @@ def test_reward_curve_matches_golden(quickstart_run):
     golden = json.load(open(GOLDEN))["reward_mean"]
     got = [r["reward/mean"] for r in rows]
     worst = max(abs(a - b) for a, b in zip(got, golden))
-    assert worst <= 0.1, f"reward curve drifted from golden by {worst:.3f}:\n got    {got}\n golden {golden}"
+    assert worst <= GOLDEN_TOLERANCE, f"reward curve drifted from golden by {worst:.2e}:\n got {got}\n golden {golden}"
 
 
 def test_the_policy_learns(quickstart_run):
@@ -102,10 +116,12 @@ def _train(tmp_path, *overrides):
     return proc
 
 
-def test_checkpoint_save_prune_and_resume(tmp_path):
+def test_checkpoint_save_prune_and_resume(tmp_path, quickstart_run):
     """Two steps with a checkpoint after each (keep_last=1), then a run to step 3 that resumes from step 2: its
     step-3 rollout (made with the restored weights, on the restored data position and seed) reproduces the
-    uninterrupted run's step-3 reward."""
+    uninterrupted run's step-3 reward exactly. The uninterrupted run is the module's `quickstart_run`, made on this
+    machine in this session (constant LR and validation only at steps 10 and 20, so its first 3 steps are those of
+    a 3-step run), not the golden file, which may come from another CPU."""
     ckpt = tmp_path / "ckpt"
     _train(tmp_path, "trainer.total_steps=2", f"checkpoint.dir={ckpt}", "checkpoint.save_every=1",
            "checkpoint.keep_last=1")
@@ -118,8 +134,8 @@ def test_checkpoint_save_prune_and_resume(tmp_path):
     assert "resumed from" in proc.stderr + proc.stdout
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]  # steps 1-2 from the first run, 3 from the resumed one
-    golden = json.load(open(GOLDEN))["reward_mean"]
-    assert abs(rows[2]["reward/mean"] - golden[2]) < 1e-3, (rows[2]["reward/mean"], golden[2])
+    uninterrupted = [r["reward/mean"] for r in quickstart_run[0][:3]]
+    assert [r["reward/mean"] for r in rows] == uninterrupted, ([r["reward/mean"] for r in rows], uninterrupted)
     assert sorted(os.listdir(ckpt)) == ["step_000003"]
 
 
@@ -155,15 +171,16 @@ def test_heterogeneous_placement_critic_on_its_own_pool_and_a_reward_model(tmp_p
         assert "reward/rule_mean" in r and r["reward/mean"] != r["reward/rule_mean"]
 
 
-def test_offload_between_phases_changes_nothing(tmp_path):
+def test_offload_between_phases_changes_nothing(tmp_path, quickstart_run):
     """actor (params, grads, optimizer) and reference (params) offloaded to host memory between phases: on CPU
-    that is bookkeeping only, so the run must reproduce the golden curve exactly -- every piece of state that left
-    came back."""
+    that is bookkeeping only, so the run must reproduce the module's `quickstart_run` (same machine, same session,
+    no offload) exactly -- every piece of state that left came back."""
     _train(tmp_path, "trainer.total_steps=3", "actor.offload.params=true", "actor.offload.grads=true",
            "actor.offload.optimizer=true", "reference.offload.params=true")
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    golden = json.load(open(GOLDEN))["reward_mean"][:3]
-    assert [round(r["reward/mean"], 6) for r in rows] == golden
+    plain = quickstart_run[0][:3]
+    for key in ("reward/mean", "actor/loss", "actor/grad_norm"):
+        assert [r[key] for r in rows] == [r[key] for r in plain], key
     assert all(r["offload/actor_bytes"] > 0 for r in rows)  # the actor's state really left the device each step
 
 
