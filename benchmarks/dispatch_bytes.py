@@ -10,9 +10,10 @@ travel as pickle-5 buffers of the same size). Layouts (rank order as megatron's 
 `megarl.parallel.topology`): actor/reference replica of rank r = (r // tp) % dp; rollout replica = r // rollout_tp.
 Calls of one GRPO step as `RLTrainer.step` makes them: generate(prompts, sampling), compute_log_probs(batch),
 compute_ref_log_probs(batch + scores + old_log_probs). update_actor stays RANK_ZERO (full batch to every rank: its
-mini-batches are global, so it is not split) and is reported unchanged. Also reported: the result bytes the old path
-all-gathered over DP on every last-stage rank (gone with the split) and the in-engine TP broadcast of the prompts
-inside a vLLM replica (`rollout/vllm_adapter.py`, unchanged by this change).
+mini-batches are global, so it is not split) and is reported unchanged. Before, `generate` also broadcast the
+replica's prompts again inside its TP group (`rollout/vllm_adapter.py`: the non-first TP ranks deserialised the
+chunk a second time); that is counted in generate's "before" and replaced by an 8-byte digest all-gather (a tensor,
+nothing deserialised). Also reported: the result bytes the old path all-gathered over DP on every last-stage rank.
 """
 
 from __future__ import annotations
@@ -97,8 +98,12 @@ def measure(lay: Layout) -> dict:
         ("compute_ref_log_probs", LAST_STAGE_FIRST_RESULT, (ref_batch,), role_replica),
     ]
     rows, before, after = [], [0] * lay.world, [0] * lay.world
+    chunk = prompts[: -(-lay.prompts // (lay.world // lay.rollout_tp))]
+    tp_bcast = len(pickle.dumps([chunk, sampling])) if lay.rollout_tp > 1 else 0
     for name, old_mode, args, replica_of in calls:
         b = per_rank_bytes(DispatchSpec(old_mode), args, lay.world, replica_of)
+        if name == "generate":  # the old second broadcast inside the TP replica, received by its non-first ranks
+            b = [x + (tp_bcast if r % lay.rollout_tp else 0) for r, x in zip(ranks, b)]
         a = per_rank_bytes(DispatchSpec(DP_SPLIT), args, lay.world, replica_of)
         before = [x + y for x, y in zip(before, b)]
         after = [x + y for x, y in zip(after, a)]
@@ -108,15 +113,13 @@ def measure(lay: Layout) -> dict:
     B, S = len(batch), lay.seq_len
     # old: every last-stage rank all-gathered the other DP ranks' results: log_probs + entropy, then log_probs (fp32)
     gathered = (lay.dp - 1) * (B // lay.dp) * S * 4 * (2 + 1) if lay.dp > 1 else 0
-    chunk = prompts[: -(-lay.prompts // (lay.world // lay.rollout_tp))]
-    tp_bcast = len(pickle.dumps([chunk, sampling])) if lay.rollout_tp > 1 else 0
     return {
         "layout": lay.name, "world_size": lay.world, "samples": B, "seq_len": S, "calls": rows,
         "step_before_max_rank_bytes": max(before), "step_after_max_rank_bytes": max(after),
         "step_before_total_bytes": sum(before), "step_after_total_bytes": sum(after),
         "update_actor_per_rank_bytes_unchanged": upd[0],
         "old_dp_allgather_bytes_per_last_stage_rank": gathered,
-        "in_engine_tp_broadcast_bytes_per_non_first_tp_rank_unchanged": tp_bcast,
+        "old_in_engine_tp_broadcast_bytes_per_non_first_tp_rank": tp_bcast,
     }
 
 
@@ -140,10 +143,10 @@ def main() -> None:
         print(f"  step (3 calls)           per rank (max) {mib(r['step_before_max_rank_bytes'])} -> "
               f"{mib(r['step_after_max_rank_bytes'])}   all ranks {mib(r['step_before_total_bytes'])} -> "
               f"{mib(r['step_after_total_bytes'])}")
-        print(f"  unchanged: update_actor {mib(r['update_actor_per_rank_bytes_unchanged'])} per rank; in-engine TP "
-              f"broadcast {mib(r['in_engine_tp_broadcast_bytes_per_non_first_tp_rank_unchanged'])} per non-first TP "
-              f"rank; removed: DP all-gather {mib(r['old_dp_allgather_bytes_per_last_stage_rank'])} per last-stage "
-              "rank")
+        print(f"  unchanged: update_actor {mib(r['update_actor_per_rank_bytes_unchanged'])} per rank; removed: "
+              f"in-engine TP broadcast {mib(r['old_in_engine_tp_broadcast_bytes_per_non_first_tp_rank'])} per "
+              f"non-first TP rank (in generate's before), DP all-gather "
+              f"{mib(r['old_dp_allgather_bytes_per_last_stage_rank'])} per last-stage rank")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
