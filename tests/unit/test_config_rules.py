@@ -1,14 +1,20 @@
-"""Config rules of megarl/config/validate.py that had no test asserting their message. Each case breaks one rule of
-the small valid job in test_config.base() and checks the exact error text (what is wrong, with the offending value,
-and what to do). Expected strings are written here by hand from the rule, not read from the code."""
+"""Config rules of megarl/config/validate.py, and refusals of the loader, arch resolution and trainer set-up
+(`megarl.trainer.check_supported`, `run`'s input checks before any worker starts), that had no test asserting their
+message. Each case breaks one rule of the small valid job in test_config.base() and checks the exact error text
+(what is wrong, with the offending value, and what to do). Expected strings are written here by hand from the rule,
+not read from the code."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from megarl.config import ConfigError
 from megarl.config.loader import load_config
 from tests.unit.test_config import base, error, load
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CASES = [
     (["actor.enabled=false"], "actor.enabled: the actor is the policy being trained and cannot be disabled"),
@@ -127,3 +133,28 @@ def test_rollout_engine_needs_a_tokenizer(tmp_path):
         engine_model_dir(load(tmp_path, base()), str(tmp_path))
     assert str(e.value) == ("model.tokenizer: the rollout engine needs a tokenizer; set model.tokenizer to a HF "
                             "tokenizer directory (model.path has none: an inline model.arch is used)")
+
+
+def _run_error(tmp_path, overrides) -> str:
+    """The ConfigError `megarl.trainer.run` raises while checking its inputs, before Ray or any worker starts."""
+    from megarl import trainer
+
+    with pytest.raises(ConfigError) as e:
+        trainer.run(load(tmp_path, base(), [f"logging.dir={tmp_path / 'run'}", *overrides]))
+    return str(e.value)
+
+
+def test_trainer_names_a_missing_train_file(tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    assert (_run_error(tmp_path, [f"data.train_path={missing}"])
+            == f"data.train_path: prompt dataset '{missing}' does not exist")
+
+
+def test_trainer_names_an_unknown_reward_function(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "w3 w4", "answer": "w3"}\n')
+    tokenizer = os.path.join(ROOT, "data", "quickstart", "tokenizer")
+    msg = _run_error(tmp_path, [f"data.train_path={train}", f"model.tokenizer={tokenizer}", "data.chat_template=none",
+                                "reward.function=nope"])
+    assert msg == ("reward.function: unknown reward function 'nope'; "
+                   "registered: ['exact_match', 'gsm8k', 'token_fraction']")
