@@ -27,7 +27,8 @@ Overrides are dotted key=value pairs applied on top of the file, coerced to the 
   checkpoint.dir=null  resources.pools.default.devices_per_node=8
 Every option is listed in docs/config.md.
 
---dry-run validates the config, prints the resolved config (YAML) and the placement table (role, global rank,
+--dry-run validates the config, prints the resolved config (YAML), a per-GPU memory estimate (refusing a layout
+that exceeds the GPU's memory when CUDA is present or resources.device_memory_gb is set) and the placement table (role, global rank,
 node, device, tp/pp/dp/cp coordinates, pipeline-stage layer range), and exits without starting anything.
 """
 
@@ -57,17 +58,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _device_bytes(cfg: JobConfig, kind: str) -> Optional[int]:
+    """Memory of one GPU: `resources.device_memory_gb`, else GPU 0's total memory when the job runs on CUDA and
+    CUDA is present here; None otherwise (unknown: the estimate is printed, nothing refused)."""
+    if cfg.resources.device_memory_gb is not None:
+        return int(cfg.resources.device_memory_gb * 10**9)
+    if kind != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
 def dry_run_report(cfg: JobConfig) -> str:
-    """The resolved config as YAML followed by the placement table."""
+    """The resolved config as YAML, the per-GPU memory estimate, then the placement table.
+
+    Raises ConfigError when the device memory is known (`resources.device_memory_gb`, or CUDA present) and the
+    estimate exceeds it."""
+    from megarl.config.memory import check_fits, job_memory_estimate
     from megarl.config.placement import device_kind, format_table, placement
     from megarl.config.validate import role_archs
 
     layers = {role: arch.num_layers for role, arch in role_archs(cfg).items()}
-    rows = placement(cfg, layers, device_kind(cfg))
+    kind = device_kind(cfg)
+    rows = placement(cfg, layers, kind)
+    memory = job_memory_estimate(cfg, _device_bytes(cfg, kind))
+    check_fits(memory)
     return (
         "# resolved config\n"
         + dump_yaml(cfg)
-        + "\n# placement (rollout rows: tp = engine TP rank, dp = engine index)\n"
+        + "\n# memory per GPU of the actor's pool (static estimate, megarl/config/memory.py)\n"
+        + memory.describe()
+        + "\n\n# placement (rollout rows: tp = engine TP rank, dp = engine index)\n"
         + format_table(rows, layers)
         + "\n"
     )

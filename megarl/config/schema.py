@@ -93,6 +93,10 @@ class ResourcesConfig:
 
     device: Literal["auto", "cuda", "cpu"] = opt("auto", "Device kind; auto = cuda when available, else cpu.")
     pools: dict[str, PoolConfig] = opt(factory=_default_pools, help="Named pools: name -> {nodes, devices_per_node}.")
+    device_memory_gb: Optional[float] = opt(
+        None, "Memory of one GPU for the pre-flight memory estimate (refuses layouts that exceed it); "
+        "null = ask CUDA when present, else print the estimate only.", unit="GB (10^9 bytes)", min=0,
+    )
 
 
 # --------------------------------------------------------------------------------------------------- roles

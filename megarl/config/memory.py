@@ -1,0 +1,169 @@
+"""Pre-flight estimate of the static memory per GPU of a colocated hybrid worker (pure: no torch, no CUDA calls).
+
+What one GPU of the actor's pool holds when vLLM starts (the actor is built first, `trainer/hybrid_worker.py`):
+
+  actor params      N / (tp * pp) x dtype bytes               (bf16: 2 B; embedding/output split by TP, layers by PP)
+  actor grads       N / (tp * pp) x 4 B                       (megatron DDP, grad_reduce_in_fp32=True: a full fp32
+                                                               grad buffer per model-parallel shard, not DP-sharded)
+  optimizer state   N / (tp * pp * dp) x 12 B                 (DistributedOptimizer: fp32 master + Adam m + v,
+                                                               sharded over DP; with fp32 params the master copy
+                                                               is the param itself: 8 B)
+  reference params  N / (ref tp * ref pp) x dtype bytes       (forward-only roles on the actor's pool)
+  vLLM              gpu_memory_utilization x device memory    (vLLM reserves this fraction of the *total* memory
+                                                               for its weights and KV cache and refuses to start
+                                                               when that much is not free)
+
+N = the HF parameter count (`ModelSpec.num_params`). Not counted: activations, the reshard bucket
+(`rollout.reshard_bucket_mb`), CUDA context, allocator fragmentation; the numbers are a lower bound, an estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megarl.config.errors import ConfigError
+
+GB = 10**9
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GRAD_BYTES = 4  # grad_reduce_in_fp32=True (megarl/engine/megatron_engine.py)
+ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+
+
+def _fmt(n: int) -> str:
+    """Bytes as GB (10^9) or, below 1 GB, MB (10^6), right-aligned."""
+    return f"{n / GB:9.2f} GB" if n >= GB else f"{n / 10**6:9.2f} MB"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Static bytes per GPU, by part (see the module docstring). `rollout_bytes` is None when the device memory
+    is unknown (vLLM's share is a fraction of it); `device_bytes` None = unknown (CPU, or no CUDA here)."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    other_roles_bytes: int
+    gpu_memory_utilization: float
+    device_bytes: Optional[int]
+
+    @property
+    def megatron_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.other_roles_bytes
+
+    @property
+    def rollout_bytes(self) -> Optional[int]:
+        return None if self.device_bytes is None else int(self.gpu_memory_utilization * self.device_bytes)
+
+    @property
+    def total_bytes(self) -> Optional[int]:
+        return None if self.device_bytes is None else self.megatron_bytes + self.rollout_bytes
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.device_bytes is None else self.total_bytes <= self.device_bytes
+
+    def describe(self) -> str:
+        """One line per part, in GB (10^9 bytes)."""
+        lines = [
+            f"actor params      {_fmt(self.params_bytes)}",
+            f"actor grads fp32  {_fmt(self.grads_bytes)}",
+            f"optimizer state   {_fmt(self.optimizer_bytes)}  (fp32 master + Adam m, v; sharded over DP)",
+            f"other roles       {_fmt(self.other_roles_bytes)}  (forward-only roles on the actor's pool)",
+        ]
+        if self.device_bytes is None:
+            lines.append(f"vLLM              {self.gpu_memory_utilization:.2f} x device memory (device memory unknown)")
+            lines.append(f"total             {_fmt(self.megatron_bytes)} + vLLM share  (estimate, per GPU)")
+        else:
+            lines.append(f"vLLM              {_fmt(self.rollout_bytes)}  "
+                         f"({self.gpu_memory_utilization:.2f} x {self.device_bytes / GB:.2f} GB)")
+            lines.append(f"total             {_fmt(self.total_bytes)} of {self.device_bytes / GB:.2f} GB "
+                         f"(estimate, per GPU)")
+        return "\n".join(lines)
+
+
+def estimate_memory(num_params: int, *, dtype: str, tp: int, pp: int, dp: int, gpu_memory_utilization: float,
+                    other_roles: tuple[tuple[int, str, int, int], ...] = (),
+                    device_bytes: Optional[int] = None) -> MemoryEstimate:
+    """Static per-GPU bytes of the actor (`num_params` HF parameters, `dtype`, layout tp/pp/dp) plus forward-only
+    roles `other_roles` = ((num_params, dtype, tp, pp), ...) and vLLM's `gpu_memory_utilization` share of
+    `device_bytes`."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    shard = num_params / (tp * pp)
+    params = shard * DTYPE_BYTES[dtype]
+    master = 0 if dtype == "fp32" else 4  # fp32 params are their own master copy
+    optimizer = shard / dp * (master + ADAM_BYTES)
+    others = sum(n / (t * p) * DTYPE_BYTES[d] for n, d, t, p in other_roles)
+    return MemoryEstimate(int(params), int(shard * GRAD_BYTES), int(optimizer), int(others),
+                          gpu_memory_utilization, device_bytes)
+
+
+def job_memory_estimate(cfg, device_bytes: Optional[int]) -> MemoryEstimate:
+    """The estimate for a validated `JobConfig`: the actor, the forward-only roles (reference, reward model) on the
+    actor's pool, and vLLM. A critic on the actor's pool is counted like the actor (params + grads + optimizer)."""
+    from megarl.config.validate import role_archs
+    from megarl.models.spec import ModelSpec
+
+    archs = role_archs(cfg)
+
+    def n_params(arch) -> int:
+        return ModelSpec(
+            architecture=arch.architecture, num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+            num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups,
+            head_dim=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size, vocab_size=arch.vocab_size,
+            max_position_embeddings=arch.max_position_embeddings,
+            qkv_bias=arch.architecture == "Qwen2ForCausalLM", qk_layernorm=arch.architecture == "Qwen3ForCausalLM",
+            tie_word_embeddings=arch.tie_word_embeddings,
+        ).num_params
+
+    a = cfg.actor.parallel
+    others = []
+    extra_trained = 0
+    for name in cfg.enabled_roles():
+        role = cfg.role(name)
+        if name == "actor" or role.pool != cfg.actor.pool:
+            continue
+        model = getattr(role, "model", None) or cfg.model
+        p = role.parallel
+        if name == "critic":
+            c = estimate_memory(n_params(archs[name]), dtype=model.dtype, tp=p.tp, pp=p.pp, dp=p.dp,
+                                gpu_memory_utilization=0.0)
+            extra_trained += c.megatron_bytes
+        else:
+            others.append((n_params(archs[name]), model.dtype, p.tp, p.pp))
+    est = estimate_memory(n_params(archs["actor"]), dtype=cfg.model.dtype, tp=a.tp, pp=a.pp, dp=a.dp,
+                          gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, other_roles=tuple(others),
+                          device_bytes=device_bytes)
+    return dataclasses.replace(est, other_roles_bytes=est.other_roles_bytes + extra_trained)
+
+
+def check_fits(est: MemoryEstimate) -> None:
+    """Raise ConfigError with the numbers when the estimate exceeds the device memory (no-op when unknown)."""
+    if est.fits is False:
+        room = est.device_bytes - est.rollout_bytes
+        raise ConfigError(
+            f"the layout does not fit in GPU memory: estimated {est.total_bytes / GB:.2f} GB per GPU > "
+            f"{est.device_bytes / GB:.2f} GB (Megatron roles {est.megatron_bytes / GB:.2f} GB: params "
+            f"{est.params_bytes / GB:.2f} + grads {est.grads_bytes / GB:.2f} + optimizer "
+            f"{est.optimizer_bytes / GB:.2f} + other roles {est.other_roles_bytes / GB:.2f}; vLLM "
+            f"{est.rollout_bytes / GB:.2f} GB = rollout.gpu_memory_utilization {est.gpu_memory_utilization} x device; "
+            f"{room / GB:.2f} GB left for Megatron). Raise actor.parallel.tp/pp or dp (shards the optimizer), "
+            f"use more GPUs, or lower rollout.gpu_memory_utilization"
+        )
+
+
+def min_gpus(num_params: int, device_bytes: int, *, dtype: str = "bf16", gpu_memory_utilization: float = 0.5,
+             reference: bool = True, max_gpus: int = 1024) -> Optional[int]:
+    """Fewest GPUs (a power of two) on which some model-parallel layout tp*pp = n, dp = 1 fits by the estimate
+    (for a fixed n, model parallelism divides all parts by n, while DP shards only the optimizer), with the
+    reference on the same layout. None if none up to `max_gpus` fits."""
+    n = 1
+    while n <= max_gpus:
+        others = ((num_params, dtype, n, 1),) if reference else ()
+        est = estimate_memory(num_params, dtype=dtype, tp=n, pp=1, dp=1, gpu_memory_utilization=gpu_memory_utilization,
+                              other_roles=others, device_bytes=device_bytes)
+        if est.fits:
+            return n
+        n *= 2
+    return None
