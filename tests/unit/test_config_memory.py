@@ -99,7 +99,8 @@ def test_dry_run_refuses_with_the_numbers_when_device_memory_is_given(capsys):
     assert main(["train", QUICKSTART, *LLAMA2_7B, "resources.device_memory_gb=80", "--dry-run"]) == 2
     err = capsys.readouterr().err
     # 67.38 GB Megatron (see above) + 0.5 x 80 GB vLLM
-    assert err.startswith("megarl: error: the layout does not fit in GPU memory: estimated 107.38 GB per GPU > 80.00 GB")
+    assert err.startswith(
+        "megarl: error: the layout does not fit in GPU memory: estimated 107.38 GB per GPU > 80.00 GB")
     # the same job fits a 141 GB GPU: 67.38 + 70.5 = 137.88 GB
     assert main(["train", QUICKSTART, *LLAMA2_7B, "resources.device_memory_gb=141", "--dry-run"]) == 0
     assert re.search(r"total +137\.88 GB of 141\.00 GB", capsys.readouterr().out)
