@@ -29,7 +29,8 @@ Every option is listed in docs/config.md.
 
 --dry-run validates the config, prints the resolved config (YAML), a per-GPU memory estimate (refusing a layout
 that exceeds the GPU's memory when CUDA is present or resources.device_memory_gb is set) and the placement table
-(role, global rank, node, device, tp/pp/dp/cp coordinates, pipeline-stage layer range), and exits without starting anything.
+(role, global rank, node, device, tp/pp/dp/cp coordinates, pipeline-stage layer range), and exits without
+starting anything.
 """
 
 
