@@ -7,6 +7,21 @@ estimators, policy losses, KL estimators and aggregation modes are registered by
 Importing this package registers everything.
 """
 
+from megarl.algorithms.advantages import (
+    gae,
+    grpo,
+    reinforce_plus_plus,
+    reinforce_plus_plus_baseline,
+    rloo,
+    scores_to_token_rewards,
+)
+from megarl.algorithms.aggregate import aggregate, aggregation_modes
+from megarl.algorithms.entropy import entropy_from_logits, entropy_from_vocab_parallel
+from megarl.algorithms.kl import apply_kl_penalty, kl, kl_kinds, kl_loss
+from megarl.algorithms.kl_controller import AdaptiveKLController, FixedKLController, build_kl_controller
+from megarl.algorithms.log_probs import log_probs_from_logits, vocab_parallel_log_probs
+from megarl.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from megarl.algorithms.policy_loss import gspo_policy_loss, policy_loss, policy_loss_names
 from megarl.algorithms.registry import (
     UnknownNameError,
     get_advantage,
@@ -18,23 +33,8 @@ from megarl.algorithms.registry import (
     register_kl,
     register_policy_loss,
 )
-from megarl.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from megarl.algorithms.aggregate import aggregate, aggregation_modes
-from megarl.algorithms.advantages import (
-    gae,
-    grpo,
-    reinforce_plus_plus,
-    reinforce_plus_plus_baseline,
-    rloo,
-    scores_to_token_rewards,
-)
-from megarl.algorithms.kl import apply_kl_penalty, kl, kl_kinds, kl_loss
-from megarl.algorithms.kl_controller import AdaptiveKLController, FixedKLController, build_kl_controller
-from megarl.algorithms.policy_loss import gspo_policy_loss, policy_loss, policy_loss_names
-from megarl.algorithms.value_loss import value_loss
 from megarl.algorithms.rollout_correction import mismatch_metrics, rollout_correction
-from megarl.algorithms.log_probs import log_probs_from_logits, vocab_parallel_log_probs
-from megarl.algorithms.entropy import entropy_from_logits, entropy_from_vocab_parallel
+from megarl.algorithms.value_loss import value_loss
 
 __all__ = [
     "UnknownNameError",

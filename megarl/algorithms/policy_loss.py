@@ -28,7 +28,7 @@ import torch
 
 from megarl.algorithms.aggregate import Normalizer, aggregate
 from megarl.algorithms.masked import masked_mean
-from megarl.algorithms.registry import POLICY_LOSSES, get_policy_loss, register_policy_loss
+from megarl.algorithms.registry import POLICY_LOSSES, register_policy_loss
 
 # log-ratios are clamped to [-20, 20] before exp() so that a stale or corrupted log-prob cannot produce inf/nan;
 # exp(20) ~ 4.9e8 is far outside any clip range, and a clamped token gets no gradient (as a clipped one would).

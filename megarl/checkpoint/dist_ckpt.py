@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint.atomic import check_output_dir, commit_dir, make_temp_dir, temp_dir_for
-from megarl.checkpoint.engine_io import check_same_model, named_layouts, refresh_optimizer_copies
+from megarl.checkpoint.engine_io import check_same_model, refresh_optimizer_copies
 from megarl.checkpoint.errors import CheckpointError
 from megarl.checkpoint.hf_io import HFReader, HFWriter, spec_from_hf_config
 from megarl.checkpoint.name_map import (
@@ -68,9 +68,8 @@ def assign_replica_ids(sharded_sd: dict) -> None:
     """Collective over the world: set each ShardedTensor's replica_id so every chunk has one main replica.
 
     Apply factories first (`_prepared`): a factory's tensors only exist once built."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
     from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     tensors = [v for v in nested_values(sharded_sd) if isinstance(v, ShardedTensor)]
     mine = [(t.key, tuple(t.global_offset), tuple(t.local_shape)) for t in tensors]
@@ -111,7 +110,8 @@ def engine_sharded_state_dict(engine) -> dict:
             seg = segs[0]
             data = item.data[: seg.size]
             out[name] = ShardedTensor(
-                key=VOCAB_KEYS[0] if spec.tie_word_embeddings else item.key, data=data, dtype=data.dtype, local_shape=tuple(data.shape),
+                key=VOCAB_KEYS[0] if spec.tie_word_embeddings else item.key, data=data, dtype=data.dtype,
+                local_shape=tuple(data.shape),
                 global_shape=(spec.vocab_size, spec.hidden_size), global_offset=(seg.start, 0),
                 axis_fragmentations=None, replica_id=item.replica_id,
             )
@@ -126,7 +126,9 @@ def _prepared(sd: dict) -> dict:
     from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory, apply_factories
 
-    factories, _ = extract_matching_values(sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True)
+    factories, _ = extract_matching_values(
+        sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
+    )
     apply_factories(sd)
     assign_replica_ids(sd)
     return factories
@@ -299,7 +301,8 @@ def _full_sharded_tensor(spec: ModelSpec, layout: ParamLayout, data: torch.Tenso
         data = data.unsqueeze(0)
         return ShardedTensor(
             key=layout.dist_ckpt_key, data=data, dtype=data.dtype, local_shape=tuple(data.shape),
-            global_shape=(spec.num_layers,) + tuple(data.shape[1:]), global_offset=(layout.layer,) + (0,) * (data.dim() - 1),
+            global_shape=(spec.num_layers,) + tuple(data.shape[1:]),
+            global_offset=(layout.layer,) + (0,) * (data.dim() - 1),
             axis_fragmentations=None, replica_id=0,
         )
     return ShardedTensor.from_rank_offsets(
@@ -384,7 +387,9 @@ def megatron_to_hf(mdir: str, out: str, overwrite: bool = False, max_shard_bytes
             if writer is not None:
                 for lay in steps[step]:
                     shape = _full_shape(spec, lay)
-                    sd[lay.megatron_name] = _full_sharded_tensor(spec, lay, torch.empty(shape, dtype=dtype), regular_grid=False)
+                    sd[lay.megatron_name] = _full_sharded_tensor(
+                        spec, lay, torch.empty(shape, dtype=dtype), regular_grid=False
+                    )
             with megatron_on_cpu():
                 try:
                     loaded = dist_checkpointing.load(sd, mdir, validate_access_integrity=False)
@@ -403,9 +408,13 @@ def megatron_to_hf(mdir: str, out: str, overwrite: bool = False, max_shard_bytes
     stats = {}
     if writer is not None:
         config = dict(meta["hf_config"])
-        config["torch_dtype"] = meta["dtype"].replace("fp32", "float32").replace("bf16", "bfloat16").replace("fp16", "float16")
+        config["torch_dtype"] = (
+            meta["dtype"].replace("fp32", "float32").replace("bf16", "bfloat16").replace("fp16", "float16")
+        )
         assets_dir = os.path.join(mdir, ASSETS_DIR)
-        assets = [os.path.join(assets_dir, f) for f in sorted(os.listdir(assets_dir))] if os.path.isdir(assets_dir) else []
+        assets = (
+            [os.path.join(assets_dir, f) for f in sorted(os.listdir(assets_dir))] if os.path.isdir(assets_dir) else []
+        )
         writer.finish(config, assets)
         stats = {"bytes": writer.total_bytes}
     dist.barrier()

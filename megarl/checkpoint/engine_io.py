@@ -76,7 +76,8 @@ def load_hf_into_engine(engine, hf_dir: str, reader: Optional[HFReader] = None) 
         shard = build_shard(spec, layout, coord.tp, topo.tp, reader.read)
         if tuple(shard.shape) != tuple(param.shape):
             raise CheckpointError(
-                f"{name}: built shard {list(shard.shape)} from {layout.hf_names} but the parameter is {list(param.shape)}"
+                f"{name}: built shard {list(shard.shape)} from {layout.hf_names} "
+                f"but the parameter is {list(param.shape)}"
             )
         param.data.copy_(shard)
         nbytes += shard.numel() * shard.element_size()

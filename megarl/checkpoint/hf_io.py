@@ -81,7 +81,9 @@ class HFReader:
             with safe_open(path, framework="pt") as f:
                 return list(f.keys())
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
-            raise CheckpointError(f"cannot read {path}: {str(e).splitlines()[0]} (missing or truncated file?)") from None
+            raise CheckpointError(
+                f"cannot read {path}: {str(e).splitlines()[0]} (missing or truncated file?)"
+            ) from None
 
     def _validate(self) -> None:
         expected = hf_shapes(self.spec)

@@ -133,7 +133,7 @@ def param_layouts(spec: ModelSpec) -> list[ParamLayout]:
         p = f"decoder.layers.{i}."
 
         def hf(key: str, part: str = "weight") -> str:
-            return f[key].format(i=i, p=part)
+            return f[key].format(i=i, p=part)  # noqa: B023 (only called within this iteration)
 
         out.append(ParamLayout(p + "input_layernorm.weight", (hf("input_norm"),), "replicated", None, i))
         out.append(ParamLayout(p + "self_attention.linear_qkv.weight", (hf("q"), hf("k"), hf("v")), "qkv", 0, i))
@@ -167,7 +167,8 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes.update({
             g["input_norm"]: (h,), g["post_attn_norm"]: (h,),
             g["q"]: (q, h), g["k"]: (kv, h), g["v"]: (kv, h), g["o"]: (h, q),
-            g["gate"]: (spec.ffn_hidden_size, h), g["up"]: (spec.ffn_hidden_size, h), g["down"]: (h, spec.ffn_hidden_size),
+            g["gate"]: (spec.ffn_hidden_size, h), g["up"]: (spec.ffn_hidden_size, h),
+            g["down"]: (h, spec.ffn_hidden_size),
         })
         if spec.qkv_bias:
             for k in ("q", "k", "v"):

@@ -84,7 +84,8 @@ def build_tiny_llama(
     `init_std` is larger than HF's 0.02 so the random model's next-token distribution is peaked enough for greedy
     decoding to be stable between implementations (no near-ties that fp32 rounding could flip).
     weights=False writes only config.json and the tokenizer (for vLLM's load_format="dummy": random weights drawn
-    by vLLM itself, e.g. for benchmarks of large shapes). Token ids: 0 <unk>, 1 <s> (BOS), 2 </s> (EOS), 3.. words "w3", "w4", ...
+    by vLLM itself, e.g. for benchmarks of large shapes). Token ids: 0 <unk>, 1 <s> (BOS), 2 </s> (EOS),
+    3.. words "w3", "w4", ...
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers

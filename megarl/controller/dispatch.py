@@ -210,7 +210,10 @@ def plan_calls(
         for where, v in [(f"argument {i}", a) for i, a in enumerate(args)] + [(k, v) for k, v in kwargs.items()]:
             if not hasattr(v, "__len__") or not hasattr(v, "__getitem__") or len(v) != world_size:
                 got = len(v) if hasattr(v, "__len__") else type(v).__name__
-                raise DispatchError(f"{method}: ALL_TO_ALL needs every argument to have {world_size} elements (one per rank); {where} has {got}")
+                raise DispatchError(
+                    f"{method}: ALL_TO_ALL needs every argument to have {world_size} elements (one per rank); "
+                    f"{where} has {got}"
+                )
         return [(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(world_size)]
     if mode is Dispatch.DP_SPLIT:
         if not args:

@@ -54,7 +54,9 @@ class ResourcePool:
         if device not in _DEVICES:
             raise ValueError(f"pool {name!r}: device must be one of {'|'.join(_DEVICES)}, got {device!r}")
         if nodes < 1 or devices_per_node < 1:
-            raise ValueError(f"pool {name!r}: nodes and devices_per_node must be >= 1, got {nodes} x {devices_per_node}")
+            raise ValueError(
+                f"pool {name!r}: nodes and devices_per_node must be >= 1, got {nodes} x {devices_per_node}"
+            )
         if cpus_per_slot < 0:
             raise ValueError(f"pool {name!r}: cpus_per_slot must be >= 0, got {cpus_per_slot}")
         if not ray.is_initialized():
@@ -166,5 +168,8 @@ class ResourcePool:
         self._ready = False
 
     def __repr__(self) -> str:
-        return f"ResourcePool({self.name!r}, nodes={self.nodes}, devices_per_node={self.devices_per_node}, device={self.device!r})"
+        return (
+            f"ResourcePool({self.name!r}, nodes={self.nodes}, devices_per_node={self.devices_per_node}, "
+            f"device={self.device!r})"
+        )
 

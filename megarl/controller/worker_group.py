@@ -63,7 +63,10 @@ class PendingCall:
     counted from submission), collects, and raises like a blocking call. Lets the controller overlap groups on
     different pools, e.g. the critic's update with the actor's."""
 
-    def __init__(self, group: "WorkerGroup", what: str, spec: DispatchSpec, refs: list, replica_of, deadline: float, timeout_s: float) -> None:
+    def __init__(
+        self, group: "WorkerGroup", what: str, spec: DispatchSpec, refs: list, replica_of, deadline: float,
+        timeout_s: float,
+    ) -> None:
         self._group, self._what, self._spec, self._refs = group, what, spec, refs
         self._replica_of, self._deadline, self._timeout_s = replica_of, deadline, timeout_s
 
@@ -132,7 +135,9 @@ class _WorkerHost:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def init_world(self, master_addr: str, master_port: int, build: tuple[type, tuple, dict], pg_timeout_s: float) -> int:
+    def init_world(
+        self, master_addr: str, master_port: int, build: tuple[type, tuple, dict], pg_timeout_s: float
+    ) -> int:
         worker_cls, args, kwargs = build
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         from megarl.platform.distributed import init_distributed
@@ -188,7 +193,9 @@ class WorkerGroup:
         self._methods = dispatched_methods(worker_cls)
         clashes = sorted(set(self._methods) & set(dir(WorkerGroup)))
         if clashes:
-            raise TypeError(f"{worker_cls.__name__}: dispatch methods {clashes} clash with WorkerGroup's own attributes")
+            raise TypeError(
+                f"{worker_cls.__name__}: dispatch methods {clashes} clash with WorkerGroup's own attributes"
+            )
         pool.ready()
         host_cls = ray.remote(_WorkerHost)
         runtime_env = {"env_vars": {k: str(v) for k, v in env.items()}} if env else None
@@ -281,10 +288,14 @@ class WorkerGroup:
         if spec.group_size is not None:
             return replicas_from_group_size(self.world_size, spec.group_size, what)
         if spec.replica_attr is not None:
-            coords = self._gather([a.attr.remote(spec.replica_attr) for a in self._actors], f"{what} ({spec.replica_attr})", timeout)
+            coords = self._gather(
+                [a.attr.remote(spec.replica_attr) for a in self._actors], f"{what} ({spec.replica_attr})", timeout
+            )
             return replicas_from_coords(coords, what)
         attr = spec.group_size_attr or DEFAULT_GROUP_SIZE_ATTR
-        size = self._gather([self._actors[0].attr.remote(attr)], f"{what} (group size from worker attribute {attr!r})", timeout)[0]
+        size = self._gather(
+            [self._actors[0].attr.remote(attr)], f"{what} (group size from worker attribute {attr!r})", timeout
+        )[0]
         return replicas_from_group_size(self.world_size, int(size), what)
 
     def _gather(self, refs: list, what: str, timeout_s: float, deadline: Optional[float] = None) -> list[Any]:
@@ -317,7 +328,9 @@ class WorkerGroup:
                 except RayTaskError as e:
                     raise WorkerError(f"{what} raised on rank {rank} of {self.world_size}:\n{e}", rank) from None
                 except RayActorError as e:
-                    raise WorkerError(f"{what}: the actor of rank {rank} of {self.world_size} died:\n{e}", rank) from None
+                    raise WorkerError(
+                        f"{what}: the actor of rank {rank} of {self.world_size} died:\n{e}", rank
+                    ) from None
         return results
 
     # -- teardown ------------------------------------------------------------------------------------------------

@@ -125,7 +125,9 @@ class MegatronEngine:
         # Model-parallel RNG streams: the same `seed` everywhere, offset by pp rank (as megatron does) so that
         # stages differ; tensor-parallel regions get their own stream.
         torch.manual_seed(seed + 100 * coord.pp)
-        model_parallel_cuda_manual_seed(seed + 100 * coord.pp, force_reset_rng=True, tp_rank=coord.tp, ep_rank=0, etp_rank=coord.tp)
+        model_parallel_cuda_manual_seed(
+            seed + 100 * coord.pp, force_reset_rng=True, tp_rank=coord.tp, ep_rank=0, etp_rank=coord.tp
+        )
         self.config = build_transformer_config(
             self.spec, self.groups, self.dtype, first_stage_layers, last_stage_layers, recompute
         )

@@ -146,7 +146,10 @@ class ModelSpec:
         h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
         q = self.num_attention_heads * self.head_dim
         kv = self.num_query_groups * self.head_dim
-        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_layernorm else 0)
+        attn = (
+            h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
+            + (2 * self.head_dim if self.qk_layernorm else 0)
+        )
         mlp = 3 * h * f
         per_layer = attn + mlp + 2 * h
         return L * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h

@@ -10,9 +10,7 @@ pipeline schedule.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch.distributed as dist
 

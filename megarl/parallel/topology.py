@@ -134,7 +134,9 @@ class RoleTopology:
         return f"tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp}" + (f" ep={self.ep}" if self.ep > 1 else "")
 
 
-def layer_split(num_layers: int, pp: int, first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> list[int]:
+def layer_split(
+    num_layers: int, pp: int, first_stage_layers: int | None = None, last_stage_layers: int | None = None
+) -> list[int]:
     """Number of transformer layers on each pipeline stage.
 
     Even split unless `first_stage_layers` / `last_stage_layers` are given (megatron-core's uneven split:

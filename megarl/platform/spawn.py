@@ -53,7 +53,9 @@ def _entry(rank: int, world_size: int, port: int, env: dict, fn: Callable, args:
             print(f"[rank {rank}] process group teardown failed: {e}", flush=True)
 
 
-def run_ranks(world_size: int, fn: Callable, *args: Any, timeout_s: float = 600.0, env: dict | None = None) -> list[Any]:
+def run_ranks(
+    world_size: int, fn: Callable, *args: Any, timeout_s: float = 600.0, env: dict | None = None
+) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` fresh processes; return the results in rank order."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -79,7 +81,9 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout_s: float = 600.
             except queue_mod.Empty:
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in out]
                 if dead and not errors:
-                    raise RankFailure(f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
+                    raise RankFailure(
+                        f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}"
+                    ) from None
                 continue
             if status == "ok":
                 out[rank] = payload

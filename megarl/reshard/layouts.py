@@ -172,17 +172,23 @@ def vllm_needs(spec: ModelSpec, infer_tp: int, tp_rank: int) -> list[Placement]:
         whole(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight")
         for part in ("weight", "bias") if spec.qkv_bias else ("weight",):
             qkv = p + f"self_attn.qkv_proj.{part}"
-            out.append(Placement(qkv, 0, Piece(p + f"self_attn.q_proj.{part}", 0, tp_rank * q_rows, (tp_rank + 1) * q_rows)))
-            out.append(Placement(qkv, q_rows, Piece(p + f"self_attn.k_proj.{part}", 0, kv_shard * kv_rows, (kv_shard + 1) * kv_rows)))
-            out.append(Placement(qkv, q_rows + kv_rows, Piece(p + f"self_attn.v_proj.{part}", 0, kv_shard * kv_rows, (kv_shard + 1) * kv_rows)))
+            q_piece = Piece(p + f"self_attn.q_proj.{part}", 0, tp_rank * q_rows, (tp_rank + 1) * q_rows)
+            k_piece = Piece(p + f"self_attn.k_proj.{part}", 0, kv_shard * kv_rows, (kv_shard + 1) * kv_rows)
+            v_piece = Piece(p + f"self_attn.v_proj.{part}", 0, kv_shard * kv_rows, (kv_shard + 1) * kv_rows)
+            out.append(Placement(qkv, 0, q_piece))
+            out.append(Placement(qkv, q_rows, k_piece))
+            out.append(Placement(qkv, q_rows + kv_rows, v_piece))
         if spec.qk_layernorm:
             whole(p + "self_attn.q_norm.weight", p + "self_attn.q_norm.weight")
             whole(p + "self_attn.k_norm.weight", p + "self_attn.k_norm.weight")
-        out.append(Placement(p + "self_attn.o_proj.weight", 0, Piece(p + "self_attn.o_proj.weight", 1, tp_rank * h_cols, (tp_rank + 1) * h_cols)))
+        o_proj = p + "self_attn.o_proj.weight"
+        out.append(Placement(o_proj, 0, Piece(o_proj, 1, tp_rank * h_cols, (tp_rank + 1) * h_cols)))
         gate_up = p + "mlp.gate_up_proj.weight"
-        out.append(Placement(gate_up, 0, Piece(p + "mlp.gate_proj.weight", 0, tp_rank * f_rows, (tp_rank + 1) * f_rows)))
-        out.append(Placement(gate_up, f_rows, Piece(p + "mlp.up_proj.weight", 0, tp_rank * f_rows, (tp_rank + 1) * f_rows)))
-        out.append(Placement(p + "mlp.down_proj.weight", 0, Piece(p + "mlp.down_proj.weight", 1, tp_rank * f_rows, (tp_rank + 1) * f_rows)))
+        f_lo, f_hi = tp_rank * f_rows, (tp_rank + 1) * f_rows
+        out.append(Placement(gate_up, 0, Piece(p + "mlp.gate_proj.weight", 0, f_lo, f_hi)))
+        out.append(Placement(gate_up, f_rows, Piece(p + "mlp.up_proj.weight", 0, f_lo, f_hi)))
+        down = p + "mlp.down_proj.weight"
+        out.append(Placement(down, 0, Piece(down, 1, f_lo, f_hi)))
     whole("model.norm.weight", "model.norm.weight")
     if not spec.tie_word_embeddings:
         vocab("lm_head.weight", "lm_head.weight")

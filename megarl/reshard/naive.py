@@ -23,7 +23,9 @@ from megarl.reshard.planner import ReshardPlan
 
 
 @torch.no_grad()
-def naive_reshard(plan: ReshardPlan, groups: RoleGroups, sources: dict[str, torch.Tensor], sink: WeightSink) -> ReshardReport:
+def naive_reshard(
+    plan: ReshardPlan, groups: RoleGroups, sources: dict[str, torch.Tensor], sink: WeightSink
+) -> ReshardReport:
     """Gather-then-slice into `sink`; returns a report with the bytes this rank received and its peak buffers."""
     start = time.perf_counter()
     spec, topo = plan.spec, plan.train
@@ -76,7 +78,9 @@ def naive_reshard(plan: ReshardPlan, groups: RoleGroups, sources: dict[str, torc
         hf = {n: torch.empty(shapes[n], dtype=dtype, device=device) for n in layout.hf_names}
         for t in range(topo.tp):
             scatter_shard(spec, layout, t, topo.tp, gathered[t], hf)
-        peak = max(peak, gathered.numel() * gathered.element_size() + sum(x.numel() * x.element_size() for x in hf.values()))
+        peak = max(
+            peak, gathered.numel() * gathered.element_size() + sum(x.numel() * x.element_size() for x in hf.values())
+        )
         for hf_name, full in hf.items():
             for p in needs_by_hf.get(hf_name, []):
                 if p.param not in targets:

@@ -1,4 +1,5 @@
-"""Megatron role wrappers: actor, reference, critic, reward model over `megarl.engine.MegatronEngine` (see each module)."""
+"""Megatron role wrappers: actor, reference, critic, reward model over `megarl.engine.MegatronEngine`
+(see each module)."""
 
 from megarl.engine import OptimizerSettings  # roles take it; re-exported for callers building roles
 from megarl.roles.actor import Actor, PolicyLossSettings, Reference

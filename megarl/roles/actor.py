@@ -35,8 +35,14 @@ from typing import Optional
 
 import torch
 
-from megarl.algorithms import aggregate, entropy_from_vocab_parallel, get_policy_loss, kl as kl_per_token
-from megarl.algorithms import rollout_correction, vocab_parallel_log_probs
+from megarl.algorithms import (
+    aggregate,
+    entropy_from_vocab_parallel,
+    get_policy_loss,
+    rollout_correction,
+    vocab_parallel_log_probs,
+)
+from megarl.algorithms import kl as kl_per_token
 from megarl.data.batch import Batch
 from megarl.roles.base import Role, count_units, shift_to_tokens
 
@@ -155,7 +161,9 @@ class Actor(Role):
             logp, ent = self._token_log_probs(logits, mb, with_entropy=need_entropy)
             if ent is None:
                 with torch.no_grad():
-                    ent = shift_to_tokens(entropy_from_vocab_parallel(logits[:, :-1].detach(), self.groups.pgs.tp), mask)
+                    ent = shift_to_tokens(
+                        entropy_from_vocab_parallel(logits[:, :-1].detach(), self.groups.pgs.tp), mask
+                    )
             n_tok = fmask.sum()
             agg = dict(mode=s.agg, norm_horizon=s.norm_horizon, global_normalizer=1.0)
             if s.name == "sft":

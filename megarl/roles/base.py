@@ -5,8 +5,9 @@ Data path of a role call (the same on every rank of the role, called collectivel
   the full batch and the role cuts `Batch.chunk_by_dp`) ->
   micro-batches (`micro_batch_samples` or a `micro_batch_tokens` budget, per DP rank, each trimmed to its longest
   sequence) -> megatron's pipeline schedule -> per-micro-batch results on the last pipeline stage -> original
-  sample order -> (full-batch calls only) all-gathered over the DP group. Forward-only results are returned on every rank of the last
-  pipeline stage (identical on its TP ranks) and None on the other stages; training metrics on every rank.
+  sample order -> (full-batch calls only) all-gathered over the DP group. Forward-only results are returned on every
+  rank of the last pipeline stage (identical on its TP ranks) and None on the other stages; training metrics on
+  every rank.
 """
 
 from __future__ import annotations

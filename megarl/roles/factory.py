@@ -52,9 +52,9 @@ def build_role(cfg: JobConfig, role: str, groups: Optional[RoleGroups] = None,
 
     Collective over the world when `groups` is None (the role's process groups are created here). `rank_offset`
     is the role's first rank in this torch.distributed world: the pool's offset in the job-wide rank table by
-    default, 0 when each pool is its own world (the Ray trainer). Returns None on ranks outside the role. Trained roles get their optimizer (LR schedule over `trainer.total_steps` x
-    `algorithm.ppo_epochs` x mini-batches per step), batching from the role's micro/mini-batch keys, and the actor
-    its loss from `algorithm`.
+    default, 0 when each pool is its own world (the Ray trainer). Returns None on ranks outside the role. Trained
+    roles get their optimizer (LR schedule over `trainer.total_steps` x `algorithm.ppo_epochs` x mini-batches per
+    step), batching from the role's micro/mini-batch keys, and the actor its loss from `algorithm`.
     """
     if role not in ROLE_CLASSES:
         raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLE_CLASSES)}")

@@ -7,7 +7,6 @@ WordLevel tokenizer over a fixed vocabulary (built with the `tokenizers` library
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from megarl.checkpoint.tiny import build_tiny_llama  # noqa: F401  (its home; re-exported for the tests)

@@ -69,8 +69,8 @@ def run(cfg: JobConfig) -> Optional[int]:
     from megarl.rewards import build_reward_fn
     from megarl.trainer.engine_model_dir import engine_model_dir
     from megarl.trainer.hybrid_worker import HybridWorker
-    from megarl.trainer.role_worker import RoleWorker
     from megarl.trainer.rl_trainer import RLTrainer
+    from megarl.trainer.role_worker import RoleWorker
 
     check_supported(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -70,5 +70,7 @@ def engine_model_dir(cfg: JobConfig, run_dir: str) -> str:
             shutil.copy(src, os.path.join(out, name))
             copied += 1
     if not copied:
-        raise FileNotFoundError(f"model.tokenizer={tokenizer_dir!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...)")
+        raise FileNotFoundError(
+            f"model.tokenizer={tokenizer_dir!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...)"
+        )
     return out

@@ -21,8 +21,13 @@ from typing import Any, Optional
 
 import torch
 
-from megarl.algorithms import apply_kl_penalty, build_kl_controller, get_advantage, mismatch_metrics
-from megarl.algorithms import scores_to_token_rewards
+from megarl.algorithms import (
+    apply_kl_penalty,
+    build_kl_controller,
+    get_advantage,
+    mismatch_metrics,
+    scores_to_token_rewards,
+)
 from megarl.config.schema import JobConfig
 from megarl.data.batch import Batch
 from megarl.rollout.engine import SamplingSettings
@@ -71,9 +76,9 @@ class RLTrainer:
 
         Before the first step the actor's weights are resharded into the rollout engine (it starts random).
         After each step: validation every `trainer.val_every` steps (rollouts of `val_records` at
-        `rollout.val_temperature`, metric `val/reward_mean`), one metrics line (console and `metrics_path` jsonl), and a checkpoint every
-        `checkpoint.save_every` steps and at the last one when `checkpoint.dir` is set. Returns one
-        `StepResult` per step run, in order.
+        `rollout.val_temperature`, metric `val/reward_mean`), one metrics line (console and `metrics_path` jsonl), and
+        a checkpoint every `checkpoint.save_every` steps and at the last one when `checkpoint.dir` is set. Returns
+        one `StepResult` per step run, in order.
         """
         results = []
         first = self._resume() + 1
