@@ -90,7 +90,8 @@ def bench(name: str, spec: dict, args) -> dict:
     r = dict(model=name, dtype=spec["dtype"], params_millions=round(params / 1e6, 1), batch=args.batch,
              prompt_tokens=args.prompt_tokens, new_tokens_per_prompt=args.new_tokens, engine_init_s=round(init_s, 2),
              generate_s=round(gen_s, 3), generate_s_all=[round(t, 3) for t in times],
-             load_average_1m_at_end=round(os.getloadavg()[0], 2), generated_tokens=new, tokens_per_s=round(new / gen_s, 1),
+             load_average_1m_at_end=round(os.getloadavg()[0], 2), generated_tokens=new,
+             tokens_per_s=round(new / gen_s, 1),
              total_tokens_per_s=round((new + args.batch * args.prompt_tokens) / gen_s, 1),
              weight_update_s=round(upd_s, 3), weight_update_gib=round(nbytes / 2**30, 3))
     print(json.dumps(r), flush=True)

@@ -184,12 +184,16 @@ def main(argv=None):
     path = os.path.join(out_dir, f"train_step_{tag}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
-    line = f"megarl actor update: {tps:,.0f} tokens/s ({spec.num_params / 1e6:.2f}M params, tp{args.tp} pp{args.pp} dp{args.dp}, {args.dtype})"
+    line = (
+        f"megarl actor update: {tps:,.0f} tokens/s ({spec.num_params / 1e6:.2f}M params, "
+        f"tp{args.tp} pp{args.pp} dp{args.dp}, {args.dtype})"
+    )
     if "mfu" in result["megarl"]:
         line += f", MFU {result['megarl']['mfu']:.1%}"
     print(line)
     if base is not None:
-        print(f"transformers + AdamW baseline ({world} threads): {result['baseline_transformers_adamw']['tokens_per_s_median']:,.0f} tokens/s; "
+        base_tps = result["baseline_transformers_adamw"]["tokens_per_s_median"]
+        print(f"transformers + AdamW baseline ({world} threads): {base_tps:,.0f} tokens/s; "
               f"ratio megarl/baseline = {result['ratio_megarl_over_baseline']:.2f}")
     print(f"wrote {path}")
     return result

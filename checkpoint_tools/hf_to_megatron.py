@@ -24,9 +24,9 @@ def main(argv=None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
     args = p.parse_args(argv)
 
+    from megarl.checkpoint.atomic import check_output_dir
     from megarl.checkpoint.dist_ckpt import hf_to_megatron
     from megarl.checkpoint.hf_io import HFReader
-    from megarl.checkpoint.atomic import check_output_dir
     from megarl.platform.distributed import init_distributed
 
     HFReader(args.hf_dir)  # validate before starting torch.distributed
