@@ -73,12 +73,17 @@ def _replica_check(engine) -> dict:
 def _worker(rank: int, world_size: int, root: str):
     import torch.distributed as dist
 
-    from megarl.checkpoint.dist_ckpt import hf_to_megatron, load_engine_checkpoint, megatron_to_hf, save_engine_checkpoint
+    from megarl.checkpoint.dist_ckpt import (
+        hf_to_megatron,
+        load_engine_checkpoint,
+        megatron_to_hf,
+        save_engine_checkpoint,
+    )
     from megarl.checkpoint.engine_io import load_hf_into_engine
+    from megarl.engine.megatron_engine import MegatronEngine
     from megarl.models.spec import ModelSpec
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
-    from megarl.engine.megatron_engine import MegatronEngine
 
     hf = {a: os.path.join(root, a) for a in ARCHS}
     spec = {a: ModelSpec.from_hf_dir(hf[a]) for a in ARCHS}
@@ -109,7 +114,10 @@ def _worker(rank: int, world_size: int, root: str):
                     _logits_of(loaded, out, (name, a, f"from_{load_from}"))
             if saver is not None:
                 # tp2 carries the source config and tokenizer files; tp2pp2 rebuilds config.json from the spec
-                kw = {"hf_dir": hf[a]} if saver == "tp2" else {"assets": (os.path.join(hf[a], "generation_config.json"),)}
+                kw = (
+                    {"hf_dir": hf[a]} if saver == "tp2"
+                    else {"assets": (os.path.join(hf[a], "generation_config.json"),)}
+                )
                 save_engine_checkpoint(direct if name == saver else None, ckpt(a, saver), **kw)
             if a == "llama" and saver == "tp2":
                 out[("replica", rank)] = _replica_check(direct if name == "tp2" else None)

@@ -9,9 +9,8 @@ import os
 import time
 
 import pytest
-import torch
-
 import ray  # a hard dependency (setup.py): a missing ray fails the import, never skips
+import torch
 
 from megarl.controller import (  # noqa: E402
     ALL_TO_ALL,
@@ -115,10 +114,10 @@ class ProbeWorker:
     @dispatch(ONE_TO_ALL)
     def megatron_tp2(self, steps: int):
         """Build a MegatronEngine at TP=2 over the group's world, train `steps` steps, return the mean losses."""
+        from megarl.engine.megatron_engine import MegatronEngine, OptimizerSettings
         from megarl.models.spec import ModelSpec
         from megarl.parallel.groups import build_role_groups
         from megarl.parallel.topology import RoleTopology
-        from megarl.engine.megatron_engine import MegatronEngine, OptimizerSettings
         from tests.distributed.harness import next_token_ce_loss
 
         spec = ModelSpec(
@@ -215,7 +214,9 @@ def test_worker_exception_names_the_rank(group):
 
 def test_timeout_names_the_method_and_ranks(group):
     t0 = time.monotonic()
-    with pytest.raises(CallTimeout, match=r"ProbeWorker\.slow: rank\(s\) \[0, 1\] of 2 did not answer within 1s") as info:
+    with pytest.raises(
+        CallTimeout, match=r"ProbeWorker\.slow: rank\(s\) \[0, 1\] of 2 did not answer within 1s"
+    ) as info:
         group.slow()
     assert info.value.ranks == [0, 1]
     assert time.monotonic() - t0 < 2.0
@@ -233,7 +234,9 @@ def test_megatron_engine_tp2_through_the_controller(group):
 
 def test_oversized_pool_fails_fast(ray_session):
     t0 = time.monotonic()
-    with pytest.raises(ResourceError, match=r"pool 'too_big' needs 1 node\(s\) x 5 slot\(s\) of \{'CPU': 0.5\} = 5 cpu") as info:
+    with pytest.raises(
+        ResourceError, match=r"pool 'too_big' needs 1 node\(s\) x 5 slot\(s\) of \{'CPU': 0.5\} = 5 cpu"
+    ) as info:
         ResourcePool("too_big", nodes=1, devices_per_node=5, cpus_per_slot=0.5)
     assert "{'CPU': 2.5}" in str(info.value) and "only 0 of the cluster's 1 node(s)" in str(info.value)
     assert time.monotonic() - t0 < 5.0
@@ -242,7 +245,9 @@ def test_oversized_pool_fails_fast(ray_session):
 def test_busy_cluster_times_out_with_the_numbers(group):
     # the group holds 1 of the 2 CPUs: a 1.5-CPU slot fits the node but cannot be granted now; ready() gives up
     pool = ResourcePool("late_pool", nodes=1, devices_per_node=1, cpus_per_slot=1.5)
-    with pytest.raises(ResourceError, match=r"pool 'late_pool': 1 of 1 node reservation\(s\) \(nodes \[0\]\) not granted within 1.\ds"):
+    with pytest.raises(
+        ResourceError, match=r"pool 'late_pool': 1 of 1 node reservation\(s\) \(nodes \[0\]\) not granted within 1.\ds"
+    ):
         pool.ready(timeout_s=1.0)
 
 

@@ -34,7 +34,9 @@ def test_plan_and_collect_by_hand():
     assert collect(DispatchSpec(RANK_ZERO), ["a", "b"]) == "a"
     assert collect(DispatchSpec(LAST_STAGE_FIRST_RESULT), [None, None, "c", "d"]) == "c"
     assert collect(DispatchSpec(LAST_STAGE_FIRST_RESULT), [None, None]) is None
-    assert plan_calls(DispatchSpec(ALL_TO_ALL), ([1, 2], "ab"), {"z": (5, 6)}, 2) == [((1, "a"), {"z": 5}), ((2, "b"), {"z": 6})]
+    assert plan_calls(DispatchSpec(ALL_TO_ALL), ([1, 2], "ab"), {"z": (5, 6)}, 2) == [
+        ((1, "a"), {"z": 5}), ((2, "b"), {"z": 6}),
+    ]
 
 
 def test_dp_split_plan_chunks_and_concat():
@@ -109,8 +111,12 @@ def test_launch_scripts_dry_run_commands():
     assert _sh("launch/ray_start_worker.sh", "--address", "10.0.0.1:6380", "--dry-run").stdout.strip().endswith(
         "ray start --address 10.0.0.1:6380"
     )
-    out = _sh("launch/ray_submit.sh", "cfg.yaml", "trainer.steps=2", "--address", "http://h:8265", "--no-wait", "--dry-run")
-    assert out.stdout.strip().endswith("ray job submit --address http://h:8265 --no-wait -- megarl train cfg.yaml trainer.steps=2")
+    out = _sh(
+        "launch/ray_submit.sh", "cfg.yaml", "trainer.steps=2", "--address", "http://h:8265", "--no-wait", "--dry-run"
+    )
+    assert out.stdout.strip().endswith(
+        "ray job submit --address http://h:8265 --no-wait -- megarl train cfg.yaml trainer.steps=2"
+    )
     missing = _sh("launch/ray_start_worker.sh")
     assert missing.returncode == 2 and "--address HEAD_IP:PORT is required" in missing.stderr
     missing = _sh("launch/ray_submit.sh")

@@ -64,6 +64,7 @@ def _compare_log_probs(actor, samples):
 
 def _worker(rank, world_size, hf_dir, infer_tp, cases):
     from megarl.checkpoint.hf_io import HFReader
+    from megarl.engine.megatron_engine import OptimizerSettings
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
     from megarl.reshard.executor import execute_reshard
@@ -71,7 +72,6 @@ def _worker(rank, world_size, hf_dir, infer_tp, cases):
     from megarl.reshard.sources import megatron_sources
     from megarl.reshard.vllm_sink import VllmShardSink
     from megarl.roles.actor import Actor, PolicyLossSettings
-    from megarl.engine.megatron_engine import OptimizerSettings
     from megarl.rollout.engine import SamplingSettings
     from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine
     from megarl.rollout.vllm_layout import build_shard

@@ -57,9 +57,9 @@ def _train(engine, micro_batches):
 
 
 def _layout_worker(rank: int, world_size: int):
+    from megarl.engine.megatron_engine import MegatronEngine, OptimizerSettings
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
-    from megarl.engine.megatron_engine import MegatronEngine, OptimizerSettings
 
     spec = _spec()
     opt = OptimizerSettings(lr=5e-3, clip_grad=1.0)

@@ -51,6 +51,7 @@ def _bits(t):
 def _worker(rank, world_size, hf_dir):
     from megarl.checkpoint.engine_io import load_hf_into_engine
     from megarl.checkpoint.hf_io import HFReader
+    from megarl.engine.megatron_engine import MegatronEngine
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
     from megarl.reshard.delta import DeltaState
@@ -58,7 +59,6 @@ def _worker(rank, world_size, hf_dir):
     from megarl.reshard.naive import naive_reshard
     from megarl.reshard.planner import plan_reshard
     from megarl.reshard.sources import megatron_sources
-    from megarl.engine.megatron_engine import MegatronEngine
 
     spec = HFReader(hf_dir).spec
     bucket = 64 << 10
@@ -75,7 +75,7 @@ def _worker(rank, world_size, hf_dir):
             plan = plan_reshard(spec, groups.topology, infer_tp, dtype_bytes=2 if dtype == "bf16" else 4)
             state, sink = DeltaState(), DictSink(persistent=True)
 
-            def check_against_full():
+            def check_against_full(plan=plan, sources=sources, groups=groups, dtype=dtype, sink=sink):
                 full, naive = DictSink(), DictSink()
                 execute_reshard(plan, sources, full, bucket_bytes=bucket)
                 if dtype == "fp32":  # naive_reshard assumes one dtype; a CPU bf16 engine keeps fp32 norms
@@ -121,7 +121,9 @@ def delta_runs(tmp_path_factory):
 def test_delta_synced_shards_equal_full_and_naive_reshard(delta_runs, case):
     for r in delta_runs[case]:
         for step, (vs_full, vs_naive) in zip(("delta", "no change", "after reset"), r["mismatch"]):
-            assert vs_full == [] and vs_naive == [], f"{case} rank {r['reports'][0].rank} {step}: {vs_full[:3]} {vs_naive[:3]}"
+            assert vs_full == [] and vs_naive == [], (
+                f"{case} rank {r['reports'][0].rank} {step}: {vs_full[:3]} {vs_naive[:3]}"
+            )
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES])

@@ -34,27 +34,29 @@ def _expected_shards(hf_dir, spec, infer_tp, infer_rank):
     out = {name: torch.zeros(shape) for name, shape in vllm_param_shapes(spec, infer_tp, infer_rank).items()}
     for p in vllm_needs(spec, infer_tp, infer_rank):
         full = reader.read(p.piece.hf_name, None, 0, 0)
-        out[p.param].narrow(p.piece.dim, p.offset, p.piece.length).copy_(full.narrow(p.piece.dim, p.piece.start, p.piece.length))
+        out[p.param].narrow(p.piece.dim, p.offset, p.piece.length).copy_(
+            full.narrow(p.piece.dim, p.piece.start, p.piece.length)
+        )
     return out
 
 
 def _worker(rank, world_size, hf_dir):
     from megarl.checkpoint.engine_io import load_hf_into_engine
     from megarl.checkpoint.hf_io import HFReader
+    from megarl.engine.megatron_engine import MegatronEngine
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
     from megarl.reshard.executor import DictSink, execute_reshard
     from megarl.reshard.naive import naive_reshard
     from megarl.reshard.planner import plan_reshard
     from megarl.reshard.sources import megatron_sources
-    from megarl.engine.megatron_engine import MegatronEngine
 
     spec = HFReader(hf_dir).spec
     results = {}
     for phase in PHASES:
         built = [(case, build_role_groups(RoleTopology(tp=c[1], pp=c[2], dp=c[3], rank_offset=c[5])))
                  for case in phase for c in [case]]
-        for (name, tp, pp, dp, infer_tp, offset), groups in built:
+        for (name, _tp, _pp, _dp, infer_tp, _offset), groups in built:
             if not groups.is_member:
                 continue
             engine = MegatronEngine(spec, groups, optimizer=None)
@@ -67,7 +69,9 @@ def _worker(rank, world_size, hf_dir):
             naive_reshard(plan, groups, sources, naive_sink)
             expected = _expected_shards(hf_dir, spec, infer_tp, plan.infer_rank_of[rank])
             mismatched = [k for k in expected if not torch.equal(expected[k], sink.tensors.get(k, torch.empty(0)))]
-            naive_mismatch = [k for k in expected if not torch.equal(expected[k], naive_sink.tensors.get(k, torch.empty(0)))]
+            naive_mismatch = [
+                k for k in expected if not torch.equal(expected[k], naive_sink.tensors.get(k, torch.empty(0)))
+            ]
             results[name] = {
                 "report": report, "mismatched": mismatched, "naive_mismatched": naive_mismatch,
                 "params": len(expected), "committed": len(set(sink.committed)),

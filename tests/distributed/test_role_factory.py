@@ -38,7 +38,8 @@ def _worker(rank, world_size, config_path, input_ids):
     for role in ("actor", "reference"):
         r = build_role(cfg, role)
         res = r.compute_log_probs(batch, with_entropy=False)
-        out[role] = {"layout": r.groups.topology.describe(), "log_probs": None if res is None else res.tensors["log_probs"],
+        out[role] = {"layout": r.groups.topology.describe(),
+                     "log_probs": None if res is None else res.tensors["log_probs"],
                      "trainable": r.engine.trainable}
     return out
 

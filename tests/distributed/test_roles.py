@@ -34,7 +34,8 @@ def _batch(vocab: int):
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(3, vocab, (B, S), generator=g)
     pos = torch.arange(S).unsqueeze(0)
-    plen, total = torch.tensor(PROMPT).unsqueeze(1), torch.tensor(PROMPT).unsqueeze(1) + torch.tensor(RESPONSE).unsqueeze(1)
+    plen = torch.tensor(PROMPT).unsqueeze(1)
+    total = torch.tensor(PROMPT).unsqueeze(1) + torch.tensor(RESPONSE).unsqueeze(1)
     am = (pos < total).long()
     rm = ((pos >= plen) & (pos < total)).long()
     ids = ids * am  # pad id 0 after the sequence
@@ -53,7 +54,7 @@ def _hf_weights(role) -> dict:
     engine = role.engine
     shapes = hf_shapes(engine.spec)
     out: dict[str, torch.Tensor] = {}
-    for name, param, layout in named_layouts(engine):
+    for _name, param, layout in named_layouts(engine):
         full = {n: out.setdefault(n, torch.full(shapes[n], float("nan"))) for n in layout.hf_names}
         scatter_shard(engine.spec, layout, engine.groups.coord.tp, engine.groups.topology.tp, param.detach(), full)
     return {k: v.numpy() for k, v in out.items()}
@@ -79,7 +80,13 @@ def _worker(rank: int, world: int, hf_dir: str, hf_rm_dir: str, ckpt_dir: str):
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
     from megarl.roles import (
-        Actor, BatchingSettings, Critic, OptimizerSettings, PolicyLossSettings, Reference, RewardModel,
+        Actor,
+        BatchingSettings,
+        Critic,
+        OptimizerSettings,
+        PolicyLossSettings,
+        Reference,
+        RewardModel,
     )
 
     spec = ModelSpec.from_hf_dir(hf_dir)
@@ -298,7 +305,7 @@ def test_critic_update_lowers_value_loss(runs):
         returns = np.array([1.0, -1.0, 0.5, 0.0])[:, None] * mask
 
         def loss(v):
-            return 0.5 * ((v - returns) ** 2)[mask].mean()
+            return 0.5 * ((v - returns) ** 2)[mask].mean()  # noqa: B023 (only called in this iteration)
 
         v0, v1 = r["v0"]["values"], r["v1"]["values"]
         assert np.all(v0[~mask] == 0)

@@ -65,7 +65,8 @@ def test_every_step_is_logged(quickstart_run):
     rows, proc = quickstart_run
     golden = json.load(open(GOLDEN))
     assert [r["step"] for r in rows] == list(range(1, len(golden["reward_mean"]) + 1))
-    for key in ("reward/mean", "actor/loss", "actor/grad_norm", "reshard/bytes_received", "time/rollout_s", "tokens_per_s"):
+    for key in ("reward/mean", "actor/loss", "actor/grad_norm", "reshard/bytes_received", "time/rollout_s",
+                "tokens_per_s"):
         assert all(key in r for r in rows), key
     assert "finished 20 steps" in proc.stderr + proc.stdout
 

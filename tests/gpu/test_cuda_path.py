@@ -20,11 +20,11 @@ def test_cpu_layer_is_inactive_on_cuda():
 
 
 def _train_on_gpu(rank, world_size, dtype):
+    from megarl.algorithms.log_probs import vocab_parallel_log_probs
+    from megarl.engine.megatron_engine import MegatronEngine, OptimizerSettings
     from megarl.models.spec import ModelSpec
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
-    from megarl.engine.megatron_engine import MegatronEngine, OptimizerSettings
-    from megarl.algorithms.log_probs import vocab_parallel_log_probs
 
     spec = ModelSpec(architecture="LlamaForCausalLM", num_layers=2, hidden_size=256, num_attention_heads=4,
                      num_query_groups=2, head_dim=64, ffn_hidden_size=512, vocab_size=1000, max_position_embeddings=128)
@@ -37,7 +37,8 @@ def _train_on_gpu(rank, world_size, dtype):
         assert logits.is_cuda
         t = batch["input_ids"].to(logits.device)
         logp = vocab_parallel_log_probs(logits[:, :-1], t[:, 1:], groups.pgs.tp, start)
-        return -logp.sum(), torch.tensor(logp.numel(), dtype=torch.int, device=logits.device), {"loss": -logp.mean().detach()}
+        count = torch.tensor(logp.numel(), dtype=torch.int, device=logits.device)
+        return -logp.sum(), count, {"loss": -logp.mean().detach()}
 
     losses = []
     for _ in range(3):

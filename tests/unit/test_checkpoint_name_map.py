@@ -111,7 +111,9 @@ def test_vocab_segments_pad_last_rank():
     lay = nm.param_layouts(spec)[0]
     # tp=2: padded 512, 256 rows per rank: rank 0 all real, rank 1 rows 256..299 then 212 padding rows
     assert nm.shard_segments(spec, lay, 0, 2) == [nm.Segment("model.embed_tokens.weight", 0, 256)]
-    assert nm.shard_segments(spec, lay, 1, 2) == [nm.Segment("model.embed_tokens.weight", 256, 300), nm.Segment(None, 0, 212)]
+    assert nm.shard_segments(spec, lay, 1, 2) == [
+        nm.Segment("model.embed_tokens.weight", 256, 300), nm.Segment(None, 0, 212),
+    ]
     idx = nm.hf_indices(spec, lay, 1, 2)
     assert idx[0][0] == "model.embed_tokens.weight" and idx[0][1].tolist() == list(range(256, 300))
 
@@ -147,9 +149,13 @@ def test_canonical_names_fold_te_aliases_and_stage_offsets():
 def test_dist_ckpt_keys_are_megatron_core_keys():
     spec = ModelSpec.from_hf_config(hf_config("qwen3").to_dict())
     keys = {lay.megatron_name: lay.dist_ckpt_key for lay in nm.param_layouts(spec)}
-    assert keys["decoder.layers.1.input_layernorm.weight"] == "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    assert keys["decoder.layers.1.input_layernorm.weight"] == (
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    )
     assert keys["decoder.layers.0.pre_mlp_layernorm.weight"] == "decoder.layers.mlp.linear_fc1.layer_norm_weight"
-    assert keys["decoder.layers.0.self_attention.q_layernorm.weight"] == "decoder.layers.self_attention.q_layernorm.weight"
+    assert keys["decoder.layers.0.self_attention.q_layernorm.weight"] == (
+        "decoder.layers.self_attention.q_layernorm.weight"
+    )
     assert keys["embedding.word_embeddings.weight"] == "embedding.word_embeddings.weight"
 
 

@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import megarl
 import megarl.trainer
 from megarl.cli import main

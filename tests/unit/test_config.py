@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -112,7 +113,7 @@ def test_round_trip(tmp_path):
 
 def test_configs_are_frozen(tmp_path):
     cfg = load(tmp_path, base())
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.actor.parallel.tp = 8
 
 
@@ -234,7 +235,10 @@ def test_rollout_tp_must_divide_actor_devices(tmp_path):
     data["resources"]["pools"]["default"]["devices_per_node"] = 6
     data["model"]["arch"].update(num_attention_heads=6, num_query_groups=6)
     data["data"]["prompts_per_step"] = 6
-    msg = error(tmp_path, data, ["actor.parallel.tp=2", "rollout.tp=4", "actor.mini_batch_prompts=null", "actor.micro_batch_samples=1"])
+    msg = error(
+        tmp_path, data,
+        ["actor.parallel.tp=2", "rollout.tp=4", "actor.mini_batch_prompts=null", "actor.micro_batch_samples=1"],
+    )
     assert msg.startswith("rollout.tp=4 does not divide the actor's 6 devices (pool 'default')")
 
 

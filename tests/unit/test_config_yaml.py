@@ -9,8 +9,8 @@ path-based config needs its model's config.json added to HF_CONFIGS below.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 from pathlib import Path
 
 import pytest

@@ -39,7 +39,9 @@ def test_custom_keys_and_blank_lines_are_not_records(tmp_path):
 
 def test_missing_prompt_key_names_file_line_and_key(tmp_path):
     path = _write(tmp_path, '{"prompt": "a"}\n\n{"question": "b"}\n')
-    with pytest.raises(DatasetError, match=re.escape(f"{path}:3: missing prompt key 'prompt' (record has keys ['question'])")):
+    with pytest.raises(
+        DatasetError, match=re.escape(f"{path}:3: missing prompt key 'prompt' (record has keys ['question'])")
+    ):
         PromptDataset(path)
 
 
@@ -87,7 +89,9 @@ def test_parquet(tmp_path):
         import pyarrow.parquet as pq
     except ImportError:
         open(path, "wb").close()
-        with pytest.raises(DatasetError, match=re.escape(f"{path}: reading .parquet needs pyarrow, which is not installed")):
+        with pytest.raises(
+            DatasetError, match=re.escape(f"{path}: reading .parquet needs pyarrow, which is not installed")
+        ):
             PromptDataset(path)
         return
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]}), path)
@@ -155,7 +159,9 @@ def test_loader_resume_continues_the_same_stream(tmp_path):
 def test_loader_resume_mismatch_and_bad_args(tmp_path):
     ds = _ds(tmp_path, 7)
     state = PromptLoader(ds, 3, seed=1).state_dict()
-    with pytest.raises(ValueError, match=re.escape("cannot resume the prompt loader: saved seed=1 but this loader has seed=2")):
+    with pytest.raises(
+        ValueError, match=re.escape("cannot resume the prompt loader: saved seed=1 but this loader has seed=2")
+    ):
         PromptLoader(ds, 3, seed=2).load_state_dict(state)
     with pytest.raises(ValueError, match=re.escape("saved dataset_size=7 but this loader has dataset_size=4")):
         PromptLoader(_ds(tmp_path, 4), 3, seed=1).load_state_dict(state)

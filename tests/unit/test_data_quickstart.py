@@ -19,7 +19,9 @@ FILES = ["train.jsonl", "val.jsonl", "tokenizer/tokenizer.json", "tokenizer/toke
 
 def test_regenerating_gives_the_committed_files(tmp_path):
     paths = build_quickstart(str(tmp_path))
-    assert paths == {"train": f"{tmp_path}/train.jsonl", "val": f"{tmp_path}/val.jsonl", "tokenizer": f"{tmp_path}/tokenizer"}
+    assert paths == {
+        "train": f"{tmp_path}/train.jsonl", "val": f"{tmp_path}/val.jsonl", "tokenizer": f"{tmp_path}/tokenizer",
+    }
     for name in FILES:
         assert filecmp.cmp(tmp_path / name, os.path.join(COMMITTED, name), shallow=False), name
     assert sorted(os.listdir(tmp_path / "tokenizer")) == ["tokenizer.json", "tokenizer_config.json"]

@@ -10,7 +10,10 @@ import pytest
 from megarl.data.tokenization import PromptEncoder
 
 TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "data", "quickstart", "tokenizer")
-JINJA = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
+JINJA = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}w9{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +49,18 @@ def test_hf_mode_uses_the_tokenizers_template(tok):
 
 def test_jinja_template_string_overrides(tok):
     enc = PromptEncoder(tok, JINJA.replace("w9", "w10"))
-    assert enc.render([{"role": "system", "content": "w3"}, {"role": "user", "content": "w4"}]) == "system w3 user w4 w10"
+    messages = [{"role": "system", "content": "w3"}, {"role": "user", "content": "w4"}]
+    assert enc.render(messages) == "system w3 user w4 w10"
 
 
 def test_errors(tok):
-    with pytest.raises(ValueError, match=re.escape("chat_template='hf' uses the tokenizer's chat template, but tokenizer")):
+    with pytest.raises(
+        ValueError, match=re.escape("chat_template='hf' uses the tokenizer's chat template, but tokenizer")
+    ):
         PromptEncoder(tok, "hf")
-    with pytest.raises(ValueError, match=re.escape("chat_template 'User: ' is not one of 'none', 'hf' (or null), a template")):
+    with pytest.raises(
+        ValueError, match=re.escape("chat_template 'User: ' is not one of 'none', 'hf' (or null), a template")
+    ):
         PromptEncoder(tok, "User: ")
     enc = PromptEncoder(tok, "none")
     with pytest.raises(ValueError, match=re.escape(

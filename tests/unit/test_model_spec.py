@@ -54,7 +54,9 @@ def test_rope_scaling_differs_means_specs_differ():
 
 @pytest.mark.parametrize("kind", ["dynamic", "yarn", "longrope"])
 def test_unsupported_rope_type_is_refused_with_the_supported_list(kind):
-    with pytest.raises(UnsupportedModelError, match=rf"unsupported rope_scaling type '{kind}'.*supported: llama3, linear"):
+    with pytest.raises(
+        UnsupportedModelError, match=rf"unsupported rope_scaling type '{kind}'.*supported: llama3, linear"
+    ):
         ModelSpec.from_hf_config(_hf_cfg(rope_scaling={"rope_type": kind, "factor": 2.0}))
 
 

@@ -42,10 +42,12 @@ def test_plan_covers_every_need_exactly_once(spec, tp, pp, dp, infer_tp):
         needs = vllm_needs(spec, infer_tp, plan.infer_rank_of[rank])
         runs = _runs_by_param(plan.ops, rank)
         for need in needs:
-            got = sorted(r for r in runs[(need.param, need.piece.hf_name)] if need.piece.start <= r[1] < need.piece.stop)
+            got = sorted(
+                r for r in runs[(need.param, need.piece.hf_name)] if need.piece.start <= r[1] < need.piece.stop
+            )
             # contiguous, non-overlapping, exactly the needed run, at the right destination offsets
             assert got[0][1] == need.piece.start and got[-1][2] == need.piece.stop, (need, got)
-            for (o1, s1, e1), (o2, s2, e2) in zip(got, got[1:]):
+            for (_o1, _s1, e1), (_o2, s2, _e2) in zip(got, got[1:]):
                 assert e1 == s2, f"gap or overlap in {need}: {got}"
             for off, s, _ in got:
                 assert off == need.offset + (s - need.piece.start)

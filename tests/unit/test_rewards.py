@@ -23,7 +23,9 @@ from megarl.rewards.registry import _REGISTRY
 
 def test_registry_builtins_and_typo_suggestion():
     assert {"exact_match", "gsm8k", "token_fraction"} <= set(list_rewards())
-    with pytest.raises(KeyError, match=re.escape("unknown reward function 'gms8k' (did you mean 'gsm8k'?); registered: [")):
+    with pytest.raises(
+        KeyError, match=re.escape("unknown reward function 'gms8k' (did you mean 'gsm8k'?); registered: [")
+    ):
         get_reward("gms8k")
     with pytest.raises(KeyError, match=re.escape("unknown reward function 'zzz'; registered:")):
         get_reward("zzz")
@@ -48,7 +50,8 @@ def test_register_reward_and_duplicates():
 
 @pytest.mark.parametrize(
     "response, answer, want",
-    [("  Paris ", "paris", 1.0), ("New   York", "new york", 1.0), ("Paris.", "Paris", 0.0), ("x", None, 0.0), ("4", 4, 1.0)],
+    [("  Paris ", "paris", 1.0), ("New   York", "new york", 1.0), ("Paris.", "Paris", 0.0), ("x", None, 0.0),
+     ("4", 4, 1.0)],
 )
 def test_exact_match(response, answer, want):
     assert get_reward("exact_match")(response, answer, {}) == want
@@ -137,7 +140,9 @@ def test_load_reward_file(tmp_path):
     assert fn("a b", None, {}) == 1.0 and fn("a b c d", None, {}) == 0.0
     assert build_reward_fn(SimpleNamespace(file=str(path), function="short"))("a", None, {}) == 1.0
     assert build_reward_fn(SimpleNamespace(file=None, function="gsm8k")) is get_reward("gsm8k")
-    with pytest.raises(AttributeError, match=re.escape(f"reward file '{path}' defines no 'shrt'; its callables: ['short']")):
+    with pytest.raises(
+        AttributeError, match=re.escape(f"reward file '{path}' defines no 'shrt'; its callables: ['short']")
+    ):
         load_reward_file(str(path), "shrt")
     with pytest.raises(TypeError, match=re.escape(f"'LIMIT' in reward file '{path}' is not callable (it is a int)")):
         load_reward_file(str(path), "LIMIT")

@@ -8,7 +8,6 @@ import torch
 
 from megarl.rollout import OverlongPromptError, ParamShard, SamplingSettings, ShardPart, build_shard, plan_prompts
 
-
 PROMPTS = [[1, 2, 3], [1, 2, 3, 4, 5, 6], [7], [1, 2, 3, 4, 5]]
 
 
@@ -66,7 +65,8 @@ def test_sampling_settings_from_config_and_validation():
 
 
 def test_build_shard_qkv_row_vocab():
-    hf = {"q": torch.arange(8.0).view(8, 1).expand(8, 2).contiguous(), "k": 100 + torch.arange(4.0).view(4, 1).expand(4, 2),
+    hf = {"q": torch.arange(8.0).view(8, 1).expand(8, 2).contiguous(),
+          "k": 100 + torch.arange(4.0).view(4, 1).expand(4, 2),
           "o": torch.arange(16.0).view(2, 8), "e": torch.arange(10.0).view(5, 2)}
     qkv = ParamShard("qkv", (6, 2), torch.float32, "qkv", 0,
                      (ShardPart("q", 4, 4), ShardPart("k", 2, 2)), tp_rank=1, tp_size=2)

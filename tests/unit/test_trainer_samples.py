@@ -1,7 +1,6 @@
 """Controller-side pieces of the RL loop: samples -> Batch, prompt chunks per rollout replica."""
 
 import pytest
-import torch
 
 from megarl.rollout.engine import RolloutSample
 from megarl.trainer.samples import chunk_bounds, samples_to_batch
