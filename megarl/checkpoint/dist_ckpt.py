@@ -40,7 +40,7 @@ from megarl.checkpoint.name_map import (
     shard_segments,
 )
 from megarl.models.gpt import DTYPES
-from megarl.models.spec import ModelSpec
+from megarl.models.spec import MODEL_TYPES, ModelSpec
 from megarl.platform.megatron_cpu_compat import megatron_on_cpu
 
 META_NAME = "megarl_checkpoint.json"
@@ -241,8 +241,7 @@ def load_engine_checkpoint(engine, mdir: str) -> None:
 # ----------------------------------------------------------------------------------------------- metadata
 def spec_to_hf_config(spec: ModelSpec) -> dict:
     """A minimal HF `config.json` for `spec` (used when a checkpoint was not converted from an HF directory)."""
-    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                  "MistralForCausalLM": "mistral"}[spec.architecture]
+    model_type = MODEL_TYPES[spec.architecture]
     cfg = dict(
         architectures=[spec.architecture], model_type=model_type, num_hidden_layers=spec.num_layers,
         hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,

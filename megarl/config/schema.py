@@ -16,11 +16,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Optional
 
+from megarl.models.spec import SUPPORTED_ARCHITECTURES
+
 MISSING = dataclasses.MISSING
 
 Dtype = Literal["fp32", "bf16", "fp16"]
-Architecture = Literal["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"]
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = Architecture.__args__  # type: ignore[attr-defined]
+Architecture = Literal[SUPPORTED_ARCHITECTURES]  # the one table lives in megarl.models.spec
 
 
 def opt(default: Any = MISSING, help: str = "", *, factory: Any = None, unit: str = "", min: float | None = None) -> Any:
@@ -55,7 +56,7 @@ class ArchConfig:
     max_position_embeddings: int = opt(help="Longest sequence (prompt + response) the model supports.", unit="tokens", min=1)
     tie_word_embeddings: bool = opt(False, "Share the input embedding with the output layer.")
     rope_theta: float = opt(10000.0, "Base of the rotary position embedding.")
-    norm_eps: float = opt(1e-5, "Epsilon of RMSNorm (HF rms_norm_eps).")
+    norm_eps: float = opt(1e-6, "Epsilon of RMSNorm (HF rms_norm_eps; 1e-6 is the HF default of every supported family).")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -30,6 +30,37 @@ def role_archs(cfg: JobConfig) -> dict[str, ArchConfig]:
     return archs
 
 
+SIDE_ROLES = ("reference", "critic", "reward_model")
+
+
+def check_supported(cfg: JobConfig) -> None:
+    """Refuse, by config key, what the trainer does not run yet (rather than silently ignoring it).
+
+    Part of `validate` (so `megarl train --dry-run` refuses what the trainer refuses); the trainer and its workers
+    call it again on the config they receive.
+    """
+    unsupported = [b for b in cfg.logging.backends if b not in ("console", "jsonl")]
+    if unsupported:
+        raise ConfigError(f"logging.backends: {unsupported} not supported by the trainer yet; use console and jsonl "
+                          "(metrics.jsonl holds every metric of every step)")
+    kl = cfg.algorithm.kl
+    if kl.target is not None and kl.placement != "reward":
+        raise ConfigError("algorithm.kl.target: the adaptive KL controller adjusts a KL penalty in the reward; set "
+                          "algorithm.kl.placement=reward, or drop kl.target for a fixed KL loss coefficient")
+    if kl.coef > 0 and kl.placement == "reward" and cfg.algorithm.estimator in ("grpo", "rloo",
+                                                                                "reinforce_plus_plus_baseline"):
+        raise ConfigError(f"algorithm.kl.placement: '{cfg.algorithm.estimator}' advantages use sequence scores and "
+                          "ignore token rewards, so a KL penalty in the reward would be dropped; use placement=loss")
+    separate: dict[str, str] = {}
+    for role in SIDE_ROLES:
+        r = cfg.role(role)
+        if r.enabled and r.pool != cfg.actor.pool:
+            if r.pool in separate:
+                raise ConfigError(f"{role}.pool: pool {r.pool!r} already hosts the {separate[r.pool]}; a pool away "
+                                  "from the actor hosts one role (give each its own pool, or colocate with the actor)")
+            separate[r.pool] = role
+
+
 def validate(cfg: JobConfig) -> JobConfig:
     """Check every cross-field rule; return the resolved config. Raises ConfigError."""
     if not cfg.actor.enabled:
@@ -56,6 +87,7 @@ def validate(cfg: JobConfig) -> JobConfig:
         _check_sequence_length(cfg, name, arch)
     _check_rollout(cfg, archs["actor"], resolved_roles["actor"].parallel)
     _check_trainer(cfg)
+    check_supported(cfg)
     algorithm = dataclasses.replace(cfg.algorithm, advantage_estimator=cfg.algorithm.estimator)
     return dataclasses.replace(cfg, algorithm=algorithm, **resolved_roles)
 
@@ -181,6 +213,11 @@ def _check_sampling(cfg: JobConfig) -> None:
         raise ConfigError(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     if r.top_k == 0:
         raise ConfigError("rollout.top_k: must be -1 (disabled) or >= 1, got 0")
+    if r.temperature == 0 and r.samples_per_prompt > 1:
+        raise ConfigError(
+            f"rollout.temperature=0 (greedy) with rollout.samples_per_prompt={r.samples_per_prompt}: greedy decoding "
+            "gives every sample of a prompt the same response; use temperature > 0, or samples_per_prompt=1"
+        )
     estimator = cfg.algorithm.estimator
     if estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and r.samples_per_prompt < 2:
         raise ConfigError(

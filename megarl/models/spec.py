@@ -12,12 +12,15 @@ import os
 from collections.abc import Mapping
 from typing import Any, Iterator, Optional
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MistralForCausalLM",
-)
+# The one table of supported architectures: HF class name -> HF `model_type`. The config schema, the checkpoint
+# name maps, the engine model directory and the HF config writer all read it.
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
 
 
 # RoPE scaling types the Megatron provider reproduces exactly (`megarl.models.gpt.rope_inv_freq`): "llama3"

@@ -16,35 +16,9 @@ from typing import Optional
 
 from megarl.config import ConfigError
 from megarl.config.schema import JobConfig
+from megarl.config.validate import SIDE_ROLES, check_supported  # noqa: F401  (re-exported: the trainer's refusals)
 
 logger = logging.getLogger("megarl.trainer")
-
-
-SIDE_ROLES = ("reference", "critic", "reward_model")
-
-
-def check_supported(cfg: JobConfig) -> None:
-    """Refuse, by config key, what the trainer does not run yet (rather than silently ignoring it)."""
-    unsupported = [b for b in cfg.logging.backends if b not in ("console", "jsonl")]
-    if unsupported:
-        raise ConfigError(f"logging.backends: {unsupported} not supported by the trainer yet; use console and jsonl "
-                          "(metrics.jsonl holds every metric of every step)")
-    kl = cfg.algorithm.kl
-    if kl.target is not None and kl.placement != "reward":
-        raise ConfigError("algorithm.kl.target: the adaptive KL controller adjusts a KL penalty in the reward; set "
-                          "algorithm.kl.placement=reward, or drop kl.target for a fixed KL loss coefficient")
-    if kl.coef > 0 and kl.placement == "reward" and cfg.algorithm.estimator in ("grpo", "rloo",
-                                                                                "reinforce_plus_plus_baseline"):
-        raise ConfigError(f"algorithm.kl.placement: '{cfg.algorithm.estimator}' advantages use sequence scores and "
-                          "ignore token rewards, so a KL penalty in the reward would be dropped; use placement=loss")
-    separate: dict[str, str] = {}
-    for role in SIDE_ROLES:
-        r = cfg.role(role)
-        if r.enabled and r.pool != cfg.actor.pool:
-            if r.pool in separate:
-                raise ConfigError(f"{role}.pool: pool {r.pool!r} already hosts the {separate[r.pool]}; a pool away "
-                                  "from the actor hosts one role (give each its own pool, or colocate with the actor)")
-            separate[r.pool] = role
 
 
 @contextlib.contextmanager

@@ -13,11 +13,8 @@ import os
 import shutil
 
 from megarl.config.schema import ArchConfig, JobConfig
+from megarl.models.spec import MODEL_TYPES
 
-MODEL_TYPES = {
-    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-    "MistralForCausalLM": "mistral",
-}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json")
 

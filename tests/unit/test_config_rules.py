@@ -99,31 +99,27 @@ def test_model_path_config_json_not_an_object(tmp_path):
     assert error(tmp_path, data) == f"model.path: {model / 'config.json'} must hold a JSON object"
 
 
-def _refusal(tmp_path, check, overrides, data=None) -> str:
-    cfg = load(tmp_path, data or base(), overrides)  # a valid config: the refusal is the set-up's, not validate's
-    with pytest.raises(ConfigError) as e:
-        check(cfg)
-    return str(e.value)
-
-
 def test_trainer_refuses_kl_in_the_reward_with_sequence_score_advantages(tmp_path):
-    from megarl.trainer import check_supported
-
-    msg = _refusal(tmp_path, check_supported,
-                   ["reference.enabled=true", "algorithm.kl.coef=0.01", "algorithm.kl.placement=reward"])
+    # `check_supported` is part of `validate`: the refusal comes at load time (so `--dry-run` shows it too)
+    msg = error(tmp_path, base(), ["reference.enabled=true", "algorithm.kl.coef=0.01", "algorithm.kl.placement=reward"])
     assert msg == ("algorithm.kl.placement: 'grpo' advantages use sequence scores and ignore token rewards, so a KL "
                    "penalty in the reward would be dropped; use placement=loss")
 
 
 def test_trainer_refuses_two_side_roles_on_one_separate_pool(tmp_path):
-    from megarl.trainer import check_supported
-
     data = base()
     data["resources"]["pools"]["side"] = {"nodes": 1, "devices_per_node": 1}
-    msg = _refusal(tmp_path, check_supported, ["algorithm.name=ppo", "reference.enabled=true", "reference.pool=side",
-                                               "critic.enabled=true", "critic.pool=side"], data)
+    msg = error(tmp_path, data, ["algorithm.name=ppo", "reference.enabled=true", "reference.pool=side",
+                                 "critic.enabled=true", "critic.pool=side"])
     assert msg == ("critic.pool: pool 'side' already hosts the reference; a pool away from the actor hosts one role "
                    "(give each its own pool, or colocate with the actor)")
+
+
+def test_greedy_rollout_with_several_samples_per_prompt(tmp_path):
+    # vLLM refuses n > 1 with greedy sampling in the middle of a run ("n must be 1 when using greedy sampling")
+    msg = error(tmp_path, base(), ["rollout.temperature=0", "rollout.samples_per_prompt=4"])
+    assert msg == ("rollout.temperature=0 (greedy) with rollout.samples_per_prompt=4: greedy decoding gives every "
+                   "sample of a prompt the same response; use temperature > 0, or samples_per_prompt=1")
 
 
 def test_rollout_engine_needs_a_tokenizer(tmp_path):

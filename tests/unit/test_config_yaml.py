@@ -104,10 +104,13 @@ def test_docs_in_sync():
     (["algorithm.kl.placement=reward", "algorithm.kl.coef=0.01"], "algorithm.kl.placement: 'grpo' advantages"),
     (["logging.backends=[console, wandb]"], "logging.backends: ['wandb'] not supported by the trainer yet"),
 ])
-def test_trainer_refuses_what_it_would_otherwise_ignore(overrides, message):
+def test_trainer_refuses_what_it_would_otherwise_ignore(overrides, message, capsys):
+    from megarl.cli import main
     from megarl.config import ConfigError
-    from megarl.trainer import check_supported
 
-    cfg = load_config(REPO / "yaml_configs" / "cpu_quickstart.yaml", overrides)
+    # refused when the config loads (validate runs the trainer's check_supported) ...
     with pytest.raises(ConfigError, match=re.escape(message)):
-        check_supported(cfg)
+        load_config(REPO / "yaml_configs" / "cpu_quickstart.yaml", overrides)
+    # ... so `megarl train --dry-run` refuses it too, exit status 2, before anything starts
+    assert main(["train", str(REPO / "yaml_configs" / "cpu_quickstart.yaml"), *overrides, "--dry-run"]) == 2
+    assert message in capsys.readouterr().err

@@ -111,3 +111,21 @@ def test_vllm_layout_refuses_qwen2_with_head_dim_other_than_hidden_over_heads():
     with pytest.raises(ValueError, match=r"Qwen2ForCausalLM with head_dim=32 != hidden_size/num_attention_heads=64/4"):
         vllm_needs(ModelSpec.from_hf_config(cfg), 2, 0)
     assert vllm_needs(ModelSpec.from_hf_config({**cfg, "hidden_size": 128}), 2, 0)
+
+
+def test_norm_eps_default_is_the_hf_default_everywhere():
+    """An inline `model.arch` without norm_eps, a ModelSpec and a config.json without rms_norm_eps agree, on the
+    value every supported family's transformers config uses by default (1e-6)."""
+    import dataclasses
+
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    from megarl.config.schema import ArchConfig
+
+    hf_defaults = {c().rms_norm_eps for c in (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)}
+    assert hf_defaults == {1e-6}
+    arch_default = {f.name: f.default for f in dataclasses.fields(ArchConfig)}["norm_eps"]
+    spec_default = {f.name: f.default for f in dataclasses.fields(ModelSpec)}["norm_eps"]
+    hf = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 2, "intermediate_size": 128, "vocab_size": 100}
+    assert arch_default == spec_default == ModelSpec.from_hf_config(hf).norm_eps == 1e-6
