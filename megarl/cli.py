@@ -59,31 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _device_bytes(cfg: JobConfig, kind: str) -> Optional[int]:
-    """Memory of one GPU: `resources.device_memory_gb`, else GPU 0's total memory when the job runs on CUDA and
-    CUDA is present here; None otherwise (unknown: the estimate is printed, nothing refused)."""
-    if cfg.resources.device_memory_gb is not None:
-        return int(cfg.resources.device_memory_gb * 10**9)
-    if kind != "cuda":
-        return None
-    import torch
-
-    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-
-
 def dry_run_report(cfg: JobConfig) -> str:
     """The resolved config as YAML, the per-GPU memory estimate, then the placement table.
 
     Raises ConfigError when the device memory is known (`resources.device_memory_gb`, or CUDA present) and the
     estimate exceeds it."""
-    from megarl.config.memory import check_fits, job_memory_estimate
+    from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate
     from megarl.config.placement import device_kind, format_table, placement
     from megarl.config.validate import role_archs
 
     layers = {role: arch.num_layers for role, arch in role_archs(cfg).items()}
     kind = device_kind(cfg)
     rows = placement(cfg, layers, kind)
-    memory = job_memory_estimate(cfg, _device_bytes(cfg, kind))
+    memory = job_memory_estimate(cfg, device_memory_bytes(cfg))
     check_fits(memory)
     return (
         "# resolved config\n"

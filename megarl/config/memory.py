@@ -138,6 +138,21 @@ def job_memory_estimate(cfg, device_bytes: Optional[int]) -> MemoryEstimate:
     return dataclasses.replace(est, other_roles_bytes=est.other_roles_bytes + extra_trained)
 
 
+def device_memory_bytes(cfg) -> Optional[int]:
+    """Memory of one GPU of a `JobConfig`'s job: `resources.device_memory_gb`, else GPU 0's total memory when the
+    job runs on CUDA and CUDA is present in this process; None otherwise (unknown: print the estimate, refuse
+    nothing)."""
+    from megarl.config.placement import device_kind
+
+    if cfg.resources.device_memory_gb is not None:
+        return int(cfg.resources.device_memory_gb * GB)
+    if device_kind(cfg) != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
 def check_fits(est: MemoryEstimate) -> None:
     """Raise ConfigError with the numbers when the estimate exceeds the device memory (no-op when unknown)."""
     if est.fits is False:

@@ -69,6 +69,10 @@ def run(cfg: JobConfig) -> Optional[int]:
         if existing:
             raise ConfigError(f"checkpoint.dir: {cfg.checkpoint.dir} holds checkpoints of an earlier run (steps "
                               f"{existing}); set checkpoint.resume=true to continue it, or choose another directory")
+    from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate
+
+    # pre-flight: a layout whose static memory exceeds the GPU's (when known) is refused before Ray starts
+    check_fits(job_memory_estimate(cfg, device_memory_bytes(cfg)))
 
     started_ray = not ray.is_initialized()
     if started_ray:

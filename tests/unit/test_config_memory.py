@@ -104,3 +104,14 @@ def test_dry_run_refuses_with_the_numbers_when_device_memory_is_given(capsys):
     # the same job fits a 141 GB GPU: 67.38 + 70.5 = 137.88 GB
     assert main(["train", QUICKSTART, *LLAMA2_7B, "resources.device_memory_gb=141", "--dry-run"]) == 0
     assert re.search(r"total +137\.88 GB of 141\.00 GB", capsys.readouterr().out)
+
+
+def test_trainer_run_refuses_before_ray_starts(tmp_path):
+    import ray
+
+    from megarl import trainer
+
+    cfg = load_config(QUICKSTART, [*LLAMA2_7B, "resources.device_memory_gb=80", f"logging.dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"estimated 107\.38 GB per GPU > 80\.00 GB"):
+        trainer.run(cfg)
+    assert not ray.is_initialized()
