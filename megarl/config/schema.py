@@ -24,7 +24,9 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 Architecture = Literal[SUPPORTED_ARCHITECTURES]  # the one table lives in megarl.models.spec
 
 
-def opt(default: Any = MISSING, help: str = "", *, factory: Any = None, unit: str = "", min: float | None = None) -> Any:
+def opt(
+    default: Any = MISSING, help: str = "", *, factory: Any = None, unit: str = "", min: float | None = None
+) -> Any:
     """Declare a config field: `help` = meaning, `unit` = unit of the value, `min` = smallest allowed value."""
     if not help:
         raise TypeError("every config field needs a help text")
@@ -53,10 +55,14 @@ class ArchConfig:
     head_dim: int = opt(help="Width of one attention head.", unit="features", min=1)
     ffn_hidden_size: int = opt(help="Width of the SwiGLU MLP (HF intermediate_size).", unit="features", min=1)
     vocab_size: int = opt(help="Vocabulary size of the embedding and output layer.", unit="tokens", min=1)
-    max_position_embeddings: int = opt(help="Longest sequence (prompt + response) the model supports.", unit="tokens", min=1)
+    max_position_embeddings: int = opt(
+        help="Longest sequence (prompt + response) the model supports.", unit="tokens", min=1
+    )
     tie_word_embeddings: bool = opt(False, "Share the input embedding with the output layer.")
     rope_theta: float = opt(10000.0, "Base of the rotary position embedding.")
-    norm_eps: float = opt(1e-6, "Epsilon of RMSNorm (HF rms_norm_eps; 1e-6 is the HF default of every supported family).")
+    norm_eps: float = opt(
+        1e-6, "Epsilon of RMSNorm (HF rms_norm_eps; 1e-6 is the HF default of every supported family)."
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -313,7 +319,9 @@ class AlgorithmConfig:
     lam: float = opt(1.0, "GAE lambda.", min=0)
     clip_low: float = opt(0.2, "PPO ratio clip below 1: ratio >= 1 - clip_low.", min=0)
     clip_high: float = opt(0.2, "PPO ratio clip above 1: ratio <= 1 + clip_high (>clip_low = clip-higher).", min=0)
-    clip_c: Optional[float] = opt(None, "Dual-clip constant (> 1) bounding the loss of negative advantages; null = off.")
+    clip_c: Optional[float] = opt(
+        None, "Dual-clip constant (> 1) bounding the loss of negative advantages; null = off."
+    )
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = opt(
         "token-mean", "How per-token losses are reduced to the mini-batch loss."
     )

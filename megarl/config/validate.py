@@ -25,7 +25,9 @@ def role_archs(cfg: JobConfig) -> dict[str, ArchConfig]:
     for name in cfg.enabled_roles():
         override = getattr(cfg.role(name), "model", None)
         if name == "reward_model" and override is None:
-            raise ConfigError("reward_model.model: required when reward_model.enabled is true (the reward model's checkpoint)")
+            raise ConfigError(
+                "reward_model.model: required when reward_model.enabled is true (the reward model's checkpoint)"
+            )
         archs[name] = resolve_arch(override, f"{name}.model") if override is not None else actor_arch
     return archs
 
@@ -177,7 +179,8 @@ def _check_sequence_length(cfg: JobConfig, name: str, arch: ArchConfig) -> None:
     r = cfg.rollout
     total = r.max_prompt_tokens + r.max_new_tokens
     if total > arch.max_position_embeddings:
-        model = "model" if name in ("actor", "reference") or getattr(cfg.role(name), "model", None) is None else f"{name}.model"
+        own_model = getattr(cfg.role(name), "model", None)
+        model = "model" if name in ("actor", "reference") or own_model is None else f"{name}.model"
         raise ConfigError(
             f"rollout: max_prompt_tokens + max_new_tokens = {r.max_prompt_tokens} + {r.max_new_tokens} = {total} "
             f"exceeds {model} max_position_embeddings={arch.max_position_embeddings}"
