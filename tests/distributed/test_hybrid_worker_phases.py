@@ -1,0 +1,61 @@
+"""The engine phase order of `HybridWorker`'s real path (issue 15, item 6), as the calls the vLLM wrapper records in
+`engine.events` (recorded on CPU too, where sleep/wake are no-ops; megarl/rollout/vllm_adapter.py).
+
+One rank builds a `HybridWorker` from the quickstart config (actor TP1, rollout TP1) and runs the trainer's order:
+the initial `sync_weights`, then two steps of `generate` -> `sync_weights`, and a last `generate`. The expected
+sequence is the target order written in the issue: after a rollout the engine sleeps at level 2 (weights and KV
+cache dropped), the next sync wakes the weights only, reshards into them, and the KV cache is woken only for the
+next rollout.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megarl.platform.spawn import run_ranks
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ONE_RANK = ["resources.pools.default.devices_per_node=1", "actor.parallel.tp=1", "reference.parallel.tp=1",
+            "rollout.tp=1"]
+
+
+def _worker(rank, world_size, run_dir):
+    from megarl.config import load_config
+    from megarl.rollout.engine import SamplingSettings
+    from megarl.trainer.engine_model_dir import engine_model_dir
+    from megarl.trainer.hybrid_worker import HybridWorker
+
+    cfg = load_config(os.path.join(ROOT, "yaml_configs", "cpu_quickstart.yaml"), ONE_RANK)
+    worker = HybridWorker(cfg, engine_model_dir(cfg, run_dir))
+    sampling = SamplingSettings(max_new_tokens=3, temperature=0.0)
+    worker.engine.events.clear()  # only what the steps below do
+    worker.sync_weights()  # the trainer's first call: the engine starts with random weights
+    for _ in range(2):
+        worker.generate([[5, 6, 7], [8, 9]], sampling)
+        worker.sync_weights()
+    worker.generate([[5, 6, 7]], sampling)
+    return list(worker.engine.events)
+
+
+def test_phase_order_over_two_steps(tmp_path):
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    (events,) = run_ranks(1, _worker, str(tmp_path), timeout_s=600, env=env)
+    # consecutive update_weights calls (one per reshard bucket) are one reshard
+    phases = []
+    for name, arg in events:
+        step = ("reshard", None) if name == "update_weights" else (name, arg)
+        if not (step[0] == "reshard" and phases and phases[-1][0] == "reshard"):
+            phases.append(step)
+    sleep, wake_w, reshard, wake_kv = ("sleep", 2), ("wake", ("weights",)), ("reshard", None), ("wake", ("kv_cache",))
+    generate = [e for e in events if e[0] == "generate"]
+    assert generate == [("generate", 2), ("generate", 2), ("generate", 1)]
+    assert phases == [
+        reshard, ("generate", 2), sleep,                        # initial sync into the new (awake) engine; step 1
+        wake_w, reshard, wake_kv, ("generate", 2), sleep,       # step 2
+        wake_w, reshard, wake_kv, ("generate", 1), sleep,       # step 3
+    ]
+    assert all(arg == "vllm_shard" for name, arg in events if name == "update_weights")
