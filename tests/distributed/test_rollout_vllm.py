@@ -29,6 +29,7 @@ LONG = [1] + [3 + (7 * i) % 290 for i in range(39)]
 PROMPTS = [[1, 5, 6, 7], [1, 9, 10], LONG, [1, 20, 21, 22, 23]]
 NEW = 8
 GREEDY = SamplingSettings(temperature=0.0, max_new_tokens=NEW, ignore_eos=True)
+SHORT, LONG_EXTRA = 3, 37  # replica 0: 3 tokens, replica 1: 40 (prompts + 40 < max_model_len 128)
 
 
 def _load_sd(path: str) -> dict[str, torch.Tensor]:
@@ -194,6 +195,9 @@ def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_pe
         assert eng.update_weights(iter(_load_sd(base).items()), layout="hf") == 21
     mine = prompts_per_replica[eng.replica_index]
     greedy = _greedy(eng, mine)
+    # replicas run different step counts: replica r generates SHORT + r * (LONG_EXTRA) tokens (ignore_eos)
+    length = SHORT + eng.replica_index * LONG_EXTRA
+    lengths = [s.response_ids for s in eng.generate(mine[:1], dataclasses.replace(GREEDY, max_new_tokens=length))]
     sampled = eng.generate(mine[:1], SamplingSettings(temperature=0.8, max_new_tokens=NEW, seed=5,
                                                       samples_per_prompt=2))
     shards = eng.param_shards()
@@ -208,6 +212,7 @@ def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_pe
     except ValueError as e:
         info["mismatch"] = str(e)
     eng.close()
+    info["varied"] = lengths[0]
     return info, greedy, [(s.prompt_ids, s.response_ids, s.response_log_probs) for s in sampled], n, greedy_after
 
 
@@ -242,3 +247,6 @@ def test_two_replicas_of_tp2_on_four_ranks(models):
         want = ref[:1] if r == 0 else ref[1:]
         want_after = ref_other[:1] if r == 0 else ref_other[1:]
         assert greedy == want and after == want_after and n == 15
+        # replica 0 ran 3 decode steps, replica 1 ran 40 in the same call window; greedy prefixes match transformers
+        assert len(info["varied"]) == (3 if r == 0 else 40)
+        assert info["varied"][:3] == want[0][:3] and (r == 0 or info["varied"][:NEW] == want[0])
