@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megarl.platform.spawn import run_ranks
-from tests.distributed.harness import group_by_case
+from tests.distributed.harness import actor_log_prob_gap, group_by_case
 
 PROMPTS = [[1, 5, 9, 14, 22, 7], [1, 40, 41, 42], [1, 100, 3, 250, 17, 18, 19], [1, 77]]
 MAX_NEW = 8
@@ -31,35 +31,6 @@ WORLDS = [
     (4, 1, [("tp2pp2->i1", 2, 2, 1)]),
 ]
 CASES = [c[0] for _, _, cases in WORLDS for c in cases]
-
-
-def _batch(prompts, responses):
-    from megarl.data.batch import Batch
-
-    seqs = [p + r for p, r in zip(prompts, responses)]
-    S = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), S, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    resp = torch.zeros_like(ids)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-        attn[i, : len(p) + len(r)] = 1
-        resp[i, len(p) : len(p) + len(r)] = 1
-    return Batch({"input_ids": ids, "attention_mask": attn, "response_mask": resp})
-
-
-def _compare_log_probs(actor, samples):
-    """Max |vLLM log-prob - Megatron log-prob| over response tokens (None on ranks without the result)."""
-    batch = _batch([s.prompt_ids for s in samples], [s.response_ids for s in samples])
-    out = actor.compute_log_probs(batch, with_entropy=False)
-    if out is None:
-        return None, batch
-    worst = 0.0
-    for i, s in enumerate(samples):
-        p = len(s.prompt_ids)
-        mega = out.tensors["log_probs"][i, p : p + len(s.response_ids)]
-        worst = max(worst, float((mega - torch.tensor(s.response_log_probs)).abs().max()))
-    return worst, batch
 
 
 def _worker(rank, world_size, hf_dir, infer_tp, cases):
@@ -95,7 +66,7 @@ def _worker(rank, world_size, hf_dir, infer_tp, cases):
         layout_mismatch = [s.name for s in shards
                            if not torch.equal(sink.last_fed[s.name], build_shard(s, lambda n: reader.read(n)))]
         before = engine.generate(PROMPTS, greedy)
-        lp_diff, batch = _compare_log_probs(actor, before)
+        lp_diff, batch = actor_log_prob_gap(actor, before)
         # one update that pushes up the greedy tokens' log-probs, then a second reshard
         batch.tensors["old_log_probs"] = torch.zeros(batch.tensors["input_ids"].shape)
         old = actor.compute_log_probs(batch, with_entropy=False)
@@ -109,7 +80,7 @@ def _worker(rank, world_size, hf_dir, infer_tp, cases):
         actor.update(batch)
         report2 = execute_reshard(plan, megatron_sources(actor.engine), sink, bucket_bytes=256 << 10)
         after = engine.generate(PROMPTS, greedy)
-        lp_diff_after, _ = _compare_log_probs(actor, after)
+        lp_diff_after, _ = actor_log_prob_gap(actor, after)
         results[name] = {
             "layout_mismatch": layout_mismatch, "fed": sink.tensors_fed, "params": len(shards),
             "before": [s.response_ids for s in before], "after": [s.response_ids for s in after],
