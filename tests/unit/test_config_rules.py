@@ -51,20 +51,16 @@ def test_no_pools(tmp_path):
 # Expected strings written by hand from each refusal (what is wrong, the offending value, what to do).
 
 
-def test_empty_config_file(tmp_path):
-    path = tmp_path / "empty.yaml"
-    path.write_text("")
+@pytest.mark.parametrize("name,text,message", [
+    ("empty.yaml", "", "the config file is empty"),
+    ("list.yaml", "- actor\n- rollout\n", "the top level must be a mapping of sections, got list"),
+])
+def test_unreadable_config_file(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
     with pytest.raises(ConfigError) as e:
         load_config(path)
-    assert str(e.value) == f"{path}: the config file is empty"
-
-
-def test_top_level_not_a_mapping(tmp_path):
-    path = tmp_path / "list.yaml"
-    path.write_text("- actor\n- rollout\n")
-    with pytest.raises(ConfigError) as e:
-        load_config(path)
-    assert str(e.value) == f"{path}: the top level must be a mapping of sections, got list"
+    assert str(e.value) == f"{path}: {message}"
 
 
 def test_override_into_a_scalar(tmp_path):
