@@ -9,7 +9,8 @@ from vLLM by TF32 rounding, not by a reshard error; 1e-3 is a bound for fp32-vs-
 import pytest
 
 from megarl.platform.spawn import run_ranks
-from tests.distributed.test_hybrid_reshard_vllm import MAX_NEW, PROMPTS, _compare_log_probs
+from tests.distributed.harness import actor_log_prob_gap
+from tests.distributed.test_hybrid_reshard_vllm import MAX_NEW, PROMPTS
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +39,7 @@ def _gpu_worker(rank, world_size, hf_dir):
     plan = plan_reshard(spec, groups.topology, world_size, dtype_bytes=4)
     report = execute_reshard(plan, megatron_sources(actor.engine), VllmShardSink(engine))
     samples = engine.generate(PROMPTS, SamplingSettings(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True))
-    diff, _ = _compare_log_probs(actor, samples)
+    diff, _ = actor_log_prob_gap(actor, samples)
     return [s.response_ids for s in samples], diff, report.time_s
 
 
