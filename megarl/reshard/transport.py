@@ -21,6 +21,7 @@ freely. A cross-pool transport (e.g. trainer and rollout engine in different wor
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Optional, Protocol, Sequence
 
 import torch
@@ -67,8 +68,16 @@ class _Requests:
         self._requests = []
 
 
-# Process groups whose (lazily built) NCCL communicator this process already initialised, by group identity.
-_READY_GROUPS: set[int] = set()
+# Process groups `begin()` already saw (their lazily built NCCL communicator, if any, is initialised). Weak: an
+# entry leaves with its group object, so a group of a rebuilt world -- which may reuse a freed group's `id()` --
+# is never taken for ready. (torch's ProcessGroup, a pybind11 class, takes weak references; checked on 2.13.)
+_READY_GROUPS: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+
+
+def builds_communicator_lazily(backend: str) -> bool:
+    """True when `backend` (as `dist.get_backend` returns it) includes NCCL, which builds a group's communicator at
+    its first operation: "nccl", or a per-device string such as "cpu:gloo,cuda:nccl"."""
+    return "nccl" in backend.lower()
 
 
 class TorchP2PTransport:
@@ -85,14 +94,14 @@ class TorchP2PTransport:
     def begin(self) -> None:
         if not dist.is_initialized():
             return
-        key = id(self.group if self.group is not None else dist.group.WORLD)
-        if key in _READY_GROUPS:
+        group = self.group if self.group is not None else dist.group.WORLD
+        if group in _READY_GROUPS:
             return
-        if dist.get_backend(self.group) == "nccl":
+        if builds_communicator_lazily(str(dist.get_backend(self.group))):
             # Builds the group's communicator with every rank present (issue 15 item 9): later batches may leave
             # ranks out.
             dist.barrier(group=self.group, device_ids=[torch.cuda.current_device()])
-        _READY_GROUPS.add(key)
+        _READY_GROUPS.add(group)
 
     def post(self, sends: Sequence[Message], recvs: Sequence[Message]) -> Pending:
         ops = [dist.P2POp(dist.isend, m.tensor, m.peer, self.group, tag=m.tag) for m in sends]
