@@ -70,6 +70,7 @@ def _megarl_worker(rank: int, world: int, args, hf_dir: str):
     from megarl.models.spec import ModelSpec
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
+    from megarl.platform.device import local_device
     from megarl.roles import Actor, BatchingSettings, OptimizerSettings
 
     spec = ModelSpec.from_hf_dir(hf_dir)
@@ -84,7 +85,10 @@ def _megarl_worker(rank: int, world: int, args, hf_dir: str):
     old = actor.compute_log_probs(batch)
     old_lp = old["log_probs"] if old is not None else torch.zeros(batch["input_ids"].shape)
     if groups.topology.pp > 1:  # old log-probs live on the last stage; every stage takes the same batch
+        # on the platform's device (as benchmarks/reshard.py's collective_device): an NCCL world has no CPU backend
+        old_lp = old_lp.to(local_device())
         torch.distributed.broadcast(old_lp, src=groups.pp_ranks[-1], group=groups.pgs.pp)
+        old_lp = old_lp.cpu()  # the batch stays on the host, where compute_log_probs returns it
     batch = batch.update({"old_log_probs": old_lp})
     runs = []
     for i in range(args.steps + 1):
