@@ -15,6 +15,9 @@ from typing import Optional, Sequence
 
 import megarl
 from megarl.config import ConfigError, JobConfig, dump_yaml, load_config
+from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate
+from megarl.config.placement import device_kind, format_table, placement
+from megarl.config.validate import role_archs
 
 EXIT_OK = 0
 EXIT_USAGE = 2  # bad config / usage, as argparse uses
@@ -64,10 +67,6 @@ def dry_run_report(cfg: JobConfig) -> str:
 
     Raises ConfigError when the device memory is known (`resources.device_memory_gb`, or CUDA present) and the
     estimate exceeds it."""
-    from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate
-    from megarl.config.placement import device_kind, format_table, placement
-    from megarl.config.validate import role_archs
-
     layers = {role: arch.num_layers for role, arch in role_archs(cfg).items()}
     kind = device_kind(cfg)
     rows = placement(cfg, layers, kind)

@@ -11,6 +11,8 @@
   tiny        random HF models built with transformers (tests, benchmarks)
 """
 
+import importlib
+
 _EXPORTS = {
     "load_hf_into_engine": "engine_io", "build_engine_from_hf": "engine_io", "engine_logits": "engine_io",
     "save_engine_checkpoint": "dist_ckpt", "load_engine_checkpoint": "dist_ckpt",
@@ -20,7 +22,5 @@ _EXPORTS = {
 
 def __getattr__(name):  # lazy: importing the package must not pull in megatron-core
     if name in _EXPORTS:
-        import importlib
-
         return getattr(importlib.import_module(f"megarl.checkpoint.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module 'megarl.checkpoint' has no attribute {name!r}")

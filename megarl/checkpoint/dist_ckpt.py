@@ -34,6 +34,7 @@ from megarl.checkpoint.errors import CheckpointError
 from megarl.checkpoint.hf_io import HFReader, HFWriter, spec_from_hf_config
 from megarl.checkpoint.name_map import (
     ParamLayout,
+    hf_shapes,
     hf_to_megatron_full,
     megatron_full_to_hf,
     param_layouts,
@@ -421,8 +422,6 @@ def megatron_to_hf(mdir: str, out: str, overwrite: bool = False, max_shard_bytes
 
 
 def _full_shape(spec: ModelSpec, layout: ParamLayout) -> tuple[int, ...]:
-    from megarl.checkpoint.name_map import hf_shapes
-
     shapes = hf_shapes(spec)
     first = shapes[layout.hf_names[0]]
     if layout.partition_dim is None or len(layout.hf_names) == 1:

@@ -23,6 +23,9 @@ import dataclasses
 from typing import Optional
 
 from megarl.config.errors import ConfigError
+from megarl.config.placement import device_kind
+from megarl.config.validate import role_archs
+from megarl.models.spec import ModelSpec
 
 GB = 10**9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -102,9 +105,6 @@ def estimate_memory(num_params: int, *, dtype: str, tp: int, pp: int, dp: int, g
 def job_memory_estimate(cfg, device_bytes: Optional[int]) -> MemoryEstimate:
     """The estimate for a validated `JobConfig`: the actor, the forward-only roles (reference, reward model) on the
     actor's pool, and vLLM. A critic on the actor's pool is counted like the actor (params + grads + optimizer)."""
-    from megarl.config.validate import role_archs
-    from megarl.models.spec import ModelSpec
-
     archs = role_archs(cfg)
 
     def n_params(arch) -> int:
@@ -142,8 +142,6 @@ def device_memory_bytes(cfg) -> Optional[int]:
     """Memory of one GPU of a `JobConfig`'s job: `resources.device_memory_gb`, else GPU 0's total memory when the
     job runs on CUDA and CUDA is present in this process; None otherwise (unknown: print the estimate, refuse
     nothing)."""
-    from megarl.config.placement import device_kind
-
     if cfg.resources.device_memory_gb is not None:
         return int(cfg.resources.device_memory_gb * GB)
     if device_kind(cfg) != "cuda":

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -126,8 +127,6 @@ class _WorkerHost:
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a TCP port free on it right now (becomes MASTER_ADDR / MASTER_PORT)."""
-        import socket
-
         import ray
 
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

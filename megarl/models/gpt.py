@@ -11,6 +11,7 @@ otherwise megatron-core's local spec; both give the same parameter names in chec
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Optional
 
@@ -44,8 +45,6 @@ def fused_softmax_kernels_available(cuda: Optional[bool] = None) -> bool:
     from Transformer Engine), so without them a local-spec model on CUDA fails at its first fp16/bf16 forward.
     cuda: whether CUDA is usable (default: `torch.cuda.is_available()`).
     """
-    import importlib.util
-
     if not (torch.cuda.is_available() if cuda is None else cuda):
         return False
     return all(importlib.util.find_spec(m) is not None for m in _FUSED_SOFTMAX_MODULES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import socket
 
 import numpy as np
 import torch
@@ -43,8 +44,6 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -32,7 +32,7 @@ import threading
 from typing import Any, Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 _INSTALLED = False
 _LOCK = threading.Lock()
@@ -213,8 +213,6 @@ def megatron_on_cpu() -> Iterator[None]:
 
 
 def _mode_active() -> bool:
-    from torch.overrides import _get_current_function_mode_stack
-
     return any(isinstance(m, CudaToCpuMode) for m in _get_current_function_mode_stack())
 
 

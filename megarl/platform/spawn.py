@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -68,8 +69,6 @@ def run_ranks(
         p.start()
     out: dict[int, Any] = {}
     errors: list[str] = []
-    import time
-
     deadline = time.monotonic() + timeout_s
     try:
         while len(out) + len(errors) < world_size:

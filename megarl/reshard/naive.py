@@ -15,7 +15,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.name_map import hf_shapes, param_layouts, scatter_shard
+from megarl.checkpoint.name_map import hf_shapes, param_layouts, scatter_shard, shard_segments
 from megarl.parallel.groups import RoleGroups
 from megarl.reshard.executor import ReshardReport, WeightSink
 from megarl.reshard.layouts import stage_layers, vllm_needs, vllm_param_shapes
@@ -104,8 +104,6 @@ def _shard_shape(spec, layout, tp, sources, name, owned) -> tuple[int, ...]:
     """Shape of one TP shard of `layout` (known locally on the owner; computed from segments elsewhere)."""
     if owned:
         return tuple(sources[name].shape)
-    from megarl.checkpoint.name_map import shard_segments
-
     shapes = hf_shapes(spec)
     first = shapes[layout.hf_names[0]]
     if layout.partition_dim is None:

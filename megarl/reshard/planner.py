@@ -27,6 +27,7 @@ import itertools
 from collections import defaultdict
 from typing import Optional
 
+from megarl.checkpoint.name_map import hf_shapes
 from megarl.models.spec import ModelSpec
 from megarl.parallel.topology import RoleTopology
 from megarl.reshard.layouts import Piece, Placement, megatron_holdings, piece_bytes, vllm_needs
@@ -240,8 +241,6 @@ def _plan_cached(_key: str, spec: ModelSpec, train: RoleTopology, infer_tp: int,
 
 
 def _model_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
-    from megarl.checkpoint.name_map import hf_shapes
-
     total = 0
     for shape in hf_shapes(spec).values():
         n = 1

@@ -15,8 +15,16 @@ import os
 from typing import Optional
 
 from megarl.config import ConfigError
+from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate
 from megarl.config.schema import JobConfig
 from megarl.config.validate import SIDE_ROLES, check_supported  # noqa: F401  (re-exported: the trainer's refusals)
+from megarl.controller.resource_pool import ResourcePool
+from megarl.controller.worker_group import WorkerGroup
+from megarl.data.dataset import PromptDataset, PromptLoader
+from megarl.data.tokenization import PromptEncoder
+from megarl.rewards import build_reward_fn
+from megarl.trainer.checkpointing import complete_steps
+from megarl.trainer.engine_model_dir import engine_model_dir
 
 logger = logging.getLogger("megarl.trainer")
 
@@ -35,16 +43,10 @@ def _config_key(key: str):
 def run(cfg: JobConfig) -> Optional[int]:
     import ray
 
-    from megarl.controller.resource_pool import ResourcePool
-    from megarl.controller.worker_group import WorkerGroup
-    from megarl.data.dataset import PromptDataset, PromptLoader
-    from megarl.data.tokenization import PromptEncoder
-    from megarl.platform.device import device_kind
-    from megarl.rewards import build_reward_fn
-    from megarl.trainer.engine_model_dir import engine_model_dir
-    from megarl.trainer.hybrid_worker import HybridWorker
+    from megarl.platform.device import device_kind  # torch
+    from megarl.trainer.hybrid_worker import HybridWorker  # torch, megatron-core, vLLM
     from megarl.trainer.rl_trainer import RLTrainer
-    from megarl.trainer.role_worker import RoleWorker
+    from megarl.trainer.role_worker import RoleWorker  # torch, megatron-core
 
     check_supported(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -63,14 +65,10 @@ def run(cfg: JobConfig) -> Optional[int]:
     with _config_key("model.tokenizer"):
         model_dir = engine_model_dir(cfg, run_dir)
     if cfg.checkpoint.dir and not cfg.checkpoint.resume:
-        from megarl.trainer.checkpointing import complete_steps
-
         existing = complete_steps(cfg.checkpoint.dir)
         if existing:
             raise ConfigError(f"checkpoint.dir: {cfg.checkpoint.dir} holds checkpoints of an earlier run (steps "
                               f"{existing}); set checkpoint.resume=true to continue it, or choose another directory")
-    from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate
-
     # pre-flight: a layout whose static memory exceeds the GPU's (when known) is refused before Ray starts
     check_fits(job_memory_estimate(cfg, device_memory_bytes(cfg)))
 
