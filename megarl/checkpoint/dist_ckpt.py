@@ -41,7 +41,7 @@ from megarl.checkpoint.name_map import (
     shard_segments,
 )
 from megarl.models.gpt import DTYPES
-from megarl.models.spec import MODEL_TYPES, ModelSpec
+from megarl.models.spec import ARCHITECTURES, ModelSpec
 from megarl.platform.megatron_cpu_compat import megatron_on_cpu
 
 META_NAME = "megarl_checkpoint.json"
@@ -242,9 +242,9 @@ def load_engine_checkpoint(engine, mdir: str) -> None:
 # ----------------------------------------------------------------------------------------------- metadata
 def spec_to_hf_config(spec: ModelSpec) -> dict:
     """A minimal HF `config.json` for `spec` (used when a checkpoint was not converted from an HF directory)."""
-    model_type = MODEL_TYPES[spec.architecture]
+    traits = ARCHITECTURES[spec.architecture]
     cfg = dict(
-        architectures=[spec.architecture], model_type=model_type, num_hidden_layers=spec.num_layers,
+        architectures=[spec.architecture], model_type=traits.model_type, num_hidden_layers=spec.num_layers,
         hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_query_groups, head_dim=spec.head_dim, intermediate_size=spec.ffn_hidden_size,
         vocab_size=spec.vocab_size, max_position_embeddings=spec.max_position_embeddings,
@@ -253,7 +253,7 @@ def spec_to_hf_config(spec: ModelSpec) -> dict:
     )
     if spec.rope_scaling:
         cfg["rope_scaling"] = dict(spec.rope_scaling)
-    if spec.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+    if traits.attention_bias_key:
         cfg["attention_bias"] = spec.qkv_bias
     return cfg
 

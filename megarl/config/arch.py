@@ -11,7 +11,7 @@ import os
 
 from megarl.config.errors import ConfigError
 from megarl.config.schema import ArchConfig, ModelConfig
-from megarl.models.spec import ModelSpec, UnsupportedModelError
+from megarl.models.spec import ARCHITECTURES, ModelSpec, UnsupportedModelError
 
 
 def arch_from_hf_config(hf: dict, where: str) -> ArchConfig:
@@ -36,6 +36,19 @@ def arch_from_hf_config(hf: dict, where: str) -> ArchConfig:
         tie_word_embeddings=spec.tie_word_embeddings,
         rope_theta=spec.rope_theta,
         norm_eps=spec.norm_eps,
+    )
+
+
+def spec_from_arch(arch: ArchConfig) -> ModelSpec:
+    """An inline architecture as a `ModelSpec`; the architecture's quirks (qkv bias, qk layernorm) follow its HF
+    class (`megarl.models.spec.ARCHITECTURES`), as for a checkpoint."""
+    traits = ARCHITECTURES[arch.architecture]
+    return ModelSpec(
+        architecture=arch.architecture, num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups, head_dim=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size, vocab_size=arch.vocab_size,
+        max_position_embeddings=arch.max_position_embeddings, rope_theta=arch.rope_theta, norm_eps=arch.norm_eps,
+        qkv_bias=traits.qkv_bias, qk_layernorm=traits.qk_layernorm, tie_word_embeddings=arch.tie_word_embeddings,
     )
 
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megarl.config.arch import spec_from_arch
 from megarl.config.errors import ConfigError
 from megarl.config.placement import device_kind
 from megarl.config.validate import role_archs
-from megarl.models.spec import ModelSpec
 
 GB = 10**9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -108,14 +108,7 @@ def job_memory_estimate(cfg, device_bytes: Optional[int]) -> MemoryEstimate:
     archs = role_archs(cfg)
 
     def n_params(arch) -> int:
-        return ModelSpec(
-            architecture=arch.architecture, num_layers=arch.num_layers, hidden_size=arch.hidden_size,
-            num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups,
-            head_dim=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size, vocab_size=arch.vocab_size,
-            max_position_embeddings=arch.max_position_embeddings,
-            qkv_bias=arch.architecture == "Qwen2ForCausalLM", qk_layernorm=arch.architecture == "Qwen3ForCausalLM",
-            tie_word_embeddings=arch.tie_word_embeddings,
-        ).num_params
+        return spec_from_arch(arch).num_params
 
     a = cfg.actor.parallel
     others = []

@@ -12,15 +12,34 @@ import os
 from collections.abc import Mapping
 from typing import Any, Iterator, Optional
 
-# The one table of supported architectures: HF class name -> HF `model_type`. The config schema, the checkpoint
-# name maps, the engine model directory and the HF config writer all read it.
-MODEL_TYPES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MistralForCausalLM": "mistral",
+
+@dataclasses.dataclass(frozen=True)
+class ArchTraits:
+    """What megarl knows about one supported HF architecture (a row of `ARCHITECTURES`).
+
+    Attributes:
+        model_type: HF `model_type` (config.json, `AutoConfig.for_model`).
+        qkv_bias: bias on the q/k/v projections by default (Qwen2); a config.json `attention_bias` overrides it.
+        qk_layernorm: RMSNorm on q and k per head (Qwen3).
+        attention_bias_key: the HF config class takes `attention_bias` (written into a generated config.json).
+    """
+
+    model_type: str
+    qkv_bias: bool = False
+    qk_layernorm: bool = False
+    attention_bias_key: bool = False
+
+
+# The one table of supported architectures: HF class name -> `ArchTraits`. The config schema, the memory estimate,
+# the role factory, the checkpoint name maps, the engine model directory and the HF config writer all read it.
+ARCHITECTURES: Mapping[str, ArchTraits] = {
+    "LlamaForCausalLM": ArchTraits("llama", attention_bias_key=True),
+    "Qwen2ForCausalLM": ArchTraits("qwen2", qkv_bias=True),
+    "Qwen3ForCausalLM": ArchTraits("qwen3", qk_layernorm=True, attention_bias_key=True),
+    "MistralForCausalLM": ArchTraits("mistral"),
 }
-SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
+MODEL_TYPES = {name: a.model_type for name, a in ARCHITECTURES.items()}  # HF class name -> HF `model_type`
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
 # RoPE scaling types the Megatron provider reproduces exactly (`megarl.models.gpt.rope_inv_freq`): "llama3"
@@ -92,8 +111,8 @@ class ModelSpec:
         rope_scaling: HF `rope_scaling` as a hashable `RopeScaling` mapping (a dict passed in is converted), with
             `rope_type` one of `SUPPORTED_ROPE_SCALING`; None for plain RoPE.
         norm_eps: RMSNorm epsilon.
-        qkv_bias: bias on q/k/v projections (Qwen2).
-        qk_layernorm: RMSNorm on q and k per head (Qwen3).
+        qkv_bias: bias on q/k/v projections (default per architecture: `ARCHITECTURES`; Qwen2).
+        qk_layernorm: RMSNorm on q and k per head (per architecture: `ARCHITECTURES`; Qwen3).
         tie_word_embeddings: output layer shares the input embedding.
     """
 
@@ -194,13 +213,14 @@ class ModelSpec:
             rope_scaling = dict(rope_params)
         if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
+        traits = ARCHITECTURES[arch]
         return cls(
             **text,
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            qkv_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_layernorm=arch == "Qwen3ForCausalLM",
+            qkv_bias=bool(cfg.get("attention_bias", traits.qkv_bias)),
+            qk_layernorm=traits.qk_layernorm,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megarl.config.arch import spec_from_arch
 from megarl.config.placement import role_topology
-from megarl.config.schema import ArchConfig, JobConfig, ModelConfig
+from megarl.config.schema import JobConfig, ModelConfig
 from megarl.models.spec import ModelSpec
 from megarl.parallel.groups import RoleGroups, build_role_groups
 from megarl.roles.actor import Actor, PolicyLossSettings, Reference
@@ -26,18 +27,6 @@ def spec_from_model_config(model: ModelConfig) -> ModelSpec:
     if model.path is not None:
         return ModelSpec.from_hf_dir(model.path)
     return spec_from_arch(model.arch)
-
-
-def spec_from_arch(arch: ArchConfig) -> ModelSpec:
-    """An inline architecture as a `ModelSpec` (the architecture's quirks follow its HF class, as for a checkpoint)."""
-    return ModelSpec(
-        architecture=arch.architecture, num_layers=arch.num_layers, hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups, head_dim=arch.head_dim,
-        ffn_hidden_size=arch.ffn_hidden_size, vocab_size=arch.vocab_size,
-        max_position_embeddings=arch.max_position_embeddings, rope_theta=arch.rope_theta, norm_eps=arch.norm_eps,
-        qkv_bias=arch.architecture == "Qwen2ForCausalLM", qk_layernorm=arch.architecture == "Qwen3ForCausalLM",
-        tie_word_embeddings=arch.tie_word_embeddings,
-    )
 
 
 def role_model_config(cfg: JobConfig, role: str) -> ModelConfig:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.models.spec import ModelSpec, RopeScaling, UnsupportedModelError
+from megarl.models.spec import ARCHITECTURES, MODEL_TYPES, ModelSpec, RopeScaling, UnsupportedModelError
 from megarl.parallel.topology import RoleTopology
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -129,3 +129,35 @@ def test_norm_eps_default_is_the_hf_default_everywhere():
     hf = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
           "num_attention_heads": 2, "intermediate_size": 128, "vocab_size": 100}
     assert arch_default == spec_default == ModelSpec.from_hf_config(hf).norm_eps == 1e-6
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_architecture_table_is_the_one_source_of_the_flags(name):
+    """`ARCHITECTURES` drives the per-architecture flags everywhere: a checkpoint's config.json, an inline
+    `model.arch`, the memory estimate and the generated config.json agree with it, and it agrees with transformers
+    (q/k/v bias, q/k norm, whether the config class takes `attention_bias`)."""
+    import transformers
+
+    from megarl.checkpoint.dist_ckpt import spec_to_hf_config
+    from megarl.config.arch import spec_from_arch
+    from megarl.config.schema import ArchConfig
+
+    traits = ARCHITECTURES[name]
+    assert MODEL_TYPES[name] == traits.model_type
+    dims = dict(num_layers=1, hidden_size=64, num_attention_heads=2, num_query_groups=2, head_dim=32,
+                ffn_hidden_size=128, vocab_size=100, max_position_embeddings=64)
+    inline = spec_from_arch(ArchConfig(architecture=name, **dims))
+    hf_cfg = {"architectures": [name], "num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128, "vocab_size": 100,
+              "max_position_embeddings": 64}
+    from_ckpt = ModelSpec.from_hf_config(hf_cfg)
+    assert (inline.qkv_bias, inline.qk_layernorm) == (from_ckpt.qkv_bias, from_ckpt.qk_layernorm)
+    assert (inline.qkv_bias, inline.qk_layernorm) == (traits.qkv_bias, traits.qk_layernorm)
+    assert ModelSpec.from_hf_config(spec_to_hf_config(inline)) == inline
+
+    config_cls = getattr(transformers, name.replace("ForCausalLM", "Config"))
+    hf_config = config_cls(**{k: v for k, v in hf_cfg.items() if k != "architectures"})
+    assert ("attention_bias" in hf_config.to_dict()) == traits.attention_bias_key
+    attn = getattr(transformers, name)(hf_config).model.layers[0].self_attn
+    assert (attn.q_proj.bias is not None) == traits.qkv_bias
+    assert hasattr(attn, "q_norm") == traits.qk_layernorm
