@@ -308,26 +308,35 @@ class MegatronEngine:
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, int]:
         """Move the chosen state to host memory and free it on the device; returns bytes moved per kind.
 
-        Call `reload()` before the next `run`/`step`. Offloading twice without a reload is an error.
+        Kinds already in host memory are left as they are, so the state can go in stages (the trainer offloads
+        gradients and optimizer state right after the update, the parameters after the reshard has read them).
+        Call `reload()` (brings back every kind) before the next `run`/`step`.
         """
-        if self._offloaded is not None:
-            raise RuntimeError(f"already offloaded ({self._offloaded.kinds}): call reload() first")
         pools = self.__dict__.setdefault("_host_pools", {"params": [], "grads": [], "optimizer": []})
-        stashed = {
-            "params": off.stash(off.param_tensors(self), pools["params"]) if params else [],
-            "grads": off.stash(off.grad_tensors(self), pools["grads"]) if grads else [],
-            "optimizer": off.stash(off.optimizer_tensors(self), pools["optimizer"]) if optimizer else [],
-        }
-        self._offloaded = off.OffloadedState(stashed)
-        return {k: self._offloaded.bytes(k) for k in stashed}
+        state = self._offloaded or off.OffloadedState({"params": [], "grads": [], "optimizer": []})
+        wanted = {"params": (params, off.param_tensors), "grads": (grads, off.grad_tensors),
+                  "optimizer": (optimizer, off.optimizer_tensors)}
+        moved = {}
+        for kind, (want, tensors) in wanted.items():
+            if want and not state.stashed[kind]:
+                state.stashed[kind] = off.stash(tensors(self), pools[kind])
+                moved[kind] = state.bytes(kind)
+            else:
+                moved[kind] = 0
+        self._offloaded = state if state.kinds else None
+        return moved
 
-    def reload(self) -> None:
-        """Bring back whatever `offload` moved (no-op when nothing is offloaded)."""
+    def reload(self, kinds: Optional[tuple[str, ...]] = None) -> None:
+        """Bring back what `offload` moved: every kind (None), or only `kinds` (e.g. ("params",) for a reader of
+        the weights such as the reshard; `run`/`step` still refuse while any kind is in host memory)."""
         if self._offloaded is None:
             return
-        for pairs in self._offloaded.stashed.values():
-            off.restore(pairs)
-        self._offloaded = None
+        for kind, pairs in self._offloaded.stashed.items():
+            if pairs and (kinds is None or kind in kinds):
+                off.restore(pairs)
+                self._offloaded.stashed[kind] = []
+        if not self._offloaded.kinds:
+            self._offloaded = None
 
     def _check_loaded(self) -> None:
         if self._offloaded is not None:

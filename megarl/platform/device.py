@@ -27,3 +27,11 @@ def local_device(kind: str | None = None) -> torch.device:
     if kind == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
     return torch.device("cpu")
+
+
+def empty_device_cache() -> None:
+    """Return the CUDA caching allocator's unused blocks to the driver (no-op without CUDA). Memory cached by torch
+    counts as used for anything that sizes itself from free device memory (vLLM at start-up and on wake_up)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

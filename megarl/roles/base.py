@@ -125,8 +125,8 @@ class Role:
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, int]:
         return self.engine.offload(params=params, grads=grads, optimizer=optimizer)
 
-    def reload(self) -> None:
-        self.engine.reload()
+    def reload(self, kinds: Optional[tuple[str, ...]] = None) -> None:
+        self.engine.reload(kinds)
 
     def _plan(self, share: Batch) -> list[list[int]]:
         return plan_micro_batches(

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megarl.config.schema import JobConfig
 from megarl.controller.dispatch import Dispatch, dispatch
 from megarl.data.batch import Batch
+from megarl.platform.device import empty_device_cache
 from megarl.reshard.executor import execute_reshard
 from megarl.reshard.planner import check_engine_mapping, plan_reshard
 from megarl.reshard.sources import megatron_sources
@@ -61,6 +62,12 @@ class HybridWorker:
             "critic": OffloadPolicy(self.critic, cfg.critic.offload),
             "reward_model": OffloadPolicy(self.reward_model, cfg.reward_model.offload),
         }
+        # vLLM sizes its memory from what is free when it starts: the Megatron roles' offloadable state goes to host
+        # first, and the allocator's cached blocks are returned (they would count as used). Each role comes back
+        # on its first use.
+        for policy in self.offload.values():
+            policy.after_use()
+        empty_device_cache()
         self.engine = VllmRolloutEngine(VllmEngineSettings.from_config(
             cfg.rollout, engine_model_dir, load_format="dummy", dtype=VLLM_DTYPES[cfg.model.dtype],
         ))
@@ -71,6 +78,9 @@ class HybridWorker:
                                  search_mapping=False)
         check_engine_mapping(self.plan, dist.get_rank(), self.engine.tp_rank)
         self.sink = VllmShardSink(self.engine)
+        # The step's phases in call order, on every device (CPU too): the engine's own calls (sleep, wake,
+        # update_weights, generate) and this worker's ("update", role) and ("offload", role, kinds moved).
+        self.events = self.engine.events
         self._awake = {"weights", "kv_cache"}  # the parts of the engine that are awake (a new engine: all)
         self.bucket_bytes = cfg.rollout.reshard_bucket_mb << 20
 
@@ -88,11 +98,19 @@ class HybridWorker:
         # Weights only: the KV cache is allocated after the reshard (`generate`), so the reshard's buffers and the
         # actor's weights never share the GPU with it. Never write into a sleeping engine's weights.
         self._wake(("weights",))
-        self.offload["actor"].before_use()
+        self.offload["actor"].before_use(("params",))  # gradients and optimizer state stay in host memory
         report = execute_reshard(self.plan, megatron_sources(self.actor.engine), self.sink,
                                  bucket_bytes=self.bucket_bytes, verify=self.cfg.rollout.verify_sync)
-        moved = self.offload["actor"].after_use()  # the actor's last use in a step: free memory for the rollout
+        # the actor's last use in a step: its parameters (per actor.offload) make room for the rollout
+        moved = self._offload("actor", self.offload["actor"].after_use)
         return {**report.as_metrics(), "offload/actor_bytes": float(moved)}
+
+    def _offload(self, role: str, how) -> int:
+        """Run an `OffloadPolicy` method; record ("offload", role, kinds now in host memory) when it moved bytes."""
+        moved = how()
+        if moved:
+            self.events.append(("offload", role, tuple(getattr(self, role).engine.offloaded)))
+        return moved
 
     def rollout_replica(self) -> tuple[int, int]:
         """(this rank's rollout replica, number of replicas): replica = rank // rollout.tp (DP_SPLIT of `generate`)."""
@@ -131,7 +149,7 @@ class HybridWorker:
         """Run `fn` with `role`'s state on the device, then offload it again if its config asks to."""
         self.offload[role].before_use()
         out = fn()
-        self.offload[role].after_use()
+        self._offload(role, self.offload[role].after_use)
         return out
 
     def _wake(self, tags: tuple[str, ...]) -> None:
@@ -193,12 +211,25 @@ class HybridWorker:
 
     @dispatch(Dispatch.RANK_ZERO)
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        """PPO/GSPO update of the actor over mini- and micro-batches; metrics (identical on every rank)."""
+        """PPO/GSPO update of the actor over mini- and micro-batches (`actor.update`).
+
+        `batch`: the whole step's batch on every rank (each rank takes its DP share inside the role): input_ids,
+        attention_mask, response_mask [B, S] int64; old_log_probs, advantages [B, S] float32; ref_log_probs with
+        KL in the loss; rollout_log_probs with rollout correction. Returns the update's metrics (loss, KL, clip
+        fraction, entropy, grad_norm, lr), identical on every rank. Afterwards the actor's gradients and optimizer
+        state go to host memory when `actor.offload` asks for them: the reshard reads only the parameters.
+        """
         self.offload["actor"].before_use()
-        return self.actor.update(batch)
+        metrics = self.actor.update(batch)
+        self.events.append(("update", "actor"))
+        self._offload("actor", self.offload["actor"].after_update)
+        return metrics
 
     @dispatch(Dispatch.RANK_ZERO)
     def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Value-loss update of the colocated critic (`critic.update`). `batch` as in `update_actor`, with returns and
+        old_values [B, S] float32 instead of the policy keys; metrics identical on every rank. The critic is
+        offloaded afterwards per `critic.offload`."""
         if self.critic is None:
             raise RuntimeError("critic.enabled is false: no critic to update")
         return self._use("critic", lambda: self.critic.update(batch))

@@ -1,11 +1,12 @@
 """The engine phase order of `HybridWorker`'s real path (issue 15, item 6), as the calls the vLLM wrapper records in
 `engine.events` (recorded on CPU too, where sleep/wake are no-ops; megarl/rollout/vllm_adapter.py).
 
-One rank builds a `HybridWorker` from the quickstart config (actor TP1, rollout TP1) and runs the trainer's order:
-the initial `sync_weights`, then two steps of `generate` -> `sync_weights`, and a last `generate`. The expected
-sequence is the target order written in the issue: after a rollout the engine sleeps at level 2 (weights and KV
-cache dropped), the next sync wakes the weights only, reshards into them, and the KV cache is woken only for the
-next rollout.
+One rank builds a `HybridWorker` from the quickstart config (actor TP1, rollout TP1, every actor offload flag on)
+and runs the trainer's order: the initial `sync_weights`, then two steps of `generate` -> `update_actor` ->
+`sync_weights`, and a last `generate`. The expected sequence is the target order written in the issue: after a
+rollout the engine sleeps at level 2 (weights and KV cache dropped); the update is followed by the offload of the
+actor's gradients and optimizer state; the next sync wakes the weights only and reshards into them; then the actor's
+parameters go to host memory, and only then is the KV cache woken for the next rollout.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ONE_RANK = ["resources.pools.default.devices_per_node=1", "actor.parallel.tp=1", "reference.parallel.tp=1",
-            "rollout.tp=1"]
+            "rollout.tp=1", "actor.offload.params=true", "actor.offload.grads=true", "actor.offload.optimizer=true"]
 
 
 def _worker(rank, world_size, run_dir):
+    import torch
+
     from megarl.config import load_config
     from megarl.rollout.engine import SamplingSettings
     from megarl.trainer.engine_model_dir import engine_model_dir
     from megarl.trainer.hybrid_worker import HybridWorker
+    from tests.distributed.harness import response_batch
 
     cfg = load_config(os.path.join(ROOT, "yaml_configs", "cpu_quickstart.yaml"), ONE_RANK)
     worker = HybridWorker(cfg, engine_model_dir(cfg, run_dir))
@@ -35,7 +39,15 @@ def _worker(rank, world_size, run_dir):
     worker.engine.events.clear()  # only what the steps below do
     worker.sync_weights()  # the trainer's first call: the engine starts with random weights
     for _ in range(2):
-        worker.generate([[5, 6, 7], [8, 9]], sampling)
+        out = worker.generate([[5, 6, 7], [8, 9]], sampling)
+        samples = out["samples"]
+        batch = response_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+        shape = batch.tensors["input_ids"].shape
+        batch.tensors["old_log_probs"] = torch.zeros(shape)
+        batch.tensors["advantages"] = torch.ones(shape)
+        batch.tensors["ref_log_probs"] = torch.zeros(shape)
+        batch.tensors["rollout_log_probs"] = torch.zeros(shape)
+        worker.update_actor(batch)
         worker.sync_weights()
     worker.generate([[5, 6, 7]], sampling)
     return list(worker.engine.events)
@@ -46,16 +58,18 @@ def test_phase_order_over_two_steps(tmp_path):
     (events,) = run_ranks(1, _worker, str(tmp_path), timeout_s=600, env=env)
     # consecutive update_weights calls (one per reshard bucket) are one reshard
     phases = []
-    for name, arg in events:
-        step = ("reshard", None) if name == "update_weights" else (name, arg)
+    for name, *args in events:
+        step = ("reshard", None) if name == "update_weights" else (name, *args)
         if not (step[0] == "reshard" and phases and phases[-1][0] == "reshard"):
             phases.append(step)
     sleep, wake_w, reshard, wake_kv = ("sleep", 2), ("wake", ("weights",)), ("reshard", None), ("wake", ("kv_cache",))
     generate = [e for e in events if e[0] == "generate"]
     assert generate == [("generate", 2), ("generate", 2), ("generate", 1)]
+    update = [("update", "actor"), ("offload", "actor", ("grads", "optimizer"))]
+    params_off = ("offload", "actor", ("params", "grads", "optimizer"))
     assert phases == [
-        reshard, ("generate", 2), sleep,                        # initial sync into the new (awake) engine; step 1
-        wake_w, reshard, wake_kv, ("generate", 2), sleep,       # step 2
-        wake_w, reshard, wake_kv, ("generate", 1), sleep,       # step 3
+        reshard, params_off, ("generate", 2), sleep,                      # initial sync into the new engine; step 1
+        *update, wake_w, reshard, params_off, wake_kv, ("generate", 2), sleep,   # step 2
+        *update, wake_w, reshard, params_off, wake_kv, ("generate", 1), sleep,   # step 3
     ]
-    assert all(arg == "vllm_shard" for name, arg in events if name == "update_weights")
+    assert all(args == ["vllm_shard"] for name, *args in events if name == "update_weights")

@@ -129,8 +129,15 @@ def _worker(rank: int, world: int, hf_dir: str, hf_rm_dir: str, ckpt_dir: str):
             lp = role.compute_log_probs(batch)
             moved = role.offload()
             role.reload()
+            same = bool(torch.equal(lp["log_probs"], role.compute_log_probs(batch)["log_probs"]))
+            # in stages, as the trainer does: training state after the update, parameters after the reshard
+            staged = [role.offload(params=False), role.offload()]
+            role.reload(("params",))  # what the reshard needs
+            params_back = list(role.engine.offloaded)
+            role.reload()
+            same_staged = bool(torch.equal(lp["log_probs"], role.compute_log_probs(batch)["log_probs"]))
             res.setdefault("trained_offload", []).append(
-                {"moved": moved, "same": bool(torch.equal(lp["log_probs"], role.compute_log_probs(batch)["log_probs"]))}
+                {"moved": moved, "same": same, "staged": staged, "params_back": params_back, "same_staged": same_staged}
             )
     actor("tp2pp2", RoleTopology(tp=2, pp=2), BatchingSettings(micro_batch_tokens=32))
 
@@ -297,6 +304,11 @@ def test_reference_matches_actor_and_offload_bookkeeping(runs):
     assert len(trained) == 3  # dp2 (2 ranks) + tp1pp1
     for t in trained:
         assert t["same"] and all(v > 0 for v in t["moved"].values()), t
+        first, second = t["staged"]
+        assert first["params"] == 0 and first["grads"] == t["moved"]["grads"] > 0, t
+        assert first["optimizer"] == t["moved"]["optimizer"] > 0, t
+        assert second == {"params": t["moved"]["params"], "grads": 0, "optimizer": 0}, t  # the rest stays put
+        assert t["params_back"] == ["grads", "optimizer"] and t["same_staged"], t
 
 
 def test_critic_update_lowers_value_loss(runs):
