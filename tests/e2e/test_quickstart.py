@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from tests.subprocess_env import clean_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "cpu_quickstart.json")
 
@@ -31,21 +33,6 @@ GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "cpu
 # here. A CPU with other kernels (vector width, oneDNN paths) can sample differently from the first step: there,
 # regenerate the file (tests/e2e/regenerate_golden.py) rather than widen this.
 GOLDEN_TOLERANCE = 1e-5
-
-# Variables that earlier tests (or the caller's shell) may have set and that change what a training run does:
-# thread counts, vLLM switches, torch.distributed rendezvous, CUDA visibility. None of them reaches a run.
-_DROPPED_PREFIXES = ("OMP_", "MKL_", "KMP_", "VLLM_", "TORCH_", "NCCL_", "GLOO_", "RAY_", "CUDA_", "PYTORCH_")
-_DROPPED = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PYTHONHASHSEED"}
-
-
-def clean_env() -> dict[str, str]:
-    """The environment of every training subprocess here: the caller's, minus every variable above, plus an explicit
-    OMP_NUM_THREADS=1 (what tests/conftest.py gives the suite), so `pytest tests/e2e` and the full suite run the
-    same thing whatever ran before."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_DROPPED_PREFIXES) and k not in _DROPPED}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
-
 
 @pytest.fixture(scope="module")
 def quickstart_run(tmp_path_factory):
@@ -65,9 +52,12 @@ def test_every_step_is_logged(quickstart_run):
     rows, proc = quickstart_run
     golden = json.load(open(GOLDEN))
     assert [r["step"] for r in rows] == list(range(1, len(golden["reward_mean"]) + 1))
-    for key in ("reward/mean", "actor/loss", "actor/grad_norm", "reshard/bytes_received", "time/rollout_s",
-                "tokens_per_s"):
+    for key in ("reward/mean", "actor/loss", "actor/grad_norm", "reshard/bytes_received", "reshard/verify_time_s",
+                "time/rollout_s", "tokens_per_s", "mismatch/abs_diff_mean"):
         assert all(key in r for r in rows), key
+    # every sync is verified by default (rollout.verify_sync) and received exactly the layouts' lower bound
+    assert all(r["reshard/verified_pieces"] > 0 and r["reshard/verify_time_s"] > 0 for r in rows)
+    assert all(r["reshard/bytes_received"] == r["reshard/bytes_lower_bound"] for r in rows)
     assert "finished 20 steps" in proc.stderr + proc.stdout
 
 

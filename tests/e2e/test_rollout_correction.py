@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from tests.subprocess_env import clean_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.slow
@@ -24,7 +26,7 @@ def test_bf16_mismatch_is_measured_and_a_run_with_tis_learns(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart.yaml", "model.dtype=bf16",
          "algorithm.rollout_correction.tis=token", "trainer.val_every=0", f"logging.dir={tmp_path}"],
-        cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=900,
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]

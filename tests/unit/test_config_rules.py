@@ -29,6 +29,19 @@ CASES = [
     (["actor.optimizer.betas=[0.9,1.0]"], "actor.optimizer.betas: each beta must be in [0, 1), got [0.9, 1.0]"),
     (["trainer.val_every=2"], "trainer.val_every=2 needs data.val_path (or set val_every=0)"),
     (["checkpoint.save_every=5"], "checkpoint.save_every=5 needs checkpoint.dir"),
+    # actor dp=2 (4 devices / tp 2), micro-batches by token budget (no sample count): a mini-batch of 1 prompt x 3
+    # samples cannot split over 2 DP ranks
+    (["actor.micro_batch_samples=null", "actor.micro_batch_tokens=1024", "rollout.samples_per_prompt=3",
+      "actor.mini_batch_prompts=1"],
+     "actor.parallel.dp: a mini-batch's actor.mini_batch_prompts * rollout.samples_per_prompt = 1*3 = 3 samples "
+     "is not divisible by dp=2"),
+    # 6 heads in 3 KV groups: rollout tp=2 divides the heads but neither splits nor replicates 3 groups evenly
+    (["model.arch.num_attention_heads=6", "model.arch.num_query_groups=3", "actor.parallel.tp=1",
+      "actor.micro_batch_samples=1", "rollout.tp=2"],
+     "rollout.tp: num_query_groups=3 and tp=2: one must divide the other (vLLM splits or replicates the KV heads)"),
+    (["model.arch.head_dim=48"],
+     "model: head_dim=48 is not supported by vLLM's CPU attention "
+     "(supported: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)"),
 ]
 
 
