@@ -63,6 +63,49 @@ def log_ratio(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
     return torch.where(response_mask.bool(), d, torch.zeros((), dtype=d.dtype, device=d.device))
 
 
+# What `mismatch_sums` returns: additive over micro-batches and data-parallel ranks, except the max.
+MISMATCH_SUM_KEYS = ("abs_diff_sum", "kl_sum", "kl_k1_sum", "ratio_out_count", "tokens", "seq_ratio_out_count",
+                     "sequences")
+MISMATCH_MAX_KEYS = ("abs_diff_max",)
+
+
+def mismatch_sums(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
+                  c: float = 2.0) -> dict[str, torch.Tensor]:
+    """The parts of `mismatch_metrics` that add up over micro-batches and DP ranks (0-dim float32 tensors):
+    sums over response tokens of |d|, k3 and -d, the count of tokens with |d| > log c, the token count, the count
+    of sequences with |sum_t d| > log c and of sequences with a response token; plus ``abs_diff_max`` (combine by
+    max). Whole sequences must lie in one call (the sequence terms sum each row). `mismatch_from_sums` finishes."""
+    _check_bound("c", c)
+    d = log_ratio(actor_log_probs, rollout_log_probs, response_mask)
+    valid = response_mask.bool()
+    abs_d = d.abs()
+    log_c = math.log(c)
+    has_tokens = valid.any(-1)
+    return {
+        "abs_diff_sum": masked_sum(abs_d, valid),
+        "kl_sum": masked_sum(torch.expm1(d) - d, valid),  # r - 1 - log r, 0 at masked positions (d = 0 there)
+        "kl_k1_sum": masked_sum(-d, valid),
+        "ratio_out_count": masked_sum((abs_d > log_c).float(), valid),
+        "tokens": valid.float().sum(),
+        "seq_ratio_out_count": masked_sum((d.sum(-1).abs() > log_c).float(), has_tokens),
+        "sequences": has_tokens.float().sum(),
+        "abs_diff_max": abs_d.max() if abs_d.numel() else torch.zeros(()),  # masked positions hold 0
+    }
+
+
+def mismatch_from_sums(sums: dict) -> dict:
+    """`mismatch_metrics`' names from (combined) `mismatch_sums`; works on floats or 0-dim tensors."""
+    tokens, sequences = max(sums["tokens"], 1), max(sums["sequences"], 1)
+    return {
+        "abs_diff_mean": sums["abs_diff_sum"] / tokens,
+        "abs_diff_max": sums["abs_diff_max"],
+        "kl": sums["kl_sum"] / tokens,
+        "kl_k1": sums["kl_k1_sum"] / tokens,
+        "ratio_out_frac": sums["ratio_out_count"] / tokens,
+        "seq_ratio_out_frac": sums["seq_ratio_out_count"] / sequences,
+    }
+
+
 def mismatch_metrics(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
                      c: float = 2.0) -> dict[str, torch.Tensor]:
     """How far the rollout engine's log-probs are from the actor's (see the module docstring for the names).
@@ -76,24 +119,10 @@ def mismatch_metrics(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     - ``ratio_out_frac``: fraction of tokens with r outside [1/c, c] (i.e. |d| > log c)
     - ``seq_ratio_out_frac``: fraction of sequences (with a response token) with R outside [1/c, c]
 
-    An empty response mask gives 0 for every metric.
+    An empty response mask gives 0 for every metric. (The actor's update computes the same from `mismatch_sums`
+    per micro-batch when it takes the old log-probs from its own forward.)
     """
-    _check_bound("c", c)
-    d = log_ratio(actor_log_probs, rollout_log_probs, response_mask)
-    valid = response_mask.bool()
-    abs_d = d.abs()
-    k3 = torch.expm1(d) - d  # r - 1 - log r, 0 at masked positions (d = 0 there)
-    seq = d.sum(-1)
-    has_tokens = valid.any(-1)
-    log_c = math.log(c)
-    return {
-        "abs_diff_mean": masked_mean(abs_d, valid),
-        "abs_diff_max": abs_d.max() if abs_d.numel() else torch.zeros(()),  # masked positions hold 0
-        "kl": masked_mean(k3, valid),
-        "kl_k1": masked_mean(-d, valid),
-        "ratio_out_frac": masked_mean((abs_d > log_c).float(), valid),
-        "seq_ratio_out_frac": masked_mean((seq.abs() > log_c).float(), has_tokens),
-    }
+    return mismatch_from_sums(mismatch_sums(actor_log_probs, rollout_log_probs, response_mask, c))
 
 
 def rollout_correction(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,

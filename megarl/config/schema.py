@@ -231,7 +231,11 @@ class RolloutConfig:
     overlong_prompt: Literal["drop", "truncate", "error"] = opt(
         "drop", "What to do with prompts longer than max_prompt_tokens (truncate keeps the last tokens)."
     )
-    stop: tuple[str, ...] = opt((), "Extra stop strings (EOS always stops).")
+    stop: tuple[str, ...] = opt((), "Extra stop strings (EOS always stops unless ignore_eos).")
+    ignore_eos: bool = opt(
+        False, "Keep sampling after EOS until max_new_tokens (training rollouts only; validation stops at EOS): "
+        "fixed-length responses for benchmarks that compare frameworks on equal work."
+    )
     seed: int = opt(0, "Seed of the sampler.")
     gpu_memory_utilization: float = opt(
         0.5, "Fraction of GPU memory vLLM may use for weights and KV cache (GPU only).", unit="fraction", min=0
@@ -330,6 +334,12 @@ class AlgorithmConfig:
     )
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient.", min=0)
     ppo_epochs: int = opt(1, "Passes over each step's samples.", unit="epochs", min=1)
+    old_log_probs: Literal["auto", "recompute"] = opt(
+        "auto", "Where the PPO ratio's old-policy log-probs come from. auto: from the actor update's own forward "
+        "(detached) when the step is one optimizer step (one mini-batch, ppo_epochs 1) with no rollout correction "
+        "and no KL in the reward, saving a forward pass; otherwise a separate forward before the update. "
+        "recompute: always the separate forward. The metric actor/old_log_probs_fused says which ran."
+    )
     kl: KLConfig = opt(factory=KLConfig, help="KL penalty against the reference policy.")
     rollout_correction: RolloutCorrectionConfig = opt(
         factory=RolloutCorrectionConfig, help="Rollout/train log-prob mismatch: importance weights and masks."

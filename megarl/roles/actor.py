@@ -43,6 +43,12 @@ from megarl.algorithms import (
     vocab_parallel_log_probs,
 )
 from megarl.algorithms import kl as kl_per_token
+from megarl.algorithms.rollout_correction import (
+    MISMATCH_MAX_KEYS,
+    MISMATCH_SUM_KEYS,
+    mismatch_from_sums,
+    mismatch_sums,
+)
 from megarl.data.batch import Batch
 from megarl.roles.base import Role, count_units, shift_to_tokens
 
@@ -130,17 +136,36 @@ class Actor(Role):
         return self._forward(batch, ["input_ids", "attention_mask", "response_mask"], fn, share=share)
 
     def update(self, batch: Batch) -> dict[str, float]:
-        """One PPO (or SFT) update over `batch`; returns metrics (same on every rank)."""
+        """One PPO (or SFT) update over `batch`; returns metrics (same on every rank).
+
+        Old-policy log-probs: `batch["old_log_probs"]` [B, S] when given (a separate forward before the update).
+        Without them the update takes them from its own forward, detached (`old = logp.detach()`: the ratio is 1
+        with the PPO gradient), which is exact only while the update is one optimizer step over one mini-batch and
+        one epoch (the weights have not moved yet); anything else is refused. That path also measures the
+        rollout/train mismatch against `batch["rollout_log_probs"]` when present (`mismatch_*` metrics, as
+        `megarl.algorithms.mismatch_metrics` on the whole batch) and reports `old_log_probs_fused` = 1.
+        """
         if not self.engine.trainable:
             raise RuntimeError("this actor is frozen (built without optimizer settings)")
         s = self.loss
         keys = ["input_ids", "attention_mask", "response_mask"]
+        fused = s.name != "sft" and "old_log_probs" not in batch.tensors
+        measure_mismatch = fused and "rollout_log_probs" in batch.tensors
         if s.name != "sft":
-            keys += ["old_log_probs", "advantages"]
+            keys += ["advantages"] if fused else ["old_log_probs", "advantages"]
             policy_loss = get_policy_loss(s.name)
+        if fused:
+            steps = len(self._mini_batches(batch)) * self.batching.epochs
+            if steps != 1 or s.corrects_rollout:
+                raise ValueError(
+                    f"batch has no old_log_probs: the update can take them from its own forward only for one "
+                    f"optimizer step per batch with no rollout correction; here {steps} steps "
+                    f"(mini-batches x epochs), rollout correction {'on' if s.corrects_rollout else 'off'}. Compute "
+                    "them first (compute_log_probs) and put them in the batch"
+                )
         if s.kl_coef > 0:
             keys.append("ref_log_probs")
-        if s.corrects_rollout:
+        if s.corrects_rollout or measure_mismatch:
             keys.append("rollout_log_probs")
         batch.require(*keys)
 
@@ -170,8 +195,9 @@ class Actor(Role):
                 pg_sum = aggregate(-logp, mask, **agg)
                 clip = approx_kl = torch.zeros(())
             else:
+                old = logp.detach() if fused else mb["old_log_probs"]
                 pg_sum, m = policy_loss(
-                    logp, mb["old_log_probs"], mb["advantages"], mask, clip_low=s.clip_low, clip_high=s.clip_high,
+                    logp, old, mb["advantages"], mask, clip_low=s.clip_low, clip_high=s.clip_high,
                     clip_c=s.clip_c, agg=s.agg, norm_horizon=s.norm_horizon, global_normalizer=1.0, weights=weights,
                 )
                 clip, approx_kl = m["clip_frac"] * n_tok, m["approx_kl"] * n_tok
@@ -194,9 +220,14 @@ class Actor(Role):
             if s.corrects_rollout:
                 metrics["tis_weight_sum"] = rc["tis_weight_mean"] * n_tok
                 metrics["tis_clip_sum"] = rc["tis_clip_frac"] * n_tok
+            if measure_mismatch:  # this forward's (pre-step) log-probs are the old policy's
+                sums = mismatch_sums(logp.detach(), mb["rollout_log_probs"], response_mask, c=s.rollout_c)
+                metrics.update({f"mismatch_{k}": v for k, v in sums.items()})
             return loss_sum, units, metrics
 
-        totals = self._train(batch, keys, loss_fn, _METRICS)
+        metric_keys = _METRICS + ([f"mismatch_{k}" for k in (*MISMATCH_SUM_KEYS, *MISMATCH_MAX_KEYS)]
+                                  if measure_mismatch else [])
+        totals = self._train(batch, keys, loss_fn, metric_keys)
         tokens_in_loss = totals.pop("tokens_in_loss")
         n_tok = max(tokens_in_loss, 1.0)
         units = max(totals.pop("units"), 1.0)
@@ -216,6 +247,10 @@ class Actor(Role):
             out["rollout_tis_weight_mean"] = tis_weight_sum / n_tok
             out["rollout_tis_clip_frac"] = tis_clip_sum / n_tok
             out["rollout_masked_token_frac"] = 1.0 - tokens_in_loss / response_tokens
+        if measure_mismatch:
+            sums = {k[len("mismatch_"):]: totals.pop(k) for k in list(totals) if k.startswith("mismatch_")}
+            out.update({f"mismatch_{k}": v for k, v in mismatch_from_sums(sums).items()})
+        out["old_log_probs_fused"] = 1.0 if fused else 0.0
         out.update(totals)
         return out
 

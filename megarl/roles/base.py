@@ -173,13 +173,21 @@ class Role:
         return Batch(gathered, dict(local.meta))
 
     def _reduce_metrics(self, sums: dict[str, float], keys: list[str]) -> dict[str, float]:
-        """Sum per-rank metric sums over DP (last stage) and hand them to every pipeline stage."""
-        t = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64, device=compute_device())
-        if self.groups.is_last_stage and self.dp > 1:
-            dist.all_reduce(t, group=self.groups.pgs.dp_cp)
-        if self.groups.topology.pp > 1:
-            dist.broadcast(t, src=self.groups.pp_ranks[-1], group=self.groups.pgs.pp)
-        return dict(zip(keys, t.cpu().tolist()))
+        """Combine per-rank metrics over DP (last stage) and hand them to every pipeline stage: sums, except keys
+        ending in `_max` (a maximum)."""
+        maxed = [k for k in keys if k.endswith("_max")]
+        summed = [k for k in keys if k not in maxed]
+        out = {}
+        for names, op in ((summed, dist.ReduceOp.SUM), (maxed, dist.ReduceOp.MAX)):
+            if not names:
+                continue
+            t = torch.tensor([sums.get(k, 0.0) for k in names], dtype=torch.float64, device=compute_device())
+            if self.groups.is_last_stage and self.dp > 1:
+                dist.all_reduce(t, op=op, group=self.groups.pgs.dp_cp)
+            if self.groups.topology.pp > 1:
+                dist.broadcast(t, src=self.groups.pp_ranks[-1], group=self.groups.pgs.pp)
+            out.update(zip(names, t.cpu().tolist()))
+        return out
 
     def _mini_batches(self, batch: Batch) -> list[Batch]:
         size = self.batching.mini_batch_samples or len(batch)
@@ -192,7 +200,8 @@ class Role:
     def _train(self, batch: Batch, keys: list[str], loss_fn: Callable, metric_keys: list[str]) -> dict[str, float]:
         """Mini-batch / micro-batch loop with one optimizer step per mini-batch; returns summed metrics.
 
-        `loss_fn(output, mb) -> (loss_sum, units, metric sums)` as `MegatronEngine.run` expects.
+        `loss_fn(output, mb) -> (loss_sum, units, metric sums)` as `MegatronEngine.run` expects. Metrics named
+        `*_max` are combined by maximum (over micro-batches and ranks), the others summed.
         """
         batch = batch.select(keys)
         totals = {k: 0.0 for k in metric_keys}
@@ -206,7 +215,8 @@ class Role:
                 steps.append(self.engine.step())
                 for m in out:
                     for k in metric_keys:
-                        totals[k] += float(m[k])
+                        v = float(m[k])
+                        totals[k] = max(totals[k], v) if k.endswith("_max") else totals[k] + v
         elapsed = time.perf_counter() - start
         reduced = self._reduce_metrics(totals, metric_keys)
         reduced["grad_norm"] = sum(s["grad_norm"] for s in steps) / len(steps)

@@ -61,6 +61,7 @@ class SamplingSettings:
             max_new_tokens=rollout.max_new_tokens,
             stop=tuple(rollout.stop),
             seed=rollout.seed,
+            ignore_eos=bool(getattr(rollout, "ignore_eos", False)) and not validation,
         )
         kw.update(overrides)
         return cls(**kw)

@@ -74,6 +74,7 @@ class RLTrainer:
         # KL in the reward: a fixed coefficient, or Ziegler et al.'s adaptive controller when kl.target is set.
         self.kl_ctl = build_kl_controller("adaptive" if kl.target is not None else "fixed", kl.coef, kl.target,
                                           kl.horizon)
+        self.old_log_probs_from_update = old_log_probs_from_update(cfg)
 
     # --------------------------------------------------------------------------------------------- the loop
     def fit(self) -> list[StepResult]:
@@ -156,7 +157,8 @@ class RLTrainer:
         Data path, all on the controller except the worker calls: next prompt batch from the loader ->
         `workers.generate` (samples, n per prompt) -> `samples_to_batch` ([B, S] int64 token tensors, B = samples)
         -> rule scores [B] (or the learned reward model's, the rule mean then logged as `reward/rule_mean`) ->
-        old log-probs [B, S] from the actor -> reference log-probs and critic values [B, S] when enabled ->
+        old log-probs [B, S] from the actor (skipped when the update takes them from its own forward:
+        `old_log_probs_from_update`) -> reference log-probs and critic values [B, S] when enabled ->
         advantages (and returns) on the controller -> critic update (overlapping the actor's when the critic has
         its own pool) -> actor update -> reshard into the rollout engine. Returns the step's metrics: rewards,
         lengths (tokens), per-phase times in seconds (`time/<phase>_s`), tokens/s, the roles' update metrics
@@ -177,10 +179,11 @@ class RLTrainer:
                 metrics["reward/rule_mean"] = float(scores.mean())
                 scores = self.role_groups["reward_model"].score(batch).tensors["scores"].float()
         batch.tensors["scores"] = scores
-        with _timer(t, "old_log_probs"):
-            old = self.workers.compute_log_probs(batch)
-            batch.tensors["old_log_probs"] = old.tensors["log_probs"]
-        metrics.update(self._mismatch(batch))
+        if not self.old_log_probs_from_update:  # else the update's own forward gives them (and the mismatch)
+            with _timer(t, "old_log_probs"):
+                old = self.workers.compute_log_probs(batch)
+                batch.tensors["old_log_probs"] = old.tensors["log_probs"]
+            metrics.update(self._mismatch(batch))
         if "reference" in self.role_groups:
             with _timer(t, "ref_log_probs"):
                 ref = self.role_groups["reference"].compute_ref_log_probs(batch)
@@ -198,7 +201,8 @@ class RLTrainer:
             with _timer(t, "update_critic"):
                 metrics.update({f"critic/{k}": v for k, v in critic.update_critic(batch).items()})
         with _timer(t, "update_actor"):
-            metrics.update({f"actor/{k}": v for k, v in self.workers.update_actor(batch).items()})
+            for k, v in self.workers.update_actor(batch).items():
+                metrics[f"mismatch/{k[len('mismatch_'):]}" if k.startswith("mismatch_") else f"actor/{k}"] = v
         if pending is not None:
             with _timer(t, "update_critic_wait"):
                 metrics.update({f"critic/{k}": v for k, v in pending.result().items()})
@@ -303,6 +307,24 @@ class RLTrainer:
             os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps({"step": result.step, **m}) + "\n")
+
+
+def old_log_probs_from_update(cfg: JobConfig) -> bool:
+    """Whether the actor's update takes the old-policy log-probs from its own forward (`algorithm.old_log_probs`).
+
+    Exact only while the step is a single optimizer step (one mini-batch, one epoch): the update's forward then runs
+    on the weights a separate pass would have used, so its detached log-probs are the old policy's. Not taken when
+    something needs them before the update: KL in the reward (advantages), rollout correction (its weights and
+    masks are computed from them)."""
+    algo = cfg.algorithm
+    if algo.old_log_probs == "recompute" or algo.ppo_epochs != 1:
+        return False
+    mini = cfg.actor.mini_batch_prompts
+    if mini is not None and mini < cfg.data.prompts_per_step:
+        return False
+    kl_in_reward = cfg.reference.enabled and algo.kl.placement == "reward" and algo.kl.coef > 0
+    rc = algo.rollout_correction
+    return not kl_in_reward and rc.tis == "off" and rc.mask == "off"
 
 
 class _timer:

@@ -26,6 +26,7 @@ PROMPT = [3, 5, 2, 4]
 RESPONSE = [9, 6, 12, 8]
 ACTOR_LR = 2e-4
 ADVANTAGE = [1.0, -1.0, 0.5, -0.5]  # per sample, on every response token
+ROLLOUT_OFFSET = 0.1  # the fused-update test's rollout log-probs: the actor's minus this, on every response token
 
 
 def _batch(vocab: int):
@@ -103,6 +104,22 @@ def _worker(rank: int, world: int, hf_dir: str, hf_rm_dir: str, ckpt_dir: str):
 
     actor("tp2", RoleTopology(tp=2), BatchingSettings(micro_batch_tokens=24))
     actor("pp2", RoleTopology(pp=2, rank_offset=2), BatchingSettings(micro_batch_samples=2))
+
+    def fused(name, topo, batching):
+        """The same update with no old_log_probs in the batch: the actor takes them from its own forward, and
+        measures the mismatch against rollout log-probs offset by ROLLOUT_OFFSET from its pre-update ones."""
+        groups = build_role_groups(topo)
+        if groups.is_member:
+            role = Actor(spec, groups, optimizer=opt, batching=batching, hf_dir=hf_dir)
+            before = role.compute_log_probs(batch)
+            lp = before["log_probs"] if before is not None else torch.zeros(B, S)
+            rollout = (lp - ROLLOUT_OFFSET) * batch["response_mask"]
+            adv = torch.tensor(ADVANTAGE).unsqueeze(1) * batch["response_mask"]
+            metrics = role.update(batch.update({"advantages": adv, "rollout_log_probs": rollout}))
+            res[name] = {"metrics": metrics, "weights": _hf_weights(role), "last_stage": role.groups.is_last_stage}
+
+    fused("tp2_fused", RoleTopology(tp=2), BatchingSettings(micro_batch_tokens=24))
+    fused("pp2_fused", RoleTopology(pp=2, rank_offset=2), BatchingSettings(micro_batch_samples=2))
     dp2 = actor("dp2", RoleTopology(dp=2), BatchingSettings(micro_batch_tokens=20))
     base = actor("tp1pp1", RoleTopology(rank_offset=2), BatchingSettings(micro_batch_samples=1))
     ref_groups = build_role_groups(RoleTopology(rank_offset=3))
@@ -289,6 +306,28 @@ def test_update_moves_weights_and_raises_positive_advantage_log_probs(runs, layo
     assert m["clip_frac"] == 0 and m["approx_kl"] == pytest.approx(0, abs=1e-6)  # ratio is 1 on the first step
     assert m["tokens"] == sum(PROMPT) + sum(RESPONSE) and m["tokens_per_s"] > 0
     assert math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_update_without_old_log_probs_takes_them_from_its_forward(runs, layout):
+    """One optimizer step over one mini-batch: old log-probs from the update's own forward (detached) give the same
+    step as a separate forward before it (the `layout` run, itself checked against transformers above), and the
+    mismatch it measures is the hand-computed one for rollout log-probs offset by a constant d = 0.1 nats."""
+    separate = _last_stage(runs, layout)[0]
+    fused = _last_stage(runs, f"{layout}_fused")[0]
+    for name, w in fused["weights"].items():
+        np.testing.assert_allclose(w, separate["weights"][name], atol=1e-6, rtol=0, err_msg=name)
+    m, ref = fused["metrics"], separate["metrics"]
+    assert m["old_log_probs_fused"] == 1.0 and ref["old_log_probs_fused"] == 0.0
+    assert m["loss"] == pytest.approx(ref["loss"], abs=1e-6) and m["clip_frac"] == 0.0
+    d = ROLLOUT_OFFSET
+    assert m["mismatch_abs_diff_mean"] == pytest.approx(d, abs=1e-6)
+    assert m["mismatch_abs_diff_max"] == pytest.approx(d, abs=1e-6)
+    assert m["mismatch_kl"] == pytest.approx(math.exp(d) - 1 - d, abs=1e-6)  # k3 = r - 1 - log r, r = e^d
+    assert m["mismatch_kl_k1"] == pytest.approx(-d, abs=1e-6)
+    assert m["mismatch_ratio_out_frac"] == 0.0  # e^0.1 is inside [1/2, 2]
+    # sequence ratio e^(0.1 * response length): lengths 9, 6, 12, 8 -> 0.9, 0.6, 1.2, 0.8 vs log 2 = 0.693
+    assert m["mismatch_seq_ratio_out_frac"] == pytest.approx(3 / 4)
 
 
 def test_reference_matches_actor_and_offload_bookkeeping(runs):

@@ -56,6 +56,23 @@ def test_mismatch_metrics_hand_computed_on_a_ragged_batch():
         assert v.dim() == 0 and torch.isfinite(v)
 
 
+def test_mismatch_sums_combined_over_micro_batches_give_the_hand_computed_metrics():
+    """The actor's fused path sums `mismatch_sums` over micro-batches (and DP ranks) and finishes once: splitting
+    the ragged batch into rows {0, 3} and {1, 2} must give the whole batch's hand-computed values."""
+    from megarl.algorithms.rollout_correction import MISMATCH_MAX_KEYS, mismatch_from_sums, mismatch_sums
+
+    actor, rollout = batch()
+    parts = [mismatch_sums(actor[idx], rollout[idx], MASK[idx], c=2.0) for idx in ([0, 3], [1, 2])]
+    combined = {k: (max if k in MISMATCH_MAX_KEYS else sum)(float(p[k]) for p in parts) for k in parts[0]}
+    m = mismatch_from_sums(combined)
+    logs = [math.log(r) for r in TOKENS]
+    assert m["abs_diff_mean"] == approx(sum(abs(x) for x in logs) / 6)
+    assert m["abs_diff_max"] == approx(math.log(4.0))
+    assert m["kl"] == approx((0.094535 + 0.636294 + 0 + 0.901388 + 0.017678 + 0.004690) / 6, abs=2e-6)
+    assert m["kl_k1"] == approx(-sum(logs) / 6)
+    assert m["ratio_out_frac"] == approx(2 / 6) and m["seq_ratio_out_frac"] == approx(2 / 3)
+
+
 def test_mismatch_metrics_band_follows_c():
     actor, rollout = batch()
     # c = 3.5: only the 0.25 token (1/0.25 = 4 > 3.5) is out; sequence 3.6 > 3.5 and 1/0.375 = 2.67 < 3.5
