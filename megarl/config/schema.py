@@ -104,6 +104,11 @@ class ResourcesConfig:
         None, "Memory of one GPU for the pre-flight memory estimate (refuses layouts that exceed it); "
         "null = ask CUDA when present, else print the estimate only.", unit="GB (10^9 bytes)", min=0,
     )
+    threads_per_worker: Optional[int] = opt(
+        None, "CPU threads of each worker process (OMP_NUM_THREADS: torch intra-op, and vLLM's CPU kernels); "
+        "null = this machine's cores / the device slots of all pools (at least 1), for a local Ray cluster, "
+        "and 1 when joining a cluster (RAY_ADDRESS), whose nodes' cores the controller cannot see.", min=1,
+    )
 
 
 # --------------------------------------------------------------------------------------------------- roles

@@ -40,6 +40,18 @@ def _config_key(key: str):
         raise ConfigError(f"{key}: {e.args[0] if e.args else e}") from None
 
 
+def worker_threads(cfg: JobConfig, joined_cluster: bool = False, cores: Optional[int] = None) -> int:
+    """CPU threads per worker process: `resources.threads_per_worker`, else this machine's cores shared evenly by
+    every pool's device slots (at least 1); 1 when joining a Ray cluster (its nodes' cores are not visible here)."""
+    if cfg.resources.threads_per_worker:
+        return cfg.resources.threads_per_worker
+    if joined_cluster:
+        return 1
+    cores = cores or len(os.sched_getaffinity(0))
+    slots = sum(p.nodes * p.devices_per_node for p in cfg.resources.pools.values())
+    return max(1, cores // max(slots, 1))
+
+
 def run(cfg: JobConfig) -> Optional[int]:
     import ray
 
@@ -86,7 +98,9 @@ def run(cfg: JobConfig) -> Optional[int]:
         p = cfg.resources.pools[name]
         return ResourcePool(name, nodes=p.nodes, devices_per_node=p.devices_per_node, device=device)
 
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(-(-cfg.rollout.kv_cache_gib // 1)))), "OMP_NUM_THREADS": "1"}
+    threads = str(worker_threads(cfg, joined_cluster=bool(os.environ.get("RAY_ADDRESS"))))
+    logger.info("worker processes use %s CPU thread(s) each (resources.threads_per_worker)", threads)
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(-(-cfg.rollout.kv_cache_gib // 1)))), "OMP_NUM_THREADS": threads}
     groups: list = []
     try:
         workers = WorkerGroup(make_pool(cfg.actor.pool), HybridWorker, cfg, model_dir, env=env)
@@ -99,7 +113,8 @@ def run(cfg: JobConfig) -> Optional[int]:
             if r.pool == cfg.actor.pool:
                 role_groups[role] = workers
             else:  # its own pool, world and layout
-                role_groups[role] = WorkerGroup(make_pool(r.pool), RoleWorker, cfg, role, env={"OMP_NUM_THREADS": "1"})
+                role_groups[role] = WorkerGroup(make_pool(r.pool), RoleWorker, cfg, role,
+                                                env={"OMP_NUM_THREADS": threads})
                 groups.append(role_groups[role])
         trainer = RLTrainer(cfg, workers, loader, encoder, reward_fn, role_groups=role_groups,
                             val_records=list(val) if val is not None else None,

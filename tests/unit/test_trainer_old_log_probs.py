@@ -28,3 +28,17 @@ ONE_STEP = ["actor.mini_batch_prompts=4"]  # base(): data.prompts_per_step=4 -> 
 ])
 def test_fused_only_for_one_optimizer_step_with_nothing_needing_them_first(tmp_path, overrides, fused):
     assert old_log_probs_from_update(load(tmp_path, base(), overrides)) is fused
+
+
+def test_worker_threads_share_the_cores_among_every_pools_slots(tmp_path):
+    """resources.threads_per_worker: explicit wins; auto = cores // slots of all pools (>= 1); 1 on a joined
+    cluster. base(): one pool of 4 slots."""
+    from megarl.trainer import worker_threads
+
+    cfg = load(tmp_path, base())
+    assert worker_threads(cfg, cores=8) == 2 and worker_threads(cfg, cores=2) == 1
+    assert worker_threads(cfg, cores=8, joined_cluster=True) == 1
+    assert worker_threads(load(tmp_path, base(), ["resources.threads_per_worker=3"]), cores=2) == 3
+    one = load(tmp_path, base(), ["resources.pools.default.devices_per_node=1", "actor.parallel.tp=1",
+                                  "rollout.tp=1", "actor.micro_batch_samples=1"])
+    assert worker_threads(one, cores=2) == 2  # a single worker gets the whole machine
