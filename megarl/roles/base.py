@@ -204,6 +204,8 @@ class Role:
         `*_max` are combined by maximum (over micro-batches and ranks), the others summed.
         """
         batch = batch.select(keys)
+        loss_keys = list(metric_keys)
+        metric_keys = [*loss_keys, "padded_tokens"]  # micro-batch positions computed, padding included
         totals = {k: 0.0 for k in metric_keys}
         steps = []
         start = time.perf_counter()
@@ -213,8 +215,10 @@ class Role:
                 mbs = [mb.to(compute_device()) for mb in make_micro_batches(share, self._plan(share))]
                 out = self.engine.run([mb.tensors for mb in mbs], loss_fn, forward_only=False)
                 steps.append(self.engine.step())
+                if self.groups.is_last_stage:  # counted once per DP rank (the reduction sums the last stage's)
+                    totals["padded_tokens"] += float(sum(mb.tensors["input_ids"].numel() for mb in mbs))
                 for m in out:
-                    for k in metric_keys:
+                    for k in loss_keys:
                         v = float(m[k])
                         totals[k] = max(totals[k], v) if k.endswith("_max") else totals[k] + v
         elapsed = time.perf_counter() - start
@@ -224,6 +228,8 @@ class Role:
         reduced["optimizer_steps"] = float(len(steps))
         tokens = float(batch.lengths().sum()) * self.batching.epochs
         reduced["tokens"] = tokens
+        # padding share of what the micro-batches computed (padded, not packed: megarl.data.micro_batching)
+        reduced["padding_frac"] = 1.0 - tokens / reduced["padded_tokens"] if reduced["padded_tokens"] else 0.0
         reduced["tokens_per_s"] = tokens / elapsed
         reduced["time_s"] = elapsed
         return reduced

@@ -308,6 +308,15 @@ def test_update_moves_weights_and_raises_positive_advantage_log_probs(runs, layo
     assert math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
 
 
+def test_padding_of_the_micro_batches_is_measured(runs):
+    """Sample lengths (prompt + response) 12, 8, 14, 12 = 46 tokens. tp2's token budget 24 packs them first-fit
+    decreasing into [14], [12, 12], [8]: 46 positions, no padding. pp2's 2 samples per micro-batch: [12, 8] padded
+    to 2 x 12 and [14, 12] to 2 x 14: 52 positions, 6 of them padding."""
+    assert _last_stage(runs, "tp2")[0]["metrics"]["padded_tokens"] == 46
+    pp2 = _last_stage(runs, "pp2")[0]["metrics"]
+    assert pp2["padded_tokens"] == 52 and pp2["padding_frac"] == pytest.approx(6 / 52)
+
+
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_update_without_old_log_probs_takes_them_from_its_forward(runs, layout):
     """One optimizer step over one mini-batch: old log-probs from the update's own forward (detached) give the same
