@@ -5,7 +5,9 @@ Two shapes: the tiny test Llama (2 layers, hidden 128, fp32, real weights) and a
 bf16, vLLM `load_format="dummy"` random weights). For each: engine start-up, one warm-up call, then a timed
 `generate` of `--batch` prompts x `--new-tokens` tokens (EOS ignored, so every response has exactly that length),
 (best of a few repeats, since the machines are shared; the 1-minute load average is recorded), and the time
-of a full weight update through `update_weights(layout="vllm_shard")` (the reshard engine's entry).
+of a full weight update through `update_weights(layout="vllm_shard")` (the reshard engine's entry), and the
+wrapper's overhead: megarl's `generate` against a bare `vllm.LLM.generate` of the same requests on the same engine,
+timed alternately (`wrapper_overhead` = wrapper / bare - 1; target < 5%).
 
     .venv/bin/python benchmarks/rollout.py [--batch 4] [--prompt-tokens 64] [--new-tokens 32] [--only tiny]
 
@@ -51,6 +53,33 @@ def _machine() -> dict:
                 torch=torch.__version__, vllm=vllm.__version__, python=platform.python_version())
 
 
+def wrapper_vs_bare(eng, prompts: list[list[int]], sampling, repeats: int) -> tuple[float, float]:
+    """Best-of-`repeats` seconds of megarl's `VllmRolloutEngine.generate` and of a bare `vllm.LLM.generate` on the
+    same engine, prompts and sampling (raw log-probs of the sampled tokens requested in both: the work the trainer
+    needs), timed alternately so both see the same machine load. The difference is the wrapper's own cost: prompt
+    planning, SamplingParams construction, converting outputs to `RolloutSample`s."""
+    from vllm import SamplingParams
+
+    bare_params = [
+        SamplingParams(n=sampling.samples_per_prompt, temperature=sampling.temperature,
+                       max_tokens=sampling.max_new_tokens, seed=sampling.request_seed(i),
+                       ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False)
+        for i in range(len(prompts))
+    ]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    wrapper, bare = [], []
+    for _ in range(repeats):
+        eng.reset_prefix_cache()
+        t0 = time.perf_counter()
+        eng.generate(prompts, sampling)
+        wrapper.append(time.perf_counter() - t0)
+        eng.reset_prefix_cache()
+        t0 = time.perf_counter()
+        eng.llm.generate(requests, bare_params, use_tqdm=False)
+        bare.append(time.perf_counter() - t0)
+    return min(wrapper), min(bare)
+
+
 def bench(name: str, spec: dict, args) -> dict:
     from megarl.rollout import SamplingSettings
     from megarl.rollout.testing import build_tiny_llama
@@ -79,6 +108,7 @@ def bench(name: str, spec: dict, args) -> dict:
             times.append(time.perf_counter() - t0)
         gen_s = min(times)
         new = sum(len(x.response_ids) for x in out)
+        wrapper_s, bare_s = wrapper_vs_bare(eng, prompts, s, spec["repeats"])
         shards = eng.param_shards()
         tensors = [(p.name, torch.randn(p.shape, generator=gen).to(p.dtype) * 0.02) for p in shards]
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
@@ -93,7 +123,9 @@ def bench(name: str, spec: dict, args) -> dict:
              load_average_1m_at_end=round(os.getloadavg()[0], 2), generated_tokens=new,
              tokens_per_s=round(new / gen_s, 1),
              total_tokens_per_s=round((new + args.batch * args.prompt_tokens) / gen_s, 1),
-             weight_update_s=round(upd_s, 3), weight_update_gib=round(nbytes / 2**30, 3))
+             weight_update_s=round(upd_s, 3), weight_update_gib=round(nbytes / 2**30, 3),
+             wrapper_generate_s=round(wrapper_s, 4), bare_vllm_generate_s=round(bare_s, 4),
+             wrapper_overhead=round(wrapper_s / bare_s - 1.0, 4))
     print(json.dumps(r), flush=True)
     return r
 
