@@ -18,9 +18,12 @@ from megarl.config import ConfigError, JobConfig, dump_yaml, load_config
 from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate
 from megarl.config.placement import device_kind, format_table, placement
 from megarl.config.validate import role_archs
+from megarl.rewards.scoring import RewardError
+from megarl.trainer.faults import RunAborted
 
 EXIT_OK = 0
 EXIT_USAGE = 2  # bad config / usage, as argparse uses
+EXIT_ABORTED = 1  # the trainer stopped the run (reward failures, non-finite steps): megarl.trainer.faults
 
 _TRAIN_HELP = """\
 Run RL training from a YAML job config.
@@ -120,6 +123,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except (RewardError, RunAborted) as e:  # the run stopped on purpose: one line, no traceback
+        print(f"megarl: error: {e}", file=sys.stderr)
+        return EXIT_ABORTED
     parser.error(f"unknown command {args.command!r}")
     return EXIT_USAGE
 

@@ -384,6 +384,19 @@ class RewardConfig:
 
     function: str = opt("exact_match", "Name of a registered reward function (megarl.rewards).")
     file: Optional[str] = opt(None, "Python file defining `function` (user reward); null = built-in registry.")
+    on_error: Literal["raise", "zero"] = opt(
+        "raise", "A reward call that raises, returns a non-finite value or times out: raise = stop the run naming "
+        "the response and its dataset record; zero = score it 0, count it (reward/errors, reward/timeouts, "
+        "reward/error_frac) and go on, within max_error_fraction."
+    )
+    max_error_fraction: float = opt(
+        0.1, "With on_error=zero: the run stops when more than this fraction of a step's responses fail.",
+        unit="fraction", min=0,
+    )
+    timeout_s: Optional[float] = opt(
+        None, "Deadline of one reward call; a late call is abandoned (it finishes in a background thread, its "
+        "result dropped) and counts as a failure. null = no deadline.", unit="seconds", min=0,
+    )
 
 
 # --------------------------------------------------------------------------------------------------- trainer
@@ -419,6 +432,10 @@ class TrainerConfig:
     seed: int = opt(1234, "Seed of model init and Megatron RNG.")
     val_every: int = opt(0, "Validate every this many steps; 0 = never.", unit="steps", min=0)
     log_every: int = opt(1, "Log metrics every this many steps.", unit="steps", min=1)
+    max_skipped_steps: int = opt(
+        3, "Stop the run after this many optimizer steps in a row were skipped for a non-finite loss or gradient "
+        "norm (actor or critic; each skip is counted in <role>/skipped_steps).", unit="optimizer steps", min=1,
+    )
 
 
 # --------------------------------------------------------------------------------------------------- job

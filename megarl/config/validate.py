@@ -249,6 +249,11 @@ def _check_algorithm(cfg: JobConfig) -> None:
     if a.clip_low >= 1:
         raise ConfigError(f"algorithm.clip_low: must be < 1 (ratio >= 1 - clip_low), got {a.clip_low}")
     _check_rollout_correction(a.rollout_correction)
+    r = cfg.reward
+    if r.max_error_fraction > 1:
+        raise ConfigError(f"reward.max_error_fraction: a fraction in [0, 1], got {r.max_error_fraction}")
+    if r.timeout_s is not None and r.timeout_s <= 0:
+        raise ConfigError(f"reward.timeout_s: must be > 0 seconds (null = no deadline), got {r.timeout_s}")
     for key in ("gamma", "lam"):
         if getattr(a, key) > 1:
             raise ConfigError(f"algorithm.{key}: must be in [0, 1], got {getattr(a, key)}")

@@ -144,7 +144,9 @@ class MegatronEngine:
                 grad_reduce_in_fp32=True,
                 overlap_grad_reduce=False,
                 use_distributed_optimizer=True,
-                check_for_nan_in_grad=True,
+                # off: megatron's check raises (fatally) on the rank whose local bucket holds a NaN, before the
+                # reduce-scatter its peers are waiting in; `step` instead skips on the global grad norm, on every rank
+                check_for_nan_in_grad=False,
                 bucket_size=40_000_000,
             )
             model = DistributedDataParallel(self.config, ddp_config, model, pg_collection=self.groups.pgs)
@@ -287,13 +289,26 @@ class MegatronEngine:
             )
         return list(results) if self.groups.is_last_stage else []
 
-    def step(self) -> dict[str, float]:
-        """One optimizer step on the accumulated gradients; returns grad_norm, lr and whether it applied."""
+    def step(self, loss_finite: bool = True) -> dict[str, float]:
+        """One optimizer step on the accumulated gradients, skipped when they are not finite.
+
+        megatron-core 0.16.1 checks for inf/nan only through its grad scaler (fp16 loss scaling: `prepare_grads`
+        returns found_inf); in fp32 and bf16 there is none, and `optimizer.step()` would clip with a NaN norm
+        (`clip_coeff < 1` is False for NaN, so nothing is clipped) and write NaN into every weight. So the engine runs
+        megatron's step in its parts: `prepare_grads` (its found-inf check where a scaler exists), the global grad
+        norm (`get_grad_norm`, all-reduced over the optimizer's grad-stats group: every rank of the role gets the
+        same value and takes the same decision), clipping by that norm, `step_with_ready_grads`. A non-finite norm,
+        or `loss_finite=False` on any rank (the caller's loss; combined over the same group), skips the step: weights,
+        Adam moments, the LR schedule and `steps` stay as they were; the gradients are discarded by the next `run`.
+
+        Returns grad_norm (L2, before clipping; computed also when clipping is off), lr, update_applied (bool) and
+        skip_reason ('' when applied, else 'found_inf', 'grad_norm' or 'loss').
+        """
         if not self.trainable:
             raise RuntimeError("this role is frozen (no optimizer)")
         self._check_loaded()
         with megatron_on_cpu():
-            ok, grad_norm, _ = self.optimizer.step()
+            ok, grad_norm, reason = self._guarded_step(loss_finite)
             lr = self.optimizer.param_groups[0]["lr"]
             if ok:
                 self.scheduler.step(increment=1)
@@ -302,7 +317,30 @@ class MegatronEngine:
             "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
             "lr": float(lr),
             "update_applied": bool(ok),
+            "skip_reason": reason,
         }
+
+    def _guarded_step(self, loss_finite: bool) -> tuple[bool, Optional[float], str]:
+        """megatron-core 0.16.1 `MixedPrecisionOptimizer.step` / `ChainedOptimizer.step`, with the finite checks."""
+        import torch.distributed as dist
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        opt = self.optimizer
+        if opt.prepare_grads():  # grads copied to the main (fp32) params; True = the fp16 scaler found inf/nan
+            return False, None, "found_inf"
+        grad_norm = float(opt.get_grad_norm())
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        bad_loss = torch.tensor([0.0 if loss_finite else 1.0], device=device)
+        dist.all_reduce(bad_loss, op=dist.ReduceOp.MAX, group=opt.get_grad_stats_parallel_group())
+        if bad_loss.item() > 0:
+            return False, grad_norm, "loss"
+        if not math.isfinite(grad_norm):
+            return False, grad_norm, "grad_norm"
+        for sub in getattr(opt, "chained_optimizers", [opt]):
+            if sub.config.clip_grad > 0 and not getattr(sub, "is_stub_optimizer", False) and sub.get_parameters():
+                clip_grad_by_total_norm_fp32(sub.get_parameters(), sub.config.clip_grad, grad_norm,
+                                             sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        return bool(opt.step_with_ready_grads()), grad_norm, ""
 
     # ------------------------------------------------------------------------------------------------ offload
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, int]:

@@ -13,6 +13,7 @@ Data path of a role call (the same on every rank of the role, called collectivel
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Callable, Optional
 
@@ -201,7 +202,10 @@ class Role:
         """Mini-batch / micro-batch loop with one optimizer step per mini-batch; returns summed metrics.
 
         `loss_fn(output, mb) -> (loss_sum, units, metric sums)` as `MegatronEngine.run` expects. Metrics named
-        `*_max` are combined by maximum (over micro-batches and ranks), the others summed.
+        `*_max` are combined by maximum (over micro-batches and ranks), the others summed. A mini-batch whose loss
+        (the `loss_sum` metric, when the loss reports it) or gradient norm is not finite is not applied
+        (`MegatronEngine.step`): `skipped_steps` counts such optimizer steps, `skipped_trailing` those in a row at
+        the end of this update (the trainer's `trainer.max_skipped_steps` streak continues across updates).
         """
         batch = batch.select(keys)
         loss_keys = list(metric_keys)
@@ -214,7 +218,8 @@ class Role:
                 share = mini.chunk_by_dp(self.dp_rank, self.dp)
                 mbs = [mb.to(compute_device()) for mb in make_micro_batches(share, self._plan(share))]
                 out = self.engine.run([mb.tensors for mb in mbs], loss_fn, forward_only=False)
-                steps.append(self.engine.step())
+                loss_finite = all(math.isfinite(float(m["loss_sum"])) for m in out if "loss_sum" in m)
+                steps.append(self.engine.step(loss_finite=loss_finite))
                 if self.groups.is_last_stage:  # counted once per DP rank (the reduction sums the last stage's)
                     totals["padded_tokens"] += float(sum(mb.tensors["input_ids"].numel() for mb in mbs))
                 for m in out:
@@ -226,6 +231,10 @@ class Role:
         reduced["grad_norm"] = sum(s["grad_norm"] for s in steps) / len(steps)
         reduced["lr"] = steps[-1]["lr"]
         reduced["optimizer_steps"] = float(len(steps))
+        applied = [bool(s["update_applied"]) for s in steps]
+        reduced["skipped_steps"] = float(applied.count(False))
+        reduced["skipped_trailing"] = float(len(applied) - (max(i for i, a in enumerate(applied) if a) + 1)
+                                            if any(applied) else len(applied))
         tokens = float(batch.lengths().sum()) * self.batching.epochs
         reduced["tokens"] = tokens
         # padding share of what the micro-batches computed (padded, not packed: megarl.data.micro_batching)

@@ -32,6 +32,7 @@ from megarl.config.schema import JobConfig
 from megarl.data.batch import Batch
 from megarl.rollout.engine import SamplingSettings
 from megarl.trainer import checkpointing
+from megarl.trainer.faults import RunAborted
 from megarl.trainer.samples import chunk_bounds, samples_to_batch
 
 logger = logging.getLogger("megarl.trainer")
@@ -75,6 +76,7 @@ class RLTrainer:
         self.kl_ctl = build_kl_controller("adaptive" if kl.target is not None else "fixed", kl.coef, kl.target,
                                           kl.horizon)
         self.old_log_probs_from_update = old_log_probs_from_update(cfg)
+        self.skip_streak: dict[str, int] = {}  # role -> optimizer steps skipped in a row (non-finite loss/grad norm)
 
     # --------------------------------------------------------------------------------------------- the loop
     def fit(self) -> list[StepResult]:
@@ -95,6 +97,7 @@ class RLTrainer:
             if self.val_records and self.cfg.trainer.val_every and step % self.cfg.trainer.val_every == 0:
                 results[-1].metrics.update(self.validate())
             self._log(results[-1])
+            self._check_skips(results[-1])
             every = self.cfg.checkpoint.save_every
             if self.cfg.checkpoint.dir and (step == total or (every and step % every == 0)):
                 self.save(step)
@@ -174,7 +177,8 @@ class RLTrainer:
         batch = samples_to_batch(samples, pad_id=self.encoder.pad_token_id or 0)
         metrics: dict[str, float] = {}
         with _timer(t, "reward"):
-            scores = self._scores(samples, records)
+            scores, reward_metrics = self._scores(samples, records, f"step {step}")
+            metrics.update(reward_metrics)
             if "reward_model" in self.role_groups:  # the learned reward is what is trained on
                 metrics["reward/rule_mean"] = float(scores.mean())
                 scores = self.role_groups["reward_model"].score(batch).tensors["scores"].float()
@@ -206,6 +210,7 @@ class RLTrainer:
         if pending is not None:
             with _timer(t, "update_critic_wait"):
                 metrics.update({f"critic/{k}": v for k, v in pending.result().items()})
+        self._count_skips(metrics)
         with _timer(t, "sync_weights"):
             reshard = self.workers.sync_weights()
         mask = batch.tensors["response_mask"].float()
@@ -224,6 +229,29 @@ class RLTrainer:
         return StepResult(step, metrics)
 
     # --------------------------------------------------------------------------------------------- pieces
+    def _count_skips(self, metrics: dict[str, float]) -> None:
+        """`<role>/skipped_streak`: optimizer steps skipped in a row (non-finite loss or gradient norm, see
+        `MegatronEngine.step`), continued across RL steps from the roles' `skipped_steps` / `skipped_trailing`."""
+        for role in ("actor", "critic"):
+            if f"{role}/skipped_steps" not in metrics:
+                continue
+            trailing = int(metrics[f"{role}/skipped_trailing"])
+            all_skipped = trailing == int(metrics[f"{role}/optimizer_steps"])
+            self.skip_streak[role] = self.skip_streak.get(role, 0) + trailing if all_skipped else trailing
+            metrics[f"{role}/skipped_streak"] = float(self.skip_streak[role])
+
+    def _check_skips(self, result: StepResult) -> None:
+        """Stop the run (`RunAborted`) once a role's skipped-step streak reaches `trainer.max_skipped_steps`."""
+        limit = self.cfg.trainer.max_skipped_steps
+        for role, streak in self.skip_streak.items():
+            if streak >= limit:
+                norm = result.metrics.get(f"{role}/grad_norm", float("nan"))
+                raise RunAborted(
+                    f"step {result.step}: {streak} {role} optimizer steps in a row were skipped for a non-finite loss "
+                    f"or gradient norm (last grad_norm {norm}); stopping "
+                    f"at trainer.max_skipped_steps={limit}. Check the rewards/advantages and lower the learning rate"
+                )
+
     def _generate(self, prompts: list[list[int]], sampling: SamplingSettings):
         per_replica = self.workers.generate(prompts, sampling)  # DP_SPLIT: one result per rollout replica, in order
         samples, dropped = [], []
@@ -238,12 +266,18 @@ class RLTrainer:
         samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
         return samples, dropped
 
-    def _scores(self, samples, records) -> torch.Tensor:
-        from megarl.rewards import score_batch
+    def _scores(self, samples, records, what: str) -> tuple[torch.Tensor, dict[str, float]]:
+        """[B] float32 rule scores of the decoded responses, and `reward/errors|timeouts|error_frac`; failures follow
+        `reward.on_error` / `timeout_s`, and more than `reward.max_error_fraction` failed stops the run
+        (`megarl.rewards.scoring`)."""
+        from megarl.rewards import check_failures, score_responses
 
+        r = self.cfg.reward
         texts = [self.encoder.decode(s.response_ids) for s in samples]
         per_sample_records = [records[s.prompt_index] for s in samples]
-        return torch.tensor(score_batch(self.reward_fn, texts, per_sample_records), dtype=torch.float32)
+        scored = score_responses(self.reward_fn, texts, per_sample_records, on_error=r.on_error, timeout_s=r.timeout_s)
+        check_failures(scored, r.max_error_fraction, what)
+        return torch.tensor(scored.scores, dtype=torch.float32), scored.metrics()
 
     def _mismatch(self, batch: Batch) -> dict[str, float]:
         """`mismatch/*`: vLLM's log-probs of the sampled tokens (`rollout_log_probs`) against the actor's old-policy
@@ -290,8 +324,9 @@ class RLTrainer:
         prompts = [self.encoder.encode(r.prompt) for r in self.val_records]
         sampling = SamplingSettings.from_config(self.cfg.rollout, validation=True)
         samples, _ = self._generate(prompts, sampling)
-        scores = self._scores(samples, self.val_records)
-        return {"val/reward_mean": float(scores.mean()) if len(scores) else float("nan")}
+        scores, reward_metrics = self._scores(samples, self.val_records, "validation")
+        return {"val/reward_mean": float(scores.mean()) if len(scores) else float("nan"),
+                "val/reward_errors": reward_metrics["reward/errors"]}
 
     def _log(self, result: StepResult) -> None:
         m = result.metrics
