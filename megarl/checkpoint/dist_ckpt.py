@@ -2,7 +2,10 @@
 
 A checkpoint directory holds megatron-core's files (`metadata.json`, `common.pt`, `__*.distcp`) plus
 `megarl_checkpoint.json` (the HF `config.json` the model came from, the dtype) and `hf_assets/`
-(generation config and tokenizer files), so it converts back to a complete HF directory.
+(generation config and tokenizer files), so it converts back to a complete HF directory. A trained role's
+checkpoint saved `with_optimizer` adds the distributed optimizer's state (keys `optimizer.state.<kind>.<model key>`,
+sharded like the weights: `megarl.checkpoint.train_state`) and `engine_state.pt` (param groups, LR scheduler,
+step counter).
 
 Layout independence: keys and global shapes are megatron-core's own (layers stacked on a leading axis, fc1 as
 [gate; up]) except the word embedding and output layer, which are stored with the *real* vocabulary rows only
@@ -48,6 +51,8 @@ META_NAME = "megarl_checkpoint.json"
 ASSETS_DIR = "hf_assets"
 FORMAT = "megarl-megatron-v1"
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+ENGINE_STATE = "engine_state.pt"  # optimizer param groups, LR scheduler, step counter (`train_state.common_state`)
+OPTIMIZER_SD_KEY = "optimizer"  # where the optimizer's ShardedTensors sit in the sharded state dict
 
 
 # ----------------------------------------------------------------------------------------------- replica ids
@@ -82,43 +87,98 @@ def assign_replica_ids(sharded_sd: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- engine side
-def engine_sharded_state_dict(engine) -> dict:
-    """This rank's megatron-core sharded state dict in megarl's layout-independent form (see module doc)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-
+def module_sharded_state_dict(engine) -> dict:
+    """This rank's megatron-core sharded state dict of the model as megatron-core builds it (padded vocabulary;
+    each ShardedTensor's `data` is the parameter itself, which is how the optimizer's state is matched to it)."""
     module = engine.module
-    spec, topo, coord = engine.spec, engine.groups.topology, engine.groups.coord
     # megatron-core 0.16.1 ties a last stage's output layer to the first stage's embedding through the global
     # parallel state (LanguageModule.tie_embeddings_and_output_weights_state_dict reads
     # parallel_state.get_data_parallel_rank), which megarl never initialises. Build that entry untied and key it
-    # as the embedding below; `assign_replica_ids` then makes it a non-main replica of the first stage's copy.
-    retie = spec.tie_word_embeddings and module.post_process and not module.pre_process
+    # as the embedding (`_vocab_entry`); `assign_replica_ids` then makes it a non-main replica of the first stage's.
+    retie = engine.spec.tie_word_embeddings and module.post_process and not module.pre_process
     if retie:
         module.share_embeddings_and_output_weights = False
     try:
-        sd = module.sharded_state_dict(metadata={"dp_cp_group": engine.groups.pgs.dp_cp})
+        return module.sharded_state_dict(metadata={"dp_cp_group": engine.groups.pgs.dp_cp})
     finally:
         if retie:
             module.share_embeddings_and_output_weights = True
+
+
+def engine_sharded_state_dict(engine, raw: Optional[dict] = None) -> dict:
+    """This rank's megatron-core sharded state dict in megarl's layout-independent form (see module doc).
+    `raw`: `module_sharded_state_dict(engine)` when the caller already built it."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    sd = module_sharded_state_dict(engine) if raw is None else raw
     out = {}
     for name, item in sd.items():
         if isinstance(item, ShardedObject) or name.endswith("_extra_state"):
             continue  # local-spec / bf16 extra state is None; TE fp8 scaling state is not carried over
         if name in VOCAB_KEYS:
-            segs = shard_segments(spec, _vocab_layout(spec), coord.tp, topo.tp, pad_vocab=False)
-            if not segs:
-                continue  # this TP rank holds padding rows only
-            seg = segs[0]
-            data = item.data[: seg.size]
-            out[name] = ShardedTensor(
-                key=VOCAB_KEYS[0] if spec.tie_word_embeddings else item.key, data=data, dtype=data.dtype,
-                local_shape=tuple(data.shape),
-                global_shape=(spec.vocab_size, spec.hidden_size), global_offset=(seg.start, 0),
-                axis_fragmentations=None, replica_id=item.replica_id,
-            )
+            entry = _vocab_entry(engine, item, VOCAB_KEYS[0] if engine.spec.tie_word_embeddings else item.key)
+            if entry is not None:  # None: this TP rank holds padding rows only
+                out[name] = entry
             continue
         out[name] = item
     return out
+
+
+def _vocab_entry(engine, item, key: str):
+    """`item` (a [padded vocab shard, hidden] ShardedTensor) cut to its real vocabulary rows, as a chunk of the
+    [vocab, hidden] tensor `key`; None when this TP rank holds padding rows only."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    spec, topo, coord = engine.spec, engine.groups.topology, engine.groups.coord
+    segs = shard_segments(spec, _vocab_layout(spec), coord.tp, topo.tp, pad_vocab=False)
+    if not segs:
+        return None
+    seg = segs[0]
+    data = item.data[: seg.size]
+    return ShardedTensor(
+        key=key, data=data, dtype=data.dtype, local_shape=tuple(data.shape),
+        global_shape=(spec.vocab_size, spec.hidden_size), global_offset=(seg.start, 0),
+        axis_fragmentations=None, replica_id=item.replica_id,
+    )
+
+
+def optimizer_state_entries(engine, raw: dict, is_loading: bool) -> tuple[dict, list]:
+    """The optimizer's sharded state (`train_state.optimizer_sharded_state`) in the same layout-independent form
+    as the weights: Adam's tensors of the embedding / output layer cut to the real vocabulary rows.
+
+    Returns (entries, vocab): entries {sub-optimizer: {param index: {kind: ShardedTensor or factory}}}; vocab
+    lists (sub-optimizer, index, kind, padded shape) for every vocabulary tensor, whose loaded rows
+    `pad_vocab_rows` puts back at the padded shape."""
+    from megarl.checkpoint.train_state import OPTIMIZER_KEY, optimizer_sharded_state
+
+    entries = optimizer_sharded_state(engine, raw, is_loading)
+    vocab = []
+    for sub, per_param in entries.items():
+        for idx, tensors in per_param.items():
+            for kind in list(tensors):
+                item = tensors[kind]
+                model_key = item.key[len(f"{OPTIMIZER_KEY}{kind}."):]
+                if model_key not in VOCAB_KEYS:
+                    continue
+                vocab.append((sub, idx, kind, tuple(item.data.shape)))
+                key = f"{OPTIMIZER_KEY}{kind}.{VOCAB_KEYS[0] if engine.spec.tie_word_embeddings else model_key}"
+                entry = _vocab_entry(engine, item, key)
+                if entry is None:
+                    del tensors[kind]
+                else:
+                    tensors[kind] = entry
+    return entries, vocab
+
+
+def pad_vocab_rows(loaded: dict, vocab: list) -> None:
+    """Put the loaded real-vocabulary rows of the optimizer's vocabulary tensors back at their padded shape (the
+    padding rows' state is zero: they never receive a gradient)."""
+    for sub, idx, kind, shape in vocab:
+        full = torch.zeros(shape, dtype=torch.float32)
+        got = loaded[sub][idx].get(kind)
+        if got is not None:
+            full[: got.shape[0]].copy_(got)
+        loaded[sub][idx][kind] = full
 
 
 def _prepared(sd: dict) -> dict:
@@ -154,13 +214,19 @@ def _rank0_token() -> int:
 
 
 def save_engine_checkpoint(engine, out: str, overwrite: bool = False, hf_config: Optional[dict] = None,
-                           assets: tuple[str, ...] = (), hf_dir: Optional[str] = None) -> None:
+                           assets: tuple[str, ...] = (), hf_dir: Optional[str] = None,
+                           with_optimizer: bool = False) -> None:
     """Collective over the world: save `engine` (None on ranks outside the role) to `out`, atomically.
 
     `hf_dir` (the directory the model came from) supplies the HF config and tokenizer files that
     `megatron_to_hf` writes back; without it `hf_config`/`assets` are used, or a config built from the spec.
+    `with_optimizer` (same on every rank; a frozen role has nothing to add): also the distributed optimizer's
+    state, resharded like the weights (`megarl.checkpoint.train_state`), and `ENGINE_STATE` (param groups,
+    scheduler, step counter).
     """
     from megatron.core import dist_checkpointing
+
+    from megarl.checkpoint.train_state import common_state, merge_common_states
 
     if hf_dir is not None and dist.get_rank() == 0:
         reader = HFReader(hf_dir)
@@ -175,44 +241,72 @@ def save_engine_checkpoint(engine, out: str, overwrite: bool = False, hf_config:
             err = str(e)
     _broadcast_error(err)
     tmp = temp_dir_for(out, _rank0_token())
+    trained = with_optimizer and engine is not None and engine.trainable
     with megatron_on_cpu():
         sd = {}
         if engine is not None:
-            sd = engine_sharded_state_dict(engine)
+            raw = module_sharded_state_dict(engine)
+            sd = engine_sharded_state_dict(engine, raw)
+            if trained:
+                sd[OPTIMIZER_SD_KEY], _ = optimizer_state_entries(engine, raw, is_loading=False)
         _prepared(sd)
         dist_checkpointing.save(sd, tmp)
-    dtypes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(dtypes, engine.dtype if engine is not None else None)
+    infos: list[Any] = [None] * dist.get_world_size()
+    mine = (engine.dtype, common_state(engine) if trained else None) if engine is not None else None
+    dist.all_gather_object(infos, mine)
     if dist.get_rank() == 0:
         if hf_config is None:
             src = engine.spec if engine is not None else None
             if src is None:
                 raise CheckpointError("save_engine_checkpoint: rank 0 must be in the role or pass hf_config")
             hf_config = spec_to_hf_config(src)
-        dtype = next(d for d in dtypes if d)
+        dtype = next(i[0] for i in infos if i)
         _write_meta(tmp, hf_config, dtype, assets)
+        common = merge_common_states([i[1] for i in infos if i])
+        if common is not None:
+            torch.save(common, os.path.join(tmp, ENGINE_STATE))
         commit_dir(tmp, out)
     dist.barrier()
 
 
-def load_engine_checkpoint(engine, mdir: str) -> None:
-    """Collective over the world: load the checkpoint at `mdir` into `engine` (None outside the role), in place."""
+def has_optimizer_state(mdir: str) -> bool:
+    """Whether the checkpoint at `mdir` holds optimizer state (saved with `with_optimizer=True`)."""
+    return os.path.isfile(os.path.join(mdir, ENGINE_STATE))
+
+
+def load_engine_checkpoint(engine, mdir: str, with_optimizer: bool = False) -> None:
+    """Collective over the world: load the checkpoint at `mdir` into `engine` (None outside the role), in place.
+
+    `with_optimizer` (same on every rank): also restore a trainable engine's optimizer, scheduler and step counter
+    (at any TP/PP/DP layout); the checkpoint must have been saved with them, else `CheckpointError`."""
     from megatron.core import dist_checkpointing
+
+    from megarl.checkpoint.train_state import load_common_and_params
 
     err = None
     if dist.get_rank() == 0:
         try:
             read_meta(mdir)
+            if with_optimizer and not has_optimizer_state(mdir):
+                raise CheckpointError(f"{mdir} holds model weights only (no {ENGINE_STATE}: saved without optimizer "
+                                      "state, e.g. by an older megarl or checkpoint_tools/hf_to_megatron.py); load "
+                                      "it without the optimizer, whose moments then restart")
         except CheckpointError as e:
             err = str(e)
     _broadcast_error(err)
     if engine is not None:
         meta = read_meta(mdir)
         check_same_model(engine.spec, spec_from_hf_config(meta["hf_config"]))
+    trained = with_optimizer and engine is not None and engine.trainable
     with megatron_on_cpu():
         from megatron.core.dist_checkpointing.mapping import apply_factory_merges
 
-        sd = engine_sharded_state_dict(engine) if engine is not None else {}
+        sd, vocab = {}, []
+        if engine is not None:
+            raw = module_sharded_state_dict(engine)
+            sd = engine_sharded_state_dict(engine, raw)
+            if trained:
+                sd[OPTIMIZER_SD_KEY], vocab = optimizer_state_entries(engine, raw, is_loading=True)
         factories = _prepared(sd)
         try:
             # No world-wide access validation on load: roles at different layouts may load in one call (their
@@ -237,6 +331,12 @@ def load_engine_checkpoint(engine, mdir: str) -> None:
                 raise CheckpointError(f"checkpoint {mdir} did not provide {name}")
             param.data.copy_(loaded[name])
     refresh_optimizer_copies(engine)
+    if trained:
+        opt_state = loaded[OPTIMIZER_SD_KEY]
+        pad_vocab_rows(opt_state, vocab)
+        with megatron_on_cpu():
+            load_common_and_params(engine, torch.load(os.path.join(mdir, ENGINE_STATE), weights_only=False),
+                                   opt_state)
 
 
 # ----------------------------------------------------------------------------------------------- metadata
