@@ -309,12 +309,13 @@ def test_update_moves_weights_and_raises_positive_advantage_log_probs(runs, layo
 
 
 def test_padding_of_the_micro_batches_is_measured(runs):
-    """Sample lengths (prompt + response) 12, 8, 14, 12 = 46 tokens. tp2's token budget 24 packs them first-fit
-    decreasing into [14], [12, 12], [8]: 46 positions, no padding. pp2's 2 samples per micro-batch: [12, 8] padded
-    to 2 x 12 and [14, 12] to 2 x 14: 52 positions, 6 of them padding."""
-    assert _last_stage(runs, "tp2")[0]["metrics"]["padded_tokens"] == 46
+    """Sample lengths (PROMPT + RESPONSE) 12, 11, 14, 12 = 49 tokens. tp2's token budget 24 packs them first-fit
+    decreasing into [14], [12, 12], [11]: 49 positions, no padding. pp2's 2 samples per micro-batch: [12, 11]
+    padded to 2 x 12 and [14, 12] to 2 x 14: 52 positions, 3 of them padding."""
+    tp2 = _last_stage(runs, "tp2")[0]["metrics"]
+    assert tp2["padded_tokens"] == 49 and tp2["padding_frac"] == 0.0
     pp2 = _last_stage(runs, "pp2")[0]["metrics"]
-    assert pp2["padded_tokens"] == 52 and pp2["padding_frac"] == pytest.approx(6 / 52)
+    assert pp2["padded_tokens"] == 52 and pp2["padding_frac"] == pytest.approx(3 / 52)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
