@@ -21,7 +21,8 @@ from megarl.algorithms.kl import apply_kl_penalty, kl, kl_kinds, kl_loss
 from megarl.algorithms.kl_controller import AdaptiveKLController, FixedKLController, build_kl_controller
 from megarl.algorithms.log_probs import log_probs_from_logits, vocab_parallel_log_probs
 from megarl.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from megarl.algorithms.policy_loss import gspo_policy_loss, policy_loss, policy_loss_names
+from megarl.algorithms.overlong import filter_truncated, soft_overlong_penalty
+from megarl.algorithms.policy_loss import cispo_policy_loss, gspo_policy_loss, policy_loss, policy_loss_names
 from megarl.algorithms.registry import (
     UnknownNameError,
     get_advantage,
@@ -44,8 +45,10 @@ __all__ = [
     "aggregation_modes",
     "apply_kl_penalty",
     "build_kl_controller",
+    "cispo_policy_loss",
     "entropy_from_logits",
     "entropy_from_vocab_parallel",
+    "filter_truncated",
     "gae",
     "get_advantage",
     "get_aggregation",
@@ -73,6 +76,7 @@ __all__ = [
     "rloo",
     "rollout_correction",
     "scores_to_token_rewards",
+    "soft_overlong_penalty",
     "value_loss",
     "vocab_parallel_log_probs",
 ]

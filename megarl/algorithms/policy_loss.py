@@ -1,6 +1,6 @@
-"""Policy-gradient losses: PPO's clipped surrogate (with asymmetric and dual clipping) and GSPO.
+"""Policy-gradient losses: PPO's clipped surrogate (with asymmetric and dual clipping), GSPO and CISPO.
 
-Both are registered (``get_policy_loss("ppo")``, ``get_policy_loss("gspo")``) with the same call shape::
+All are registered (``get_policy_loss("ppo")``, ``"gspo"``, ``"cispo"``) with the same call shape::
 
     loss, metrics = fn(log_probs, old_log_probs, advantages, response_mask, clip_low=..., clip_high=...,
                        clip_c=None, agg=..., norm_horizon=None, global_normalizer=None, weights=None)
@@ -171,6 +171,53 @@ def gspo_policy_loss(
         "dual_clip_frac": torch.zeros((), dtype=torch.float32, device=log_probs.device),
         **_kl_metrics(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), response_mask),
         "ratio_mean": masked_mean(torch.exp(seq_log_ratio), has_tokens),
+    }
+    return loss, metrics
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float = 1.0,
+    clip_high: float = 5.0,
+    clip_c: float | None = None,
+    agg: str = "token-mean",
+    norm_horizon: int | None = None,
+    global_normalizer: Normalizer = None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, Chen et al. 2025): REINFORCE on every token, weighted by a clipped, stop-gradient ratio.
+
+    Per token, with ``r = exp(log_probs - old_log_probs)``::
+
+        w = sg(clip(r, 1 - clip_low, 1 + clip_high))
+        L = -w * A * log_probs                       # d L / d log_probs = -w * A: no token loses its gradient
+
+    Unlike PPO, a clipped token keeps its gradient (only its weight is capped), so rare tokens whose ratio
+    moved far still learn. The paper sets no lower bound (``clip_low = 1``: ``1 - clip_low = 0``, the default) and
+    tunes only ``clip_high``; 5.0 is SkyRL's example value, not a published constant. ``0 <= clip_low <= 1``.
+    ``clip_c`` (dual clip) is not defined for CISPO and must be None. The log-ratio is clamped to [-20, 20]
+    before exp(). ``clip_frac`` counts tokens whose weight was capped (``w != r``).
+    """
+    _check_shapes(log_probs, old_log_probs, advantages, response_mask)
+    if not (0 <= clip_low <= 1) or clip_high < 0:
+        raise ValueError(f"CISPO needs 0 <= clip_low <= 1 and clip_high >= 0, got clip_low={clip_low}, "
+                         f"clip_high={clip_high}")
+    if clip_c is not None:
+        raise ValueError(f"CISPO has no dual clip; clip_c must be None, got {clip_c}")
+    log_ratio = (log_probs.detach() - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    w = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_mat = _weighted(-w * advantages * log_probs, weights)
+    loss = aggregate(loss_mat, response_mask, agg, norm_horizon=norm_horizon, global_normalizer=global_normalizer)
+    metrics = {
+        "clip_frac": masked_mean((w != ratio).float(), response_mask),
+        "dual_clip_frac": torch.zeros((), dtype=torch.float32, device=log_probs.device),
+        **_kl_metrics(log_ratio, response_mask),
+        "ratio_mean": masked_mean(ratio, response_mask),
     }
     return loss, metrics
 

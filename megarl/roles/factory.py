@@ -75,5 +75,5 @@ def build_role(cfg: JobConfig, role: str, groups: Optional[RoleGroups] = None,
         kwargs["loss"] = PolicyLossSettings.from_config(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
     if role == "critic":
         kwargs["value_clip"] = role_cfg.value_clip
-        kwargs["agg"] = cfg.algorithm.loss_agg
+        kwargs["agg"] = cfg.algorithm.setting("loss_agg")
     return ROLE_CLASSES[role](spec, groups, **kwargs)

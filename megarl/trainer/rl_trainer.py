@@ -24,9 +24,11 @@ import torch
 from megarl.algorithms import (
     apply_kl_penalty,
     build_kl_controller,
+    filter_truncated,
     get_advantage,
     mismatch_metrics,
     scores_to_token_rewards,
+    soft_overlong_penalty,
 )
 from megarl.config.schema import JobConfig
 from megarl.data.batch import Batch
@@ -182,6 +184,7 @@ class RLTrainer:
             if "reward_model" in self.role_groups:  # the learned reward is what is trained on
                 metrics["reward/rule_mean"] = float(scores.mean())
                 scores = self.role_groups["reward_model"].score(batch).tensors["scores"].float()
+            scores = scores + self._overlong_penalty(samples, metrics)
         batch.tensors["scores"] = scores
         if not self.old_log_probs_from_update:  # else the update's own forward gives them (and the mismatch)
             with _timer(t, "old_log_probs"):
@@ -198,14 +201,15 @@ class RLTrainer:
                 batch.tensors["old_values"] = critic.compute_values(batch).tensors["values"]
         with _timer(t, "advantages"):
             extra = self._advantages(batch)
+        train_batch = self._filter_overlong(batch, samples, metrics)
         pending = None
         if critic is not None and critic is not self.workers:
-            pending = critic.update_critic.submit(batch)  # its own pool: overlaps the actor update
+            pending = critic.update_critic.submit(train_batch)  # its own pool: overlaps the actor update
         elif critic is not None:
             with _timer(t, "update_critic"):
-                metrics.update({f"critic/{k}": v for k, v in critic.update_critic(batch).items()})
+                metrics.update({f"critic/{k}": v for k, v in critic.update_critic(train_batch).items()})
         with _timer(t, "update_actor"):
-            for k, v in self.workers.update_actor(batch).items():
+            for k, v in self.workers.update_actor(train_batch).items():
                 metrics[f"mismatch/{k[len('mismatch_'):]}" if k.startswith("mismatch_") else f"actor/{k}"] = v
         if pending is not None:
             with _timer(t, "update_critic_wait"):
@@ -229,6 +233,29 @@ class RLTrainer:
         return StepResult(step, metrics)
 
     # --------------------------------------------------------------------------------------------- pieces
+    def _overlong_penalty(self, samples, metrics: dict[str, float]) -> torch.Tensor:
+        """[B] float32 DAPO soft overlong penalty of each sample (0 when `algorithm.overlong.soft_cache_tokens` is
+        null); logs `overlong/truncated_frac` (finish_reason 'length') and, when on, `overlong/penalty_mean`."""
+        truncated = [s.finish_reason == "length" for s in samples]
+        metrics["overlong/truncated_frac"] = sum(truncated) / max(len(samples), 1)
+        o = self.cfg.algorithm.overlong
+        if o.soft_cache_tokens is None:
+            return torch.zeros(len(samples), dtype=torch.float32)
+        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        penalty = soft_overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, o.soft_cache_tokens,
+                                        o.penalty_factor)
+        metrics["overlong/penalty_mean"] = float(penalty.mean())
+        return penalty
+
+    def _filter_overlong(self, batch: Batch, samples, metrics: dict[str, float]) -> Batch:
+        """The batch the updates train on: with `algorithm.overlong.filter`, truncated samples' response tokens
+        masked out of the loss (`overlong/filtered_samples`); else `batch` itself."""
+        if not self.cfg.algorithm.overlong.filter:
+            return batch
+        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        metrics["overlong/filtered_samples"] = float(truncated.sum())
+        return batch.update({"response_mask": filter_truncated(batch.tensors["response_mask"], truncated)})
+
     def _count_skips(self, metrics: dict[str, float]) -> None:
         """`<role>/skipped_streak`: optimizer steps skipped in a row (non-finite loss or gradient norm, see
         `MegatronEngine.step`), continued across RL steps from the roles' `skipped_steps` / `skipped_trailing`."""
@@ -298,7 +325,7 @@ class RLTrainer:
         if self.estimator in SCORE_ESTIMATORS:
             kwargs: dict[str, Any] = dict(scores=tensors["scores"], group_ids=tensors["group_ids"], response_mask=mask)
             if self.estimator == "grpo":
-                kwargs["norm_by_std"] = algo.grpo_norm_by_std
+                kwargs["norm_by_std"] = algo.setting("grpo_norm_by_std")
             advantages, returns = estimator(**kwargs)
         else:
             token_rewards = scores_to_token_rewards(tensors["scores"], mask)

@@ -146,8 +146,8 @@ def test_wrong_type(tmp_path):
 def test_wrong_choice_suggests(tmp_path):
     msg = error(tmp_path, base(), ["algorithm.name=grpoo"])
     assert msg == (
-        "algorithm.name: expected one of 'grpo', 'ppo', 'rloo', 'reinforce_plus_plus', got 'grpoo' "
-        "(did you mean 'grpo'?)"
+        "algorithm.name: expected one of 'grpo', 'ppo', 'rloo', 'reinforce_plus_plus', 'dr_grpo', 'gspo', 'cispo', "
+        "got 'grpoo' (did you mean 'grpo'?)"
     )
 
 
