@@ -146,7 +146,8 @@ def optimizer_state_entries(engine, raw: dict, is_loading: bool) -> tuple[dict, 
     """The optimizer's sharded state (`train_state.optimizer_sharded_state`) in the same layout-independent form
     as the weights: Adam's tensors of the embedding / output layer cut to the real vocabulary rows.
 
-    Returns (entries, vocab): entries {sub-optimizer: {param index: {kind: ShardedTensor or factory}}}; vocab
+    Returns (entries, vocab): entries {sub-optimizer: {param index: {kind: ShardedTensor or factory}}} (kinds
+    exp_avg, exp_avg_sq, and param, the fp32 main copy, for bf16/fp16 weights only); vocab
     lists (sub-optimizer, index, kind, padded shape) for every vocabulary tensor, whose loaded rows
     `pad_vocab_rows` puts back at the padded shape."""
     from megarl.checkpoint.train_state import OPTIMIZER_KEY, optimizer_sharded_state
@@ -155,6 +156,10 @@ def optimizer_state_entries(engine, raw: dict, is_loading: bool) -> tuple[dict, 
     vocab = []
     for sub, per_param in entries.items():
         for idx, tensors in per_param.items():
+            if engine.dtype == "fp32":
+                # fp32: the optimizer's main parameters are views of the model's (megatron-core's distributed
+                # optimizer keeps a separate fp32 copy only for bf16/fp16 weights): the weights already hold them.
+                tensors.pop("param", None)
             for kind in list(tensors):
                 item = tensors[kind]
                 model_key = item.key[len(f"{OPTIMIZER_KEY}{kind}."):]

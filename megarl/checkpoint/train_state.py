@@ -2,9 +2,10 @@
 the LR scheduler, the step counter, and this process's random number generators.
 
 Optimizer state goes through megatron-core's own `DistributedOptimizer.sharded_state_dict` in the
-`fully_reshardable` form (megatron-core 0.16.1): every model parameter of global shape S gets `param` (fp32 main
-copy), `exp_avg` and `exp_avg_sq` tensors of the same global shape S, keyed `optimizer.state.<kind>.<model key>`
-and sharded exactly like the parameter. They therefore reshard across TP, PP and DP like the weights do. Each DP
+`fully_reshardable` form (megatron-core 0.16.1): every model parameter of global shape S gets `exp_avg` and
+`exp_avg_sq` (and for bf16/fp16 weights `param`, the fp32 main copy; fp32 weights are their own main copy) tensors
+of the same global shape S, fp32, keyed `optimizer.state.<kind>.<model key>` and sharded exactly like the parameter.
+They therefore reshard across TP, PP and DP like the weights do. Each DP
 rank all-gathers its DP group's optimizer shards when saving (peak extra host memory: 3 x 4 bytes x the rank's
 model-parallel share of the parameters) and slices its own range back out when loading.
 
@@ -21,6 +22,7 @@ counter) is identical on every rank of a role; `common_state` returns it and the
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any, Optional
 
@@ -152,8 +154,8 @@ def _copy_param_state(opt, param_state: dict) -> None:
                     continue
                 r = ranges[model_param]["param"]
                 live = opt._get_main_param_and_optimizer_states(model_param)
-                for kind in ("param", "exp_avg", "exp_avg_sq"):
-                    src = param_state[idx][kind].flatten()[r.start:r.end]
+                for kind, loaded in param_state[idx].items():  # no "param" for fp32 weights (they are the main copy)
+                    src = loaded.flatten()[r.start:r.end]
                     if src.numel() != live[kind].numel():
                         raise RuntimeError(f"optimizer state {kind} of parameter {idx}: checkpoint slice has "
                                            f"{src.numel()} elements, this rank's shard {live[kind].numel()}")
@@ -161,38 +163,65 @@ def _copy_param_state(opt, param_state: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- RNG
-def capture_rng() -> dict[str, Any]:
+def capture_rng(megatron: bool = True) -> dict[str, Any]:
     """This process's random number generators: Python `random`, numpy, torch's default CPU generator, CUDA's
-    (every device) when present, megatron-core's model-parallel RNG tracker states, and on CPU the generator the
-    compatibility layer gives that tracker (`megarl.platform.megatron_cpu_compat.DEVICE_RNG`)."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    from megarl.platform import megatron_cpu_compat
-
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch_cpu": torch.get_rng_state(),
-        "megatron_tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
-    }
+    (every device) when present; with `megatron` also megatron-core's model-parallel RNG tracker states and, on CPU,
+    the generator the compatibility layer gives that tracker (`megarl.platform.megatron_cpu_compat.DEVICE_RNG`).
+    The controller passes megatron=False (it never imports megatron-core)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["torch_cuda"] = torch.cuda.get_rng_state_all()
-    else:
-        state["cpu_device_rng"] = megatron_cpu_compat.DEVICE_RNG.get_state()
+    if megatron:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        from megarl.platform import megatron_cpu_compat
+
+        state["megatron_tracker"] = {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}
+        if not torch.cuda.is_available():
+            state["cpu_device_rng"] = megatron_cpu_compat.DEVICE_RNG.get_state()
     return state
 
 
 def restore_rng(state: dict[str, Any]) -> None:
     """Inverse of `capture_rng` (on the same kind of device; a CUDA state is skipped on CPU and vice versa)."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    from megarl.platform import megatron_cpu_compat
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch_cpu"])
-    get_cuda_rng_tracker().set_states(state["megatron_tracker"])
     if torch.cuda.is_available() and "torch_cuda" in state:
         torch.cuda.set_rng_state_all(state["torch_cuda"])
-    elif not torch.cuda.is_available() and "cpu_device_rng" in state:
-        megatron_cpu_compat.DEVICE_RNG.set_state(state["cpu_device_rng"])
+    if "megatron_tracker" in state:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        from megarl.platform import megatron_cpu_compat
+
+        get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+        if not torch.cuda.is_available() and "cpu_device_rng" in state:
+            megatron_cpu_compat.DEVICE_RNG.set_state(state["cpu_device_rng"])
+
+
+def rng_path(step_dir: str, pool: str, rank: int) -> str:
+    return os.path.join(step_dir, "rng", f"{pool}_rank{rank:05d}.pt")
+
+
+def save_rng(step_dir: str, pool: str, rank: int, layout: str, megatron: bool = True) -> None:
+    """This process's generators (`capture_rng`) to `rng_path`, with `layout` (what the restoring process must
+    match: the pool's world size and its roles' layouts), written atomically."""
+    path = rng_path(step_dir, pool, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save({"layout": layout, "state": capture_rng(megatron)}, tmp)
+    os.replace(tmp, path)
+
+
+def load_rng(step_dir: str, pool: str, rank: int, layout: str) -> str:
+    """Restore this process's generators from `rng_path` when it was saved at the same `layout`; returns what
+    happened ('restored', or why not: the generators then keep their seeded state, which with dropout off changes
+    nothing megarl computes)."""
+    path = rng_path(step_dir, pool, rank)
+    if not os.path.isfile(path):
+        return f"not restored: {path} is missing"
+    saved = torch.load(path, weights_only=False)
+    if saved["layout"] != layout:
+        return f"not restored: saved at layout {saved['layout']}, now {layout}"
+    restore_rng(saved["state"])
+    return "restored"

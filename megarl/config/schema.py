@@ -490,6 +490,11 @@ class CheckpointConfig:
     save_every: int = opt(0, "Save every this many RL steps; 0 = only at the end.", unit="steps", min=0)
     keep_last: int = opt(2, "Checkpoints kept; older ones are deleted. 0 keeps all.", min=0)
     resume: bool = opt(True, "Resume from the newest checkpoint in dir when there is one.")
+    allow_config_change: bool = opt(
+        False,
+        "Resume even when the config differs from the checkpoint's in a way that breaks an exact resume (the changed "
+        "keys are named either way; log/checkpoint/layout changes never need this).",
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,6 +16,7 @@ collectives need all ranks. Data path of one RL step (controller view):
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional
 
@@ -33,6 +34,7 @@ from megarl.roles.factory import build_role
 from megarl.rollout.engine import SamplingSettings
 from megarl.trainer.offload_policy import OffloadPolicy
 
+logger = logging.getLogger("megarl.trainer")
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -237,32 +239,54 @@ class HybridWorker:
     # ------------------------------------------------------------------------------------------- checkpoints
     @dispatch(Dispatch.RANK_ZERO)
     def save_checkpoint(self, step_dir: str) -> list[str]:
-        """Megatron distributed checkpoints of the trained roles under `step_dir` (actor/, critic/), each atomic.
-
-        Model weights only: the optimizer state (Adam moments) is not saved, so a resumed run restarts them.
-        """
+        """Full-state checkpoints of the trained roles under `step_dir` (actor/, critic/: weights, distributed
+        optimizer, LR scheduler, step counter; each atomic) and this process's RNG states (`rng/`)."""
         from megarl.checkpoint.dist_ckpt import save_engine_checkpoint
+        from megarl.checkpoint.train_state import save_rng
 
         saved = []
         for name, role in (("actor", self.actor), ("critic", self.critic)):
             if role is not None:
                 self.offload[name].before_use()
-                save_engine_checkpoint(role.engine, os.path.join(step_dir, name), hf_dir=self.cfg.model.path)
+                save_engine_checkpoint(role.engine, os.path.join(step_dir, name), hf_dir=self.cfg.model.path,
+                                       with_optimizer=True)
                 saved.append(name)
+        save_rng(step_dir, self.cfg.actor.pool, dist.get_rank(), self._rng_layout())
         return saved
 
     @dispatch(Dispatch.RANK_ZERO)
     def load_checkpoint(self, step_dir: str) -> list[str]:
-        """Load the trained roles' weights from `step_dir` (any layout they were saved at)."""
-        from megarl.checkpoint.dist_ckpt import load_engine_checkpoint
+        """Load the trained roles from `step_dir` (any layout they were saved at): weights, and the optimizer,
+        scheduler and step counter when the checkpoint has them (`has_optimizer_state`); RNG states when saved at
+        this layout. Returns the roles loaded, each marked '+optimizer' when its optimizer state was restored."""
+        from megarl.checkpoint.dist_ckpt import has_optimizer_state, load_engine_checkpoint
+        from megarl.checkpoint.train_state import load_rng
 
         loaded = []
         for name, role in (("actor", self.actor), ("critic", self.critic)):
             if role is not None:
                 self.offload[name].before_use()
-                load_engine_checkpoint(role.engine, os.path.join(step_dir, name))
-                loaded.append(name)
+                path = os.path.join(step_dir, name)
+                full = has_optimizer_state(path)
+                load_engine_checkpoint(role.engine, path, with_optimizer=full)
+                loaded.append(name + ("+optimizer" if full else ""))
+        status = load_rng(step_dir, self.cfg.actor.pool, dist.get_rank(), self._rng_layout())
+        if status != "restored":
+            logger.warning("rank %d RNG states %s", dist.get_rank(), status)
         return loaded
+
+    def _rng_layout(self) -> str:
+        roles = ("actor", "reference", "critic", "reward_model")
+        return f"world {dist.get_world_size()}; " + "; ".join(
+            f"{n} {getattr(self, n).groups.topology.describe()}" for n in roles if getattr(self, n) is not None)
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def shm_segments(self) -> dict[str, object]:
+        """This rank's host name, pid and the /dev/shm segments its vLLM engine created
+        (`VllmRolloutEngine.shm_segments`), for the controller to remove after the workers are gone."""
+        import socket
+
+        return {"host": socket.gethostname(), "pid": os.getpid(), "names": self.engine.shm_segments()}
 
     @dispatch(Dispatch.RANK_ZERO)
     def process_info(self) -> dict[str, object]:

@@ -86,8 +86,9 @@ class RLTrainer:
 
         Before the first step the actor's weights are resharded into the rollout engine (it starts random).
         After each step: validation every `trainer.val_every` steps (rollouts of `val_records` at
-        `rollout.val_temperature`, metric `val/reward_mean`), one metrics line (console and `metrics_path` jsonl), and
-        a checkpoint every `checkpoint.save_every` steps and at the last one when `checkpoint.dir` is set. Returns
+        `rollout.val_temperature`, metric `val/reward_mean`), a checkpoint every `checkpoint.save_every` steps and at
+        the last one when `checkpoint.dir` is set (its wall time in seconds: `checkpoint/save_s`), then one metrics
+        line (console and `metrics_path` jsonl). Returns
         one `StepResult` per step run, in order.
         """
         results = []
@@ -98,11 +99,13 @@ class RLTrainer:
             results.append(self.step(step))
             if self.val_records and self.cfg.trainer.val_every and step % self.cfg.trainer.val_every == 0:
                 results[-1].metrics.update(self.validate())
-            self._log(results[-1])
-            self._check_skips(results[-1])
             every = self.cfg.checkpoint.save_every
             if self.cfg.checkpoint.dir and (step == total or (every and step % every == 0)):
+                saving = time.perf_counter()
                 self.save(step)
+                results[-1].metrics["checkpoint/save_s"] = time.perf_counter() - saving
+            self._log(results[-1])
+            self._check_skips(results[-1])
         return results
 
     # --------------------------------------------------------------------------------------------- checkpoints
@@ -123,12 +126,18 @@ class RLTrainer:
         if path is None:
             return 0
         state = checkpointing.read_state(path)
-        for group in self._checkpointed_groups():
-            group.load_checkpoint(path)
+        for line in checkpointing.check_resume_config(state.get("config"), self.cfg, path):
+            logger.info(line)
+        loaded = [name for group in self._checkpointed_groups() for name in group.load_checkpoint(path)]
         self.loader.load_state_dict(state["loader"])
         self.kl_ctl.value = float(state.get("kl_coef", self.kl_ctl.value))
-        logger.info("resumed from %s (step %d of %d; optimizer state restarts)", path, state["step"],
-                    self.cfg.trainer.total_steps)
+        self.skip_streak = {k: int(v) for k, v in state.get("skip_streak", {}).items()}
+        checkpointing.load_controller_rng(path)
+        logger.info("resumed from %s (step %d of %d; loaded %s)", path, state["step"], self.cfg.trainer.total_steps,
+                    ", ".join(loaded))
+        if not all(name.endswith("+optimizer") for name in loaded):
+            logger.warning("%s holds model weights only for %s: their Adam moments restart, so this run is not the "
+                           "uninterrupted one", path, [n for n in loaded if not n.endswith("+optimizer")])
         return int(state["step"])
 
     def _checkpointed_groups(self) -> list:
@@ -140,7 +149,9 @@ class RLTrainer:
         return groups
 
     def save(self, step: int) -> str:
-        """Checkpoint the trained roles and the loader position after `step` (see `trainer.checkpointing`)."""
+        """Checkpoint everything the next step depends on (see `trainer.checkpointing`): the trained roles' full
+        state, every process's RNG states, the loader position, the KL coefficient, the skipped-step streak and the
+        config."""
         root = self.cfg.checkpoint.dir
         path = checkpointing.step_dir(root, step)
         if os.path.exists(path):
@@ -150,8 +161,10 @@ class RLTrainer:
         os.makedirs(path)
         for group in self._checkpointed_groups():
             group.save_checkpoint(path)
+        checkpointing.save_controller_rng(path)
         checkpointing.write_state(path, {"step": step, "loader": self.loader.state_dict(),
-                                         "kl_coef": self.kl_ctl.value})
+                                         "kl_coef": self.kl_ctl.value, "skip_streak": dict(self.skip_streak),
+                                         "config": checkpointing.config_record(self.cfg)})
         pruned = checkpointing.prune(root, self.cfg.checkpoint.keep_last)
         logger.info("saved checkpoint %s%s", path, f" (removed steps {pruned})" if pruned else "")
         return path

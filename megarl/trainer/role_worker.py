@@ -11,7 +11,10 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from megarl.checkpoint.dist_ckpt import load_engine_checkpoint, save_engine_checkpoint
+import torch.distributed as dist
+
+from megarl.checkpoint.dist_ckpt import has_optimizer_state, load_engine_checkpoint, save_engine_checkpoint
+from megarl.checkpoint.train_state import load_rng, save_rng
 from megarl.config.schema import JobConfig
 from megarl.controller.dispatch import Dispatch, dispatch
 from megarl.data.batch import Batch
@@ -28,6 +31,7 @@ class RoleWorker:
         if role not in ("critic", "reference", "reward_model"):
             raise ValueError(f"RoleWorker hosts critic, reference or reward_model, not {role!r}")
         self.role_name = role
+        self.pool = cfg.role(role).pool
         self.role = build_role(cfg, role, rank_offset=0)
         self.offload = OffloadPolicy(self.role, cfg.role(role).offload)
 
@@ -74,19 +78,27 @@ class RoleWorker:
 
     @dispatch(Dispatch.RANK_ZERO)
     def save_checkpoint(self, step_dir: str) -> list[str]:
-        """Save the critic (the only trainable role a pool of its own can hold) under `step_dir`/critic; returns
-        the names saved ([] for a frozen role)."""
+        """Save the critic (the only trainable role a pool of its own can hold) under `step_dir`/critic with its
+        optimizer state, and this process's RNG states; returns the names saved ([] for a frozen role)."""
         if self.role_name != "critic":
             return []
         self.offload.before_use()
-        save_engine_checkpoint(self.role.engine, os.path.join(step_dir, "critic"))
+        save_engine_checkpoint(self.role.engine, os.path.join(step_dir, "critic"), with_optimizer=True)
+        save_rng(step_dir, self.pool, dist.get_rank(), self._rng_layout())
         return ["critic"]
 
     @dispatch(Dispatch.RANK_ZERO)
     def load_checkpoint(self, step_dir: str) -> list[str]:
-        """Load the critic from `step_dir`/critic (any layout); returns the names loaded ([] for a frozen role)."""
+        """Load the critic from `step_dir`/critic (any layout; its optimizer too when saved with it); returns the
+        names loaded ([] for a frozen role), marked '+optimizer' when the optimizer state was restored."""
         if self.role_name != "critic":
             return []
         self.offload.before_use()
-        load_engine_checkpoint(self.role.engine, os.path.join(step_dir, "critic"))
-        return ["critic"]
+        path = os.path.join(step_dir, "critic")
+        full = has_optimizer_state(path)
+        load_engine_checkpoint(self.role.engine, path, with_optimizer=full)
+        load_rng(step_dir, self.pool, dist.get_rank(), self._rng_layout())
+        return ["critic+optimizer" if full else "critic"]
+
+    def _rng_layout(self) -> str:
+        return f"world {dist.get_world_size()}; {self.role_name} {self.role.groups.topology.describe()}"

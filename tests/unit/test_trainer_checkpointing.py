@@ -51,3 +51,51 @@ def test_a_new_run_refuses_to_overwrite_an_earlier_runs_checkpoints(tmp_path):
     with pytest.raises(ConfigError, match=r"checkpoint.dir: .* holds checkpoints of an earlier run \(steps \[5\]\)"):
         run(cfg)  # refused before any Ray worker starts
     assert ck.complete_steps(str(tmp_path)) == [5]
+
+
+# ----------------------------------------------------------------------------------------------- config changes
+def _cfg(*overrides):
+    from megarl.config import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return load_config(os.path.join(root, "yaml_configs", "cpu_quickstart.yaml"), list(overrides))
+
+
+def test_config_changes_are_named_and_classified():
+    saved = ck.config_record(_cfg())
+    now = _cfg("trainer.total_steps=40", "logging.dir=/tmp/x", "actor.parallel.tp=1", "actor.parallel.pp=2",
+               "algorithm.clip_low=0.3", "actor.offload.params=true")
+    changes = {k: (a, b) for k, a, b in ck.config_changes(saved, ck.config_record(now))}
+    assert changes == {"trainer.total_steps": (20, 40), "logging.dir": ("runs/cpu_quickstart", "/tmp/x"),
+                       "actor.parallel.tp": (2, 1), "actor.parallel.pp": (1, 2), "algorithm.clip_low": (0.2, 0.3),
+                       "actor.offload.params": (False, True)}
+    rec = ck.config_record(now)
+    kinds = {k: ck.change_kind(k, rec) for k in changes}
+    assert kinds == {"trainer.total_steps": "neutral", "logging.dir": "neutral", "actor.parallel.tp": "layout",
+                     "actor.parallel.pp": "layout", "algorithm.clip_low": "breaking", "actor.offload.params": "neutral"}
+    # a cosine schedule's decay length is trainer.total_steps x optimizer steps per RL step: no longer neutral
+    cosine = ck.config_record(_cfg("actor.optimizer.lr_schedule=cosine"))
+    assert ck.change_kind("trainer.total_steps", cosine) == "breaking"
+
+
+def test_resume_refuses_breaking_changes_unless_allowed():
+    import pytest
+
+    from megarl.config import ConfigError
+
+    saved = ck.config_record(_cfg())
+    assert ck.check_resume_config(saved, _cfg("trainer.total_steps=4", "checkpoint.keep_last=5"), "step_2") == [
+        "config change since step_2: checkpoint.keep_last: 2 -> 5 (neutral)",
+        "config change since step_2: trainer.total_steps: 20 -> 4 (neutral)",
+    ]
+    with pytest.raises(ConfigError) as e:
+        ck.check_resume_config(saved, _cfg("algorithm.clip_low=0.3", "rollout.temperature=0.7"), "step_2")
+    msg = str(e.value)
+    assert msg.startswith("checkpoint.allow_config_change: resuming from step_2 with config changes")
+    assert "algorithm.clip_low: 0.2 -> 0.3; rollout.temperature: 1.0 -> 0.7" in msg
+    assert "set checkpoint.allow_config_change=true" in msg
+    lines = ck.check_resume_config(saved, _cfg("algorithm.clip_low=0.3", "checkpoint.allow_config_change=true"),
+                                   "step_2")
+    assert "config change since step_2: algorithm.clip_low: 0.2 -> 0.3 (breaking)" in lines
+    assert ck.check_resume_config(None, _cfg(), "step_2") == [
+        "step_2 records no config (an older checkpoint): changes since cannot be checked"]
