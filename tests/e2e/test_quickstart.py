@@ -117,7 +117,7 @@ def test_checkpoint_save_prune_and_resume(tmp_path, quickstart_run):
     _train(tmp_path, "trainer.total_steps=2", f"checkpoint.dir={ckpt}", "checkpoint.save_every=1",
            "checkpoint.keep_last=1")
     assert sorted(os.listdir(ckpt)) == ["step_000002"]
-    assert sorted(os.listdir(ckpt / "step_000002")) == ["actor", "trainer_state.json"]
+    assert sorted(os.listdir(ckpt / "step_000002")) == ["actor", "rng", "trainer_state.json"]
     state = json.load(open(ckpt / "step_000002" / "trainer_state.json"))
     assert state["step"] == 2 and state["loader"]["position"] > 0
 
