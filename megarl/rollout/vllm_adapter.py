@@ -364,6 +364,21 @@ class VllmRolloutEngine:
         """This rank's vLLM parameters: names, shard shapes before CPU repacking, and where they come from in HF."""
         return self.llm.collective_rpc(_describe_params)[0]
 
+    def shm_segments(self) -> list[str]:
+        """Names in /dev/shm of the shared-memory segments this process's engine created: the message-queue ring
+        buffers (`psm_*`, 24 MiB) of vLLM's groups whose writer is this rank, and the CPU communicator's
+        `*-cpushm_<rank>` (see `_own_cpu_shm_segments`). vLLM unlinks the ring buffers only when their Python object
+        is collected, which a killed worker never reaches: the controller removes what is left after the workers
+        are gone (`megarl.trainer.shm`)."""
+        from vllm.distributed import parallel_state as ps
+
+        names = []
+        for group in {id(g): g for g in vars(ps).values() if isinstance(g, ps.GroupCoordinator)}.values():
+            buffer = getattr(getattr(group, "mq_broadcaster", None), "buffer", None)
+            if buffer is not None and getattr(buffer, "is_creator", False):
+                names.append(buffer.shared_memory.name.lstrip("/"))
+        return names + (_own_cpu_shm_segments() if _on_cpu() else [])
+
     def close(self) -> None:
         """Free the engine and vLLM's TP/PP/DP groups; keeps the default process group (shared with Megatron)."""
         if self._closed:

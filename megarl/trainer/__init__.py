@@ -25,6 +25,7 @@ from megarl.data.tokenization import PromptEncoder
 from megarl.rewards import build_reward_fn
 from megarl.trainer.checkpointing import complete_steps
 from megarl.trainer.engine_model_dir import engine_model_dir
+from megarl.trainer.shm import remove_shm_segments
 
 logger = logging.getLogger("megarl.trainer")
 
@@ -102,9 +103,12 @@ def run(cfg: JobConfig) -> Optional[int]:
     logger.info("worker processes use %s CPU thread(s) each (resources.threads_per_worker)", threads)
     env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(-(-cfg.rollout.kv_cache_gib // 1)))), "OMP_NUM_THREADS": threads}
     groups: list = []
+    shm_reports: list = []
     try:
         workers = WorkerGroup(make_pool(cfg.actor.pool), HybridWorker, cfg, model_dir, env=env)
         groups.append(workers)
+        shm_reports = workers.shm_segments()  # removed after the workers are gone, however the run ends
+        logger.info("worker processes: %s", ", ".join(f"rank {i} pid {r['pid']}" for i, r in enumerate(shm_reports)))
         role_groups = {}
         for role in SIDE_ROLES:
             r = cfg.role(role)
@@ -126,6 +130,9 @@ def run(cfg: JobConfig) -> Optional[int]:
     finally:
         for group in reversed(groups):
             group.shutdown()  # kills the actors and removes the pool's placement groups
+        removed = remove_shm_segments(shm_reports)
+        if removed:
+            logger.info("removed the workers' vLLM shared-memory segments from /dev/shm: %s", removed)
         if started_ray:
             ray.shutdown()
     return 0
