@@ -1,6 +1,7 @@
 """The `megarl` command line.
 
     megarl train CONFIG [key=value ...] [--dry-run]
+    megarl export CHECKPOINT_STEP_DIR --out HF_DIR [--overwrite]
     megarl --version
 
 The config is loaded and validated before anything else happens: a bad config prints one `megarl: error: ...`
@@ -62,6 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="validate, print the resolved config and the rank placement table, and exit 0",
     )
+    export = sub.add_parser(
+        "export",
+        help="write a checkpoint's actor as a HuggingFace model (see `megarl export --help`)",
+        description="Write the actor of a trainer checkpoint (any step, any TP/PP/DP layout it was saved at) as a "
+        "HuggingFace model directory: safetensors, config.json, generation config, tokenizer files.",
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT_STEP_DIR",
+                        help="<checkpoint.dir>/step_NNNNNN, or a role's Megatron checkpoint directory")
+    export.add_argument("--out", required=True, metavar="HF_DIR", help="output directory (must be empty or absent)")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing model at --out")
+    export.add_argument("--max-shard-gb", type=float, default=2.0, help="largest safetensors file, GiB")
     return parser
 
 
@@ -105,6 +117,21 @@ def _train(args: argparse.Namespace) -> int:
     return EXIT_OK if code is None else int(code)
 
 
+def _export(args: argparse.Namespace) -> int:
+    import json
+
+    from megarl.checkpoint.errors import CheckpointError
+    from megarl.checkpoint.export import export_hf  # lazy: torch, megatron-core
+
+    try:
+        stats = export_hf(args.checkpoint, args.out, overwrite=args.overwrite, max_shard_gb=args.max_shard_gb)
+    except CheckpointError as e:
+        print(f"megarl: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(stats))
+    return EXIT_OK
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the `megarl` console script and `python -m megarl`; returns the exit status."""
     parser = build_parser()
@@ -120,6 +147,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "export":
+            return _export(args)
     except ConfigError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -8,6 +8,10 @@ For each model (Llama untied; Qwen2 tied, which at PP=2 keeps a second copy of t
 The expected values are the uninterrupted run's, made in the same test. Same layout: bit-identical losses, grad norms
 and final logits. Another layout (TP2 -> PP2, DP2 -> TP2): within 1e-6 (float reduction order differs). A resume
 that restores the weights but not the optimizer is run too, to show the comparison can fail (step 4 differs).
+
+`megarl export` (the CLI, in a subprocess) turns these checkpoints into HF directories: an untrained one saved at PP2
+gives back the source safetensors bit for bit; the trained TP2 and DP2 ones give transformers the logits the Megatron
+engine had when it saved.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ def _worker(rank: int, world_size: int, root: str):
             losses.append(_eval_loss(engine))
             if step == SAVE_AT and ckpt_out is not None:
                 save_engine_checkpoint(engine, ckpt_out, hf_dir=hf, with_optimizer=True)
+                record((model, layout, "logits_at_save"), engine, engine_logits(engine, _eval_ids()))
         logits = engine_logits(engine, _eval_ids())
         record((model, layout, start, ckpt_in, with_optimizer), engine,
                {"loss": losses, "grad_norm": norms, "logits": logits, "lr": engine.optimizer.param_groups[0]["lr"],
@@ -100,6 +105,11 @@ def _worker(rank: int, world_size: int, root: str):
         run(model, "tp2", SAVE_AT, ckpt_in=tp2_ckpt, seed=6, with_optimizer=False)
         run(model, "pp2", SAVE_AT, ckpt_in=tp2_ckpt, seed=6)
         run(model, "tp2", SAVE_AT, ckpt_in=dp2_ckpt, seed=6)
+        # an untrained full-state checkpoint at PP2 (export must give back the HF weights bit for bit)
+        hf = os.path.join(root, model)
+        fresh = MegatronEngine(ModelSpec.from_hf_dir(hf), groups["pp2"], optimizer=opt, seed=5)
+        load_hf_into_engine(fresh, hf)
+        save_engine_checkpoint(fresh, os.path.join(root, f"{model}_pp2_init"), hf_dir=hf, with_optimizer=True)
     return out
 
 
@@ -154,3 +164,48 @@ def test_resume_at_another_layout(runs, model, saved, resumed):
         assert abs(a - b) <= LAYOUT_TOL * max(1.0, abs(b)), (got["grad_norm"], full["grad_norm"])
     assert (got["logits"] - full["logits"]).abs().max().item() <= 1e-5
     assert got["steps"] == STEPS and got["lr"] == full["lr"]
+
+
+# ----------------------------------------------------------------------------------------------- megarl export
+def _export(src: str, out: str) -> None:
+    import subprocess
+    import sys
+
+    from tests.subprocess_env import clean_env
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-m", "megarl", "export", src, "--out", out], cwd=root, env=clean_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_export_of_an_untrained_checkpoint_is_the_hf_model_bit_for_bit(runs, model):
+    """Saved at PP2 with its optimizer state, exported through the CLI: every tensor equals the source HF file's."""
+    from safetensors.torch import load_file
+
+    root, _ = runs
+    out = os.path.join(root, f"{model}_pp2_init_hf")
+    _export(os.path.join(root, f"{model}_pp2_init"), out)
+    before, after = load_file(os.path.join(root, model, "model.safetensors")), load_file(
+        os.path.join(out, "model.safetensors"))
+    assert sorted(before) == sorted(after)
+    for k in before:
+        assert before[k].dtype == after[k].dtype and torch.equal(before[k], after[k]), k
+    assert os.path.isfile(os.path.join(out, "tokenizer.json")) and os.path.isfile(os.path.join(out, "config.json"))
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_export_of_a_trained_checkpoint_gives_transformers_the_trained_model(runs, model, layout):
+    """transformers' logits of the exported step-2 model equal the Megatron engine's at the moment it saved (same
+    tolerance as the HF<->Megatron parity tests), and differ from the untrained model's."""
+    from megarl.checkpoint.verify import hf_logits
+
+    root, out = runs
+    hf_out = os.path.join(root, f"{model}_{layout}_hf")
+    _export(os.path.join(root, f"{model}_{layout}"), hf_out)
+    exported = hf_logits(hf_out, _eval_ids())
+    megatron = out[(model, layout, "logits_at_save")]
+    assert (exported - megatron).abs().max().item() < 1e-4
+    assert (exported - hf_logits(os.path.join(root, model), _eval_ids())).abs().max().item() > 1e-2
