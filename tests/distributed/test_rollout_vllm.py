@@ -188,9 +188,14 @@ def test_sleep_and_wake_are_cpu_noops_logged_once(engine, caplog):
 def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_per_replica, load_format: str):
     """load_format "dummy": start from vLLM's random weights and push the real ones as full HF tensors (vLLM
     narrows them); then push the changed weights as this rank's vLLM-layout shards."""
-    from megarl.rollout.vllm_adapter import VllmRolloutEngine
+    import os
+
+    from megarl.rollout.vllm_adapter import VllmRolloutEngine, cpu_tp_uses_shared_memory
 
     eng = VllmRolloutEngine(_settings(base, tp=tp, load_format=load_format))
+    # the TP all-reduce goes through vLLM's CPU shared-memory communicator, with segments named for this job
+    shm = {"uses_shm": cpu_tp_uses_shared_memory(), "segments": eng.shm_segments(),
+           "tag": f"megarl{os.environ['MASTER_PORT']}-"}
     if load_format == "dummy":
         assert eng.update_weights(iter(_load_sd(base).items()), layout="hf") == 21
     mine = prompts_per_replica[eng.replica_index]
@@ -204,7 +209,7 @@ def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_pe
     changed = _load_sd(other)  # test oracle only: each rank slices its own shards out of the full file
     n = eng.update_weights(((p.name, build_shard(p, changed.__getitem__)) for p in shards), layout="vllm_shard")
     greedy_after = _greedy(eng, mine)
-    info = dict(tp_rank=eng.tp_rank, tp_ranks=eng.tp_ranks, replica=eng.replica_index,
+    info = dict(tp_rank=eng.tp_rank, tp_ranks=eng.tp_ranks, replica=eng.replica_index, shm=shm,
                 shards={p.name: (p.shape, [(x.start, x.length) for x in p.parts], p.pad_rows) for p in shards})
     try:  # ranks of one replica given different prompts: refused on every rank of it, before vLLM sees them
         eng.generate([mine[0][: 1 + eng.tp_rank]], SamplingSettings(max_new_tokens=NEW))
@@ -222,6 +227,9 @@ def test_tp2_two_ranks_dummy_load_then_pushed_weights(models):
                     env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     for rank, (info, greedy, sampled, n, after) in enumerate(out):
         assert info["tp_rank"] == rank and info["tp_ranks"] == [0, 1] and info["replica"] == 0
+        shm = info["shm"]
+        assert shm["uses_shm"], "vLLM fell back to gloo for the TP all-reduce"
+        assert f"{shm['tag']}tp:0-[0-1]-cpushm_{rank}" in shm["segments"], shm
         assert greedy == ref and after == ref_other and n == 15
         qkv = info["shards"]["model.layers.0.self_attn.qkv_proj.weight"]
         # 4 q heads / 2 kv heads over TP2: q heads [2r, 2r+2), kv head r
