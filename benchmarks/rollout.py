@@ -55,15 +55,15 @@ def _machine() -> dict:
 
 def wrapper_vs_bare(eng, prompts: list[list[int]], sampling, repeats: int) -> tuple[float, float]:
     """Best-of-`repeats` seconds of megarl's `VllmRolloutEngine.generate` and of a bare `vllm.LLM.generate` on the
-    same engine, prompts and sampling (raw log-probs of the sampled tokens requested in both: the work the trainer
-    needs), timed alternately so both see the same machine load. The difference is the wrapper's own cost: prompt
-    planning, SamplingParams construction, converting outputs to `RolloutSample`s."""
+    same engine, prompts and sampling (raw log-probs of the sampled tokens requested in both, as flat lists: the
+    work the trainer needs), timed alternately so both see the same machine load. The difference is the wrapper's
+    own cost: prompt planning, SamplingParams construction, converting outputs to `RolloutSample`s."""
     from vllm import SamplingParams
 
     bare_params = [
         SamplingParams(n=sampling.samples_per_prompt, temperature=sampling.temperature,
                        max_tokens=sampling.max_new_tokens, seed=sampling.request_seed(i),
-                       ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False)
+                       ignore_eos=sampling.ignore_eos, logprobs=0, flat_logprobs=True, detokenize=False)
         for i in range(len(prompts))
     ]
     requests = [{"prompt_token_ids": p} for p in prompts]

@@ -265,7 +265,7 @@ class VllmRolloutEngine:
                 n=sampling.samples_per_prompt, temperature=sampling.temperature, top_p=sampling.top_p,
                 top_k=sampling.top_k, max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None,
                 stop_token_ids=list(sampling.stop_token_ids) or None, seed=sampling.request_seed(i),
-                ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=bool(sampling.stop),
+                ignore_eos=sampling.ignore_eos, logprobs=0, flat_logprobs=True, detokenize=bool(sampling.stop),
             )
             for i in plan.kept_indices
         ]
@@ -276,7 +276,7 @@ class VllmRolloutEngine:
                 if c.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"vLLM finished prompt {idx} sample {c.index} with {c.finish_reason!r}")
                 ids = list(c.token_ids)
-                lps = [float(c.logprobs[j][t].logprob) for j, t in enumerate(ids)]
+                lps = _sampled_log_probs(c.logprobs, ids)
                 samples.append(RolloutSample(idx, c.index, list(prompt), ids, lps, c.finish_reason))
         return RolloutSamples(samples, dropped_prompt_indices=plan.dropped_indices,
                               truncated_prompt_indices=plan.truncated_indices)
@@ -403,6 +403,20 @@ class VllmRolloutEngine:
 
 
 _SHM_DIR = "/dev/shm"
+
+
+def _sampled_log_probs(logprobs, ids: list[int]) -> list[float]:
+    """The log-prob of each sampled token from vLLM's per-position log-probs (`logprobs=0`: the sampled token only).
+
+    `flat_logprobs=True` gives a `FlatLogprobs` (parallel lists, one entry per position here): read the list
+    directly instead of building a dict and a `Logprob` per token (the per-token objects were most of the wrapper's
+    cost over a bare `LLM.generate`). Any other container (or a position with more than the sampled token) goes
+    through the generic per-position lookup."""
+    flat = getattr(logprobs, "logprobs", None)
+    if (flat is not None and len(flat) == len(ids) and list(logprobs.token_ids) == ids
+            and list(logprobs.start_indices) == list(range(len(ids)))):  # one entry per position: the sampled one
+        return [float(v) for v in flat]
+    return [float(logprobs[j][t].logprob) for j, t in enumerate(ids)]
 
 
 def _shm_job_tag() -> str:
