@@ -56,20 +56,21 @@ def _expert_enumerations(topo: RoleTopology) -> dict[str, list[list[int]]]:
     """
     edp = topo.dp * topo.cp // topo.ep
     coords = {}
-    for local in range(topo.world_size):
+    for local in range(topo.world_size):  # natural index; the rank holding it is rank_order[local]
+        rank = topo.rank_offset + (local if topo.rank_order is None else topo.rank_order[local])
         tp_r = local % topo.tp
         rest = local // topo.tp
         ep_r = rest % topo.ep
         edp_r = (rest // topo.ep) % edp
         pp_r = rest // (topo.ep * edp)
-        coords[topo.rank_offset + local] = (tp_r, ep_r, edp_r, pp_r)
+        coords[rank] = (tp_r, ep_r, edp_r, pp_r)
 
-    def enum(varying: tuple[int, ...]) -> list[list[int]]:
-        buckets: dict[tuple, list[int]] = {}
+    def enum(varying: tuple[int, ...]) -> list[list[int]]:  # each group in coordinate order (= group rank order)
+        buckets: dict[tuple, list[tuple[tuple, int]]] = {}
         for rank, c in coords.items():
             key = tuple(c[i] for i in range(4) if i not in varying)
-            buckets.setdefault(key, []).append(rank)
-        return [sorted(v) for _, v in sorted(buckets.items(), key=lambda kv: kv[0][::-1])]
+            buckets.setdefault(key, []).append((tuple(c[i] for i in varying[::-1]), rank))
+        return [[r for _, r in sorted(v)] for _, v in sorted(buckets.items(), key=lambda kv: kv[0][::-1])]
 
     return {
         "ep": enum((1,)),
@@ -137,11 +138,16 @@ def build_role_groups(topo: RoleTopology) -> RoleGroups:
 
 
 def _new_groups(enumeration: list[list[int]]) -> Optional[dist.ProcessGroup]:
-    """Create one group per rank list (collective over the world); return the one holding this rank, if any."""
+    """Create one group per rank list (collective over the world); return the one holding this rank, if any.
+
+    The list order is the group rank order (`sort_ranks=False`): with a permuted `RoleTopology.rank_order` a TP
+    group such as [0, 2, 1, 3] makes global rank 2 TP rank 1. Natural-order lists are sorted, as torch would make
+    them anyway.
+    """
     rank = dist.get_rank()
     mine = None
     for ranks in enumeration:
-        group = dist.new_group(ranks=ranks)
+        group = dist.new_group(ranks=ranks, sort_ranks=False)
         if rank in ranks:
             mine = group
     return mine

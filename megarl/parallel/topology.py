@@ -9,11 +9,17 @@ tp varies fastest, then cp, then dp, then pp, so
 
 Expert parallelism (ep) is carved out of the dp*cp ranks for expert layers only, as megatron-core does; it does
 not change the dense layout and only has to divide dp*cp.
+
+`rank_order` (optional) moves coordinates to other ranks: the coordinate whose natural index (the formula above,
+without the offset) is `i` lives on local rank `rank_order[i]`. Groups are then listed in coordinate order (group
+rank = the coordinate along the group's dims), so a TP group may be e.g. ranks [0, 2, 1, 3]: rank 1 holds TP shard
+2. `megarl.reshard.rank_order` chooses such orders to cut reshard bytes; None is the natural order.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterator
 
 DIMS = ("tp", "cp", "dp", "pp")  # fastest-varying first
@@ -45,6 +51,8 @@ class RoleTopology:
         cp: context-parallel size (splits the sequence).
         ep: expert-parallel size for MoE layers (carved out of dp*cp; 1 for dense models).
         rank_offset: first global rank of this role (roles in other pools start elsewhere).
+        rank_order: None (natural order) or a permutation of range(world_size): natural coordinate index i ->
+            the local rank (global rank - rank_offset) that holds it.
     """
 
     tp: int = 1
@@ -53,6 +61,7 @@ class RoleTopology:
     cp: int = 1
     ep: int = 1
     rank_offset: int = 0
+    rank_order: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "cp", "ep"):
@@ -66,6 +75,17 @@ class RoleTopology:
                 f"ep={self.ep} must divide dp*cp={self.dp}*{self.cp}={self.dp * self.cp} "
                 "(expert parallelism is carved out of the data/context-parallel ranks)"
             )
+        if self.rank_order is not None:
+            object.__setattr__(self, "rank_order", tuple(self.rank_order))
+            if sorted(self.rank_order) != list(range(self.world_size)):
+                raise TopologyError(
+                    f"rank_order must be a permutation of 0..{self.world_size - 1} (tp*cp*dp*pp), "
+                    f"got {self.rank_order}"
+                )
+            if self.ep > 1:
+                raise TopologyError(f"rank_order is not supported with ep={self.ep} > 1 (expert groups)")
+            if list(self.rank_order) == list(range(self.world_size)):
+                object.__setattr__(self, "rank_order", None)  # the natural order has one spelling
 
     @property
     def world_size(self) -> int:
@@ -87,6 +107,8 @@ class RoleTopology:
                 f"rank {rank} is outside this role's ranks {self.ranks.start}..{self.ranks.stop - 1}"
             )
         local = rank - self.rank_offset
+        if self.rank_order is not None:
+            local = self._natural_index_of[local]
         tp_rank = local % self.tp
         local //= self.tp
         cp_rank = local % self.cp
@@ -101,7 +123,20 @@ class RoleTopology:
             size = getattr(self, name)
             if not 0 <= value < size:
                 raise TopologyError(f"{name} coordinate {value} is outside 0..{size - 1}")
-        return self.rank_offset + tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+        natural = tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+        return self.rank_offset + (natural if self.rank_order is None else self.rank_order[natural])
+
+    @functools.cached_property
+    def _natural_index_of(self) -> tuple[int, ...]:
+        """Inverse of `rank_order`: local rank -> natural coordinate index."""
+        inverse = [0] * self.world_size
+        for natural, local in enumerate(self.rank_order or range(self.world_size)):
+            inverse[local] = natural
+        return tuple(inverse)
+
+    @property
+    def natural_order(self) -> bool:
+        return self.rank_order is None
 
     def coords(self) -> Iterator[RankCoord]:
         for rank in self.ranks:
@@ -111,8 +146,9 @@ class RoleTopology:
         """Rank lists of the groups spanning `dims` (every other coordinate fixed).
 
         `groups("tp")` gives the tensor-parallel groups, `groups(("tp", "pp"))` the model-parallel groups, and
-        `groups(("dp", "cp"))` the groups that gradients are reduced over. Lists are sorted; the order of the
-        list of groups is deterministic, so every rank can create them in the same order.
+        `groups(("dp", "cp"))` the groups that gradients are reduced over. Each list is in coordinate order along
+        `dims` (fastest-varying first), which is the group rank order; in the natural order that is sorted. The
+        order of the list of groups is deterministic, so every rank can create them in the same order.
         """
         if isinstance(dims, str):
             dims = (dims,)
@@ -120,18 +156,20 @@ class RoleTopology:
         if unknown:
             raise TopologyError(f"unknown parallel dims {unknown}; valid: {list(DIMS)}")
         fixed = [d for d in DIMS if d not in dims]
-        buckets: dict[tuple[int, ...], list[int]] = {}
+        varying = [d for d in DIMS if d in dims]
+        buckets: dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]] = {}
         for c in self.coords():
             key = tuple(getattr(c, d) for d in fixed)
-            buckets.setdefault(key, []).append(c.rank)
-        return [sorted(v) for _, v in sorted(buckets.items(), key=lambda kv: kv[0][::-1])]
+            buckets.setdefault(key, []).append((tuple(getattr(c, d) for d in varying[::-1]), c.rank))
+        return [[r for _, r in sorted(v)] for _, v in sorted(buckets.items(), key=lambda kv: kv[0][::-1])]
 
     def embedding_group(self, pp_group: list[int]) -> list[int]:
         """Ranks sharing tied word embeddings in one pipeline group: first and last stage."""
         return sorted({pp_group[0], pp_group[-1]})
 
     def describe(self) -> str:
-        return f"tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp}" + (f" ep={self.ep}" if self.ep > 1 else "")
+        out = f"tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp}" + (f" ep={self.ep}" if self.ep > 1 else "")
+        return out + (f" rank_order={list(self.rank_order)}" if self.rank_order is not None else "")
 
 
 def layer_split(
