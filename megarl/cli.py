@@ -11,6 +11,8 @@ line and exits with status 2 before any process or Ray cluster starts.
 from __future__ import annotations
 
 import argparse
+import shlex
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -113,7 +115,8 @@ def _train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    code = run(cfg)
+    keep = [o for o in args.overrides if not o.startswith("checkpoint.resume=")]
+    code = run(cfg, resume_command=shlex.join(["megarl", "train", args.config, *keep, "checkpoint.resume=true"]))
     return EXIT_OK if code is None else int(code)
 
 
@@ -155,6 +158,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (RewardError, RunAborted) as e:  # the run stopped on purpose: one line, no traceback
         print(f"megarl: error: {e}", file=sys.stderr)
         return EXIT_ABORTED
+    except KeyboardInterrupt as e:  # a signal that stops the run at once (megarl.trainer.stop), or Ctrl-C earlier
+        print(f"megarl: error: {str(e) or 'interrupted'}", file=sys.stderr)
+        return int(getattr(e, "exit_code", 128 + signal.SIGINT))
     parser.error(f"unknown command {args.command!r}")
     return EXIT_USAGE
 

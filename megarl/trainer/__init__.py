@@ -5,6 +5,10 @@ It joins a Ray cluster (`RAY_ADDRESS`, e.g. from `launch/ray_submit.sh`) or star
 same pool), a `RoleWorker` group on each other pool (a critic, reference or reward model of its own layout and
 size), and runs `RLTrainer.fit` on this process, the single controller. Metrics go to the console and to
 `<logging.dir>/metrics.jsonl`.
+
+SIGTERM / SIGINT during training (Slurm's warning signal, Ctrl-C) stop the run after the step in flight, with a
+checkpoint of it when `checkpoint.dir` is set and a logged command that resumes it, exit status 0; a second signal,
+or the first without `checkpoint.dir`, aborts at once (`megarl.trainer.stop`).
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from megarl.controller.worker_group import WorkerGroup
 from megarl.data.dataset import PromptDataset, PromptLoader
 from megarl.data.tokenization import PromptEncoder
 from megarl.rewards import build_reward_fn
-from megarl.trainer.checkpointing import complete_steps
+from megarl.trainer.checkpointing import complete_steps, latest
 from megarl.trainer.engine_model_dir import engine_model_dir
 from megarl.trainer.shm import remove_shm_segments
+from megarl.trainer.stop import StopRequest
 
 logger = logging.getLogger("megarl.trainer")
 
@@ -53,7 +58,9 @@ def worker_threads(cfg: JobConfig, joined_cluster: bool = False, cores: Optional
     return max(1, cores // max(slots, 1))
 
 
-def run(cfg: JobConfig) -> Optional[int]:
+def run(cfg: JobConfig, resume_command: Optional[str] = None) -> Optional[int]:
+    """Train `cfg`; returns 0 (also after a graceful stop on SIGTERM/SIGINT). `resume_command`: the command line
+    that resumes this run, logged when a signal stops it (the CLI passes the one it was started with)."""
     import ray
 
     from megarl.platform.device import device_kind  # torch
@@ -104,6 +111,8 @@ def run(cfg: JobConfig) -> Optional[int]:
     env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(-(-cfg.rollout.kv_cache_gib // 1)))), "OMP_NUM_THREADS": threads}
     groups: list = []
     shm_reports: list = []
+    results: list = []
+    stop = StopRequest(graceful=bool(cfg.checkpoint.dir))
     try:
         workers = WorkerGroup(make_pool(cfg.actor.pool), HybridWorker, cfg, model_dir, env=env)
         groups.append(workers)
@@ -122,8 +131,9 @@ def run(cfg: JobConfig) -> Optional[int]:
                 groups.append(role_groups[role])
         trainer = RLTrainer(cfg, workers, loader, encoder, reward_fn, role_groups=role_groups,
                             val_records=list(val) if val is not None else None,
-                            metrics_path=os.path.join(run_dir, "metrics.jsonl"))
-        results = trainer.fit()
+                            metrics_path=os.path.join(run_dir, "metrics.jsonl"), stop=stop)
+        with stop:
+            results = trainer.fit()
         last = results[-1].metrics if results else {}
         logger.info("finished %d steps; last reward %.3f; metrics in %s", len(results),
                     last.get("reward/mean", float("nan")), os.path.join(run_dir, "metrics.jsonl"))
@@ -135,4 +145,18 @@ def run(cfg: JobConfig) -> Optional[int]:
             logger.info("removed the workers' vLLM shared-memory segments from /dev/shm: %s", removed)
         if started_ray:
             ray.shutdown()
+    done = results[-1].step if results else None
+    if stop.requested and (done or 0) < cfg.trainer.total_steps:
+        logger.warning(stopped_message(cfg, stop.signal_name, done, resume_command))
     return 0
+
+
+def stopped_message(cfg: JobConfig, signal_name: Optional[str], step: Optional[int],
+                    resume_command: Optional[str]) -> str:
+    """The last line of a run stopped by a signal: which step finished, the checkpoint that holds it, and the
+    command that resumes the run (`resume_command`, else a template)."""
+    command = resume_command or "megarl train CONFIG [the same overrides] checkpoint.resume=true"
+    path = latest(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+    what = f"after step {step} of {cfg.trainer.total_steps}" if step else "before its first step"
+    held = f"checkpoint {path} holds step {complete_steps(cfg.checkpoint.dir)[-1]}" if path else "no checkpoint yet"
+    return f"stopped by {signal_name} {what}; {held}. To resume: {command}"

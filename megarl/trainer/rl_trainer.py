@@ -36,6 +36,7 @@ from megarl.rollout.engine import SamplingSettings
 from megarl.trainer import checkpointing
 from megarl.trainer.faults import RunAborted
 from megarl.trainer.samples import chunk_bounds, samples_to_batch
+from megarl.trainer.stop import StopRequest
 
 logger = logging.getLogger("megarl.trainer")
 
@@ -59,9 +60,13 @@ class RLTrainer:
     """Drives `workers` (a `WorkerGroup` of `HybridWorker`) through `cfg.trainer.total_steps` RL steps."""
 
     def __init__(self, cfg: JobConfig, workers, loader, encoder, reward_fn, role_groups: Optional[dict] = None,
-                 val_records: Optional[list] = None, metrics_path: Optional[str] = None) -> None:
+                 val_records: Optional[list] = None, metrics_path: Optional[str] = None,
+                 stop: Optional[StopRequest] = None) -> None:
         """`workers`: the actor pool's group (HybridWorker). `role_groups`: for each enabled reference / critic /
-        reward_model, the group that hosts it (`workers` itself when colocated, else its own RoleWorker group)."""
+        reward_model, the group that hosts it (`workers` itself when colocated, else its own RoleWorker group).
+        `stop`: the controller's SIGTERM/SIGINT handlers (`megarl.trainer.stop`); `fit` ends after the step in
+        flight, checkpointed, once it is requested."""
+        self.stop = stop
         self.cfg = cfg
         self.workers = workers
         self.role_groups = dict(role_groups or {})
@@ -88,25 +93,35 @@ class RLTrainer:
         After each step: validation every `trainer.val_every` steps (rollouts of `val_records` at
         `rollout.val_temperature`, metric `val/reward_mean`), a checkpoint every `checkpoint.save_every` steps and at
         the last one when `checkpoint.dir` is set (its wall time in seconds: `checkpoint/save_s`), then one metrics
-        line (console and `metrics_path` jsonl). Returns
+        line (console and `metrics_path` jsonl). Once `self.stop` is requested (SIGTERM/SIGINT), no further step
+        starts: the last finished step is checkpointed (if not already) and `fit` returns early. Returns
         one `StepResult` per step run, in order.
         """
-        results = []
+        results: list[StepResult] = []
         first = self._resume() + 1
         self.workers.sync_weights()  # the engine starts with random weights: give it the actor's
         total = self.cfg.trainer.total_steps
+        saved = None
         for step in range(first, total + 1):
+            if self._stop_requested():
+                break
             results.append(self.step(step))
             if self.val_records and self.cfg.trainer.val_every and step % self.cfg.trainer.val_every == 0:
                 results[-1].metrics.update(self.validate())
             every = self.cfg.checkpoint.save_every
-            if self.cfg.checkpoint.dir and (step == total or (every and step % every == 0)):
+            if self.cfg.checkpoint.dir and (step == total or (every and step % every == 0) or self._stop_requested()):
                 saving = time.perf_counter()
                 self.save(step)
+                saved = step
                 results[-1].metrics["checkpoint/save_s"] = time.perf_counter() - saving
             self._log(results[-1])
             self._check_skips(results[-1])
+        if self._stop_requested() and self.cfg.checkpoint.dir and results and saved != results[-1].step:
+            self.save(results[-1].step)  # the signal came after this step's save decision
         return results
+
+    def _stop_requested(self) -> bool:
+        return self.stop is not None and self.stop.requested
 
     # --------------------------------------------------------------------------------------------- checkpoints
     def _resume(self) -> int:

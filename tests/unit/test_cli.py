@@ -65,7 +65,7 @@ def test_cross_field_error_exits_2(capsys):
 
 def test_trainer_hook_called_with_resolved_config(monkeypatch):
     seen = []
-    monkeypatch.setattr(megarl.trainer, "run", lambda cfg: seen.append(cfg) or 0, raising=False)
+    monkeypatch.setattr(megarl.trainer, "run", lambda cfg, resume_command=None: seen.append(cfg) or 0, raising=False)
     assert main(["train", QUICKSTART, "trainer.total_steps=1"]) == 0
     assert isinstance(seen[0], JobConfig) and seen[0].trainer.total_steps == 1
 
