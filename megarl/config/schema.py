@@ -328,6 +328,23 @@ class OverlongConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling: groups whose scores are all equal (zero advantage under a group baseline) are
+    dropped and more prompts are generated until the step holds data.prompts_per_step informative groups; see
+    megarl.algorithms.dynamic_sampling. Off by default."""
+
+    enabled: bool = opt(
+        False, "Drop all-equal groups and sample more prompts to refill the step (group estimators: grpo, rloo, "
+        "reinforce_plus_plus_baseline; rule rewards only). Metrics: dynamic_sampling/rounds, dropped_groups, "
+        "filled_groups, surplus_groups."
+    )
+    max_rounds: int = opt(
+        3, "Most generation rounds per step, the first included (each round: data.prompts_per_step prompts). When "
+        "they run out, all-equal groups fill the batch (dynamic_sampling/filled_groups).", unit="rounds", min=1,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
     """The RL objective."""
 
@@ -382,6 +399,9 @@ class AlgorithmConfig:
     )
     kl: KLConfig = opt(factory=KLConfig, help="KL penalty against the reference policy.")
     overlong: OverlongConfig = opt(factory=OverlongConfig, help="DAPO: truncated responses (filtering, soft penalty).")
+    dynamic_sampling: DynamicSamplingConfig = opt(
+        factory=DynamicSamplingConfig, help="DAPO: drop all-equal groups and sample more prompts."
+    )
     rollout_correction: RolloutCorrectionConfig = opt(
         factory=RolloutCorrectionConfig, help="Rollout/train log-prob mismatch: importance weights and masks."
     )

