@@ -71,12 +71,20 @@ def machine() -> str:
     return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores, gloo"
 
 
-def simulate(args) -> dict:
+def train_topology(args, spec: ModelSpec):
+    """The training layout in `--rank-order`'s order (natural, or co-designed with the inference TP blocks)."""
     from megarl.parallel.topology import RoleTopology
+    from megarl.reshard.rank_order import resolve_rank_order
+
+    topo = RoleTopology(tp=args.train_tp, pp=args.train_pp, dp=args.train_dp)
+    return resolve_rank_order(args.rank_order, spec, topo, args.infer_tp, devices_per_node=args.devices_per_node)
+
+
+def simulate(args) -> dict:
     from megarl.reshard.planner import plan_reshard
 
     spec = spec_for(args.model_shape)
-    topo = RoleTopology(tp=args.train_tp, pp=args.train_pp, dp=args.train_dp)
+    topo = train_topology(args, spec)
     start = time.perf_counter()
     plan = plan_reshard(spec, topo, args.infer_tp, dtype_bytes=2 if args.dtype == "bf16" else 4,
                         search_mapping=args.search_mapping)
@@ -86,7 +94,8 @@ def simulate(args) -> dict:
     totals = plan.totals()
     result = {
         "mode": "simulate", "model_shape": args.model_shape, "params": spec.num_params, "dtype": args.dtype,
-        "train": topo.describe(), "gpus": topo.world_size, "infer_tp": args.infer_tp, "plan_time_s": plan_s,
+        "train": topo.describe(), "rank_order": args.rank_order, "gpus": topo.world_size,
+        "infer_tp": args.infer_tp, "plan_time_s": plan_s,
         "bytes_received_per_rank_max": max(recv), "bytes_received_per_rank_mean": statistics.mean(recv),
         "bytes_naive_per_rank_max": max(naive), "bytes_naive_per_rank_mean": statistics.mean(naive),
         "bytes_local_total": totals["bytes_local"], "bytes_received_total": totals["bytes_received"],
@@ -97,7 +106,8 @@ def simulate(args) -> dict:
         "received_over_naive": totals["bytes_received"] / max(totals["bytes_naive"], 1),
     }
     gib = 2**30
-    print(f"{args.model_shape} ({spec.num_params / 1e9:.1f}B params, {args.dtype}) train {topo.describe()} "
+    print(f"{args.model_shape} ({spec.num_params / 1e9:.1f}B params, {args.dtype}) [{args.rank_order} order] "
+          f"train {topo.describe()} "
           f"-> infer tp={args.infer_tp} on {topo.world_size} GPUs (plan {plan_s:.1f}s)")
     print(f"  per rank received: max {max(recv) / gib:.2f} GiB, mean {statistics.mean(recv) / gib:.2f} GiB")
     print(f"  per rank naive:    max {max(naive) / gib:.2f} GiB, mean {statistics.mean(naive) / gib:.2f} GiB")
@@ -174,7 +184,6 @@ def _measure_rank(rank, world_size, args_dict):
 
     from megarl.engine.megatron_engine import MegatronEngine
     from megarl.parallel.groups import build_role_groups
-    from megarl.parallel.topology import RoleTopology
     from megarl.reshard.executor import DictSink, execute_reshard
     from megarl.reshard.naive import naive_reshard
     from megarl.reshard.planner import plan_reshard
@@ -182,7 +191,7 @@ def _measure_rank(rank, world_size, args_dict):
 
     args = argparse.Namespace(**args_dict)
     spec = spec_for(args.model_shape)
-    groups = build_role_groups(RoleTopology(tp=args.train_tp, pp=args.train_pp, dp=args.train_dp))
+    groups = build_role_groups(train_topology(args, spec))
     t0 = time.perf_counter()
     engine = MegatronEngine(spec, groups, dtype=args.dtype, optimizer=None, init_weights=False)
     _fill_deterministic(engine)
@@ -291,7 +300,7 @@ def _delta_summary(args, per_rank) -> dict:
     result = {
         "mode": "delta", "model_shape": args.model_shape, "params": spec.num_params, "dtype": args.dtype,
         "train_tp": args.train_tp, "train_pp": args.train_pp, "train_dp": args.train_dp, "infer_tp": args.infer_tp,
-        "bucket_bytes": int(args.bucket_mb * 2**20), "repeats": args.repeats,
+        "rank_order": args.rank_order, "bucket_bytes": int(args.bucket_mb * 2**20), "repeats": args.repeats,
         "delta_change_fraction_requested": args.delta_change_fraction, "machine": machine(),
         "command": "python " + " ".join(sys.argv),
         "load_average_1m_at_end": os.getloadavg()[0],  # the CPU machines are shared: read timings with it
@@ -307,7 +316,8 @@ def _delta_summary(args, per_rank) -> dict:
                   for r in per_rank],
     }
     mib = 2**20
-    print(f"{args.model_shape} ({spec.num_params / 1e6:.0f}M params, {args.dtype}) train tp={args.train_tp} "
+    print(f"{args.model_shape} ({spec.num_params / 1e6:.0f}M params, {args.dtype}) [{args.rank_order} order] "
+          f"train tp={args.train_tp} "
           f"pp={args.train_pp} dp={args.train_dp} -> infer tp={args.infer_tp} on {machine()}, delta mode, "
           f"{args.delta_change_fraction:.0%} of elements changed per step")
     for r in per_rank:
@@ -378,6 +388,7 @@ def measure(args) -> dict:
     result = {
         "mode": "measure", "model_shape": args.model_shape, "params": spec.num_params, "dtype": args.dtype,
         "train_tp": args.train_tp, "train_pp": args.train_pp, "train_dp": args.train_dp, "infer_tp": args.infer_tp,
+        "rank_order": args.rank_order,
         "bucket_bytes": int(args.bucket_mb * 2**20), "repeats": args.repeats, "machine": machine(),
         "command": "python " + " ".join(sys.argv),
         "load_average_1m_at_end": os.getloadavg()[0],  # the CPU machines are shared: read timings with it
@@ -397,7 +408,8 @@ def measure(args) -> dict:
     if args.into_vllm:
         result["refit_time_s"] = statistics.median(per_rank[0]["refit_times"])
     mib = 2**20
-    print(f"{args.model_shape} ({spec.num_params / 1e6:.0f}M params, {args.dtype}) train tp={args.train_tp} "
+    print(f"{args.model_shape} ({spec.num_params / 1e6:.0f}M params, {args.dtype}) [{args.rank_order} order] "
+          f"train tp={args.train_tp} "
           f"pp={args.train_pp} dp={args.train_dp} -> infer tp={args.infer_tp} on {machine()}")
     for r in per_rank:
         print(f"  rank {r['rank']}: received {r['bytes_received'] / mib:.1f} MiB (lower bound "
@@ -434,15 +446,30 @@ def main(argv=None) -> int:
     p.add_argument("--search-mapping", action="store_true",
                    help="with --simulate: search the inference TP rank permutation (vLLM's launcher fixes the natural "
                         "one: what the trainer uses)")
+    p.add_argument("--rank-order", choices=["natural", "reshard", "both"], default="natural",
+                   help="the training rank order (megarl/reshard/rank_order.py): natural, co-designed with the "
+                        "inference TP blocks (actor.parallel.rank_order: reshard), or both, one after the other")
+    p.add_argument("--devices-per-node", type=int, default=8,
+                   help="with --rank-order reshard: TP groups are kept inside nodes of this many ranks")
     p.add_argument("--timeout-s", type=float, default=1800.0)
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
-    if args.simulate:
-        result = simulate(args)
+    run = simulate if args.simulate else measure
+    if args.rank_order == "both":
+        result = {"rank_order": "both"}
+        for order in ("natural", "reshard"):
+            result[order] = run(argparse.Namespace(**{**vars(args), "rank_order": order}))
+        result["weights_exact"] = all(result[o].get("weights_exact", True) for o in ("natural", "reshard"))
+        if args.simulate:
+            key = "bytes_received_per_rank_max"
+            print(f"co-designed / natural order, max bytes received per rank: "
+                  f"{result['reshard'][key] / max(result['natural'][key], 1):.3f}")
+        else:
+            print(f"time: natural {result['natural']['time_s']:.3f}s, co-designed {result['reshard']['time_s']:.3f}s")
     else:
-        result = measure(args)
-        if not result["weights_exact"]:
-            print("reshard.py: planned and reference reshard disagree", file=sys.stderr)
+        result = run(args)
+    if not result.get("weights_exact", True):
+        print("reshard.py: planned and reference reshard disagree", file=sys.stderr)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

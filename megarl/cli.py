@@ -80,13 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def dry_run_report(cfg: JobConfig) -> str:
-    """The resolved config as YAML, the per-GPU memory estimate, then the placement table.
+    """The resolved config as YAML, the per-GPU memory estimate, the actor's rank order with the reshard bytes it
+    implies (and the natural order's), then the placement table.
 
     Raises ConfigError when the device memory is known (`resources.device_memory_gb`, or CUDA present) and the
     estimate exceeds it."""
     layers = {role: arch.num_layers for role, arch in role_archs(cfg).items()}
     kind = device_kind(cfg)
-    rows = placement(cfg, layers, kind)
+    from megarl.reshard.rank_order import actor_order_report
+
+    actor_topo, order = actor_order_report(cfg)
+    rows = placement(cfg, layers, kind, {"actor": actor_topo})
     memory = job_memory_estimate(cfg, device_memory_bytes(cfg))
     check_fits(memory)
     return (
@@ -94,6 +98,8 @@ def dry_run_report(cfg: JobConfig) -> str:
         + dump_yaml(cfg)
         + "\n# memory per GPU of the actor's pool (static estimate, megarl/config/memory.py)\n"
         + memory.describe()
+        + "\n\n# actor rank order and reshard bytes (megarl/reshard/rank_order.py)\n"
+        + order
         + "\n\n# placement (rollout rows: tp = engine TP rank, dp = engine index)\n"
         + format_table(rows, layers)
         + "\n"

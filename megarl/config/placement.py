@@ -66,10 +66,12 @@ def device_kind(cfg: JobConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def placement(cfg: JobConfig, num_layers_by_role: dict[str, int], kind: str) -> list[RankPlacement]:
+def placement(cfg: JobConfig, num_layers_by_role: dict[str, int], kind: str,
+              topologies: Optional[dict[str, RoleTopology]] = None) -> list[RankPlacement]:
     """Rows for every rank of every enabled role, plus the rollout engines on the actor's pool.
 
-    `num_layers_by_role` gives each enabled role's layer count (roles may run different models).
+    `num_layers_by_role` gives each enabled role's layer count (roles may run different models); `topologies`
+    overrides `role_topology` for some roles (the actor in a co-designed rank order).
     """
     offsets = pool_offsets(cfg.resources)
     rows: list[RankPlacement] = []
@@ -82,7 +84,7 @@ def placement(cfg: JobConfig, num_layers_by_role: dict[str, int], kind: str) -> 
 
     for role in cfg.enabled_roles():
         r = cfg.role(role)
-        topo = role_topology(cfg, role)
+        topo = (topologies or {}).get(role) or role_topology(cfg, role)
         split = layer_split(
             num_layers_by_role[role], topo.pp, r.parallel.first_stage_layers, r.parallel.last_stage_layers
         )

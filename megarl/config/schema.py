@@ -129,6 +129,11 @@ class ParallelConfig:
     last_stage_layers: Optional[int] = opt(
         None, "Layers on the last pipeline stage for an uneven split; null = even split.", min=0
     )
+    rank_order: Literal["natural", "reshard"] = opt(
+        "natural", "Which rank holds which Megatron coordinate (actor only). natural = tp fastest, then cp, dp, pp; "
+        "reshard = the order that minimises the most bytes any rank receives when resharding into rollout.tp's "
+        "engines (megarl.reshard.rank_order; e.g. TP4 -> rollout TP2 halves it), TP groups kept inside a node.",
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

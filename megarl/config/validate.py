@@ -132,6 +132,11 @@ def _check_parallel(name: str, role: RoleConfig, devices: int, arch: ArchConfig)
         )
     if arch.num_query_groups % p.tp != 0:
         raise ConfigError(f"{name}.parallel.tp: num_query_groups={arch.num_query_groups} is not divisible by tp={p.tp}")
+    if p.rank_order != "natural" and (name != "actor" or p.ep > 1):
+        raise ConfigError(
+            f"{name}.parallel.rank_order: {p.rank_order!r} is for the actor of a dense model (it orders the ranks for "
+            f"the reshard into the rollout engine); use 'natural'"
+        )
     try:
         layer_split(arch.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers)
         RoleTopology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep)

@@ -199,3 +199,41 @@ def resolve_rank_order(mode: str, spec: ModelSpec, topo: RoleTopology, infer_tp:
     if mode == "reshard":
         return choose_rank_order(spec, topo, infer_tp, devices_per_node=devices_per_node).topology
     raise ValueError(f"rank_order must be one of {list(MODES)}, got {mode!r}")
+
+
+def actor_order_report(cfg) -> tuple[RoleTopology, str]:
+    """(the actor's topology in `actor.parallel.rank_order`'s order, lines for `megarl train --dry-run`) of a
+    validated `JobConfig`: the chosen order and the reshard bytes it implies next to the natural order's."""
+    from megarl.config.arch import spec_from_arch
+    from megarl.config.placement import role_topology
+    from megarl.config.validate import role_archs
+
+    mode = cfg.actor.parallel.rank_order
+    topo = role_topology(cfg, "actor")
+    dtype_bytes = 4 if cfg.model.dtype == "fp32" else 2
+    spec = spec_from_arch(role_archs(cfg)["actor"])
+    try:
+        choice = choose_rank_order(spec, topo, cfg.rollout.tp, dtype_bytes,
+                                   devices_per_node=cfg.resources.pools[cfg.actor.pool].devices_per_node)
+    except ValueError as e:
+        if mode == "natural":
+            return topo, f"reshard bytes not estimated: {e}"
+        raise
+    natural = f"natural order: max {_size(choice.natural_max_bytes)}, mean {_size(choice.natural_mean_bytes)}"
+    best = (f"co-designed order: max {_size(choice.max_bytes)}, mean {_size(choice.mean_bytes)} "
+            f"(TP groups {choice.topology.groups('tp')})")
+    chosen = choice.topology if mode == "reshard" else topo
+    lines = [
+        f"actor.parallel.rank_order: {mode}; TP groups {chosen.groups('tp')} (group rank order)",
+        f"bytes received per rank at the reshard into rollout tp={cfg.rollout.tp} ({cfg.model.dtype}):",
+        ("  * " if mode == "natural" else "    ") + natural,
+        ("  * " if mode == "reshard" else "    ") + best,
+    ]
+    return chosen, "\n".join(lines)
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"

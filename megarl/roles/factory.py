@@ -15,6 +15,8 @@ from megarl.config.placement import role_topology
 from megarl.config.schema import JobConfig, ModelConfig
 from megarl.models.spec import ModelSpec
 from megarl.parallel.groups import RoleGroups, build_role_groups
+from megarl.parallel.topology import RoleTopology
+from megarl.reshard.rank_order import resolve_rank_order
 from megarl.roles.actor import Actor, PolicyLossSettings, Reference
 from megarl.roles.base import BatchingSettings, Role, optimizer_settings_from_config
 from megarl.roles.critic import Critic, RewardModel
@@ -35,6 +37,17 @@ def role_model_config(cfg: JobConfig, role: str) -> ModelConfig:
     return own if own is not None else cfg.model
 
 
+def actor_topology_in_order(cfg: JobConfig, topo: RoleTopology) -> RoleTopology:
+    """The actor's `topo` in `actor.parallel.rank_order`'s order: natural, or co-designed with rollout.tp's engine
+    blocks (`megarl.reshard.rank_order`; TP groups kept inside a node of the pool's devices_per_node)."""
+    mode = cfg.actor.parallel.rank_order
+    if mode == "natural":
+        return topo
+    spec = spec_from_model_config(role_model_config(cfg, "actor"))
+    per_node = cfg.resources.pools[cfg.actor.pool].devices_per_node
+    return resolve_rank_order(mode, spec, topo, cfg.rollout.tp, devices_per_node=per_node)
+
+
 def build_role(cfg: JobConfig, role: str, groups: Optional[RoleGroups] = None,
                rank_offset: Optional[int] = None) -> Optional[Role]:
     """Build `role` ('actor', 'reference', 'critic', 'reward_model') of `cfg` on this rank.
@@ -52,6 +65,8 @@ def build_role(cfg: JobConfig, role: str, groups: Optional[RoleGroups] = None,
         topo = role_topology(cfg, role)
         if rank_offset is not None:
             topo = dataclasses.replace(topo, rank_offset=rank_offset)
+        if role == "actor":
+            topo = actor_topology_in_order(cfg, topo)
         groups = build_role_groups(topo)
     if not groups.is_member:
         return None

@@ -159,3 +159,35 @@ def test_resolve_modes():
     assert resolve_rank_order("reshard", SPEC, topo, 2).rank_order == (0, 2, 1, 3)
     with pytest.raises(ValueError, match="natural"):
         resolve_rank_order("strided", SPEC, topo, 2)
+
+
+QUICKSTART_TP4 = ["resources.pools.default.devices_per_node=4", "actor.parallel.tp=4", "reference.parallel.tp=4",
+                  "model.arch.num_query_groups=4"]
+
+
+def test_dry_run_shows_the_order_and_both_orders_bytes():
+    from megarl.cli import dry_run_report
+    from megarl.config import load_config
+
+    # quickstart model at TP4 -> rollout TP2, fp32: h=128, 4 heads of 32 (q, o 128x128), 4 KV groups (k, v 128x128),
+    # ffn 256 (gate, up 256x128, down 128x256), vocab 512 (a multiple of 128*4 and 64: no padding), 2 layers,
+    # untied. TP-sharded bytes X = (2 * (4*128*128 + 3*256*128) + 2 * 512*128) * 4 = 1792 KiB. Natural order: max
+    # X/2 = 896 KiB, mean (X/4 + X/2 + X/2 + X/4)/4 = 3X/8 = 672 KiB; co-designed: X/4 = 448 KiB on every rank.
+    cfg = load_config("yaml_configs/cpu_quickstart.yaml", QUICKSTART_TP4 + ["actor.parallel.rank_order=reshard"])
+    report = dry_run_report(cfg)
+    assert "actor.parallel.rank_order: reshard; TP groups [[0, 2, 1, 3]]" in report
+    assert "natural order: max 896.00 KiB, mean 672.00 KiB" in report
+    assert "* co-designed order: max 448.00 KiB, mean 448.00 KiB" in report
+    table = report.split("# placement")[1]  # the last section
+    actor_rows = [line.split() for line in table.splitlines() if line.startswith("actor ")]
+    assert [(row[1], row[4]) for row in actor_rows] == [("0", "0"), ("1", "2"), ("2", "1"), ("3", "3")]
+    natural = dry_run_report(load_config("yaml_configs/cpu_quickstart.yaml", QUICKSTART_TP4))
+    assert "actor.parallel.rank_order: natural; TP groups [[0, 1, 2, 3]]" in natural
+    assert "* natural order: max 896.00 KiB" in natural
+
+
+def test_rank_order_is_refused_outside_the_actor():
+    from megarl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="reference.parallel.rank_order: 'reshard' is for the actor"):
+        load_config("yaml_configs/cpu_quickstart.yaml", ["reference.parallel.rank_order=reshard"])
