@@ -17,6 +17,9 @@ forms its TP groups). Within each block the planner can choose which rank plays 
 order, the one vLLM realises). vLLM's external launcher fixes TP rank = position in the block, so the trainer plans
 with the natural order (`plan_reshard`'s default, `search_mapping=False`) and checks at start-up that its engine
 agrees (`check_engine_mapping`); `search_mapping=True` shows what a launcher that lets us choose would save.
+The training side is ours to permute instead: a rank's Megatron coordinates are `train.coord(rank)`, which follow
+`RoleTopology.rank_order`, and `megarl.reshard.rank_order` chooses that order (actor.parallel.rank_order: reshard)
+so that each inference block holds more of what it needs.
 """
 
 from __future__ import annotations
