@@ -191,3 +191,14 @@ def test_rank_order_is_refused_outside_the_actor():
 
     with pytest.raises(ConfigError, match="reference.parallel.rank_order: 'reshard' is for the actor"):
         load_config("yaml_configs/cpu_quickstart.yaml", ["reference.parallel.rank_order=reshard"])
+
+
+def test_factory_builds_the_actor_in_the_configured_order():
+    from megarl.config import load_config
+    from megarl.config.placement import role_topology
+    from megarl.roles.factory import actor_topology_in_order
+
+    cfg = load_config("yaml_configs/cpu_quickstart.yaml", QUICKSTART_TP4 + ["actor.parallel.rank_order=reshard"])
+    assert actor_topology_in_order(cfg, role_topology(cfg, "actor")).groups("tp") == [[0, 2, 1, 3]]
+    natural = load_config("yaml_configs/cpu_quickstart.yaml", QUICKSTART_TP4)
+    assert actor_topology_in_order(natural, role_topology(natural, "actor")).rank_order is None
