@@ -111,6 +111,18 @@ def device_local_rank(bundle_index: int, gpu_ids: Sequence[Any], cuda_visible_de
     return visible.index(first)
 
 
+def _ignore_sigint() -> None:
+    """Worker processes ignore SIGINT: Ctrl-C in a terminal signals the whole foreground process group, workers
+    included, and the controller decides how the run stops (`megarl.trainer.stop`: after the step in flight, with a
+    checkpoint). A worker interrupted mid-step would take its peers' collectives down with it. SIGTERM keeps its
+    default (Ray stops workers with it)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class _WorkerHost:
     """The Ray actor body on every rank: torchrun-style env, the process group, and the user's worker object."""
 
@@ -124,6 +136,7 @@ class _WorkerHost:
         )
         self.rank = rank
         self.worker: Any = None
+        _ignore_sigint()
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a TCP port free on it right now (becomes MASTER_ADDR / MASTER_PORT)."""
@@ -143,6 +156,7 @@ class _WorkerHost:
 
         init_distributed(timeout_s=pg_timeout_s)
         self.worker = worker_cls(*args, **kwargs)
+        _ignore_sigint()  # again: a library the worker built (vLLM, torch) may have installed its own handler
         return self.rank
 
     def call(self, method: str, packed: tuple[tuple, dict]) -> Any:
