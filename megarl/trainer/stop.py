@@ -16,7 +16,15 @@ signal does:
 
 Worker processes ignore SIGINT (`megarl.controller.worker_group`): Ctrl-C in a terminal signals the whole
 foreground process group, Ray's workers included, and a worker interrupted mid-collective would take the step down
-with it. They keep SIGTERM's default: Ray stops them with it on shutdown.
+with it. They keep SIGTERM's default: Ray stops them with it on shutdown. Before `fit` starts (workers being built),
+SIGINT raises KeyboardInterrupt (the CLI: one line, exit 130) and SIGTERM meets the handler `ray.init` installs
+(`sys.exit(15)`, read from Ray 2.60's source, not measured); either way the workers are shut down and nothing has
+been trained yet.
+
+On Slurm, `launch/slurm_ray.sbatch` asks for SIGTERM `--signal=B:TERM@300` seconds before the time limit and
+forwards it to `megarl train`; the lead time must cover one step plus one checkpoint save. A preemption that
+signals every process of the job at once (the Ray head and worker steps too) leaves no time for this: the last
+scheduled checkpoint (`checkpoint.save_every`) is what such a run resumes from.
 """
 
 from __future__ import annotations
