@@ -1,5 +1,6 @@
 """`megarl train` as a user runs it, on HF directories (`model.path`) of the cases that broke it: a tiny model with
-tied embeddings (actor TP2) and a Llama with `llama3` RoPE scaling (actor PP2), rollout TP2.
+tied embeddings (Llama and Qwen2 with q/k/v biases, actor TP2) and a Llama with `llama3` RoPE scaling (actor PP2),
+rollout TP2.
 
 The run builds everything from the job config (roles, vLLM engine from `model.path`, reshard), with learning rate 0
 (the weights never change), two steps and greedy validation after each. A user reward file records every response the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -27,12 +29,15 @@ MAX_NEW = 8
 TRAIN = ["w5 w9 w14 w22 w7", "w40 w41 w42", "w100 w3 w250 w17 w18 w19", "w77 w78"]
 VAL = ["w60 w61 w62 w63 w64 w65 w66 w67 w68 w69 w70 w71", "w200 w201 w202", "w9 w8 w7 w6 w5"]
 RUNS = {  # name: (family, HF config overrides, actor parallel)
-    # Tied embeddings through the trainer on a Llama: transformers 5's AutoTokenizer gives a Qwen2 directory its
-    # Qwen2Tokenizer whatever tokenizer_config.json says, which encodes the WordLevel test vocabulary to nothing
-    # (Qwen2 tied embeddings go through the reshard in test_families_vllm.py).
     "llama-tied-tp2": ("llama", dict(hidden_size=128, tie_word_embeddings=True, rope_scaling=None), {"tp": 2, "pp": 1}),
     "llama-llama3-pp2": ("llama", dict(hidden_size=128, tie_word_embeddings=False), {"tp": 1, "pp": 2}),
+    # the reported case: Qwen2 with tied embeddings and q/k/v biases. transformers 5's AutoTokenizer gives a
+    # directory whose config.json says qwen2 its Qwen2Tokenizer whatever tokenizer_config.json says, which encodes the
+    # WordLevel test vocabulary to nothing, so the job names the tokenizer separately (`model.tokenizer`), as a user
+    # does whose tokenizer lives elsewhere; the real Qwen2 tokenizer would sit in model.path itself.
+    "qwen2-tied-tp2": ("qwen2", dict(hidden_size=128, tie_word_embeddings=True), {"tp": 2, "pp": 1}),
 }
+SEPARATE_TOKENIZER = {"qwen2"}
 
 RECORDER = '''
 import json, os
@@ -44,9 +49,11 @@ def record(response_text, answer, record):
 '''
 
 
-def _job_config(tmp, hf_dir: str, parallel: dict) -> str:
+def _job_config(tmp, hf_dir: str, parallel: dict, tokenizer_dir: str) -> str:
     cfg = yaml.safe_load(open(os.path.join(ROOT, "yaml_configs", "cpu_quickstart.yaml")))
     cfg["model"] = {"path": hf_dir, "dtype": "fp32"}
+    if tokenizer_dir != hf_dir:
+        cfg["model"]["tokenizer"] = tokenizer_dir
     cfg["actor"]["parallel"] = {**parallel, "cp": 1, "dp": 1}
     cfg["actor"]["optimizer"]["lr"] = 0.0
     cfg["actor"]["mini_batch_prompts"] = 4
@@ -70,12 +77,12 @@ def _job_config(tmp, hf_dir: str, parallel: dict) -> str:
     return str(path)
 
 
-def _transformers_greedy_text(hf_dir: str, prompts: list[str]) -> dict[str, str]:
+def _transformers_greedy_text(hf_dir: str, tokenizer_dir: str, prompts: list[str]) -> dict[str, str]:
     """transformers' greedy continuation of each prompt, cut at EOS and decoded as the trainer decodes responses."""
     from megarl.data.tokenization import PromptEncoder
     from megarl.rollout.testing import hf_greedy
 
-    enc = PromptEncoder(hf_dir, "none")
+    enc = PromptEncoder(tokenizer_dir, "none")
     eos = enc.tokenizer.eos_token_id
     ids = [enc.encode(p) for p in prompts]
     out = {}
@@ -90,14 +97,21 @@ def train_run(request, tmp_path_factory):
     family, overrides, parallel = RUNS[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
     hf_dir = tiny_family_dir(str(tmp / "hf"), family, seed=5, init_std=0.3, **overrides)
-    job = _job_config(tmp, hf_dir, parallel)
+    tokenizer_dir = hf_dir
+    if family in SEPARATE_TOKENIZER:  # the tokenizer files alone, without the model's config.json
+        tokenizer_dir = str(tmp / "tokenizer")
+        os.makedirs(tokenizer_dir)
+        for name in os.listdir(hf_dir):
+            if name.startswith(("tokenizer", "special_tokens")):
+                shutil.move(os.path.join(hf_dir, name), os.path.join(tokenizer_dir, name))
+    job = _job_config(tmp, hf_dir, parallel, tokenizer_dir)
     responses = tmp / "responses.jsonl"
     env = dict(clean_env(), MEGARL_TEST_RESPONSES=str(responses))
     proc = subprocess.run([sys.executable, "-m", "megarl", "train", job], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(line) for line in open(responses)]
-    return rows, _transformers_greedy_text(hf_dir, TRAIN + VAL)
+    return rows, _transformers_greedy_text(hf_dir, tokenizer_dir, TRAIN + VAL)
 
 
 def test_every_step_rolled_out_and_validated(train_run):
