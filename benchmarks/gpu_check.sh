@@ -113,7 +113,7 @@ when() {
 when cuda_path "cuda mcore pytest" && step cuda_path 85 "$PY" -m pytest -q -m gpu tests/gpu/test_cuda_path.py
 # 3. hybrid-engine parity: Megatron actor resharded into a GPU vLLM (dummy weights); -s prints the differences.
 when hybrid_parity "cuda mcore vllm pytest" && step hybrid_parity 105 "$PY" -m pytest -q -s -m gpu \
-  tests/gpu/test_hybrid_gpu.py
+  tests/gpu/test_hybrid_gpu.py::test_hybrid_engine_on_gpu
 # 4. sleep/wake probe: memory freed, greedy unchanged, weights updated between wake(weights) and wake(kv_cache).
 when sleep_wake "cuda vllm pytest" && step sleep_wake 75 "$PY" -m pytest -q -s -m gpu tests/gpu/test_sleep_wake_gpu.py
 # 5. 7B refit on one GPU, bf16, one repeat: Megatron (TP1) -> vLLM (TP1); without vLLM, the Megatron-only reshard
