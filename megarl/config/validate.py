@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 from megarl.config.arch import resolve_arch
 from megarl.config.errors import ConfigError, did_you_mean
@@ -44,10 +45,13 @@ def check_supported(cfg: JobConfig) -> None:
     Part of `validate` (so `megarl train --dry-run` refuses what the trainer refuses); the trainer and its workers
     call it again on the config they receive.
     """
-    unsupported = [b for b in cfg.logging.backends if b not in ("console", "jsonl")]
+    unsupported = [b for b in cfg.logging.backends if b not in ("console", "jsonl", "tensorboard")]
     if unsupported:
-        raise ConfigError(f"logging.backends: {unsupported} not supported by the trainer yet; use console and jsonl "
-                          "(metrics.jsonl holds every metric of every step)")
+        raise ConfigError(f"logging.backends: {unsupported} not supported by the trainer yet; use console, jsonl "
+                          "and tensorboard (metrics.jsonl holds every metric of every step)")
+    if "tensorboard" in cfg.logging.backends and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging.backends: 'tensorboard' needs the tensorboard package: pip install "
+                          "'megarl[logging]' (or drop it: metrics.jsonl holds every metric of every step)")
     kl = cfg.algorithm.kl
     if kl.target is not None and kl.placement != "reward":
         raise ConfigError("algorithm.kl.target: the adaptive KL controller adjusts a KL penalty in the reward; set "

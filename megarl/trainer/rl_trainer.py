@@ -38,6 +38,7 @@ from megarl.trainer import checkpointing
 from megarl.trainer.faults import RunAborted
 from megarl.trainer.samples import chunk_bounds, samples_to_batch
 from megarl.trainer.stop import StopRequest
+from megarl.trainer.tracking import build_sinks
 
 logger = logging.getLogger("megarl.trainer")
 
@@ -78,6 +79,9 @@ class RLTrainer:
         self.reward_fn = reward_fn
         self.val_records = val_records or []
         self.metrics_path = metrics_path
+        # TensorBoard etc. (`logging.backends`), beside metrics.jsonl in the run directory
+        self.sinks = build_sinks(cfg.logging.backends, os.path.dirname(os.path.abspath(metrics_path))) \
+            if metrics_path else []
         self.sampling = SamplingSettings.from_config(cfg.rollout)
         self.estimator = cfg.algorithm.estimator
         kl = cfg.algorithm.kl
@@ -452,6 +456,8 @@ class RLTrainer:
             os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps({"step": result.step, **m}) + "\n")
+        for sink in self.sinks:
+            sink.log(result.step, m)
 
 
 def old_log_probs_from_update(cfg: JobConfig) -> bool:
