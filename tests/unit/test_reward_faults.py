@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -58,25 +57,26 @@ def test_max_error_fraction_is_a_strict_bound():
 
 def test_timeout_abandons_a_slow_call_and_goes_on():
     release = threading.Event()
-    calls = []
+    calls, finished = [], []
 
     def slow_on_x(text, answer, record):
         calls.append(text)
         if text == "x":
-            release.wait(5.0)  # would hold the run for 5 s without the deadline
+            release.wait(30.0)  # blocks until the test releases it: only the deadline can end the wait for it
+            finished.append(text)
             return 99.0
         return 1.0
 
-    start = time.perf_counter()
     out = score_responses(slow_on_x, ["a", "x", "b"], _recs(3), on_error="zero", timeout_s=0.2)
-    elapsed = time.perf_counter() - start
+    # scoring returned while the slow call was still blocked: it was abandoned, not waited for (no clock involved)
+    still_running = not finished
     release.set()
+    assert still_running
     assert out.scores == [1.0, 0.0, 1.0]  # the late 99.0 is dropped; 'b' ran on a fresh worker thread
     assert [(f.index, f.kind) for f in out.failures] == [(1, "timeout")]
     assert out.failures[0].message == "did not return within reward.timeout_s=0.2 s"
     assert out.metrics()["reward/timeouts"] == 1.0
     assert calls == ["a", "x", "b"]
-    assert 0.2 <= elapsed < 2.0, elapsed
     with pytest.raises(RewardError, match=re.escape(
             "reward function 'slow_on_x' timed out on response 0 (dataset record 100): did not return within "
             "reward.timeout_s=0.05 s")):
