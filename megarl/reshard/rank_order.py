@@ -37,6 +37,7 @@ from typing import Optional
 from megarl.models.spec import ModelSpec
 from megarl.parallel.topology import DIMS, RoleTopology
 from megarl.reshard.layouts import megatron_holdings, piece_bytes, vllm_needs
+from megarl.reshard.planner import _merge
 
 MODES = ("natural", "reshard")
 
@@ -117,16 +118,6 @@ def received_table(spec: ModelSpec, topo: RoleTopology, infer_tp: int, dtype_byt
                     total += piece_bytes(spec, dataclasses.replace(n, start=0, stop=n.length - covered), dtype_bytes)
                 table[(tp, pp, j)] = total
     return table
-
-
-def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(runs):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
 
 
 def received_bytes(topo: RoleTopology, infer_tp: int, table: dict) -> dict[int, int]:
