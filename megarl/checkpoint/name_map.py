@@ -13,6 +13,12 @@ and the reshard engine all build shards from these segments, so the layout rules
   - RMSNorm weights (input, pre-MLP, final, q/k layernorm) replicated.
   - tied embeddings: no `output_layer.weight` in the layout list; a last pipeline stage that holds one reads
     the word embedding's segments (`module_param_layout` resolves it).
+  - mixture-of-experts layers (`ModelSpec.is_moe_layer`): the router `mlp.router.weight` [experts, hidden] is
+    replicated; routed expert e has its own `linear_fc1` ([gate; up] per TP shard) and row-parallel `linear_fc2`,
+    named with the *global* expert index (`mlp.experts.local_experts.{e}.…`, `ParamLayout.expert = e`; an
+    expert-parallel rank holds a contiguous range of experts and numbers them locally from 0); a shared expert
+    (Qwen2-MoE) is `mlp.shared_experts.linear_fc1/linear_fc2` with its sigmoid gate `mlp.shared_experts.gate_weight`
+    [1, hidden] replicated.
 
 Megatron names are the local-spec names with *global* layer numbers (`decoder.layers.{i}.…`). Transformer
 Engine fuses the norms into the next linear (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`);
@@ -48,7 +54,31 @@ LLAMA_FAMILY = {
     "up": "model.layers.{i}.mlp.up_proj.weight",
     "down": "model.layers.{i}.mlp.down_proj.weight",
 }
+# Mixture-of-experts names ({e}: global expert index), per family; attention and norms as in LLAMA_FAMILY.
+QWEN_MOE_FAMILY = {
+    **LLAMA_FAMILY,
+    "router": "model.layers.{i}.mlp.gate.weight",
+    "expert_gate": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+    "expert_up": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+    "expert_down": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+    "shared_gate": "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+    "shared_up": "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+    "shared_down": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+    "shared_expert_gate": "model.layers.{i}.mlp.shared_expert_gate.weight",
+}
+MIXTRAL_FAMILY = {
+    **LLAMA_FAMILY,
+    "router": "model.layers.{i}.block_sparse_moe.gate.weight",
+    "expert_gate": "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+    "expert_up": "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
+    "expert_down": "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",
+}
 FAMILIES = {arch: LLAMA_FAMILY for arch in SUPPORTED_ARCHITECTURES}
+FAMILIES.update({
+    "MixtralForCausalLM": MIXTRAL_FAMILY,
+    "Qwen2MoeForCausalLM": QWEN_MOE_FAMILY,
+    "Qwen3MoeForCausalLM": QWEN_MOE_FAMILY,
+})
 
 # Transformer Engine spec name -> local spec name (suffix within a layer).
 TE_ALIASES = {
@@ -92,6 +122,8 @@ class ParamLayout:
         kind: one of KINDS; decides how TP shards are cut (see module docstring).
         partition_dim: TP split dim of the Megatron tensor (and of each HF tensor), None when replicated.
         layer: global layer number, None for embedding / final norm / output layer.
+        expert: global index of the routed expert this parameter belongs to (held by one expert-parallel rank),
+            None for every other parameter (router and shared expert included).
     """
 
     megatron_name: str
@@ -99,6 +131,7 @@ class ParamLayout:
     kind: str
     partition_dim: Optional[int]
     layer: Optional[int] = None
+    expert: Optional[int] = None
 
     @property
     def dist_ckpt_key(self) -> str:
@@ -120,6 +153,8 @@ def validate_tp(spec: ModelSpec, tp: int) -> None:
         ("num_attention_heads", spec.num_attention_heads),
         ("num_query_groups (num_key_value_heads)", spec.num_query_groups),
         ("ffn_hidden_size (intermediate_size)", spec.ffn_hidden_size),
+        ("moe_ffn_hidden_size (moe_intermediate_size)", spec.moe_ffn_hidden_size if spec.is_moe else 0),
+        ("shared_expert_ffn_hidden_size", spec.shared_expert_ffn_hidden_size),
     ):
         if n % tp != 0:
             raise LayoutError(f"tp={tp} does not divide {what}={n}")
@@ -146,11 +181,31 @@ def param_layouts(spec: ModelSpec) -> list[ParamLayout]:
             out.append(ParamLayout(p + "self_attention.k_layernorm.weight", (hf("k_norm"),), "replicated", None, i))
         out.append(ParamLayout(p + "self_attention.linear_proj.weight", (hf("o"),), "row", 1, i))
         out.append(ParamLayout(p + "pre_mlp_layernorm.weight", (hf("post_attn_norm"),), "replicated", None, i))
-        out.append(ParamLayout(p + "mlp.linear_fc1.weight", (hf("gate"), hf("up")), "fc1", 0, i))
-        out.append(ParamLayout(p + "mlp.linear_fc2.weight", (hf("down"),), "row", 1, i))
+        if spec.is_moe_layer(i):
+            out.extend(_moe_layouts(spec, f, i))
+        else:
+            out.append(ParamLayout(p + "mlp.linear_fc1.weight", (hf("gate"), hf("up")), "fc1", 0, i))
+            out.append(ParamLayout(p + "mlp.linear_fc2.weight", (hf("down"),), "row", 1, i))
     out.append(ParamLayout("decoder.final_layernorm.weight", (f["final_norm"],), "replicated", None))
     if not spec.tie_word_embeddings:
         out.append(ParamLayout("output_layer.weight", (f["lm_head"],), "vocab", 0))
+    return out
+
+
+def _moe_layouts(spec: ModelSpec, f: Mapping[str, str], i: int) -> list[ParamLayout]:
+    """Router, routed experts (global index order) and shared expert of MoE layer `i`."""
+    p = f"decoder.layers.{i}.mlp."
+    out = [ParamLayout(p + "router.weight", (f["router"].format(i=i),), "replicated", None, i)]
+    for e in range(spec.num_experts):
+        names = {k: f[k].format(i=i, e=e) for k in ("expert_gate", "expert_up", "expert_down")}
+        q = f"{p}experts.local_experts.{e}."
+        out.append(ParamLayout(q + "linear_fc1.weight", (names["expert_gate"], names["expert_up"]), "fc1", 0, i, e))
+        out.append(ParamLayout(q + "linear_fc2.weight", (names["expert_down"],), "row", 1, i, e))
+    if spec.shared_expert_ffn_hidden_size:
+        g = {k: f[k].format(i=i) for k in ("shared_gate", "shared_up", "shared_down", "shared_expert_gate")}
+        out.append(ParamLayout(p + "shared_experts.linear_fc1.weight", (g["shared_gate"], g["shared_up"]), "fc1", 0, i))
+        out.append(ParamLayout(p + "shared_experts.linear_fc2.weight", (g["shared_down"],), "row", 1, i))
+        out.append(ParamLayout(p + "shared_experts.gate_weight", (g["shared_expert_gate"],), "replicated", None, i))
     return out
 
 
@@ -163,13 +218,29 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     if not spec.tie_word_embeddings:
         shapes[f["lm_head"]] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
-        g = {k: v.format(i=i, p="weight") for k, v in f.items()}
+        g = {k: v.format(i=i, p="weight") for k, v in f.items() if "{e}" not in v}
         shapes.update({
             g["input_norm"]: (h,), g["post_attn_norm"]: (h,),
             g["q"]: (q, h), g["k"]: (kv, h), g["v"]: (kv, h), g["o"]: (h, q),
-            g["gate"]: (spec.ffn_hidden_size, h), g["up"]: (spec.ffn_hidden_size, h),
-            g["down"]: (h, spec.ffn_hidden_size),
         })
+        if spec.is_moe_layer(i):
+            shapes[f["router"].format(i=i)] = (spec.num_experts, h)
+            m = spec.moe_ffn_hidden_size
+            for e in range(spec.num_experts):
+                shapes[f["expert_gate"].format(i=i, e=e)] = (m, h)
+                shapes[f["expert_up"].format(i=i, e=e)] = (m, h)
+                shapes[f["expert_down"].format(i=i, e=e)] = (h, m)
+            s = spec.shared_expert_ffn_hidden_size
+            if s:
+                shapes.update({
+                    f["shared_gate"].format(i=i): (s, h), f["shared_up"].format(i=i): (s, h),
+                    f["shared_down"].format(i=i): (h, s), f["shared_expert_gate"].format(i=i): (1, h),
+                })
+        else:
+            shapes.update({
+                g["gate"]: (spec.ffn_hidden_size, h), g["up"]: (spec.ffn_hidden_size, h),
+                g["down"]: (h, spec.ffn_hidden_size),
+            })
         if spec.qkv_bias:
             for k in ("q", "k", "v"):
                 shapes[f[k].format(i=i, p="bias")] = (q if k == "q" else kv,)
@@ -253,7 +324,7 @@ def shard_segments(
             segs.append(Segment(names[2], g * d, (g + 1) * d))
         return segs
     if layout.kind == "fc1":
-        rows = spec.ffn_hidden_size // tp
+        rows = cached_hf_shapes(spec)[names[0]][0] // tp
         return [Segment(n, tp_rank * rows, (tp_rank + 1) * rows) for n in names]
     if layout.kind == "row":
         cols = cached_hf_shapes(spec)[names[0]][1] // tp

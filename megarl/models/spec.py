@@ -22,12 +22,19 @@ class ArchTraits:
         qkv_bias: bias on the q/k/v projections by default (Qwen2); a config.json `attention_bias` overrides it.
         qk_layernorm: RMSNorm on q and k per head (Qwen3).
         attention_bias_key: the HF config class takes `attention_bias` (written into a generated config.json).
+        moe: mixture-of-experts MLPs (the `ModelSpec.num_experts` family of fields applies).
+        moe_always_norm_topk: the router always renormalises the top-k probabilities (Mixtral); otherwise the
+            config's `norm_topk_prob` decides (Qwen2-MoE, Qwen3-MoE).
+        shared_expert: a shared expert with a sigmoid gate beside the routed ones (Qwen2-MoE).
     """
 
     model_type: str
     qkv_bias: bool = False
     qk_layernorm: bool = False
     attention_bias_key: bool = False
+    moe: bool = False
+    moe_always_norm_topk: bool = False
+    shared_expert: bool = False
 
 
 # The one table of supported architectures: HF class name -> `ArchTraits`. The config schema, the memory estimate,
@@ -37,6 +44,9 @@ ARCHITECTURES: Mapping[str, ArchTraits] = {
     "Qwen2ForCausalLM": ArchTraits("qwen2", qkv_bias=True),
     "Qwen3ForCausalLM": ArchTraits("qwen3", qk_layernorm=True, attention_bias_key=True),
     "MistralForCausalLM": ArchTraits("mistral"),
+    "MixtralForCausalLM": ArchTraits("mixtral", moe=True, moe_always_norm_topk=True),
+    "Qwen2MoeForCausalLM": ArchTraits("qwen2_moe", qkv_bias=True, moe=True, shared_expert=True),
+    "Qwen3MoeForCausalLM": ArchTraits("qwen3_moe", qk_layernorm=True, attention_bias_key=True, moe=True),
 }
 MODEL_TYPES = {name: a.model_type for name, a in ARCHITECTURES.items()}  # HF class name -> HF `model_type`
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
@@ -114,6 +124,19 @@ class ModelSpec:
         qkv_bias: bias on q/k/v projections (default per architecture: `ARCHITECTURES`; Qwen2).
         qk_layernorm: RMSNorm on q and k per head (per architecture: `ARCHITECTURES`; Qwen3).
         tie_word_embeddings: output layer shares the input embedding.
+        num_experts: routed experts per MoE layer; 0 for dense models (every field below is then unused).
+        moe_topk: experts each token is routed to (HF `num_experts_per_tok`).
+        moe_ffn_hidden_size: SwiGLU width of one routed expert (HF `moe_intermediate_size`; Mixtral:
+            `intermediate_size`).
+        moe_norm_topk_prob: the top-k router probabilities are renormalised to sum to 1 (Mixtral always; Qwen-MoE
+            `norm_topk_prob`). True is "top-k of the logits, then softmax over the k" (megatron-core's default);
+            False is "softmax over all experts, then top-k" (`moe_router_pre_softmax`).
+        moe_layers: per layer, True where the MLP is a MoE block (HF `decoder_sparse_step`, `mlp_only_layers`);
+            dense layers use `ffn_hidden_size`. Empty for dense models.
+        shared_expert_ffn_hidden_size: width of the shared expert (Qwen2-MoE `shared_expert_intermediate_size`),
+            0 when there is none. Its output is scaled by sigmoid(`shared_expert_gate` . x).
+        router_aux_loss_coef: the checkpoint's load-balancing loss coefficient (HF `router_aux_loss_coef`),
+            informational: the actor's loss uses `actor.moe.aux_loss_coeff`.
     """
 
     architecture: str
@@ -131,6 +154,22 @@ class ModelSpec:
     qkv_bias: bool = False
     qk_layernorm: bool = False
     tie_word_embeddings: bool = False
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] = ()
+    shared_expert_ffn_hidden_size: int = 0
+    router_aux_loss_coef: float = 0.0
+
+    @property
+    def is_moe(self) -> bool:
+        """Any layer has a mixture-of-experts MLP."""
+        return self.num_experts > 0 and any(self.moe_layers)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layer `layer` (0-based, global) has a MoE MLP."""
+        return self.num_experts > 0 and bool(self.moe_layers) and self.moe_layers[layer]
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -161,6 +200,29 @@ class ModelSpec:
             elif "factor" not in rope:
                 raise UnsupportedModelError(f"rope_scaling type {kind!r} needs a 'factor'; got {dict(rope)}")
             object.__setattr__(self, "rope_scaling", rope)
+        traits = ARCHITECTURES[self.architecture]
+        if traits.moe:
+            if self.num_experts < 1 or not 1 <= self.moe_topk <= self.num_experts or self.moe_ffn_hidden_size < 1:
+                raise UnsupportedModelError(
+                    f"{self.architecture} is a mixture-of-experts model: it needs num_experts >= 1 (got "
+                    f"{self.num_experts}), 1 <= moe_topk <= num_experts (got {self.moe_topk}) and "
+                    f"moe_ffn_hidden_size >= 1 (got {self.moe_ffn_hidden_size})"
+                )
+            layers = tuple(bool(x) for x in self.moe_layers) if self.moe_layers else (True,) * self.num_layers
+            if len(layers) != self.num_layers:
+                raise UnsupportedModelError(
+                    f"moe_layers has {len(layers)} entries for num_layers={self.num_layers}: one per layer"
+                )
+            object.__setattr__(self, "moe_layers", layers)
+            if traits.moe_always_norm_topk and not self.moe_norm_topk_prob:
+                raise UnsupportedModelError(f"{self.architecture} always renormalises the top-k router probabilities")
+            if self.shared_expert_ffn_hidden_size and not traits.shared_expert:
+                raise UnsupportedModelError(f"{self.architecture} has no shared expert")
+        elif self.num_experts or self.moe_layers or self.shared_expert_ffn_hidden_size:
+            raise UnsupportedModelError(
+                f"{self.architecture} is a dense architecture: num_experts, moe_layers and "
+                "shared_expert_ffn_hidden_size must be left unset"
+            )
 
     @property
     def num_params(self) -> int:
@@ -172,9 +234,25 @@ class ModelSpec:
             h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
             + (2 * self.head_dim if self.qk_layernorm else 0)
         )
-        mlp = 3 * h * f
-        per_layer = attn + mlp + 2 * h
-        return L * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+        per_layer = attn + 2 * h
+        total = 0
+        for layer in range(L):
+            if self.is_moe_layer(layer):
+                shared = self.shared_expert_ffn_hidden_size
+                mlp = self.num_experts * (3 * h * self.moe_ffn_hidden_size + h) + (3 * h * shared + h if shared else 0)
+            else:
+                mlp = 3 * h * f
+            total += per_layer + mlp
+        return total + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters a token passes through (routed experts: only `moe_topk` of them); `num_params` when dense."""
+        if not self.is_moe:
+            return self.num_params
+        per_expert = 3 * self.hidden_size * self.moe_ffn_hidden_size
+        inactive = (self.num_experts - self.moe_topk) * per_expert * sum(self.moe_layers)
+        return self.num_params - inactive
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelSpec":
@@ -214,6 +292,8 @@ class ModelSpec:
         if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
         traits = ARCHITECTURES[arch]
+        if traits.moe:
+            text.update(_moe_fields(cfg, traits, text["num_layers"], text["ffn_hidden_size"]))
         return cls(
             **text,
             rope_theta=float(rope_theta),
@@ -236,3 +316,27 @@ class ModelSpec:
         except json.JSONDecodeError as e:
             raise UnsupportedModelError(f"{cfg_path} is not valid JSON (line {e.lineno}): {e.msg}") from None
         return cls.from_hf_config(cfg)
+
+
+def _moe_fields(cfg: dict[str, Any], traits: ArchTraits, num_layers: int, intermediate_size: int) -> dict[str, Any]:
+    """The `ModelSpec` MoE fields from a HF MoE config.json (Mixtral, Qwen2-MoE, Qwen3-MoE key names)."""
+    try:
+        num_experts = int(cfg.get("num_experts") or cfg["num_local_experts"])
+        topk = int(cfg["num_experts_per_tok"])
+    except KeyError as e:
+        raise UnsupportedModelError(f"MoE config.json is missing required key {e.args[0]!r}") from None
+    # Mixtral's experts use intermediate_size; the Qwen MoE families give the expert width separately.
+    moe_ffn = int(cfg.get("moe_intermediate_size") or intermediate_size)
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense_only = set(cfg.get("mlp_only_layers") or ())
+    layers = tuple(layer not in dense_only and (layer + 1) % step == 0 for layer in range(num_layers))
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if traits.shared_expert else 0
+    return dict(
+        num_experts=num_experts,
+        moe_topk=topk,
+        moe_ffn_hidden_size=moe_ffn,
+        moe_norm_topk_prob=True if traits.moe_always_norm_topk else bool(cfg.get("norm_topk_prob", False)),
+        moe_layers=layers,
+        shared_expert_ffn_hidden_size=shared,
+        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef") or 0.0),
+    )
