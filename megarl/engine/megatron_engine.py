@@ -35,6 +35,7 @@ import torch
 
 from megarl.engine import offload as off
 from megarl.engine.heads import attach_scalar_head
+from megarl.models.context_parallel import gather_cp_sequence, split_for_cp_rank
 from megarl.models.gpt import build_gpt_model, build_transformer_config, padded_vocab_size
 from megarl.models.spec import ModelSpec
 from megarl.parallel.groups import RoleGroups
@@ -251,14 +252,28 @@ class MegatronEngine:
         local_end = end - start
         scalar_head = self.head == "scalar"
 
+        cp = self.groups.topology.cp
+
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
             tokens = batch["input_ids"].to(device)
-            positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+            seq = tokens.shape[1]
+            positions = torch.arange(seq, device=device).unsqueeze(0).expand_as(tokens)
+            if cp > 1:  # this CP rank's two chunks of the (right-padded) sequence; see megarl.models.context_parallel
+                pad = -seq % (2 * cp)
+                tokens = torch.nn.functional.pad(tokens, (0, pad))
+                positions = torch.arange(seq + pad, device=device).unsqueeze(0).expand_as(tokens)
+                tokens = split_for_cp_rank(tokens, cp, self.groups.coord.cp)
+                positions = split_for_cp_rank(positions, cp, self.groups.coord.cp)
             output = model(tokens, positions, None)
 
             def loss_func(logits):
-                return loss_fn(logits if scalar_head else logits[..., :local_end], batch)
+                if cp > 1:  # the whole sequence on every CP rank; each rank's backward keeps its own positions
+                    logits = gather_cp_sequence(logits, self.groups.pgs.cp)[:, :seq]
+                loss, units, metrics = loss_fn(logits if scalar_head else logits[..., :local_end], batch)
+                # Every CP rank computed the same loss and contributes its positions' share of the gradient; the
+                # DP reduction sums over dp*cp and divides by the units of all cp copies: scale back by cp.
+                return (loss * cp if cp > 1 else loss), units, metrics
 
             return output, loss_func
 
@@ -266,6 +281,7 @@ class MegatronEngine:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
         seq_length = max(b["input_ids"].shape[1] for b in micro_batches)
+        seq_length += -seq_length % (2 * cp) if cp > 1 else 0
         micro_batch_size = max(b["input_ids"].shape[0] for b in micro_batches)
         kwargs = {}
         if self.groups.topology.pp > 1:

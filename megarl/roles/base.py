@@ -112,12 +112,12 @@ class Role:
 
     @property
     def dp(self) -> int:
-        return self.groups.topology.dp * self.groups.topology.cp
+        """Data-parallel size: the number of different shares of a batch (CP ranks of one replica share one)."""
+        return self.groups.topology.dp
 
     @property
     def dp_rank(self) -> int:
-        c = self.groups.coord
-        return c.dp * self.groups.topology.cp + c.cp
+        return self.groups.coord.dp
 
     def load_hf(self, hf_dir: str) -> int:
         """Load weights from a HuggingFace directory (each rank reads its own shards); returns bytes read."""
@@ -164,7 +164,7 @@ class Role:
     def _gather_dp(self, local: Batch) -> Batch:
         if self.dp == 1:
             return local
-        group = self.groups.pgs.dp_cp
+        group = self.groups.pgs.dp  # CP ranks of a replica hold the same (whole-sequence) results
         gathered = {}
         for k, v in local.tensors.items():
             v = v.to(compute_device()).contiguous()  # NCCL needs device tensors
@@ -184,7 +184,7 @@ class Role:
                 continue
             t = torch.tensor([sums.get(k, 0.0) for k in names], dtype=torch.float64, device=compute_device())
             if self.groups.is_last_stage and self.dp > 1:
-                dist.all_reduce(t, op=op, group=self.groups.pgs.dp_cp)
+                dist.all_reduce(t, op=op, group=self.groups.pgs.dp)  # CP ranks computed the same metrics
             if self.groups.topology.pp > 1:
                 dist.broadcast(t, src=self.groups.pp_ranks[-1], group=self.groups.pgs.pp)
             out.update(zip(names, t.cpu().tolist()))

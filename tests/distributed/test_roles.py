@@ -3,7 +3,7 @@
 One spawn of 4 ranks runs every layout side by side, all loaded from the same tiny HF Llama (GQA, llama3 rope):
   phase A: actor TP=2 on ranks 0-1            actor PP=2 on ranks 2-3
   phase B: actor DP=2 on ranks 0-1            actor TP1PP1 on rank 2, reference TP1 on rank 3
-  phase C: actor TP=2 x PP=2 on ranks 0-3
+  phase C: actor TP=2 x PP=2 on ranks 0-3, then CP=2 on ranks 0-1, then TP=2 x CP=2 on ranks 0-3
   phase D: critic TP=2 on ranks 0-1 (update, dist-checkpoint save)    reward model PP=2 on ranks 2-3
   phase E: critic PP=2 on ranks 2-3, loaded from phase D's checkpoint
 Each actor computes log-probs, makes one PPO update (each layout with different micro-batching: fixed count or
@@ -157,6 +157,10 @@ def _worker(rank: int, world: int, hf_dir: str, hf_rm_dir: str, ckpt_dir: str):
                 {"moved": moved, "same": same, "staged": staged, "params_back": params_back, "same_staged": same_staged}
             )
     actor("tp2pp2", RoleTopology(tp=2, pp=2), BatchingSettings(micro_batch_tokens=32))
+    # context parallel (all-gather KV attention on CPU: megarl.models.context_parallel); micro-batch lengths 15 and
+    # 16 are padded to multiples of 2*cp inside the engine
+    actor("cp2", RoleTopology(cp=2), BatchingSettings(micro_batch_tokens=24))
+    actor("tp2cp2", RoleTopology(tp=2, cp=2), BatchingSettings(micro_batch_samples=2))
 
     # critic and reward model
     critic_opt = OptimizerSettings(lr=1e-4, clip_grad=1.0)
@@ -245,7 +249,7 @@ def _merged_weights(results) -> dict[str, np.ndarray]:
     return merged
 
 
-LAYOUTS = ["tp1pp1", "tp2", "pp2", "dp2", "tp2pp2"]
+LAYOUTS = ["tp1pp1", "tp2", "pp2", "dp2", "tp2pp2", "cp2", "tp2cp2"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
