@@ -120,7 +120,10 @@ class ParallelConfig:
 
     tp: int = opt(1, "Tensor-parallel size (splits heads and MLP columns).", min=1)
     pp: int = opt(1, "Pipeline-parallel size (splits the layer stack into stages).", min=1)
-    cp: int = opt(1, "Context-parallel size (splits the sequence).", min=1)
+    cp: int = opt(
+        1, "Context-parallel size: each sequence is cut into 2*cp chunks, CP rank r computes chunks r and 2*cp-1-r "
+        "(megatron's load-balanced split). With Transformer Engine its attention runs CP; without it (CPU) megarl's "
+        "all-gather-KV attention does (megarl/models/context_parallel.py).", min=1)
     dp: Optional[int] = opt(None, "Data-parallel size; null = pool devices / (tp*pp*cp).", min=1)
     ep: int = opt(1, "Expert-parallel size for MoE layers (carved out of dp*cp; 1 for dense models).", min=1)
     first_stage_layers: Optional[int] = opt(
