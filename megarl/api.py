@@ -18,7 +18,9 @@ error messages (naming the dotted key: `actor.parallel.tp: ...`), the same `mega
 plots, TensorBoard / W&B), checkpoint manager and HF export.
 
 How keyword arguments map onto `JobConfig` (docs/config.md lists every key):
-  config=        base config: a `JobConfig`, a YAML path, or a mapping; keyword arguments override it
+  config=        base config: a `JobConfig`, a YAML path, or a mapping; keyword arguments override it. A `JobConfig`
+                 from `load_config` is resolved (the algorithm preset's losses filled in): to switch `algorithm=`
+                 presets, start from the YAML path or a mapping instead
   model=         "path/to/hf" -> model.path (an inline `arch` of the base is dropped), or a `model` mapping
   reward=        a callable fn(response_text, answer, record) -> float, a registered reward name, or a mapping
   train_data=    a list of records (dicts with data.prompt_key / data.answer_key) or a .jsonl/.parquet path;

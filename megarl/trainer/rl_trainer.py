@@ -94,7 +94,7 @@ class RLTrainer:
         self.old_log_probs_from_update = old_log_probs_from_update(cfg)
         self.skip_streak: dict[str, int] = {}  # role -> optimizer steps skipped in a row (non-finite loss/grad norm)
         self.next_step = 0  # 0 until `start`; then the step `run_step` runs next
-        self.saved: Optional[int] = None  # the last step checkpointed by this process
+        self.last_saved: Optional[int] = None  # the last step checkpointed by this process
         self.progress: Optional[ConsoleProgress] = None  # made by `start` (the bar starts at the resumed step)
 
     # --------------------------------------------------------------------------------------------- the loop
@@ -109,7 +109,7 @@ class RLTrainer:
         self.start()
         while self.next_step <= self.cfg.trainer.total_steps and not self._stop_requested():
             results.append(self.run_step())
-        if self._stop_requested() and self.cfg.checkpoint.dir and results and self.saved != results[-1].step:
+        if self._stop_requested() and self.cfg.checkpoint.dir and results and self.last_saved != results[-1].step:
             self.save(results[-1].step)  # the signal came after this step's save decision
         return results
 
@@ -145,7 +145,7 @@ class RLTrainer:
         if self.cfg.checkpoint.dir and (step == total or (every and step % every == 0) or self._stop_requested()):
             saving = time.perf_counter()
             self.save(step)
-            self.saved = step
+            self.last_saved = step
             result.metrics["checkpoint/save_s"] = time.perf_counter() - saving
         self.next_step = step + 1
         self._log(result)

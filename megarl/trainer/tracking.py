@@ -75,7 +75,7 @@ class WandbSink:
 
         os.makedirs(run_dir, exist_ok=True)
         self.run = wandb.init(project=project, name=run_name, dir=run_dir, config=config or {}, reinit="create_new",
-                              settings=wandb.Settings(quiet=quiet, console="off"))
+                              settings=wandb.Settings(silent=quiet, console="off"))
         self.run_dir = self.run.dir  # <run_dir>/wandb/<offline-run-...|run-...>/files
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
