@@ -1,10 +1,12 @@
-"""The RL trainer: `run(cfg)` is what `megarl train CONFIG` calls after the config validated.
+"""The RL trainer: `run(cfg)` trains a validated config start to end (what `megarl train CONFIG` does, through the
+Python API `megarl.api.RLTrainer`; both drive a `megarl.trainer.session.TrainingSession`).
 
-It joins a Ray cluster (`RAY_ADDRESS`, e.g. from `launch/ray_submit.sh`) or starts a local one, places a
+The session joins a Ray cluster (`RAY_ADDRESS`, e.g. from `launch/ray_submit.sh`) or starts a local one, places a
 `HybridWorker` on every device slot of the actor's pool (the actor, the vLLM engine and any role configured on the
 same pool), a `RoleWorker` group on each other pool (a critic, reference or reward model of its own layout and
-size), and runs `RLTrainer.fit` on this process, the single controller. Metrics go to the console and to
-`<logging.dir>/metrics.jsonl`.
+size), and runs `RLTrainer.fit` on this process, the single controller. Metrics go to the console (progress bar or
+lines), `<logging.dir>/metrics.jsonl` and the `logging.backends` sinks; at the end a summary table and PNG plots
+(`megarl.trainer.plots`).
 
 SIGTERM / SIGINT during training (Slurm's warning signal, Ctrl-C) stop the run after the step in flight, with a
 checkpoint of it when `checkpoint.dir` is set and a logged command that resumes it, exit status 0; a second signal,

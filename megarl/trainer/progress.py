@@ -42,9 +42,14 @@ class ConsoleProgress:
             mode = "bar" if getattr(stream, "isatty", lambda: False)() else "lines"
         self.mode = mode
         self.bar = None
+        self._redirect = None
         if mode == "bar":
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
+            # log lines (warnings, checkpoints) are printed above the bar instead of breaking it
+            self._redirect = logging_redirect_tqdm(loggers=[logging.root])
+            self._redirect.__enter__()
             self.bar = tqdm(total=total, initial=first - 1, desc="steps", unit="step", file=stream, dynamic_ncols=True,
                             bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining} {postfix}")
 
@@ -61,3 +66,6 @@ class ConsoleProgress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
