@@ -33,7 +33,15 @@ from typing import Optional
 from megarl.checkpoint.name_map import hf_shapes
 from megarl.models.spec import ModelSpec
 from megarl.parallel.topology import RoleTopology
-from megarl.reshard.layouts import Piece, Placement, megatron_holdings, piece_bytes, vllm_needs
+from megarl.reshard.layouts import (
+    DEFAULT_TRAIN_LAYOUT,
+    Piece,
+    Placement,
+    TrainLayout,
+    megatron_holdings,
+    piece_bytes,
+    vllm_needs,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +95,8 @@ class ReshardPlan:
     ops: tuple[TransferOp, ...]
     stats: tuple[RankStats, ...]
     model_bytes: int
+    train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT
+    infer_ep: bool = False
 
     @property
     def natural_mapping(self) -> bool:
@@ -108,8 +118,8 @@ class ReshardPlan:
 class _Index:
     """Holdings of every training rank, indexed by HF tensor name."""
 
-    def __init__(self, spec: ModelSpec, train: RoleTopology):
-        self.by_rank: dict[int, list[Placement]] = {r: megatron_holdings(spec, train, r) for r in train.ranks}
+    def __init__(self, spec: ModelSpec, train: RoleTopology, layout: TrainLayout = DEFAULT_TRAIN_LAYOUT):
+        self.by_rank: dict[int, list[Placement]] = {r: megatron_holdings(spec, train, r, layout) for r in train.ranks}
         self.by_name: dict[str, list[tuple[int, Placement]]] = defaultdict(list)
         for r, placements in self.by_rank.items():
             for p in placements:
@@ -128,12 +138,13 @@ def _overlap_bytes(spec: ModelSpec, index: _Index, rank: int, needs: list[Placem
 
 
 def choose_mapping(spec: ModelSpec, train: RoleTopology, infer_tp: int, dtype_bytes: int = 2,
-                   _index: Optional[_Index] = None) -> dict[int, int]:
+                   _index: Optional[_Index] = None, train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT,
+                   infer_ep: bool = False) -> dict[int, int]:
     """Global rank -> inference TP rank maximising local bytes (permutations searched within each replica block
     when infer_tp <= 6, natural order otherwise). Ties keep the natural order."""
     _check_divides(train, infer_tp)
-    index = _index or _Index(spec, train)
-    needs = {j: vllm_needs(spec, infer_tp, j) for j in range(infer_tp)}
+    index = _index or _Index(spec, train, train_layout)
+    needs = {j: vllm_needs(spec, infer_tp, j, infer_ep) for j in range(infer_tp)}
     mapping: dict[int, int] = {}
     for block_start in range(train.rank_offset, train.rank_offset + train.world_size, infer_tp):
         ranks = list(range(block_start, block_start + infer_tp))
@@ -157,29 +168,35 @@ def _check_divides(train: RoleTopology, infer_tp: int) -> None:
 
 
 def plan_reshard(spec: ModelSpec, train: RoleTopology, infer_tp: int, dtype_bytes: int = 2,
-                 search_mapping: bool = False, _prefer_local: bool = True) -> ReshardPlan:
+                 search_mapping: bool = False, _prefer_local: bool = True,
+                 train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT, infer_ep: bool = False) -> ReshardPlan:
     """The transfer plan (cached: call freely before every rollout).
 
     search_mapping: False (default) = inference TP rank = position in its block of `infer_tp` ranks, what vLLM's
         external launcher realises; True = the permutation keeping the most bytes local (`choose_mapping`).
     _prefer_local: testing knob; False routes every need from another holder where one exists (a deliberately
         worse plan that the independent lower bound must catch).
+    train_layout: uneven pipeline split, virtual pipeline chunks and expert TP of the training side
+        (`layouts.TrainLayout`); the default is an even split, no VPP, expert TP = tp.
+    infer_ep: vLLM expert parallelism on the inference side (`rollout.ep`; `layouts.vllm_needs`).
     """
-    return _plan_cached(repr(spec), spec, train, infer_tp, dtype_bytes, search_mapping, _prefer_local)
+    return _plan_cached(repr(spec), spec, train, infer_tp, dtype_bytes, search_mapping, _prefer_local,
+                        train_layout, infer_ep)
 
 
 def lower_bound_bytes(spec: ModelSpec, train: RoleTopology, infer_tp: int, infer_rank_of: dict[int, int],
-                      dtype_bytes: int = 2) -> dict[int, int]:
+                      dtype_bytes: int = 2, train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT,
+                      infer_ep: bool = False) -> dict[int, int]:
     """{rank: bytes it must receive}: bytes inference rank `infer_rank_of[rank]` needs minus the bytes of (the
     rank's Megatron holdings intersected with those needs). From the layouts alone; no plan involved."""
     out = {}
     for rank in train.ranks:
         held: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
-        for p in megatron_holdings(spec, train, rank):
+        for p in megatron_holdings(spec, train, rank, train_layout):
             held[(p.piece.hf_name, p.piece.dim)].append((p.piece.start, p.piece.stop))
         runs = {key: _merge(v) for key, v in held.items()}
         total = 0
-        for need in vllm_needs(spec, infer_tp, infer_rank_of[rank]):
+        for need in vllm_needs(spec, infer_tp, infer_rank_of[rank], infer_ep):
             n = need.piece
             covered = sum(max(0, min(hi, n.stop) - max(lo, n.start)) for lo, hi in runs.get((n.hf_name, n.dim), []))
             total += piece_bytes(spec, Piece(n.hf_name, n.dim, 0, n.length - covered), dtype_bytes)
@@ -212,14 +229,15 @@ def check_engine_mapping(plan: ReshardPlan, rank: int, engine_tp_rank: int) -> N
 
 @functools.lru_cache(maxsize=32)
 def _plan_cached(_key: str, spec: ModelSpec, train: RoleTopology, infer_tp: int, dtype_bytes: int,
-                 search_mapping: bool, prefer_local: bool) -> ReshardPlan:
+                 search_mapping: bool, prefer_local: bool, train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT,
+                 infer_ep: bool = False) -> ReshardPlan:
     _check_divides(train, infer_tp)
-    index = _Index(spec, train)
+    index = _Index(spec, train, train_layout)
     if search_mapping:
-        mapping = choose_mapping(spec, train, infer_tp, dtype_bytes, index)
+        mapping = choose_mapping(spec, train, infer_tp, dtype_bytes, index, train_layout, infer_ep)
     else:
         mapping = {r: (r - train.rank_offset) % infer_tp for r in train.ranks}
-    needs = {j: vllm_needs(spec, infer_tp, j) for j in range(infer_tp)}
+    needs = {j: vllm_needs(spec, infer_tp, j, infer_ep) for j in range(infer_tp)}
     model_bytes = _model_bytes(spec, dtype_bytes)
 
     sent: dict[int, int] = defaultdict(int)
@@ -238,9 +256,10 @@ def _plan_cached(_key: str, spec: ModelSpec, train: RoleTopology, infer_tp: int,
             lower += piece_bytes(spec, need.piece, dtype_bytes)
         held = _unique_bytes(spec, index.by_rank[dst], dtype_bytes)
         stats.append(RankStats(dst, mapping[dst], received, local, 0, 0, model_bytes - held, lower - local))
-    bound = lower_bound_bytes(spec, train, infer_tp, mapping, dtype_bytes)
+    bound = lower_bound_bytes(spec, train, infer_tp, mapping, dtype_bytes, train_layout, infer_ep)
     stats = [dataclasses.replace(s, bytes_sent=sent[s.rank], bytes_lower_bound=bound[s.rank]) for s in stats]
-    return ReshardPlan(spec, train, infer_tp, dtype_bytes, mapping, tuple(ops), tuple(stats), model_bytes)
+    return ReshardPlan(spec, train, infer_tp, dtype_bytes, mapping, tuple(ops), tuple(stats), model_bytes,
+                       train_layout, infer_ep)
 
 
 def _model_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
