@@ -20,6 +20,7 @@ vLLM side (vLLM's own TP layout, independent of the training TP):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 from megarl.checkpoint.name_map import cached_hf_shapes, param_layouts, shard_segments
@@ -92,12 +93,16 @@ class TrainLayout:
     etp: expert tensor-parallel size (megatron-core `expert_tensor_parallel_size`; None: = tp). Megatron-core's
         expert grid per pipeline stage is etp-ep-edp (fastest first) over the stage's tp*cp*dp ranks, so etp*ep
         must divide tp*cp*dp.
+    ep: expert-parallel size when it differs from the topology's `ep` (None: `RoleTopology.ep`). With etp < tp,
+        megatron-core lets EP span TP ranks (e.g. tp4 x dp4 with etp1 x ep16), which `RoleTopology`'s own check
+        (ep divides dp*cp, right when etp = tp) does not accept yet; the planner takes it here.
     """
 
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
     vpp: int = 1
     etp: Optional[int] = None
+    ep: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.vpp < 1:
@@ -105,8 +110,9 @@ class TrainLayout:
         if self.vpp > 1 and (self.first_stage_layers is not None or self.last_stage_layers is not None):
             raise ValueError("vpp > 1 with first_stage_layers / last_stage_layers is not supported by the reshard "
                              "holdings: use an even split with virtual pipeline chunks, or vpp=1")
-        if self.etp is not None and self.etp < 1:
-            raise ValueError(f"etp must be >= 1, got {self.etp}")
+        for name in ("etp", "ep"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 DEFAULT_TRAIN_LAYOUT = TrainLayout()
@@ -136,17 +142,17 @@ def expert_coords(spec: ModelSpec, topo: RoleTopology, rank: int, layout: TrainL
     ep rank r holds experts [r*E/ep, (r+1)*E/ep) (moe_layer.py: `local_expert_indices_offset = ep_rank *
     num_local_experts`).
     """
-    etp = layout.etp or topo.tp
+    etp, ep = layout.etp or topo.tp, layout.ep or topo.ep
     per_stage = topo.tp * topo.cp * topo.dp
-    if per_stage % (etp * topo.ep):
-        raise ValueError(f"etp*ep={etp}*{topo.ep} must divide tp*cp*dp={per_stage} (megatron-core's expert grid)")
-    if spec.is_moe and spec.num_experts % topo.ep:
-        raise ValueError(f"ep={topo.ep} must divide num_experts={spec.num_experts}")
-    if topo.ep > 1 and topo.rank_order is not None:
+    if per_stage % (etp * ep):
+        raise ValueError(f"etp*ep={etp}*{ep} must divide tp*cp*dp={per_stage} (megatron-core's expert grid)")
+    if spec.is_moe and spec.num_experts % ep:
+        raise ValueError(f"ep={ep} must divide num_experts={spec.num_experts}")
+    if ep > 1 and topo.rank_order is not None:
         raise ValueError("expert holdings need the natural rank order (rank_order with ep > 1 is not supported)")
     s = (rank - topo.rank_offset) % per_stage
-    ep_rank = (s // etp) % topo.ep
-    per_ep = spec.num_experts // topo.ep if spec.is_moe else 0
+    ep_rank = (s // etp) % ep
+    per_ep = spec.num_experts // ep if spec.is_moe else 0
     return range(ep_rank * per_ep, (ep_rank + 1) * per_ep), s % etp, etp
 
 
@@ -158,29 +164,41 @@ def megatron_holdings(spec: ModelSpec, topo: RoleTopology, rank: int,
     of its expert-parallel rank, sliced by expert TP (`expert_coords`). Placement params are canonical Megatron
     names (global layer and expert numbers)."""
     coord = topo.coord(rank)
-    layers = set(stage_layers(spec, topo, coord.pp, layout))
     experts, etp_rank, etp = expert_coords(spec, topo, rank, layout)
     first, last = coord.pp == 0, coord.pp == topo.pp - 1
+    by_layer = _layouts_by_layer(repr(spec), spec)
     out: list[Placement] = []
-    for lay in param_layouts(spec):
-        name = lay.megatron_name
-        if lay.layer is not None:
-            held = lay.layer in layers
-        elif name.startswith("embedding."):
-            held = first
-        else:  # final norm, output layer
-            held = last
-        if not held:
-            continue
-        if lay.expert is not None:
-            if lay.expert in experts:
-                out.extend(_placements(spec, lay, etp_rank, etp, name))
-        else:
-            out.extend(_placements(spec, lay, coord.tp, topo.tp, name))
+    for lay in by_layer[None]:
+        if first if lay.megatron_name.startswith("embedding.") else last:  # else: final norm, output layer
+            out.extend(_placements(spec, lay, coord.tp, topo.tp, lay.megatron_name))
+    for layer in stage_layers(spec, topo, coord.pp, layout):
+        dense, routed = by_layer[layer]
+        for lay in dense:
+            out.extend(_placements(spec, lay, coord.tp, topo.tp, lay.megatron_name))
+        for e in experts:
+            for lay in routed.get(e, ()):
+                out.extend(_placements(spec, lay, etp_rank, etp, lay.megatron_name))
     if spec.tie_word_embeddings and last and not first:
         # megatron keeps a copy of the tied embedding as `output_layer.weight` on the last stage
-        emb = next(lay for lay in param_layouts(spec) if lay.megatron_name == "embedding.word_embeddings.weight")
+        emb = next(lay for lay in by_layer[None] if lay.megatron_name == "embedding.word_embeddings.weight")
         out.extend(_placements(spec, emb, coord.tp, topo.tp, "output_layer.weight"))
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _layouts_by_layer(_key: str, spec: ModelSpec) -> dict:
+    """`param_layouts(spec)` grouped: None -> non-layer layouts; layer -> (its non-expert layouts, {expert: its
+    layouts}). Cached (keyed by the spec's repr): a 256-rank plan asks for every rank's holdings."""
+    out: dict = {None: []}
+    for lay in param_layouts(spec):
+        if lay.layer is None:
+            out[None].append(lay)
+            continue
+        dense, routed = out.setdefault(lay.layer, ([], {}))
+        if lay.expert is None:
+            dense.append(lay)
+        else:
+            routed.setdefault(lay.expert, []).append(lay)
     return out
 
 
