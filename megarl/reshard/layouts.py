@@ -114,6 +114,15 @@ class TrainLayout:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
+    @classmethod
+    def from_parallel(cls, parallel) -> "TrainLayout":
+        """From a role's `parallel` config section: first/last_stage_layers, and `vpp` / `etp` where the config
+        has such fields (absent today: the defaults apply)."""
+        return cls(first_stage_layers=getattr(parallel, "first_stage_layers", None),
+                   last_stage_layers=getattr(parallel, "last_stage_layers", None),
+                   vpp=getattr(parallel, "vpp", None) or getattr(parallel, "virtual_pipeline_size", None) or 1,
+                   etp=getattr(parallel, "etp", None))
+
 
 DEFAULT_TRAIN_LAYOUT = TrainLayout()
 
