@@ -308,3 +308,17 @@ def test_etp_and_vpp_are_validated():
         vllm_needs(ModelSpec(architecture="LlamaForCausalLM", num_layers=2, hidden_size=64, num_attention_heads=4,
                              num_query_groups=2, head_dim=16, ffn_hidden_size=128, vocab_size=300,
                              max_position_embeddings=128), 2, 0, infer_ep=True)
+
+
+def test_local_expert_names_map_to_the_global_experts_the_rank_holds():
+    # megatron-core SequentialMLP names a rank's experts local_experts.0..E/ep-1; EP rank 1 of 2 holds experts 2, 3
+    from megarl.reshard.layouts import megatron_holdings
+    from megarl.reshard.sources import global_expert_name
+
+    local = [f"decoder.layers.0.mlp.experts.local_experts.{k}.linear_fc{j}.weight" for k in (0, 1) for j in (1, 2)]
+    mapped = {global_expert_name(n, expert_offset=2) for n in local}
+    held = {p.param for p in megatron_holdings(QWEN3_MOE, RoleTopology(dp=2, ep=2), 1)
+            if ".layers.0.mlp.experts." in p.param}
+    assert mapped == held == {f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc{j}.weight"
+                              for e in (2, 3) for j in (1, 2)}
+    assert global_expert_name("decoder.layers.0.mlp.router.weight", 2) == "decoder.layers.0.mlp.router.weight"
