@@ -9,12 +9,18 @@ Megatron side (from `megarl.checkpoint.name_map.shard_segments`, the single sour
   `linear_qkv` = [q_g; k_g; v_g] per query group, groups split over TP; `linear_fc1` = [gate_shard; up_shard];
   `linear_proj` / `linear_fc2` split along HF columns; embedding / output layer split along rows with Megatron's
   vocab padding (multiple of 128*tp; padding rows are not pieces); norms replicated. A rank holds only the layers
-  of its pipeline stage; the embedding on the first stage, the output layer (or, when tied, a copy of the embedding)
-  on the last.
+  of its pipeline stage (uneven first/last stages and interleaved virtual-pipeline chunks: `TrainLayout`); the
+  embedding on the first stage, the output layer (or, when tied, a copy of the embedding) on the last.
+  MoE layers: the router and the shared expert follow the dense TP rank; a routed expert lives only on the ranks of
+  its expert-parallel rank, sliced by expert TP (`expert_coords`, `TrainLayout.etp`).
 vLLM side (vLLM's own TP layout, independent of the training TP):
   `qkv_proj` = [q_shard; k_shard; v_shard] (kv heads replicated when tp > kv heads); `gate_up_proj` =
   [gate_shard; up_shard]; `o_proj` / `down_proj` split along HF columns; `embed_tokens` / `lm_head` split along rows
-  after padding the vocabulary to a multiple of 64; norms replicated.
+  after padding the vocabulary to a multiple of 64; norms replicated. Fused MoE (vLLM 0.32 RoutedExperts): the
+  router `gate` replicated; routed expert e in slot e_local of the stacked `w13_weight` ([gate; up] rows of the
+  rank's 1/tp slice) and `w2_weight` (down's columns), one planner parameter per slot (`expert_slot_name`); under
+  vLLM expert parallelism (`infer_ep`) whole experts, placed linearly (`vllm_local_experts`); Qwen2-MoE's shared
+  expert like a dense MLP plus its replicated sigmoid gate.
 """
 
 from __future__ import annotations
