@@ -19,9 +19,10 @@ from the public HF config.json files):
   deepseek-v3      DeepSeek-V3-sized, Megatron PP16 x EP16 (tp1, dp16) -> vLLM TP32 x DP8, 256 GPUs. hidden 7168,
                    61 layers (first 3 dense, ffn 18432), 256 routed experts of width 2048 + 1 shared expert of width
                    2048, vocab 129280, untied. Approximations (megarl has no DeepSeek model): MLA attention
-                   (q_a/q_b/kv_a/kv_b/o, 187.1M parameters per layer) is modelled as GQA with 128 heads of dim 80 and
-                   32 KV groups (183.5M per layer, TP-sharded; vLLM replicates MLA's small q_a/kv_a projections,
-                   which this model shards instead); the shared expert carries Qwen2-MoE's [1, hidden] sigmoid gate
+                   (q_a/q_b/kv_a/kv_b/o, 187.1M parameters per layer) is modelled as multi-head attention with 128
+                   heads of dim 56 (= 7168 / 128, as vLLM's Qwen2-MoE requires; 205.5M per layer, +10%, i.e. +0.17%
+                   of the model; TP-sharded, whereas vLLM replicates MLA's small q_a/kv_a projections, 15.1M per
+                   layer, on every rank); the shared expert carries Qwen2-MoE's [1, hidden] sigmoid gate
                    (DeepSeek has none; 7168 elements per layer); the router's score-correction bias and the MTP
                    layer are left out. 61 layers over 16 stages: first stage 3, last stage 2, middle 4 (assumed).
 """
@@ -53,7 +54,7 @@ QWEN3_235B = dict(
 )
 DEEPSEEK_V3_LIKE = dict(
     architecture="Qwen2MoeForCausalLM", num_layers=61, hidden_size=7168, num_attention_heads=128,
-    num_query_groups=32, head_dim=80, ffn_hidden_size=18432, vocab_size=129280, max_position_embeddings=163840,
+    num_query_groups=128, head_dim=56, ffn_hidden_size=18432, vocab_size=129280, max_position_embeddings=163840,
     qkv_bias=False, num_experts=256, moe_topk=8, moe_ffn_hidden_size=2048, shared_expert_ffn_hidden_size=2048,
     moe_layers=tuple(i >= 3 for i in range(61)),
 )
@@ -114,8 +115,7 @@ def run_case(name: str, gbps: float) -> dict:
     }
     gib = 2**30
     print(f"{name}: {spec.num_params / 1e9:.1f}B params, train {describe_train(topo, layout)} -> vLLM tp={infer_tp} "
-          f"on "
-          f"{topo.world_size} GPUs; plan {plan_s:.1f} s")
+          f"on {topo.world_size} GPUs; plan {plan_s:.1f} s")
     print(f"  received max {max(recv) / gib:.3f} GiB mean {statistics.mean(recv) / gib:.3f} GiB; sent max "
           f"{max(sent) / gib:.3f} GiB; lower bound max {max(bound) / gib:.3f} GiB (equal on every rank: "
           f"{recv == bound}); naive max {max(naive) / gib:.2f} GiB")

@@ -238,11 +238,13 @@ def vllm_needs(spec: ModelSpec, infer_tp: int, tp_rank: int, infer_ep: bool = Fa
     infer_ep: vLLM expert parallelism (`enable_expert_parallel`, `rollout.ep`): routed experts are placed whole on
         the engine's TP ranks (`vllm_local_experts`) instead of TP-sliced on every rank; attention stays TP-sharded.
     Routed experts land in per-expert slots of vLLM's stacked `w13_weight` / `w2_weight` (`expert_slot_name`)."""
-    if spec.architecture == "Qwen2ForCausalLM" and spec.head_dim * spec.num_attention_heads != spec.hidden_size:
-        # vllm 0.32.0 model_executor/models/qwen2.py: head_dim = hidden_size // num_heads (config.head_dim ignored),
-        # while transformers honours config.json's head_dim: the engine would build other shapes.
+    if (spec.architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+            and spec.head_dim * spec.num_attention_heads != spec.hidden_size):
+        # vllm 0.32.0 model_executor/models/qwen2.py and qwen2_moe.py: head_dim = hidden_size // num_heads
+        # (config.head_dim ignored), while transformers honours config.json's head_dim: the engine would build
+        # other shapes.
         raise ValueError(
-            f"Qwen2ForCausalLM with head_dim={spec.head_dim} != hidden_size/num_attention_heads="
+            f"{spec.architecture} with head_dim={spec.head_dim} != hidden_size/num_attention_heads="
             f"{spec.hidden_size}/{spec.num_attention_heads}: vLLM's Qwen2 derives head_dim from hidden_size and "
             "would not match the checkpoint; use Qwen3ForCausalLM (explicit head_dim) or a consistent config"
         )
