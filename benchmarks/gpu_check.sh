@@ -3,7 +3,7 @@
 # (each step's limit plus its kill grace, the probe's included) is 435 s, printed at the end and checked by
 # tests/unit/test_gpu_check_script.py. Installs NOTHING (the lent GPU machine has no network): it probes what is
 # installed, says what is missing, and prints one "skipped: needs ..." line per step it cannot run.
-# Order: 1 environment probe (versions, vLLM weight-reload API) -> 2 CUDA-path tests (pytest -m gpu tests/gpu)
+# Order: 1 environment probe (versions, vLLM weight-reload API) -> 2 CUDA-path tests (dense and MoE engines)
 #        -> 3 hybrid-engine parity (differences printed) -> 4 sleep/wake probe -> 5 7B bf16 refit, one repeat
 #        (Megatron -> vLLM; without vLLM, the Megatron-only reshard of the same shape instead).
 # Results (one log per step and summary.txt) go to $OUT (set by the device runner) or benchmarks/results/gpu_check.
@@ -109,22 +109,24 @@ when() {
   return 1
 }
 
-# 2. CUDA-path tests (Megatron on CUDA, the CPU layer inactive), without the vLLM ones (steps 3, 4).
-when cuda_path "cuda mcore pytest" && step cuda_path 85 "$PY" -m pytest -q -m gpu tests/gpu/test_cuda_path.py
+# 2. CUDA-path tests (Megatron on CUDA, the CPU layer inactive; MoE with TE grouped GEMM when TE is there and the
+#    alltoall dispatcher on NCCL, vs transformers), without the vLLM ones (steps 3, 4). -s prints the MoE diffs.
+when cuda_path "cuda mcore pytest" && step cuda_path 115 "$PY" -m pytest -q -s -m gpu tests/gpu/test_cuda_path.py \
+  tests/gpu/test_moe_gpu.py
 # 3. hybrid-engine parity: Megatron actor resharded into a GPU vLLM (dummy weights); -s prints the differences.
-when hybrid_parity "cuda mcore vllm pytest" && step hybrid_parity 105 "$PY" -m pytest -q -s -m gpu \
+when hybrid_parity "cuda mcore vllm pytest" && step hybrid_parity 95 "$PY" -m pytest -q -s -m gpu \
   tests/gpu/test_hybrid_gpu.py::test_hybrid_engine_on_gpu
 # 4. sleep/wake probe: memory freed, greedy unchanged, weights updated between wake(weights) and wake(kv_cache).
-when sleep_wake "cuda vllm pytest" && step sleep_wake 75 "$PY" -m pytest -q -s -m gpu tests/gpu/test_sleep_wake_gpu.py
+when sleep_wake "cuda vllm pytest" && step sleep_wake 65 "$PY" -m pytest -q -s -m gpu tests/gpu/test_sleep_wake_gpu.py
 # 5. 7B refit on one GPU, bf16, one repeat: Megatron (TP1) -> vLLM (TP1); without vLLM, the Megatron-only reshard
 #    (planned vs naive into plain GPU tensors). run_ranks gives up (naming the rank) before the step's timeout.
 REFIT=(benchmarks/reshard.py --model-shape 7b --dtype bf16 --train-tp 1 --infer-tp 1 --repeats 1 --timeout-s 90)
 if when refit_7b_bf16 "cuda mcore"; then
   if (( HAVE[vllm] )); then
-    step refit_7b_bf16 105 "$PY" "${REFIT[@]}" --into-vllm --json "$OUT/reshard_7b_tp1_infer1_refit_gpu_bf16.json"
+    step refit_7b_bf16 95 "$PY" "${REFIT[@]}" --into-vllm --json "$OUT/reshard_7b_tp1_infer1_refit_gpu_bf16.json"
   else
     note "[refit_7b_bf16] no vLLM: the Megatron-only reshard instead (reshard.py without --into-vllm)"
-    step reshard_7b_bf16 105 "$PY" "${REFIT[@]}" --json "$OUT/reshard_7b_tp1_infer1_gpu_bf16.json"
+    step reshard_7b_bf16 95 "$PY" "${REFIT[@]}" --json "$OUT/reshard_7b_tp1_infer1_gpu_bf16.json"
   fi
 fi
 note "done: logs in $OUT; worst case of this run ${WORST}s (limits + ${KILL_AFTER}s kill grace each; budget 440 s)"
