@@ -160,3 +160,11 @@ class AllGatherContextParallelAttention(_core_attention_base()):
         probs = torch.softmax(scores, dim=-1).to(value.dtype)
         context = torch.matmul(probs, value.permute(1, 2, 0, 3))  # [b, h, s, d]
         return context.permute(2, 0, 1, 3).reshape(s_local, query.shape[1], self.heads * self.head_dim)
+
+
+def use_all_gather_cp_attention(layer_spec) -> None:
+    """Put `AllGatherContextParallelAttention` into the core-attention slot of a local layer spec (a `ModuleSpec`)
+    or of every layer of a decoder block spec (`layer_specs`, the per-layer specs MoE models use)."""
+    layers = getattr(layer_spec, "layer_specs", None) or [layer_spec]
+    for layer in layers:
+        layer.submodules.self_attention.submodules.core_attention = AllGatherContextParallelAttention

@@ -195,10 +195,11 @@ def build_gpt_model(spec: ModelSpec, groups: RoleGroups, config, vp_stage: Optio
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
     else:
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
-        if groups.topology.cp > 1:  # megatron's local attention has no CP: the all-gather-KV one (context_parallel.py)
-            from megarl.models.context_parallel import AllGatherContextParallelAttention
+    if groups.topology.cp > 1 and not transformer_engine_available():
+        # megatron's local attention has no CP: the all-gather-KV one (megarl/models/context_parallel.py)
+        from megarl.models.context_parallel import use_all_gather_cp_attention
 
-            layer_spec.submodules.self_attention.submodules.core_attention = AllGatherContextParallelAttention
+        use_all_gather_cp_attention(layer_spec)
     rope_type = spec.rope_scaling.rope_type if spec.rope_scaling else None
     model = GPTModel(
         config=config,
