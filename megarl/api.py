@@ -266,10 +266,15 @@ class RLTrainer:
 
     def export_hf(self, out: str, overwrite: bool = False, max_shard_gb: float = 2.0) -> dict:
         """Write the current actor as a HuggingFace model directory `out` (safetensors, config.json, tokenizer):
-        `save()`, then what `megarl export` does with that checkpoint. Returns {"out", "source", "bytes"}."""
+        `save()`, then what `megarl export` does with that checkpoint. The job's tokenizer is written beside the weights
+        when the checkpoint carries none (a model built from an inline `model.arch` and a separate `model.tokenizer`),
+        so `out` loads with `AutoTokenizer` / `AutoModelForCausalLM` either way. Returns {"out", "source", "bytes"}."""
         from megarl.checkpoint.export import export_hf
 
-        return export_hf(self.save(), out, overwrite=overwrite, max_shard_gb=max_shard_gb)
+        stats = export_hf(self.save(), out, overwrite=overwrite, max_shard_gb=max_shard_gb)
+        if not os.path.exists(os.path.join(out, "tokenizer_config.json")):
+            self._session.encoder.tokenizer.save_pretrained(out)
+        return stats
 
     # -- lifetime -----------------------------------------------------------------------------------------------
 
