@@ -24,5 +24,5 @@ with megarl.RLTrainer(
     metrics = trainer.step()  # one RL step; returns its metrics (the row of metrics.jsonl)
     print(f"step {metrics['step']}: reward {metrics['reward/mean']:.3f} kl {metrics['actor/kl']:.4f}")
     trainer.fit()  # the remaining steps; summary table and plots in runs/api_quickstart/plots
-    print("generated:", json.dumps(trainer.generate(["w1 w2 w3"])))  # greedy, through vLLM
+    print("generated:", json.dumps(trainer.generate([records[0]["prompt"]])))  # greedy, through vLLM
     print("exported:", trainer.export_hf("runs/api_quickstart/hf", overwrite=True)["out"])

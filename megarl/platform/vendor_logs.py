@@ -7,7 +7,8 @@ transformers print, in the controller (driver) and in every worker process.
            on CPU, torch's deprecations, vLLM's Triton notices), torch's C++ warnings off. Errors and tracebacks
            always come through.
   warning  vendor loggers at WARNING; Python warnings shown (Python's default filters).
-  info / debug  the vendors' own defaults (info) or more (debug): everything, as without megarl.
+  info     the vendors' own defaults, untouched: what they print without megarl (`megarl train --verbose`).
+  debug    vendor loggers (and vLLM, transformers, torch C++) at DEBUG / INFO: much more than their defaults.
 
 Two halves, because a worker process must be quiet before it imports anything:
   - `vendor_env(level)`: environment variables read by the vendors at import time (VLLM_LOGGING_LEVEL,
@@ -49,8 +50,11 @@ def check_level(level: str) -> str:
 
 
 def vendor_env(level: str) -> dict[str, str]:
-    """Environment variables that set the vendors' verbosity at import time (for worker processes)."""
+    """Environment variables that set the vendors' verbosity at import time (for worker processes); at `info` only
+    the level itself (the vendors keep their defaults)."""
     check_level(level)
+    if level == "info":
+        return {LEVEL_ENV: level}
     return {
         LEVEL_ENV: level,
         "VLLM_LOGGING_LEVEL": level.upper(),
@@ -61,8 +65,10 @@ def vendor_env(level: str) -> dict[str, str]:
 
 def quiet_vendors(level: str = DEFAULT_VENDOR_LEVEL) -> None:
     """Apply `level` in this process: environment (for vendors not imported yet and child processes), vendor
-    logger levels (for those already imported), and warning filters (level `error` only)."""
+    logger levels (for those already imported), and warning filters (level `error` only). `info` changes nothing."""
     os.environ.update(vendor_env(level))
+    if level == "info":
+        return
     py_level = getattr(logging, level.upper())
     for name in VENDOR_PACKAGES:
         logging.getLogger(name).setLevel(py_level)

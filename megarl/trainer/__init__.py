@@ -24,7 +24,6 @@ from megarl.trainer.checkpointing import complete_steps, latest
 from megarl.trainer.session import TrainingSession, config_key, worker_threads  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("megarl.trainer")
-_config_key = config_key  # the name older callers use
 
 
 def run(cfg: JobConfig, resume_command: Optional[str] = None) -> Optional[int]:

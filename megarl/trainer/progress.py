@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 from typing import IO, Optional
 
@@ -31,6 +32,13 @@ def step_line(step: int, total: int, m: dict[str, float]) -> str:
             f"update {m.get('time/update_actor_s', math.nan):.1f})")
 
 
+def _columns(stream) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
 class ConsoleProgress:
     """`update(step, metrics)` after each step; `close()` at the end (idempotent)."""
 
@@ -50,8 +58,10 @@ class ConsoleProgress:
             # log lines (warnings, checkpoints) are printed above the bar instead of breaking it
             self._redirect = logging_redirect_tqdm(loggers=[logging.root])
             self._redirect.__enter__()
-            self.bar = tqdm(total=total, initial=first - 1, desc="steps", unit="step", file=stream, dynamic_ncols=True,
-                            bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining} {postfix}")
+            width = _columns(stream)  # a terminal that reports 0 columns (a bare pty) would get an empty bar
+            self.bar = tqdm(total=total, initial=first - 1, desc="steps", unit="step", file=stream,
+                            dynamic_ncols=width > 0, ncols=None if width > 0 else 100, nrows=None if width > 0 else 24,
+                            bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}{postfix}")
 
     def update(self, step: int, m: dict[str, float]) -> None:
         if self.bar is not None:

@@ -91,7 +91,6 @@ class TrainingSession:
 
     def __init__(self, cfg: JobConfig, reward_fn: Optional[Callable] = None) -> None:
         check_supported(cfg)
-        quiet_vendors(cfg.logging.vendor_level)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.cfg = cfg
         self.run_dir = os.path.abspath(cfg.logging.dir)
@@ -132,6 +131,8 @@ class TrainingSession:
             return self.trainer
         if self.closed:
             raise RuntimeError("this training session was closed; build a new one")
+        # this process, before the vendor imports below; the workers get it through their environment
+        quiet_vendors(self.cfg.logging.vendor_level)
         import ray
 
         from megarl.platform.device import device_kind  # torch

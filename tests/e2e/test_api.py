@@ -61,7 +61,8 @@ def test_readme_api_example_runs_the_cli_engine(tmp_path):
     hf_dir = re.search(r"^exported: (.*)$", proc.stdout, re.M).group(1)
     assert hf_dir == str(tmp_path / "run" / "hf")
     assert len(generated) == 1 and isinstance(generated[0], str)
-    assert generated[0] == _transformers_greedy(hf_dir, "w1 w2 w3", max_new_tokens=32)
+    prompt = json.loads(open(os.path.join(ROOT, "data", "quickstart", "train.jsonl")).readline())["prompt"]
+    assert generated[0] == _transformers_greedy(hf_dir, prompt, max_new_tokens=32)
 
 
 def _transformers_greedy(hf_dir: str, prompt: str, max_new_tokens: int) -> str:

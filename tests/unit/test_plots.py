@@ -62,3 +62,15 @@ def test_summary_table_and_the_plot_command(run_dir, capsys):
     out = capsys.readouterr().out
     assert "run summary" in out and str(run_dir / "plots" / "reward.png") in out
     assert main(["plot", str(run_dir / "nothing")]) == 2
+
+
+def test_missing_matplotlib_names_the_extra(run_dir, monkeypatch, capsys):
+    import sys
+
+    from megarl.trainer.plots import PlotsUnavailable
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    with pytest.raises(PlotsUnavailable, match=r"pip install 'megarl\[plots\]'"):
+        plot_run(str(run_dir))
+    assert main(["plot", str(run_dir)]) == 2
+    assert "megarl: error: plots need matplotlib: pip install 'megarl[plots]'" in capsys.readouterr().err

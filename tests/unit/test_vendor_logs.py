@@ -44,12 +44,14 @@ def test_error_level_silences_vendor_warnings_only(restore):
     assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR" and os.environ["TORCH_CPP_LOG_LEVEL"] == "ERROR"
 
 
-def test_info_level_lets_everything_through(restore):
+def test_info_level_leaves_the_vendors_defaults(restore):
     warnings.simplefilter("always")
+    before = {name: logging.getLogger(name).level for name in vendor_logs.VENDOR_PACKAGES}
     vendor_logs.quiet_vendors("info")
     assert _shown("megatron.core.models.backends")
-    assert logging.getLogger("vllm").getEffectiveLevel() == logging.INFO
-    assert vendor_logs.vendor_env("info")["TRANSFORMERS_VERBOSITY"] == "info"
+    assert {name: logging.getLogger(name).level for name in vendor_logs.VENDOR_PACKAGES} == before
+    assert vendor_logs.vendor_env("info") == {vendor_logs.LEVEL_ENV: "info"}  # no VLLM_/TRANSFORMERS_/TORCH_ setting
+    assert vendor_logs.vendor_env("warning")["VLLM_LOGGING_LEVEL"] == "WARNING"
     with pytest.raises(ValueError, match="'loud' is not one of"):
         vendor_logs.vendor_env("loud")
 
