@@ -44,7 +44,7 @@ from megarl.checkpoint.name_map import (
     shard_segments,
 )
 from megarl.models.gpt import DTYPES
-from megarl.models.spec import ARCHITECTURES, ModelSpec
+from megarl.models.spec import ARCHITECTURES, ModelSpec, moe_hf_config_fields
 from megarl.platform.megatron_cpu_compat import megatron_on_cpu
 
 META_NAME = "megarl_checkpoint.json"
@@ -360,6 +360,7 @@ def spec_to_hf_config(spec: ModelSpec) -> dict:
         cfg["rope_scaling"] = dict(spec.rope_scaling)
     if traits.attention_bias_key:
         cfg["attention_bias"] = spec.qkv_bias
+    cfg.update(moe_hf_config_fields(spec))
     return cfg
 
 
