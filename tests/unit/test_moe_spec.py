@@ -135,3 +135,36 @@ def test_config_accepts_an_ep2_moe_actor(tmp_path):
     path.write_text(yaml.safe_dump(_job(ep=2, tp=2)))
     cfg = load_config(path, [])
     assert cfg.actor.parallel.ep == 2 and cfg.model.arch.num_experts == 4
+
+
+def test_canonical_name_maps_local_experts_to_global_ones():
+    """An expert-parallel rank numbers its experts from 0; canonical names carry the global index (rank offset +
+    local index), for the local spec's SequentialMLP and for Transformer Engine's grouped GEMM (`weight{j}`)."""
+    from megarl.checkpoint.name_map import canonical_name
+
+    local = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"
+    assert canonical_name(local, layer_offset=2, expert_offset=2) == (
+        "decoder.layers.3.mlp.experts.local_experts.3.linear_fc2.weight")
+    assert canonical_name("decoder.layers.0.mlp.experts.linear_fc1.weight1", 0, 4) == (
+        "decoder.layers.0.mlp.experts.local_experts.5.linear_fc1.weight")
+    # the router and the shared expert are not routed experts: no offset
+    for name in ("decoder.layers.0.mlp.router.weight", "decoder.layers.0.mlp.shared_experts.linear_fc1.weight"):
+        assert canonical_name(name, 0, 2) == name
+
+
+def test_megatron_to_hf_reads_experts_in_bounded_runs():
+    """`read_steps`: every parameter read exactly once; with a budget below one expert each expert is its own step
+    (its fc1 and fc2 together); with a large budget a layer's experts are one step."""
+    from megarl.checkpoint.dist_ckpt import read_steps
+    from megarl.checkpoint.name_map import param_layouts
+
+    spec = ModelSpec.from_hf_config({**hf_config("qwen2_moe").to_dict(), "architectures": ["Qwen2MoeForCausalLM"]})
+    everything = sorted(lay.megatron_name for lay in param_layouts(spec))
+    for budget, expert_steps in ((1, 4 * 2), (1 << 30, 2)):  # 2 MoE layers of 4 experts (layer 1 is dense)
+        steps = read_steps(spec, torch.float32, budget)
+        assert sorted(lay.megatron_name for step in steps for lay in step) == everything
+        routed = [step for step in steps if any(lay.expert is not None for lay in step)]
+        assert len(routed) == expert_steps
+        assert all(all(lay.expert is not None for lay in step) for step in routed)
+        if budget == 1:
+            assert all(len({lay.expert for lay in step}) == 1 and len(step) == 2 for step in routed)
