@@ -84,10 +84,14 @@ def build_transformer_config(
     torch_dtype = DTYPES[dtype]
     on_cpu = not torch.cuda.is_available()
     moe = moe_transformer_settings(spec, groups, moe_token_dispatcher, moe_aux_loss_coeff, moe_z_loss_coeff)
-    # megatron-core's MoE layer splits tokens over TP ranks (sequence parallelism) before dispatching them; without
-    # it a training-mode forward raises (moe_layer.py: "...tensor parallelism are enabled without also enabling
-    # sequence parallelism"). Sequence lengths must then be multiples of tp.
-    sequence_parallel = bool(moe) and topo.tp > 1
+    # megatron-core's MoE layer expects tokens split over the TP ranks (sequence parallelism) before it dispatches
+    # them: without it each TP rank's identical copy of the tokens reaches every expert shard, which gives correct
+    # outputs but tp times the expert-weight gradient, and a training-mode forward raises (moe_layer.py "...tensor
+    # parallelism are enabled without also enabling sequence parallelism"). Sequence parallelism needs a norm that
+    # supports it: Transformer Engine's; the local spec's torch norm asserts "sequence parallel not supported by
+    # torch LayerNorm". So: on with TE (sequence lengths must then be multiples of tp); without TE off, which leaves
+    # MoE at tp > 1 forward-only (eval mode: `megarl.checkpoint.engine_io.engine_logits`).
+    sequence_parallel = bool(moe) and topo.tp > 1 and transformer_engine_available()
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
