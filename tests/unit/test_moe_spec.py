@@ -160,7 +160,7 @@ def test_megatron_to_hf_reads_experts_in_bounded_runs():
 
     spec = ModelSpec.from_hf_config({**hf_config("qwen2_moe").to_dict(), "architectures": ["Qwen2MoeForCausalLM"]})
     everything = sorted(lay.megatron_name for lay in param_layouts(spec))
-    for budget, expert_steps in ((1, 4 * 2), (1 << 30, 2)):  # 2 MoE layers of 4 experts (layer 1 is dense)
+    for budget, expert_steps in ((1, 3 * 4), (1 << 30, 3)):  # 3 MoE layers of 4 experts (layer 1 is dense)
         steps = read_steps(spec, torch.float32, budget)
         assert sorted(lay.megatron_name for step in steps for lay in step) == everything
         routed = [step for step in steps if any(lay.expert is not None for lay in step)]
