@@ -122,7 +122,16 @@ def engine_logits(engine, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
         zero = logits.sum() * 0
         return zero, torch.tensor(1, dtype=torch.int), {"logits": logits.detach().float().clone()}
 
-    out = engine.run([{"input_ids": input_ids}], stash, forward_only=True)
+    # eval mode: megatron-core's MoE layer refuses a training-mode forward at tp > 1 without sequence parallelism
+    # (`megarl.models.gpt.build_transformer_config`); dropout is off either way, so the logits are the same
+    modules = [m for m in engine.module.modules() if m.training]
+    for m in modules:
+        m.training = False
+    try:
+        out = engine.run([{"input_ids": input_ids}], stash, forward_only=True)
+    finally:
+        for m in modules:
+            m.training = True
     if not engine.groups.is_last_stage:
         return None
     shard = out[0]["logits"]

@@ -24,7 +24,7 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
 
 # Mixture-of-experts families (kept apart from ARCH_CONFIGS, which the dense layout tests iterate over): 4 experts,
 # top-2, expert width 32. Qwen3-MoE renormalises the top-k probabilities; Qwen2-MoE does not (softmax then top-k),
-# has a gated shared expert, qkv bias and a dense MLP in layer 1 (`mlp_only_layers`) of 3.
+# has a gated shared expert, qkv bias and a dense MLP in layer 1 (`mlp_only_layers`) of 4.
 MOE_ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(
         architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", tie_word_embeddings=False, head_dim=48,
@@ -36,7 +36,7 @@ MOE_ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     ),
     "qwen2_moe": dict(
         architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", tie_word_embeddings=False,
-        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
     ),
 }

@@ -84,6 +84,14 @@ def build_transformer_config(
     torch_dtype = DTYPES[dtype]
     on_cpu = not torch.cuda.is_available()
     moe = moe_transformer_settings(spec, groups, moe_token_dispatcher, moe_aux_loss_coeff, moe_z_loss_coeff)
+    # megatron-core's MoE layer expects tokens split over the TP ranks (sequence parallelism) before it dispatches
+    # them: without it each TP rank's identical copy of the tokens reaches every expert shard, which gives correct
+    # outputs but tp times the expert-weight gradient, and a training-mode forward raises (moe_layer.py "...tensor
+    # parallelism are enabled without also enabling sequence parallelism"). Sequence parallelism needs a norm that
+    # supports it: Transformer Engine's; the local spec's torch norm asserts "sequence parallel not supported by
+    # torch LayerNorm". So: on with TE (sequence lengths must then be multiples of tp); without TE off, which leaves
+    # MoE at tp > 1 forward-only (eval mode: `megarl.checkpoint.engine_io.engine_logits`).
+    sequence_parallel = bool(moe) and topo.tp > 1 and transformer_engine_available()
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -105,7 +113,7 @@ def build_transformer_config(
         context_parallel_size=topo.cp,
         num_layers_in_first_pipeline_stage=first_stage_layers,
         num_layers_in_last_pipeline_stage=last_stage_layers,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel,
         params_dtype=torch_dtype,
         pipeline_dtype=torch_dtype,
         bf16=torch_dtype is torch.bfloat16,
