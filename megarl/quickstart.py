@@ -46,12 +46,12 @@ class QuickstartSettings:
     n_monitor: int = 200  # training problems the SFT stopping rule looks at
     sft_batch: int = 64
     sft_lr: float = 2e-3
-    sft_target: float = 0.15
-    sft_eval_every: int = 50
-    sft_max_steps: int = 600
+    sft_target: float = 0.2
+    sft_eval_every: int = 25
+    sft_max_steps: int = 1000
     grpo_steps: int = 100
-    grpo_lr: float = 1e-3
-    prompts_per_step: int = 16
+    grpo_lr: float = 3e-4
+    prompts_per_step: int = 32
     samples_per_prompt: int = 8
     val_every: int = 20
     n_samples_table: int = 12
