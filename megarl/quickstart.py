@@ -49,11 +49,11 @@ class QuickstartSettings:
     sft_target: float = 0.2
     sft_eval_every: int = 25
     sft_max_steps: int = 1000
-    grpo_steps: int = 100
+    grpo_steps: int = 200
     grpo_lr: float = 3e-4
     prompts_per_step: int = 32
     samples_per_prompt: int = 8
-    val_every: int = 20
+    val_every: int = 25
     n_samples_table: int = 12
     seed: int = 0
 
