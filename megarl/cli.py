@@ -1,8 +1,9 @@
 """The `megarl` command line.
 
-    megarl train CONFIG [key=value ...] [--dry-run]
+    megarl train CONFIG [key=value ...] [--dry-run] [--verbose]
     megarl export CHECKPOINT_STEP_DIR --out HF_DIR [--overwrite]
     megarl quickstart [--out DIR]
+    megarl plot RUN_DIR
     megarl --version
 
 The config is loaded and validated before anything else happens: a bad config prints one `megarl: error: ...`
@@ -41,6 +42,9 @@ Every option is listed in docs/config.md.
 that exceeds the GPU's memory when CUDA is present or resources.device_memory_gb is set) and the placement table
 (role, global rank, node, device, tp/pp/dp/cp coordinates, pipeline-stage layer range), and exits without
 starting anything.
+
+--verbose lets vLLM's, Ray's, megatron-core's, torch's and transformers' own logs and warnings through (the same as
+logging.vendor_level=info); without it only their errors are shown.
 """
 
 
@@ -66,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="validate, print the resolved config and the rank placement table, and exit 0",
     )
+    train.add_argument("--verbose", action="store_true",
+                       help="show the vendors' own logs and warnings (logging.vendor_level=info)")
     export = sub.add_parser(
         "export",
         help="write a checkpoint's actor as a HuggingFace model (see `megarl export --help`)",
@@ -87,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     from megarl.quickstart import add_arguments as quickstart_arguments  # stdlib-only at import
 
     quickstart_arguments(quickstart)
+    plot = sub.add_parser(
+        "plot",
+        help="PNG plots and a summary table of a run directory's metrics.jsonl",
+        description="Write RUN_DIR/plots/*.png (reward, validation, KL, entropy, response length, clip fraction, "
+        "time per phase) from RUN_DIR/metrics.jsonl and print the run's summary table. Needs matplotlib "
+        "(pip install 'megarl[plots]').",
+    )
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="a run's logging.dir (holds metrics.jsonl)")
     return parser
 
 
@@ -118,23 +132,36 @@ def dry_run_report(cfg: JobConfig) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides) + (["logging.vendor_level=info"] if args.verbose else [])
+    cfg = load_config(args.config, overrides)
     if args.dry_run:
         sys.stdout.write(dry_run_report(cfg))
         return EXIT_OK
-    import megarl.trainer as trainer  # lazy: pulls in torch, megatron-core, ray
+    from megarl.api import RLTrainer  # lazy: pulls in the controller (torch, megatron-core, ray on start)
 
-    run = getattr(trainer, "run", None)
-    if run is None:
-        print(
-            "megarl: error: the training loop is not available yet (megarl.trainer.run is missing); "
-            "`megarl train CONFIG --dry-run` validates a config and shows its placement",
-            file=sys.stderr,
-        )
+    keep = [o for o in overrides if not o.startswith("checkpoint.resume=")]
+    with RLTrainer(cfg, resume_command=shlex.join(["megarl", "train", args.config, *keep,
+                                                   "checkpoint.resume=true"])) as trainer:
+        trainer.fit()
+    return EXIT_OK
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from megarl.trainer.plots import PlotsUnavailable, plot_run, read_metrics, summary_table
+
+    rows = read_metrics(args.run_dir)
+    if not rows:
+        print(f"megarl: error: {args.run_dir}: no metrics.jsonl with any step (is it a megarl run directory?)",
+              file=sys.stderr)
         return EXIT_USAGE
-    keep = [o for o in args.overrides if not o.startswith("checkpoint.resume=")]
-    code = run(cfg, resume_command=shlex.join(["megarl", "train", args.config, *keep, "checkpoint.resume=true"]))
-    return EXIT_OK if code is None else int(code)
+    print(summary_table(rows))
+    try:
+        paths = plot_run(args.run_dir)
+    except PlotsUnavailable as e:
+        print(f"megarl: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print("\n".join(paths))
+    return EXIT_OK
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -174,6 +201,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             run_quickstart(settings_from_args(args))
             return EXIT_OK
+        if args.command == "plot":
+            return _plot(args)
     except ConfigError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -497,15 +497,26 @@ class RewardConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
-    """Metric sinks."""
+    """Metric sinks, console output and plots."""
 
     backends: tuple[Literal["console", "jsonl", "tensorboard", "wandb"], ...] = opt(
-        ("console",), "Where metrics go: console lines, <dir>/metrics.jsonl, a TensorBoard event file in "
-        "<dir>/tensorboard (needs the `logging` extra); wandb is refused (not yet)."
+        ("console",), "Where metrics go besides <dir>/metrics.jsonl (always written): console lines or progress bar, "
+        "a TensorBoard event file in <dir>/tensorboard (extra `logging`), a W&B run in <dir>/wandb (extra `wandb`; "
+        "offline with WANDB_MODE=offline). jsonl is accepted for older configs."
     )
-    dir: str = opt("runs/megarl", "Directory of jsonl / tensorboard output.")
+    dir: str = opt("runs/megarl", "Run directory: metrics.jsonl, plots/, tensorboard/, wandb/.")
     project: str = opt("megarl", "Project name (wandb).")
     run_name: Optional[str] = opt(None, "Run name; null = generated from the time.")
+    vendor_level: Literal["debug", "info", "warning", "error"] = opt(
+        "error", "How much of vLLM's, Ray's, megatron-core's, torch's and transformers' own logs and warnings get "
+        "through, in the controller and the workers (megarl/platform/vendor_logs.py); `megarl train --verbose` = info."
+    )
+    progress: Literal["auto", "bar", "lines"] = opt(
+        "auto", "Console progress: a bar over steps (reward, KL, step time, ETA), or one line per logged step; auto = "
+        "the bar on a terminal, lines otherwise."
+    )
+    plots: bool = opt(True, "Write PNG plots of the run (<dir>/plots, needs matplotlib: extra `plots`) and print a "
+                            "summary table at the end.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

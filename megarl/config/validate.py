@@ -39,19 +39,30 @@ def role_archs(cfg: JobConfig) -> dict[str, ArchConfig]:
 SIDE_ROLES = ("reference", "critic", "reward_model")
 
 
+# logging.backends entry -> (the package it needs, the setup.py extra that installs it)
+BACKEND_PACKAGES = {"tensorboard": ("tensorboard", "logging"), "wandb": ("wandb", "wandb")}
+
+
+def backend_problem(backends) -> str | None:
+    """The error for the first of `backends` whose package is missing (naming the extra to install), else None."""
+    for backend in backends:
+        if backend in BACKEND_PACKAGES:
+            package, extra = BACKEND_PACKAGES[backend]
+            if importlib.util.find_spec(package) is None:
+                return (f"logging.backends: '{backend}' needs the {package} package: pip install 'megarl[{extra}]' "
+                        "(or drop it: metrics.jsonl holds every metric of every step)")
+    return None
+
+
 def check_supported(cfg: JobConfig) -> None:
     """Refuse, by config key, what the trainer does not run yet (rather than silently ignoring it).
 
     Part of `validate` (so `megarl train --dry-run` refuses what the trainer refuses); the trainer and its workers
     call it again on the config they receive.
     """
-    unsupported = [b for b in cfg.logging.backends if b not in ("console", "jsonl", "tensorboard")]
-    if unsupported:
-        raise ConfigError(f"logging.backends: {unsupported} not supported by the trainer yet; use console, jsonl "
-                          "and tensorboard (metrics.jsonl holds every metric of every step)")
-    if "tensorboard" in cfg.logging.backends and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("logging.backends: 'tensorboard' needs the tensorboard package: pip install "
-                          "'megarl[logging]' (or drop it: metrics.jsonl holds every metric of every step)")
+    problem = backend_problem(cfg.logging.backends)
+    if problem:
+        raise ConfigError(problem)
     kl = cfg.algorithm.kl
     if kl.target is not None and kl.placement != "reward":
         raise ConfigError("algorithm.kl.target: the adaptive KL controller adjusts a KL penalty in the reward; set "

@@ -131,6 +131,9 @@ class _WorkerHost:
     def __init__(self, rank: int, world_size: int, local_rank: int, local_world_size: int) -> None:
         import ray
 
+        from megarl.platform.vendor_logs import quiet_from_env
+
+        quiet_from_env()  # the controller's logging.vendor_level (MEGARL_VENDOR_LEVEL), before any vendor import
         local_rank = device_local_rank(local_rank, ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         os.environ.update(
             RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),

@@ -31,11 +31,13 @@ from megarl.algorithms import (
     soft_overlong_penalty,
 )
 from megarl.algorithms.dynamic_sampling import enough_groups, informative_groups, select_groups
+from megarl.config.loader import to_dict
 from megarl.config.schema import JobConfig
 from megarl.data.batch import Batch
 from megarl.rollout.engine import SamplingSettings
 from megarl.trainer import checkpointing
 from megarl.trainer.faults import RunAborted
+from megarl.trainer.progress import ConsoleProgress
 from megarl.trainer.samples import chunk_bounds, samples_to_batch
 from megarl.trainer.stop import StopRequest
 from megarl.trainer.tracking import build_sinks
@@ -80,8 +82,8 @@ class RLTrainer:
         self.val_records = val_records or []
         self.metrics_path = metrics_path
         # TensorBoard etc. (`logging.backends`), beside metrics.jsonl in the run directory
-        self.sinks = build_sinks(cfg.logging.backends, os.path.dirname(os.path.abspath(metrics_path))) \
-            if metrics_path else []
+        self.sinks = build_sinks(cfg.logging.backends, os.path.dirname(os.path.abspath(metrics_path)), cfg.logging,
+                                 to_dict(cfg)) if metrics_path else []
         self.sampling = SamplingSettings.from_config(cfg.rollout)
         self.estimator = cfg.algorithm.estimator
         kl = cfg.algorithm.kl
@@ -91,41 +93,64 @@ class RLTrainer:
                                           kl.horizon)
         self.old_log_probs_from_update = old_log_probs_from_update(cfg)
         self.skip_streak: dict[str, int] = {}  # role -> optimizer steps skipped in a row (non-finite loss/grad norm)
+        self.next_step = 0  # 0 until `start`; then the step `run_step` runs next
+        self.last_saved: Optional[int] = None  # the last step checkpointed by this process
+        self.progress: Optional[ConsoleProgress] = None  # made by `start` (the bar starts at the resumed step)
 
     # --------------------------------------------------------------------------------------------- the loop
     def fit(self) -> list[StepResult]:
-        """Run steps `first..cfg.trainer.total_steps` (first = 1, or the resumed checkpoint's step + 1).
+        """Run steps `next_step..cfg.trainer.total_steps` (from 1, the resumed checkpoint's step + 1, or after the
+        steps already run by `run_step`); one `StepResult` per step run, in order.
 
-        Before the first step the actor's weights are resharded into the rollout engine (it starts random).
-        After each step: validation every `trainer.val_every` steps (rollouts of `val_records` at
-        `rollout.val_temperature`, metric `val/reward_mean`), a checkpoint every `checkpoint.save_every` steps and at
-        the last one when `checkpoint.dir` is set (its wall time in seconds: `checkpoint/save_s`), then one metrics
-        line (console and `metrics_path` jsonl). Once `self.stop` is requested (SIGTERM/SIGINT), no further step
-        starts: the last finished step is checkpointed (if not already) and `fit` returns early. Returns
-        one `StepResult` per step run, in order.
+        Once `self.stop` is requested (SIGTERM/SIGINT) no further step starts: the last finished step is checkpointed
+        (if not already) and `fit` returns early.
         """
         results: list[StepResult] = []
-        first = self._resume() + 1
-        self.workers.sync_weights()  # the engine starts with random weights: give it the actor's
-        total = self.cfg.trainer.total_steps
-        saved = None
-        for step in range(first, total + 1):
-            if self._stop_requested():
-                break
-            results.append(self.step(step))
-            if self.val_records and self.cfg.trainer.val_every and step % self.cfg.trainer.val_every == 0:
-                results[-1].metrics.update(self.validate())
-            every = self.cfg.checkpoint.save_every
-            if self.cfg.checkpoint.dir and (step == total or (every and step % every == 0) or self._stop_requested()):
-                saving = time.perf_counter()
-                self.save(step)
-                saved = step
-                results[-1].metrics["checkpoint/save_s"] = time.perf_counter() - saving
-            self._log(results[-1])
-            self._check_skips(results[-1])
-        if self._stop_requested() and self.cfg.checkpoint.dir and results and saved != results[-1].step:
+        self.start()
+        while self.next_step <= self.cfg.trainer.total_steps and not self._stop_requested():
+            results.append(self.run_step())
+        if self._stop_requested() and self.cfg.checkpoint.dir and results and self.last_saved != results[-1].step:
             self.save(results[-1].step)  # the signal came after this step's save decision
         return results
+
+    def start(self) -> int:
+        """Once: resume from `checkpoint.dir` when asked, and reshard the actor's weights into the rollout engine (it
+        starts random). Returns the next step to run."""
+        if self.next_step == 0:
+            self.next_step = self._resume() + 1
+            self.workers.sync_weights()
+            self.progress = ConsoleProgress(self.cfg.trainer.total_steps, self.next_step, self.cfg.logging.progress,
+                                            self.cfg.trainer.log_every)
+        return self.next_step
+
+    def close(self) -> None:
+        """End the progress bar and flush and close the metric sinks (TensorBoard, W&B). Idempotent."""
+        if self.progress is not None:
+            self.progress.close()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+    def run_step(self) -> StepResult:
+        """Step `next_step` and what follows it: validation every `trainer.val_every` steps (`val/reward_mean`), a
+        checkpoint every `checkpoint.save_every` steps, at the last step, or once a stop was requested, when
+        `checkpoint.dir` is set (`checkpoint/save_s`, seconds), then the metrics (console, metrics.jsonl, sinks)."""
+        step, total = self.start(), self.cfg.trainer.total_steps
+        if step > total:
+            raise RuntimeError(f"all trainer.total_steps={total} steps have run; raise trainer.total_steps to train on")
+        result = self.step(step)
+        if self.val_records and self.cfg.trainer.val_every and step % self.cfg.trainer.val_every == 0:
+            result.metrics.update(self.validate())
+        every = self.cfg.checkpoint.save_every
+        if self.cfg.checkpoint.dir and (step == total or (every and step % every == 0) or self._stop_requested()):
+            saving = time.perf_counter()
+            self.save(step)
+            self.last_saved = step
+            result.metrics["checkpoint/save_s"] = time.perf_counter() - saving
+        self.next_step = step + 1
+        self._log(result)
+        self._check_skips(result)
+        return result
 
     def _stop_requested(self) -> bool:
         return self.stop is not None and self.stop.requested
@@ -170,11 +195,11 @@ class RLTrainer:
             groups.append(critic)
         return groups
 
-    def save(self, step: int) -> str:
-        """Checkpoint everything the next step depends on (see `trainer.checkpointing`): the trained roles' full
-        state, every process's RNG states, the loader position, the KL coefficient, the skipped-step streak and the
-        config."""
-        root = self.cfg.checkpoint.dir
+    def save(self, step: int, root: Optional[str] = None) -> str:
+        """Checkpoint everything the next step depends on (see `trainer.checkpointing`) into `root/step_NNNNNN`
+        (`root`: default `checkpoint.dir`): the trained roles' full state, every process's RNG states, the loader
+        position, the KL coefficient, the skipped-step streak and the config. Returns the step directory."""
+        root = root or self.cfg.checkpoint.dir
         path = checkpointing.step_dir(root, step)
         if os.path.exists(path):
             if step in checkpointing.complete_steps(root):
@@ -444,14 +469,8 @@ class RLTrainer:
 
     def _log(self, result: StepResult) -> None:
         m = result.metrics
-        if result.step % max(1, self.cfg.trainer.log_every) == 0:
-            logger.info(
-                "step %d/%d reward %.3f len %.1f loss %.4f kl %.4f grad_norm %.3f | %.1f s (rollout %.1f, update %.1f)",
-                result.step, self.cfg.trainer.total_steps, m["reward/mean"], m["response_length/mean"],
-                m.get("actor/loss", float("nan")), m.get("actor/approx_kl", float("nan")),
-                m.get("actor/grad_norm", float("nan")), m["time/step_s"], m["time/rollout_s"],
-                m["time/update_actor_s"],
-            )
+        if self.progress is not None:
+            self.progress.update(result.step, m)
         if self.metrics_path:
             os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
             with open(self.metrics_path, "a") as f:

@@ -45,6 +45,7 @@ def quickstart_run(tmp_path_factory):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(run_dir / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
+    proc.run_dir = run_dir
     return rows, proc
 
 
@@ -59,6 +60,34 @@ def test_every_step_is_logged(quickstart_run):
     assert all(r["reshard/verified_pieces"] > 0 and r["reshard/verify_time_s"] > 0 for r in rows)
     assert all(r["reshard/bytes_received"] == r["reshard/bytes_lower_bound"] for r in rows)
     assert "finished 20 steps" in proc.stderr + proc.stdout
+
+
+# The output of `megarl train yaml_configs/cpu_quickstart.yaml` before its first step line, without --verbose. Measured
+# (stdout + stderr of that command, 3 steps): 72 lines before megarl.platform.vendor_logs (megatron-core's Apex/TE
+# warnings, vLLM's INFO/WARNING lines and Triton notices from both workers, torch deprecations, Ray's start-up), 7 after
+# (the placement summary and the worker pids).
+FIRST_SCREEN_LINES = 25
+VENDOR_NOISE = ("UserWarning", "FutureWarning", "Apex", "Triton", "vllm", "[W", "Started a local Ray instance")
+
+
+def test_first_screen_is_ours_and_short(quickstart_run):
+    _, proc = quickstart_run
+    # stderr (the log) precedes the first step line; stdout holds only the end-of-run summary table
+    lines = proc.stderr.split("\n")
+    first_step = next(i for i, line in enumerate(lines) if "step 1/20 reward" in line)
+    screen = "\n".join(lines[:first_step])
+    assert first_step <= FIRST_SCREEN_LINES, screen
+    assert not [n for n in VENDOR_NOISE if n in screen], screen
+    assert "placement" in screen and "actor        Megatron tp 2 pp 1 cp 1 dp 1" in screen
+
+
+def test_end_of_run_summary_and_plots(quickstart_run):
+    rows, proc = quickstart_run
+    assert proc.stdout.startswith("run summary: steps 1..20 of 20")
+    for name in ("reward", "validation", "kl", "entropy", "response_length", "clip_fraction", "time_split"):
+        with open(proc.run_dir / "plots" / f"{name}.png", "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+        assert os.path.getsize(proc.run_dir / "plots" / f"{name}.png") > 5000, name  # not an empty canvas
 
 
 def test_reward_curve_matches_golden(quickstart_run):

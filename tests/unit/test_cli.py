@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import megarl
-import megarl.trainer
 from megarl.cli import main
 from megarl.config import JobConfig
 
@@ -63,17 +62,37 @@ def test_cross_field_error_exits_2(capsys):
     )
 
 
-def test_trainer_hook_called_with_resolved_config(monkeypatch):
-    seen = []
-    monkeypatch.setattr(megarl.trainer, "run", lambda cfg, resume_command=None: seen.append(cfg) or 0, raising=False)
-    assert main(["train", QUICKSTART, "trainer.total_steps=1"]) == 0
-    assert isinstance(seen[0], JobConfig) and seen[0].trainer.total_steps == 1
+class _RecordingTrainer:
+    """Stands in for `megarl.api.RLTrainer` (our class, not a vendor's): records what the CLI hands it."""
+
+    seen: list = []
+
+    def __init__(self, config, resume_command=None):
+        self.seen.append((config, resume_command, []))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.seen[-1][2].append("closed")
+
+    def fit(self):
+        self.seen[-1][2].append("fit")
 
 
-def test_no_trainer_yet_exits_2(monkeypatch, capsys):
-    monkeypatch.delattr(megarl.trainer, "run", raising=False)
-    assert main(["train", QUICKSTART]) == 2
-    assert "training loop is not available yet" in capsys.readouterr().err
+def test_train_is_the_python_api_on_the_resolved_config(monkeypatch):
+    import megarl.api
+
+    _RecordingTrainer.seen = []
+    monkeypatch.setattr(megarl.api, "RLTrainer", _RecordingTrainer)
+    assert main(["train", QUICKSTART, "trainer.total_steps=1", "checkpoint.resume=false"]) == 0
+    cfg, resume, calls = _RecordingTrainer.seen[0]
+    assert isinstance(cfg, JobConfig) and cfg.trainer.total_steps == 1
+    assert cfg.logging.vendor_level == "error"  # vendor noise off by default
+    assert calls == ["fit", "closed"]
+    assert resume == f"megarl train {QUICKSTART} trainer.total_steps=1 checkpoint.resume=true"
+    assert main(["train", QUICKSTART, "--verbose"]) == 0
+    assert _RecordingTrainer.seen[1][0].logging.vendor_level == "info"
 
 
 def test_version_and_help(capsys):

@@ -102,7 +102,7 @@ def test_docs_in_sync():
 @pytest.mark.parametrize("overrides,message", [
     (["algorithm.kl.target=0.1", "algorithm.kl.coef=0.01"], "algorithm.kl.target: the adaptive KL controller"),
     (["algorithm.kl.placement=reward", "algorithm.kl.coef=0.01"], "algorithm.kl.placement: 'grpo' advantages"),
-    (["logging.backends=[console, wandb]"], "logging.backends: ['wandb'] not supported by the trainer yet"),
+    (["logging.backends=[console, mlflow]"], "logging.backends[1]: expected one of"),
 ])
 def test_trainer_refuses_what_it_would_otherwise_ignore(overrides, message, capsys):
     from megarl.cli import main

@@ -19,7 +19,8 @@ import is still a dependency). The order, lowest first:
   roles        actor / critic / reference / reward model over the engine
   controller   Ray single controller: pools, worker groups, dispatch
   trainer      the RL loop and its workers
-  cli          `megarl ...`
+  api          the Python API (`megarl.RLTrainer`): a job from keyword arguments, run by the trainer's session
+  cli          `megarl ...`, a thin layer over the API
 
 `megarl/__init__.py` and `megarl/__main__.py` sit on top (they may import anything).
 """
@@ -32,7 +33,7 @@ import pathlib
 import pytest
 
 LAYERS = ["platform", "parallel", "algorithms", "models", "config", "engine", "checkpoint", "data", "rewards",
-          "rollout", "reshard", "roles", "controller", "trainer", "cli"]
+          "rollout", "reshard", "roles", "controller", "trainer", "api", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megarl"
 

@@ -1,9 +1,8 @@
-"""The TensorBoard metric sink: what a step logs is what TensorBoard reads back (its own event reader, not ours),
-and the config refuses the backend by key when the package is missing."""
+"""The metric sinks: what a step logs is what TensorBoard reads back (its own event reader, not ours) and what a W&B
+offline run records (its transaction log read with wandb's protobuf schema); the config refuses a backend by key,
+naming the extra to install, when its package is missing."""
 
 from __future__ import annotations
-
-import pytest
 
 from megarl.trainer.tracking import TensorBoardSink, build_sinks
 from tests.unit.test_config import base, error, load
@@ -46,6 +45,65 @@ def test_missing_package_is_refused_by_key(tmp_path, monkeypatch):
         "metrics.jsonl holds every metric of every step)")
 
 
-def test_wandb_is_still_refused(tmp_path):
-    with pytest.raises(Exception, match="logging.backends: \\['wandb'\\] not supported"):
-        load(tmp_path, base(), ["logging.backends=[wandb]"])
+def _wandb_records(path: str) -> list:
+    """Every record of a W&B transaction log (`run-<id>.wandb`), decoded with wandb's own protobuf schema.
+
+    The file is a LevelDB-style log (wandb's `sdk/internal/datastore` format): a 7-byte header (':W&B', magic
+    0xBEE1, version 0), then 32 KiB blocks of chunks, each a 7-byte header (crc32 uint32, length uint16, type uint8:
+    1 full, 2 first, 3 middle, 4 last) and its payload; a record is one full chunk or first..last joined."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", data[:7]
+    pos, block, pending, records = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def test_wandb_offline_run_directory_holds_every_step(tmp_path, monkeypatch):
+    import glob
+    import json
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no network, no account
+    cfg = load(tmp_path, base(), ["logging.backends=[console,wandb]", "logging.project=megarl-test",
+                                  "logging.run_name=offline-check"])
+    sinks = build_sinks(cfg.logging.backends, str(tmp_path / "run"), cfg.logging, {"trainer": {"total_steps": 2}})
+    assert [type(s).__name__ for s in sinks] == ["WandbSink"]
+    sinks[0].log(1, {"reward/mean": 0.25, "time/step_s": 1.5, "note": "skipped"})
+    sinks[0].log(2, {"reward/mean": 0.75, "time/step_s": 1.25, "nan": float("nan")})
+    sinks[0].close()
+    runs = glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*"))
+    assert len(runs) == 1, runs
+    (log,) = glob.glob(f"{runs[0]}/run-*.wandb")
+    records = _wandb_records(log)
+    names = [[(i.key or "/".join(i.nested_key), i.value_json) for i in r.history.item]
+             for r in records if r.WhichOneof("record_type") == "history"]
+    history = [{k: json.loads(v) for k, v in items if not k.startswith("_")} for items in names]
+    assert history == [{"reward/mean": 0.25, "time/step_s": 1.5}, {"reward/mean": 0.75, "time/step_s": 1.25}]
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert (run.project, run.display_name) == ("megarl-test", "offline-check")
+
+
+def test_missing_wandb_is_refused_naming_its_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert error(tmp_path, base(), ["logging.backends=[console,wandb]"]) == (
+        "logging.backends: 'wandb' needs the wandb package: pip install 'megarl[wandb]' (or drop it: "
+        "metrics.jsonl holds every metric of every step)")

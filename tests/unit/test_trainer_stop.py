@@ -21,12 +21,17 @@ class _Loop:
     list of signals sent during that step); `save` records the step saved; `_log` can send a signal too."""
 
     fit = RLTrainer.fit
+    start = RLTrainer.start
+    run_step = RLTrainer.run_step
     _stop_requested = RLTrainer._stop_requested
     _check_skips = RLTrainer._check_skips
 
     def __init__(self, stop, total=5, save_every=0, ckpt="ckpt", during_step=None, during_log=None):
-        self.cfg = SimpleNamespace(trainer=SimpleNamespace(total_steps=total, val_every=0, max_skipped_steps=3),
-                                   checkpoint=SimpleNamespace(dir=ckpt, save_every=save_every))
+        self.cfg = SimpleNamespace(trainer=SimpleNamespace(total_steps=total, val_every=0, max_skipped_steps=3,
+                                                           log_every=1),
+                                   checkpoint=SimpleNamespace(dir=ckpt, save_every=save_every),
+                                   logging=SimpleNamespace(progress="lines"))
+        self.next_step, self.last_saved = 0, None
         self.stop, self.val_records, self.skip_streak = stop, [], {}
         self.workers = SimpleNamespace(sync_weights=lambda: None)
         self.during_step, self.during_log = during_step or {}, during_log or {}
@@ -106,18 +111,28 @@ def test_stopped_message_names_the_step_the_checkpoint_and_the_command(tmp_path)
 
 
 def test_cli_passes_the_resume_command_and_maps_an_abort_to_128_plus_signal(monkeypatch, capsys):
-    import megarl.trainer
+    import megarl.api
 
     seen = {}
 
-    def fake_run(cfg, resume_command=None):
-        seen["command"] = resume_command
-        raise RunInterrupted("SIGTERM received: stopping at once", signal.SIGTERM)
+    class FakeTrainer:  # stands in for megarl.api.RLTrainer, which the CLI drives
+        def __init__(self, cfg, resume_command=None):
+            seen["command"] = resume_command
 
-    monkeypatch.setattr(megarl.trainer, "run", fake_run)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            seen["closed"] = True
+
+        def fit(self):
+            raise RunInterrupted("SIGTERM received: stopping at once", signal.SIGTERM)
+
+    monkeypatch.setattr(megarl.api, "RLTrainer", FakeTrainer)
     code = main(["train", "yaml_configs/cpu_quickstart.yaml", "checkpoint.resume=false", "trainer.total_steps=3",
                  "checkpoint.dir=/tmp/x y"])
     assert code == 143
     assert seen["command"] == ("megarl train yaml_configs/cpu_quickstart.yaml trainer.total_steps=3 "
                                "'checkpoint.dir=/tmp/x y' checkpoint.resume=true")
     assert "megarl: error: SIGTERM received: stopping at once" in capsys.readouterr().err
+    assert seen["closed"]  # the workers are shut down on the way out

@@ -1,0 +1,229 @@
+"""One training job on the controller: its inputs, its Ray worker groups and its `RLTrainer`, from start to clean
+shutdown. `megarl train` (through `megarl.trainer.run`) and the Python API (`megarl.api.RLTrainer`) both drive a job
+through this class, so they run the same engine.
+
+    session = TrainingSession(cfg)          # checks every input (data, tokenizer, reward, checkpoints, memory)
+    session.start()                         # Ray, worker groups (HybridWorker on the actor's pool, RoleWorkers)
+    session.fit() / session.step()          # RLTrainer.fit / RLTrainer.run_step, under the SIGTERM/SIGINT handlers
+    session.close()                         # sinks, workers, /dev/shm segments, the Ray cluster it started
+
+Placement: it joins a Ray cluster (`RAY_ADDRESS`, e.g. from `launch/ray_submit.sh`) or starts a local one, places a
+`HybridWorker` on every device slot of the actor's pool (the actor, the vLLM engine and any role configured on the
+same pool) and a `RoleWorker` group on each other pool (a critic, reference or reward model of its own layout). The
+vendor log level (`logging.vendor_level`, `megarl.platform.vendor_logs`) is applied here and in every worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from typing import Callable, Optional
+
+from megarl.config import ConfigError
+from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate
+from megarl.config.schema import JobConfig
+from megarl.config.validate import SIDE_ROLES, check_supported
+from megarl.controller.resource_pool import ResourcePool
+from megarl.controller.worker_group import WorkerGroup
+from megarl.data.dataset import PromptDataset, PromptLoader
+from megarl.data.tokenization import PromptEncoder
+from megarl.platform.vendor_logs import quiet_vendors, ray_init_kwargs, vendor_env
+from megarl.rewards import build_reward_fn
+from megarl.trainer.checkpointing import complete_steps
+from megarl.trainer.engine_model_dir import engine_model_dir
+from megarl.trainer.shm import remove_shm_segments
+from megarl.trainer.stop import StopRequest
+
+logger = logging.getLogger("megarl.trainer")
+
+
+@contextlib.contextmanager
+def config_key(key: str):
+    """Re-raise a setup error (missing file, bad tokenizer, unknown reward) as a ConfigError naming `key`."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{key}: {e.args[0] if e.args else e}") from None
+
+
+def worker_threads(cfg: JobConfig, joined_cluster: bool = False, cores: Optional[int] = None) -> int:
+    """CPU threads per worker process: `resources.threads_per_worker`, else this machine's cores shared evenly by
+    every pool's device slots (at least 1); 1 when joining a Ray cluster (its nodes' cores are not visible here)."""
+    if cfg.resources.threads_per_worker:
+        return cfg.resources.threads_per_worker
+    if joined_cluster:
+        return 1
+    cores = cores or len(os.sched_getaffinity(0))
+    slots = sum(p.nodes * p.devices_per_node for p in cfg.resources.pools.values())
+    return max(1, cores // max(slots, 1))
+
+
+def placement_summary(cfg: JobConfig, device: str, threads: int) -> str:
+    """A few lines: each pool's processes, each enabled role's Megatron layout and pool, the rollout engines."""
+    lines = []
+    for name, p in cfg.resources.pools.items():
+        roles = [r for r in cfg.enabled_roles() if cfg.role(r).pool == name]
+        if name == cfg.actor.pool:
+            roles.append("rollout")
+        lines.append(f"pool {name}: {p.nodes} node(s) x {p.devices_per_node} {device} worker(s), {threads} thread(s) "
+                     f"each: {', '.join(roles) or 'unused'}")
+    for role in cfg.enabled_roles():
+        q = cfg.role(role).parallel
+        lines.append(f"  {role:<12} Megatron tp {q.tp} pp {q.pp} cp {q.cp} dp {q.dp}" + (f" ep {q.ep}" if q.ep > 1
+                                                                                           else ""))
+    devices = cfg.resources.pools[cfg.actor.pool].nodes * cfg.resources.pools[cfg.actor.pool].devices_per_node
+    lines.append(f"  {'rollout':<12} vLLM tp {cfg.rollout.tp} x {devices // cfg.rollout.tp} engine(s), weights "
+                 "resharded from the actor every step")
+    d, r = cfg.data, cfg.rollout
+    lines.append(f"{cfg.trainer.total_steps} steps of {d.prompts_per_step} prompts x {r.samples_per_prompt} samples, "
+                 f"algorithm {cfg.algorithm.name}; run dir {os.path.abspath(cfg.logging.dir)}")
+    return "\n".join(lines)
+
+
+class TrainingSession:
+    """A job's controller side. `reward_fn`: a Python callable `fn(response_text, answer, record) -> float` used
+    instead of the one `cfg.reward` names (the API's `reward=`); it runs here, on the controller, and is never sent to
+    a worker. Construction checks every input and starts nothing; `start` starts Ray and the workers."""
+
+    def __init__(self, cfg: JobConfig, reward_fn: Optional[Callable] = None) -> None:
+        check_supported(cfg)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        self.cfg = cfg
+        self.run_dir = os.path.abspath(cfg.logging.dir)
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        # Everything the controller needs is checked before any worker starts; problems name their config key.
+        with config_key("data.train_path"):
+            dataset = PromptDataset.from_config(cfg.data, split="train")
+        with config_key("data.val_path"):
+            self.val = list(PromptDataset.from_config(cfg.data, split="val")) if cfg.data.val_path else None
+        self.loader = PromptLoader(dataset, cfg.data.prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+        with config_key("model.tokenizer"):
+            self.encoder = PromptEncoder(cfg.model.tokenizer or cfg.model.path, cfg.data.chat_template)
+        if reward_fn is None:
+            with config_key("reward.function"):
+                reward_fn = build_reward_fn(cfg.reward)
+        self.reward_fn = reward_fn
+        with config_key("model.tokenizer"):
+            self.model_dir = engine_model_dir(cfg, self.run_dir)
+        if cfg.checkpoint.dir and not cfg.checkpoint.resume:
+            existing = complete_steps(cfg.checkpoint.dir)
+            if existing:
+                raise ConfigError(f"checkpoint.dir: {cfg.checkpoint.dir} holds checkpoints of an earlier run (steps "
+                                  f"{existing}); set checkpoint.resume=true to continue it, or choose another "
+                                  "directory")
+        # pre-flight: a layout whose static memory exceeds the GPU's (when known) is refused before Ray starts
+        check_fits(job_memory_estimate(cfg, device_memory_bytes(cfg)))
+        self.stop = StopRequest(graceful=bool(cfg.checkpoint.dir))
+        self.trainer = None  # megarl.trainer.rl_trainer.RLTrainer, once started
+        self.groups: list = []
+        self.shm_reports: list = []
+        self.started_ray = False
+        self.closed = False
+
+    def start(self):
+        """Start (once) the Ray cluster if none is running, the worker groups and the `RLTrainer`; returns it."""
+        if self.trainer is not None:
+            return self.trainer
+        if self.closed:
+            raise RuntimeError("this training session was closed; build a new one")
+        # this process, before the vendor imports below; the workers get it through their environment
+        quiet_vendors(self.cfg.logging.vendor_level)
+        import ray
+
+        from megarl.platform.device import device_kind  # torch
+        from megarl.trainer.hybrid_worker import HybridWorker  # torch, megatron-core, vLLM
+        from megarl.trainer.rl_trainer import RLTrainer
+        from megarl.trainer.role_worker import RoleWorker  # torch, megatron-core
+
+        cfg = self.cfg
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS")
+            # A local cluster gets one logical CPU per device slot (at least the machine's cores): Ray CPUs are only
+            # accounting here, the workers share the real cores.
+            slots = sum(p.nodes * p.devices_per_node for p in cfg.resources.pools.values())
+            ray.init(address=address, include_dashboard=False, log_to_driver=True,
+                     **ray_init_kwargs(cfg.logging.vendor_level),
+                     **({} if address else {"num_cpus": max(slots, os.cpu_count() or 2)}))
+            self.started_ray = True
+        device = device_kind(cfg.resources.device)
+        threads = worker_threads(cfg, joined_cluster=bool(os.environ.get("RAY_ADDRESS")))
+        logger.info("placement (megarl train CONFIG --dry-run prints every rank):\n%s",
+                    placement_summary(cfg, device, threads))
+        quiet = vendor_env(cfg.logging.vendor_level)
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(-(-cfg.rollout.kv_cache_gib // 1)))),
+               "OMP_NUM_THREADS": str(threads), **quiet}
+
+        def make_pool(name: str):
+            p = cfg.resources.pools[name]
+            return ResourcePool(name, nodes=p.nodes, devices_per_node=p.devices_per_node, device=device)
+
+        workers = WorkerGroup(make_pool(cfg.actor.pool), HybridWorker, cfg, self.model_dir, env=env)
+        self.groups.append(workers)
+        self.shm_reports = workers.shm_segments()  # removed after the workers are gone, however the run ends
+        logger.info("worker processes: %s", ", ".join(f"rank {i} pid {r['pid']}"
+                                                      for i, r in enumerate(self.shm_reports)))
+        role_groups = {}
+        for role in SIDE_ROLES:
+            r = cfg.role(role)
+            if not r.enabled:
+                continue
+            if r.pool == cfg.actor.pool:
+                role_groups[role] = workers
+            else:  # its own pool, world and layout
+                role_groups[role] = WorkerGroup(make_pool(r.pool), RoleWorker, cfg, role,
+                                                env={"OMP_NUM_THREADS": str(threads), **quiet})
+                self.groups.append(role_groups[role])
+        self.trainer = RLTrainer(cfg, workers, self.loader, self.encoder, self.reward_fn, role_groups=role_groups,
+                                 val_records=self.val, metrics_path=self.metrics_path, stop=self.stop)
+        return self.trainer
+
+    def signals(self):
+        """SIGTERM/SIGINT handlers around training (`megarl.trainer.stop`); none off the main thread, where Python
+        cannot install them (Ctrl-C then interrupts as usual)."""
+        if threading.current_thread() is threading.main_thread():
+            return self.stop
+        return contextlib.nullcontext()
+
+    def fit(self) -> list:
+        """`RLTrainer.fit`: the remaining steps; a list of `StepResult`."""
+        trainer = self.start()
+        with self.signals():
+            results = trainer.fit()
+        trainer.close()  # ends the progress bar before the closing lines
+        last = results[-1].metrics if results else {}
+        logger.info("finished %d steps; last reward %.3f; metrics in %s", len(results),
+                    last.get("reward/mean", float("nan")), self.metrics_path)
+        return results
+
+    def step(self):
+        """`RLTrainer.run_step`: the next step (with its validation / checkpoint / logging); a `StepResult`."""
+        trainer = self.start()
+        with self.signals():
+            return trainer.run_step()
+
+    def close(self) -> None:
+        """Close the sinks, kill the workers (and their placement groups), remove their /dev/shm segments and stop the
+        Ray cluster this session started. Idempotent; safe after a failed start."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.trainer is not None:
+                self.trainer.close()
+        finally:
+            for group in reversed(self.groups):
+                group.shutdown()
+            self.groups = []
+            removed = remove_shm_segments(self.shm_reports)
+            if removed:
+                logger.info("removed the workers' vLLM shared-memory segments from /dev/shm: %s", removed)
+            if self.started_ray:
+                import ray
+
+                ray.shutdown()
+                self.started_ray = False
