@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "with SFT on the Megatron actor, then run GRPO through the full stack (Ray, Megatron, reshard, vLLM); "
         "writes summary.json, samples.md, metrics.jsonl and the HF export (hf/) under --out.",
     )
-    from megarl.quickstart import add_arguments as quickstart_arguments  # stdlib-only at import
+    from megarl.trainer.quickstart import add_arguments as quickstart_arguments  # stdlib-only at import
 
     quickstart_arguments(quickstart)
     plot = sub.add_parser(
@@ -197,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "export":
             return _export(args)
         if args.command == "quickstart":
-            from megarl.quickstart import run_quickstart, settings_from_args
+            from megarl.trainer.quickstart import run_quickstart, settings_from_args
 
             run_quickstart(settings_from_args(args))
             return EXIT_OK

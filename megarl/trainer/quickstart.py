@@ -56,6 +56,7 @@ class QuickstartSettings:
     val_every: int = 25
     n_samples_table: int = 12
     seed: int = 0
+    vendor_level: str = "error"  # megarl.platform.vendor_logs: vLLM / Ray / megatron-core messages shown
 
 
 def job_config(s: QuickstartSettings, data: dict[str, str]) -> dict:
@@ -79,7 +80,7 @@ def job_config(s: QuickstartSettings, data: dict[str, str]) -> dict:
                  "prompt_key": "prompt", "answer_key": "answer", "chat_template": "none", "seed": s.seed},
         "reward": {"function": "exact_match"},
         "trainer": {"total_steps": s.grpo_steps, "seed": 1234, "val_every": s.val_every, "log_every": 1},
-        "logging": {"backends": ["console", "jsonl"], "dir": out},
+        "logging": {"backends": ["console", "jsonl"], "dir": out, "vendor_level": s.vendor_level},
         "checkpoint": {"dir": os.path.join(out, "checkpoint")},
     }
 
@@ -151,6 +152,7 @@ def run_quickstart(s: QuickstartSettings) -> dict:
     from megarl.data.dataset import PromptDataset, PromptLoader
     from megarl.data.tokenization import PromptEncoder
     from megarl.platform.device import device_kind
+    from megarl.platform.vendor_logs import quiet_vendors, ray_init_kwargs, vendor_env
     from megarl.rewards import build_reward_fn
     from megarl.trainer import worker_threads
     from megarl.trainer.engine_model_dir import engine_model_dir
@@ -159,6 +161,7 @@ def run_quickstart(s: QuickstartSettings) -> dict:
     from megarl.trainer.shm import remove_shm_segments
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_vendors(s.vendor_level)
     out = os.path.abspath(s.out)
     if os.path.exists(os.path.join(out, "summary.json")) or os.path.exists(os.path.join(out, "checkpoint")):
         from megarl.config import ConfigError
@@ -178,16 +181,17 @@ def run_quickstart(s: QuickstartSettings) -> dict:
     times["data_s"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    ray.init(include_dashboard=False, log_to_driver=True, num_cpus=max(2, os.cpu_count() or 2))
+    ray.init(include_dashboard=False, log_to_driver=True, num_cpus=max(2, os.cpu_count() or 2),
+             **ray_init_kwargs(s.vendor_level))
     groups, shm = [], []
     summary: dict = {}
     try:
         threads = str(worker_threads(cfg))
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": threads}
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": threads, **vendor_env(s.vendor_level)}
         p = cfg.resources.pools["default"]
         pool = ResourcePool("default", nodes=p.nodes, devices_per_node=p.devices_per_node,
                             device=device_kind(cfg.resources.device))
-        workers = WorkerGroup(pool, SFTWorker, cfg, engine_model_dir(cfg, out))
+        workers = WorkerGroup(pool, SFTWorker, cfg, engine_model_dir(cfg, out), env=env)
         groups.append(workers)
         shm = workers.shm_segments()
         times["setup_s"] = time.perf_counter() - t
@@ -268,11 +272,13 @@ def run_quickstart(s: QuickstartSettings) -> dict:
         f.write(f"Greedy answers to the first {len(shown)} held-out problems.\n\n{table}")
     summary["samples"] = [{"prompt": r.prompt, "answer": r.answer, "after_sft": a, "after_grpo": b, "hf": h}
                           for r, a, b, h in zip(shown, after_sft, after_grpo, hf)]
-    try:  # the plots of the run (helper module of the logging work; absent in older trees)
-        from megarl.trainer.plots import plot_run
-    except ImportError:
-        plot_run = None
-    summary["plots"] = plot_run(out) if plot_run is not None else []
+    from megarl.trainer.plots import PlotsUnavailable, plot_run
+
+    try:
+        summary["plots"] = plot_run(out)  # OUT/plots/*.png from OUT/metrics.jsonl (the GRPO stage)
+    except PlotsUnavailable as e:
+        logger.warning("%s", e)
+        summary["plots"] = []
     times["total_s"] = time.perf_counter() - t0
     summary.update({f"time_{k}": v for k, v in times.items()})
     with open(os.path.join(out, "summary.json"), "w") as f:
@@ -293,11 +299,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sft-target", type=float, default=d.sft_target)
     p.add_argument("--grpo-steps", type=int, default=d.grpo_steps)
     p.add_argument("--val-every", type=int, default=d.val_every)
+    p.add_argument("--verbose", action="store_true", help="show vLLM / Ray / megatron-core messages")
 
 
 def settings_from_args(args: argparse.Namespace) -> QuickstartSettings:
     return QuickstartSettings(out=args.out, sft_max_steps=args.sft_max_steps, sft_eval_every=args.sft_eval_every,
-                              sft_target=args.sft_target, grpo_steps=args.grpo_steps, val_every=args.val_every)
+                              sft_target=args.sft_target, grpo_steps=args.grpo_steps, val_every=args.val_every,
+                              vendor_level="info" if args.verbose else QuickstartSettings.vendor_level)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
