@@ -17,8 +17,13 @@ Stages (times in OUT/summary.json, seconds):
              compared with vLLM's on the sample prompts.
 Accuracy everywhere is **greedy** (temperature 0, one response per problem) exact match over all held-out problems
 (`accuracy_*` in summary.json), measured through the vLLM rollout engine after a reshard. OUT/samples.md holds a
-table of sample answers before (after SFT) and after GRPO; plots (when `megarl.trainer.plots` is available) go
-under OUT.
+table of sample answers after SFT, after GRPO and from the HF export; OUT/plots/*.png the GRPO stage's plots
+(`megarl.trainer.plots.plot_run`, needs matplotlib: without it a warning and no plots).
+
+Measured (2-core CPU, defaults, benchmarks/results/quickstart_cpu.json): held-out accuracy 0.000 (random) -> 0.370
+after SFT (300 steps, 26 s) -> 0.795 after GRPO (200 steps, 90 s); 154 s in all. In a plain-PyTorch
+re-implementation used to choose the settings, GRPO at lr 1e-3-2e-3 or from a warm-up below ~0.15 gained little
+or collapsed; lr 3e-4 with 32 prompts x 8 samples from ~0.4 gained ~0.3 in 150 steps.
 """
 
 from __future__ import annotations
