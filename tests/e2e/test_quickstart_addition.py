@@ -63,7 +63,7 @@ def test_summary_fields_and_accuracies(quickstart):
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # the last validation (step 4, greedy over every held-out problem) is the final model's accuracy
-    assert summary["grpo_val_accuracy"]["4"] == pytest.approx(summary["accuracy_after_grpo"], abs=1e-12)
+    assert summary["grpo_val_accuracy"]["4"] == pytest.approx(summary["accuracy_after_grpo"], abs=1e-6)  # float32 mean
     assert "held-out greedy accuracy" in proc.stdout
 
 
