@@ -49,11 +49,13 @@ import typing
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from megarl.config import ConfigError, JobConfig, apply_overrides, from_dict, to_dict, validate
+from megarl.config.errors import did_you_mean
 from megarl.config.loader import read_yaml
 
 __all__ = ["JobConfig", "RLTrainer", "build_config"]
 
 ConfigLike = Union[JobConfig, str, os.PathLike, Mapping, None]
+ARGUMENTS = ("config", "model", "reward", "train_data", "val_data", "algorithm", "run_dir", "overrides")
 
 
 # --------------------------------------------------------------------------------------------------- config
@@ -139,6 +141,12 @@ def build_config(config: ConfigLike = None, *, model: Union[str, Mapping, None] 
                  overrides: Iterable[str] = (), **sections: Any) -> tuple[JobConfig, Optional[Callable]]:
     """The validated `JobConfig` of `RLTrainer`'s arguments (see the module docstring) and the reward callable
     (None when the config names the reward). Raises ConfigError naming the key, as `megarl train` does."""
+    fields = [f.name for f in dataclasses.fields(JobConfig)]
+    for key in sections:
+        if key not in fields:
+            names = [*ARGUMENTS, *fields]
+            raise ConfigError(f"unknown argument {key!r}{did_you_mean(key, names)}; RLTrainer takes "
+                              f"{', '.join(ARGUMENTS)} and the config sections {', '.join(fields)}")
     data = _base_data(config)
     extra: dict[str, Any] = dict(sections)
     if model is not None:

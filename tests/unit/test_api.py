@@ -86,3 +86,9 @@ def test_model_path_replaces_the_inline_arch(tmp_path):
     with pytest.raises(ConfigError) as e:
         build_config(QUICKSTART, model=str(tmp_path / "no_such_model"))
     assert "model" in str(e.value) and "no_such_model" in str(e.value)
+
+
+def test_a_misspelt_argument_is_named_with_the_closest_one():
+    with pytest.raises(ConfigError, match="unknown argument 'trian_data' \\(did you mean 'train_data'\\?\\); "
+                                         "RLTrainer takes config, model, reward"):
+        build_config(QUICKSTART, trian_data=[])
