@@ -1,0 +1,60 @@
+"""Regenerate `tests/e2e/golden/quickstart_addition_short.json`, the short `megarl quickstart` run's curves.
+
+    cd <repo root> && flock /tmp/megarl-heavy.lock .venv/bin/python -m tests.e2e.regenerate_golden_addition [--out PATH]
+
+Runs `megarl quickstart` with the test's `SHORT_ARGS` in a temporary directory (the test's clean environment) and
+writes, atomically: the three held-out accuracies, the SFT losses at its evaluations, the GRPO reward per step and
+the machine. Only regenerate when a change is meant to alter the curves, and say so in the commit message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from tests.e2e.regenerate_golden import _versions
+from tests.e2e.test_quickstart_addition import GOLDEN, SHORT_ARGS, run_short
+
+
+def main(argv: list[str] | None = None) -> int:
+    import platform
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=GOLDEN, help="where to write the golden JSON (default: %(default)s)")
+    out = parser.parse_args(argv).out
+    with tempfile.TemporaryDirectory(prefix="megarl-golden-") as tmp:
+        run_dir = os.path.join(tmp, "run")
+        proc = run_short(run_dir)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+            sys.stderr.write(f"\nquickstart run failed (exit {proc.returncode}); {out} left unchanged\n")
+            return 1
+        summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    golden = {
+        "command": "megarl quickstart --out DIR " + " ".join(SHORT_ARGS),
+        "machine": f"{os.cpu_count()}-core {platform.machine()} CPU, {_versions()}",
+        "accuracy_initial": summary["accuracy_initial"],
+        "accuracy_after_sft": summary["accuracy_after_sft"],
+        "accuracy_after_grpo": summary["accuracy_after_grpo"],
+        "sft_loss": [c["loss"] for c in summary["sft_curve"]],
+        "grpo_reward_mean": [round(r, 6) for r in summary["grpo_reward_mean"]],
+    }
+    fd, tmp_path = tempfile.mkstemp(prefix=".quickstart_addition.", suffix=".json",
+                                    dir=os.path.dirname(os.path.abspath(out)))
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(golden, f, indent=1)
+            f.write("\n")
+        os.replace(tmp_path, out)
+    except BaseException:
+        os.unlink(tmp_path)
+        raise
+    print(f"wrote {out}: accuracy after SFT {golden['accuracy_after_sft']}, after GRPO {golden['accuracy_after_grpo']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
