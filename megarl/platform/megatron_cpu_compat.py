@@ -20,7 +20,10 @@ megatron-core 0.16.1 hard-codes CUDA in places that have nothing to do with the 
    Python call per torch op, so it is *scoped*: `megatron_on_cpu()` is entered around Megatron work (building a
    role, running its schedules) and left while vLLM or the controller run.
 
-Items 1 and 2 are process-wide but inert on real CUDA machines because `install()` does nothing when
+4. The MoE alltoall token dispatcher's split sizes (``transformer/moe/moe_utils.py`` ``maybe_move_tensor_to_cpu``
+   converts only CUDA tensors to numpy): see `_install_moe_split_sizes_on_cpu`.
+
+Items 1, 2 and 4 are process-wide but inert on real CUDA machines because `install()` does nothing when
 ``torch.cuda.is_available()``. Each redirect names the megatron-core 0.16.1 code that needs it.
 """
 
@@ -134,6 +137,25 @@ def _install_megatron_rng_redirect() -> None:
     mrandom._set_cuda_rng_state = _set_state
 
 
+def _install_moe_split_sizes_on_cpu() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # megatron/core/transformer/moe/moe_utils.py `maybe_move_tensor_to_cpu(t, as_numpy=True)` converts only CUDA
+    # tensors; the alltoall token dispatcher (`MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`) relies on it
+    # to turn its split sizes into host numbers, so on CPU they stay tensors and
+    # `torch.distributed.all_to_all_single(output_split_sizes=<tensor>)` raises "TypeError: all_to_all_single():
+    # incompatible function arguments". A CPU tensor asked for as numpy becomes numpy, as a CUDA one would.
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = move
+    token_dispatcher.maybe_move_tensor_to_cpu = move
+
+
 # --------------------------------------------------------------------------------------------------------------
 # 3. The scoped function mode
 # --------------------------------------------------------------------------------------------------------------
@@ -192,6 +214,7 @@ def install() -> bool:
         if not _INSTALLED:
             _install_torch_cuda_shims()
             _install_megatron_rng_redirect()
+            _install_moe_split_sizes_on_cpu()
             _INSTALLED = True
     return True
 

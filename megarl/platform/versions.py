@@ -65,6 +65,20 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when="`get_megatron_optimizer` takes the role's group for that gather",
     ),
     Workaround(
+        where='platform/megatron_cpu_compat.py: `_install_moe_split_sizes_on_cpu`',
+        serves='megatron-core 0.16.1',
+        symptom=("CPU, MoE alltoall dispatcher at ep or tp > 1: TypeError: all_to_all_single(): incompatible function "
+                 "arguments (split sizes left as CPU tensors by moe_utils.maybe_move_tensor_to_cpu)"),
+        remove_when="maybe_move_tensor_to_cpu(as_numpy=True) converts CPU tensors too",
+    ),
+    Workaround(
+        where='platform/megatron_patches.py: `define_moe_router_gemm_without_te`',
+        serves='megatron-core 0.16.1',
+        symptom=("MoE router forward without Transformer Engine: NameError: name 'te_general_gemm' is not defined "
+                 "(moe_utils.RouterGatingLinearFunction)"),
+        remove_when="moe_utils defines te_general_gemm = None when the TE import fails",
+    ),
+    Workaround(
         where='checkpoint/dist_ckpt.py: `assign_replica_ids`',
         serves='megatron-core 0.16.1',
         symptom=('TP=2 save fails "Invalid access pattern" on replicated norm weights (replica_id (0,0,0) on every '
