@@ -35,11 +35,12 @@ import torch
 
 from megarl.engine import offload as off
 from megarl.engine.heads import attach_scalar_head
+from megarl.engine.moe import MoeSettings, apply_moe_training_settings
 from megarl.models.gpt import build_gpt_model, build_transformer_config, padded_vocab_size
 from megarl.models.spec import ModelSpec
 from megarl.parallel.groups import RoleGroups
 from megarl.platform.megatron_cpu_compat import megatron_on_cpu
-from megarl.platform.megatron_patches import default_group_collectives
+from megarl.platform.megatron_patches import default_group_collectives, define_moe_router_gemm_without_te
 
 # A micro-batch: tensors keyed by name. `input_ids` [batch, seq] int64 is required; everything else is passed
 # through to the loss function. Sequences are right-padded: causal attention makes padding invisible to
@@ -94,6 +95,7 @@ class MegatronEngine:
         recompute: bool = False,
         head: str = "lm",
         init_weights: bool = True,
+        moe: Optional[MoeSettings] = None,
     ) -> None:
         if not groups.is_member:
             raise ValueError("MegatronEngine built on a rank outside the role's layout")
@@ -108,6 +110,7 @@ class MegatronEngine:
         self.dtype = dtype
         self.trainable = optimizer is not None
         self.optimizer_settings = optimizer
+        self.moe_settings = moe or MoeSettings()
         self._init_weights = init_weights  # False: leave parameters uninitialised (weights are loaded right after)
         with megatron_on_cpu():
             self._build(seed, first_stage_layers, last_stage_layers, recompute)
@@ -119,6 +122,8 @@ class MegatronEngine:
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+        if self.spec.is_moe:
+            define_moe_router_gemm_without_te()
         if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # layout-independent scratch buffer
             parallel_state._set_global_memory_buffer()
         coord = self.groups.coord
@@ -134,6 +139,7 @@ class MegatronEngine:
         self.config.perform_initialization = self._init_weights
         self.config.variable_seq_lengths = True  # micro-batches may differ in length (token-budget batching)
         self.config.calculate_per_token_loss = True  # exact global normalisation, see module docstring
+        apply_moe_training_settings(self.config, self.moe_settings)
         model = build_gpt_model(self.spec, self.groups, self.config)
         if self.head == "scalar" and self.groups.is_last_stage:
             attach_scalar_head(model, self.spec.hidden_size, self.config.params_dtype, seed)
@@ -224,7 +230,8 @@ class MegatronEngine:
         return self.model.module if self.trainable else self.model
 
     # ------------------------------------------------------------------------------------------------ run
-    def run(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, forward_only: bool) -> list[dict[str, Any]]:
+    def run(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, forward_only: bool,
+            routing=None) -> list[dict[str, Any]]:
         """Run megatron's pipeline schedule over `micro_batches` (same list on every rank of a pipeline).
 
         `loss_fn` sees this TP rank's logits shard restricted to real vocabulary columns
@@ -232,7 +239,8 @@ class MegatronEngine:
         The metrics dict may carry tensors of any shape (e.g. per-token log-probs of a forward-only run); they are
         returned as they are. Returns the per-micro-batch metric dicts on the last
         pipeline stage, [] elsewhere. With `forward_only=False` gradients accumulate in the DDP buffers; call
-        `step()` afterwards.
+        `step()` afterwards. `routing`: a `megarl.engine.moe.RoutingRecorder` / `RoutingReplayer` of this engine
+        (MoE models): entered around the schedule, told each micro-batch before its forward.
         """
         if not micro_batches:
             raise ValueError("run() needs at least one micro-batch")
@@ -240,9 +248,11 @@ class MegatronEngine:
         if not forward_only and not self.trainable:
             raise RuntimeError("this role is frozen (no optimizer): run it with forward_only=True")
         with megatron_on_cpu():
-            return self._run(list(micro_batches), loss_fn, forward_only)
+            with routing if routing is not None else contextlib.nullcontext():
+                return self._run(list(micro_batches), loss_fn, forward_only, routing)
 
-    def _run(self, micro_batches: list[MicroBatch], loss_fn: LossFn, forward_only: bool) -> list[dict[str, Any]]:
+    def _run(self, micro_batches: list[MicroBatch], loss_fn: LossFn, forward_only: bool,
+             routing=None) -> list[dict[str, Any]]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
@@ -253,6 +263,8 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
+            if routing is not None:
+                routing.begin_micro_batch(batch)
             tokens = batch["input_ids"].to(device)
             positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
             output = model(tokens, positions, None)

@@ -111,6 +111,38 @@ def build_transformer_config(
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
+        **moe_config_kwargs(spec, groups),
+    )
+
+
+def moe_config_kwargs(spec: ModelSpec, groups: RoleGroups) -> dict:
+    """megatron-core `TransformerConfig` MoE arguments for `spec` (empty for dense models).
+
+    Routing as the HF families define it: `moe_norm_topk_prob` True = top-k of the logits then softmax over the k
+    (megatron-core's default; equals HF's softmax, top-k, renormalise); False = softmax over all experts then top-k
+    (`moe_router_pre_softmax`, Qwen-MoE `norm_topk_prob: false`). Router in fp32; expert TP = dense TP; EP carved
+    from dp*cp (`RoleTopology.ep`). Load-balancing/z-loss coefficients and the token dispatcher are training
+    settings the engine sets (`megarl.engine.moe.apply_moe_training_settings`); here the aux loss is off.
+    """
+    if not spec.is_moe:
+        return {}
+    topo = groups.topology
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_topk=spec.moe_topk,
+        moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+        moe_layer_freq=[1 if m else 0 for m in spec.moe_layers],
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=bool(spec.shared_expert_ffn_hidden_size),
+        expert_model_parallel_size=topo.ep,
+        expert_tensor_parallel_size=topo.tp,
     )
 
 
@@ -122,7 +154,14 @@ def build_gpt_model(spec: ModelSpec, groups: RoleGroups, config, vp_stage: Optio
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if transformer_engine_available():
+    if spec.is_moe:  # per-layer specs (dense or MoE MLP per `moe_layer_freq`), this stage's layers
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        layer_spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=transformer_engine_available(), normalization="RMSNorm",
+            vp_stage=vp_stage, pp_rank=groups.coord.pp,
+        )
+    elif transformer_engine_available():
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
     else:
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")

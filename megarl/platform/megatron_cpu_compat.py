@@ -20,7 +20,17 @@ megatron-core 0.16.1 hard-codes CUDA in places that have nothing to do with the 
    Python call per torch op, so it is *scoped*: `megatron_on_cpu()` is entered around Megatron work (building a
    role, running its schedules) and left while vLLM or the controller run.
 
-Items 1 and 2 are process-wide but inert on real CUDA machines because `install()` does nothing when
+4. The MoE alltoall token dispatcher's split sizes (``transformer/moe/token_dispatcher.py``
+   ``_maybe_dtoh_and_synchronize``): `maybe_move_tensor_to_cpu(..., as_numpy=True)` converts only CUDA tensors, so
+   on CPU the splits stay tensors and gloo's ``all_to_all_single`` rejects them ("incompatible function
+   arguments"); CPU tensors asked for as numpy are converted too. See `_install_moe_split_sizes_redirect`.
+
+5. Backward passes of megatron's communication autograd functions (``tensor_parallel/mappings.py``: e.g.
+   ``_AllToAll`` allocates its all-to-all-v output with ``device=torch.cuda.current_device()``): autograd runs a
+   Function's backward without the caller's function mode, so each one's backward enters `megatron_on_cpu()`
+   itself. See `_install_backward_mode_for_mappings`.
+
+Items 1, 2, 4 and 5 are process-wide but inert on real CUDA machines because `install()` does nothing when
 ``torch.cuda.is_available()``. Each redirect names the megatron-core 0.16.1 code that needs it.
 """
 
@@ -134,6 +144,35 @@ def _install_megatron_rng_redirect() -> None:
     mrandom._set_cuda_rng_state = _set_state
 
 
+def _install_moe_split_sizes_redirect() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def _to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _to_cpu
+
+
+def _install_backward_mode_for_mappings() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    for name in dir(mappings):
+        cls = getattr(mappings, name)
+        if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function) and "backward" in cls.__dict__):
+            continue
+        original = cls.__dict__["backward"].__func__
+
+        def backward(ctx, *grads, _original=original):
+            with megatron_on_cpu():
+                return _original(ctx, *grads)
+
+        cls.backward = staticmethod(backward)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # 3. The scoped function mode
 # --------------------------------------------------------------------------------------------------------------
@@ -192,6 +231,8 @@ def install() -> bool:
         if not _INSTALLED:
             _install_torch_cuda_shims()
             _install_megatron_rng_redirect()
+            _install_moe_split_sizes_redirect()
+            _install_backward_mode_for_mappings()
             _INSTALLED = True
     return True
 

@@ -41,3 +41,14 @@ def default_group_collectives(group: Optional[dist.ProcessGroup]) -> Iterator[No
     finally:
         dist.get_world_size = orig_world_size
         dist.all_gather_object = orig_all_gather_object
+
+
+def define_moe_router_gemm_without_te() -> None:
+    """megatron-core 0.16.1 `transformer/moe/moe_utils.py` binds `te_general_gemm` only when Transformer Engine
+    imports (its `except ImportError` sets `HAVE_TE = False` and nothing else), yet `RouterGatingLinearFunction`
+    reads the name on every router forward: without TE every MoE model fails with "NameError: name
+    'te_general_gemm' is not defined". Binding it to None selects the function's own torch.mm branch. Idempotent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

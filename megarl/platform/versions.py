@@ -51,6 +51,13 @@ class Workaround(NamedTuple):
 
 WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
+        where='platform/megatron_patches.py: `define_moe_router_gemm_without_te`',
+        serves='megatron-core 0.16.1',
+        symptom=("MoE router forward without Transformer Engine: NameError: name 'te_general_gemm' is not defined "
+                 "(moe_utils binds it only when TE imports)"),
+        remove_when="moe_utils sets te_general_gemm = None in its ImportError branch",
+    ),
+    Workaround(
         where='platform/megatron_cpu_compat.py: `megatron_on_cpu`',
         serves='megatron-core 0.16.1',
         symptom=('CPU runs: hard-coded `device="cuda"` factories, CUDA RNG helpers and `\'torch.cuda.FloatTensor\'` '
