@@ -24,6 +24,7 @@ what megatron-core's save/load are): ranks outside the role pass `engine=None` a
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from typing import Any, Optional
@@ -36,6 +37,8 @@ from megarl.checkpoint.engine_io import check_same_model, refresh_optimizer_copi
 from megarl.checkpoint.errors import CheckpointError
 from megarl.checkpoint.hf_io import HFReader, HFWriter, spec_from_hf_config
 from megarl.checkpoint.name_map import (
+    _LAYER_RE,
+    DIST_CKPT_NAMES,
     ParamLayout,
     hf_shapes,
     hf_to_megatron_full,
@@ -44,7 +47,7 @@ from megarl.checkpoint.name_map import (
     shard_segments,
 )
 from megarl.models.gpt import DTYPES
-from megarl.models.spec import ARCHITECTURES, ModelSpec
+from megarl.models.spec import ARCHITECTURES, ModelSpec, moe_hf_config_fields
 from megarl.platform.megatron_cpu_compat import megatron_on_cpu
 
 META_NAME = "megarl_checkpoint.json"
@@ -360,6 +363,7 @@ def spec_to_hf_config(spec: ModelSpec) -> dict:
         cfg["rope_scaling"] = dict(spec.rope_scaling)
     if traits.attention_bias_key:
         cfg["attention_bias"] = spec.qkv_bias
+    cfg.update(moe_hf_config_fields(spec))
     return cfg
 
 
@@ -394,12 +398,40 @@ def _first_line(e: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- offline
+def _moe_dist_ckpt_key(layout: ParamLayout) -> str:
+    """Key of a MoE model's layer tensor in a megatron-core distributed checkpoint.
+
+    megatron-core 0.16.1 (`TransformerBlock.sharded_state_dict`) keys every layer separately ("non-homogeneous
+    layers": `decoder.layers.{i}.…`, no stacked layer axis) when `moe_layer_freq` is a list, which megarl always
+    passes for MoE models; routed experts of a layer share one key `decoder.layers.{i}.mlp.experts.experts.linear_fc1
+    .weight` with the global expert index as a leading axis (`SequentialMLP.sharded_state_dict`)."""
+    m = _LAYER_RE.match(layout.megatron_name)
+    suffix = m.group(2)
+    if layout.expert is not None:
+        suffix = "mlp.experts.experts." + suffix.rsplit(".", 2)[-2] + ".weight"
+    return f"decoder.layers.{layout.layer}." + DIST_CKPT_NAMES.get(suffix, suffix)
+
+
 def _full_sharded_tensor(spec: ModelSpec, layout: ParamLayout, data: torch.Tensor, regular_grid: bool = True):
     """The ShardedTensor that holds a whole (TP=1, real-vocab) Megatron tensor, keyed as megatron-core keys it."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     if layout.layer is None:
         return ShardedTensor.from_rank_offsets(layout.dist_ckpt_key, data, replica_id=0)
+    if spec.is_moe:
+        key = _moe_dist_ckpt_key(layout)
+        if layout.expert is None:
+            return ShardedTensor.from_rank_offsets(key, data, replica_id=0)
+        if regular_grid:
+            return ShardedTensor.from_rank_offsets(
+                key, data, (0, layout.expert, spec.num_experts), replica_id=0, prepend_axis_num=1
+            )
+        data = data.unsqueeze(0)  # one expert as an irregular chunk (see below)
+        return ShardedTensor(
+            key=key, data=data, dtype=data.dtype, local_shape=tuple(data.shape),
+            global_shape=(spec.num_experts,) + tuple(data.shape[1:]),
+            global_offset=(layout.expert,) + (0,) * (data.dim() - 1), axis_fragmentations=None, replica_id=0,
+        )
     if not regular_grid:
         # One layer of the stacked tensor, as an irregular chunk: megatron-core builds a regular grid's torch
         # metadata as if this rank held every layer, and DCP then refuses a read of a single layer.
@@ -462,10 +494,39 @@ def hf_to_megatron(hf_dir: str, out: str, dtype: Optional[str] = None, overwrite
     return stats
 
 
-def megatron_to_hf(mdir: str, out: str, overwrite: bool = False, max_shard_bytes: int = 2 * 1024**3) -> dict:
+def read_steps(spec: ModelSpec, dtype: torch.dtype, max_step_bytes: int) -> list[list[ParamLayout]]:
+    """The order `megatron_to_hf` reads tensors in: embedding/final norm/output first, then layer by layer; a
+    MoE layer's routed experts in runs of whole experts of at most `max_step_bytes` (at least one expert)."""
+    steps: dict[Optional[int], list[ParamLayout]] = {}
+    experts: dict[int, dict[int, list[ParamLayout]]] = {}
+    for lay in param_layouts(spec):
+        if lay.expert is None:
+            steps.setdefault(lay.layer, []).append(lay)
+        else:
+            experts.setdefault(lay.layer, {}).setdefault(lay.expert, []).append(lay)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    out = []
+    for layer in [None] + list(range(spec.num_layers)):
+        out.append(steps[layer])
+        run, run_bytes = [], 0
+        for lays in experts.get(layer, {}).values():
+            nbytes = sum(math.prod(_full_shape(spec, lay)) * itemsize for lay in lays)
+            if run and run_bytes + nbytes > max_step_bytes:
+                out.append(run)
+                run, run_bytes = [], 0
+            run.extend(lays)
+            run_bytes += nbytes
+        if run:
+            out.append(run)
+    return out
+
+
+def megatron_to_hf(mdir: str, out: str, overwrite: bool = False, max_shard_bytes: int = 2 * 1024**3,
+                   max_step_bytes: int = 1024**3) -> dict:
     """Collective over the world: write the Megatron checkpoint at `mdir` as an HF directory at `out`.
 
-    Reads one layer at a time (peak memory: one layer plus one safetensors shard being written). The HF
+    Reads one layer at a time, a MoE layer's routed experts in runs of at most `max_step_bytes` (peak memory: one
+    dense layer or expert run plus one safetensors shard being written). The HF
     config, generation config and tokenizer files come from the checkpoint's `hf_assets/`.
     """
     from megatron.core import dist_checkpointing
@@ -481,16 +542,11 @@ def megatron_to_hf(mdir: str, out: str, overwrite: bool = False, max_shard_bytes
     meta = read_meta(mdir)
     spec = spec_from_hf_config(meta["hf_config"])
     dtype = DTYPES[meta["dtype"]]
-    layouts = param_layouts(spec)
-    steps: dict[Optional[int], list[ParamLayout]] = {}
-    for lay in layouts:
-        steps.setdefault(lay.layer, []).append(lay)
-    order = [None] + list(range(spec.num_layers))  # embedding/final norm/output first, then layer by layer
     try:
-        for step in order:
+        for step in read_steps(spec, dtype, max_step_bytes):
             sd = {}
             if writer is not None:
-                for lay in steps[step]:
+                for lay in step:
                     shape = _full_shape(spec, lay)
                     sd[lay.megatron_name] = _full_sharded_tensor(
                         spec, lay, torch.empty(shape, dtype=dtype), regular_grid=False
@@ -501,9 +557,8 @@ def megatron_to_hf(mdir: str, out: str, overwrite: bool = False, max_shard_bytes
                 except Exception as e:
                     raise CheckpointError(f"cannot read {mdir}: {_first_line(e)}") from None
             if writer is not None:
-                for lay in steps[step]:
-                    full = loaded[lay.megatron_name]
-                    full = full.squeeze(0) if lay.layer is not None else full
+                for lay in step:
+                    full = loaded[lay.megatron_name].reshape(_full_shape(spec, lay))
                     for name, t in megatron_full_to_hf(spec, lay, full).items():
                         writer.add(name, t)
     except BaseException:

@@ -27,17 +27,35 @@ def stage_layer_offset(module) -> int:
     return int(layers[0].layer_number) - 1
 
 
+def expert_offset(engine) -> int:
+    """Global index of this rank's first routed expert: ep_rank * num_experts / ep (0 for dense models).
+
+    The expert-parallel rank is this rank's position in the role's expert-parallel group, as megatron-core's
+    MoE layer numbers its local experts (`MoELayer.local_expert_indices`)."""
+    spec, topo = engine.spec, engine.groups.topology
+    if not spec.is_moe or topo.ep == 1:
+        return 0
+    return dist.get_rank(engine.groups.pgs.ep) * (spec.num_experts // topo.ep)
+
+
+def engine_canonical_name(engine, name: str) -> str:
+    """`canonical_name` of this rank's module parameter `name` (global layer and expert numbers)."""
+    return canonical_name(name, stage_layer_offset(engine.module), expert_offset(engine))
+
+
 def named_layouts(engine) -> Iterator[tuple[str, torch.nn.Parameter, ParamLayout]]:
     """(module name, parameter, layout) for every parameter of this rank's model chunk."""
-    offset = stage_layer_offset(engine.module)
+    offset, experts = stage_layer_offset(engine.module), expert_offset(engine)
     for name, param in engine.module.named_parameters():
-        yield name, param, module_param_layout(engine.spec, canonical_name(name, offset))
+        yield name, param, module_param_layout(engine.spec, canonical_name(name, offset, experts))
 
 
 def check_same_model(engine_spec, hf_spec, ignore: tuple[str, ...] = ()) -> None:
     """Raise `CheckpointError` naming every model field (except `ignore`) where engine and checkpoint differ."""
     fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
-              "ffn_hidden_size", "vocab_size", "qkv_bias", "qk_layernorm", "tie_word_embeddings")
+              "ffn_hidden_size", "vocab_size", "qkv_bias", "qk_layernorm", "tie_word_embeddings",
+              "num_experts", "moe_topk", "moe_ffn_hidden_size", "moe_norm_topk_prob", "moe_layers",
+              "shared_expert_ffn_hidden_size")
     diff = [f"{f}: engine {getattr(engine_spec, f)} vs checkpoint {getattr(hf_spec, f)}"
             for f in fields if f not in ignore and getattr(engine_spec, f) != getattr(hf_spec, f)]
     if diff:
@@ -61,7 +79,7 @@ def load_hf_into_engine(engine, hf_dir: str, reader: Optional[HFReader] = None) 
     spec = reader.spec if scalar else engine.spec
     topo, coord = engine.groups.topology, engine.groups.coord
     validate_tp(spec, topo.tp)
-    offset = stage_layer_offset(engine.module)
+    offset, experts = stage_layer_offset(engine.module), expert_offset(engine)
     nbytes = 0
     for name, param in engine.module.named_parameters():
         if scalar and name == MEGATRON_HEAD_NAME:
@@ -72,7 +90,8 @@ def load_hf_into_engine(engine, hf_dir: str, reader: Optional[HFReader] = None) 
                 param.data.copy_(t)
                 nbytes += t.numel() * t.element_size()
             continue
-        layout = module_param_layout(spec, canonical_name(name, offset))
+        # routed experts: only this expert-parallel rank's experts are read, one at a time
+        layout = module_param_layout(spec, canonical_name(name, offset, experts))
         shard = build_shard(spec, layout, coord.tp, topo.tp, reader.read)
         if tuple(shard.shape) != tuple(param.shape):
             raise CheckpointError(

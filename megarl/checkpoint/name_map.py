@@ -250,12 +250,28 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def canonical_name(module_name: str, layer_offset: int = 0) -> str:
-    """A stage module's parameter name -> the global local-spec name (`layer_offset` = first layer of the stage)."""
+_TE_EXPERT_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")  # TE grouped GEMM: weight{j}
+_LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+def canonical_name(module_name: str, layer_offset: int = 0, expert_offset: int = 0) -> str:
+    """A stage module's parameter name -> the global local-spec name.
+
+    `layer_offset`: global number of the stage's first layer. `expert_offset`: global index of this
+    expert-parallel rank's first expert (ep_rank * num_experts / ep); local expert j becomes expert_offset + j.
+    Transformer Engine's grouped-GEMM experts (`mlp.experts.linear_fc1.weight{j}`) fold into the same
+    `mlp.experts.local_experts.{e}.linear_fc1.weight` names.
+    """
     m = _LAYER_RE.match(module_name)
     if not m:
         return module_name
     suffix = TE_ALIASES.get(m.group(2), m.group(2))
+    te = _TE_EXPERT_RE.match(suffix)
+    if te:
+        suffix = f"mlp.experts.local_experts.{int(te.group(2))}.{te.group(1)}.weight"
+    local = _LOCAL_EXPERT_RE.match(suffix)
+    if local:
+        suffix = f"mlp.experts.local_experts.{int(local.group(1)) + expert_offset}.{local.group(2)}"
     return f"decoder.layers.{int(m.group(1)) + layer_offset}.{suffix}"
 
 

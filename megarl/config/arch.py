@@ -13,6 +13,10 @@ from megarl.config.errors import ConfigError
 from megarl.config.schema import ArchConfig, ModelConfig
 from megarl.models.spec import ARCHITECTURES, ModelSpec, UnsupportedModelError
 
+# The mixture-of-experts fields ArchConfig and ModelSpec share (defaults: a dense model).
+MOE_FIELDS = ("num_experts", "moe_topk", "moe_ffn_hidden_size", "moe_norm_topk_prob", "moe_layers",
+              "shared_expert_ffn_hidden_size")
+
 
 def arch_from_hf_config(hf: dict, where: str) -> ArchConfig:
     """ArchConfig from the contents of a HF config.json (`where` names the file in errors).
@@ -36,20 +40,31 @@ def arch_from_hf_config(hf: dict, where: str) -> ArchConfig:
         tie_word_embeddings=spec.tie_word_embeddings,
         rope_theta=spec.rope_theta,
         norm_eps=spec.norm_eps,
+        **{k: getattr(spec, k) for k in MOE_FIELDS},
     )
 
 
-def spec_from_arch(arch: ArchConfig) -> ModelSpec:
+def spec_from_arch(arch: ArchConfig, key: str = "model") -> ModelSpec:
     """An inline architecture as a `ModelSpec`; the architecture's quirks (qkv bias, qk layernorm) follow its HF
     class (`megarl.models.spec.ARCHITECTURES`), as for a checkpoint."""
     traits = ARCHITECTURES[arch.architecture]
-    return ModelSpec(
-        architecture=arch.architecture, num_layers=arch.num_layers, hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups, head_dim=arch.head_dim,
-        ffn_hidden_size=arch.ffn_hidden_size, vocab_size=arch.vocab_size,
-        max_position_embeddings=arch.max_position_embeddings, rope_theta=arch.rope_theta, norm_eps=arch.norm_eps,
-        qkv_bias=traits.qkv_bias, qk_layernorm=traits.qk_layernorm, tie_word_embeddings=arch.tie_word_embeddings,
-    )
+    moe = {k: getattr(arch, k) for k in MOE_FIELDS}
+    if not traits.moe and any(moe[k] != ArchConfig.__dataclass_fields__[k].default for k in MOE_FIELDS):
+        raise ConfigError(
+            f"{key}.arch: {arch.architecture} is a dense architecture; leave the MoE fields ({', '.join(MOE_FIELDS)}) "
+            "unset or pick a MoE architecture (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)"
+        )
+    try:
+        return ModelSpec(
+            architecture=arch.architecture, num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+            num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups,
+            head_dim=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size, vocab_size=arch.vocab_size,
+            max_position_embeddings=arch.max_position_embeddings, rope_theta=arch.rope_theta, norm_eps=arch.norm_eps,
+            qkv_bias=traits.qkv_bias, qk_layernorm=traits.qk_layernorm, tie_word_embeddings=arch.tie_word_embeddings,
+            **(moe if traits.moe else {}),
+        )
+    except UnsupportedModelError as e:
+        raise ConfigError(f"{key}.arch: {e}") from None
 
 
 def resolve_arch(model: ModelConfig, key: str = "model") -> ArchConfig:
@@ -60,6 +75,7 @@ def resolve_arch(model: ModelConfig, key: str = "model") -> ArchConfig:
             f"(an inline architecture); got {'both' if model.path else 'neither'}"
         )
     if model.arch is not None:
+        spec_from_arch(model.arch, key)  # the architecture's own rules (MoE fields, rope), named by key
         return model.arch
     config_json = os.path.join(model.path, "config.json")
     try:

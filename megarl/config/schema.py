@@ -63,6 +63,25 @@ class ArchConfig:
     norm_eps: float = opt(
         1e-6, "Epsilon of RMSNorm (HF rms_norm_eps; 1e-6 is the HF default of every supported family)."
     )
+    num_experts: int = opt(
+        0, "Routed experts per MoE layer (HF num_experts / num_local_experts); 0 for dense architectures.", min=0
+    )
+    moe_topk: int = opt(0, "Experts each token is routed to (HF num_experts_per_tok); MoE only.", min=0)
+    moe_ffn_hidden_size: int = opt(
+        0, "SwiGLU width of one routed expert (HF moe_intermediate_size; Mixtral: intermediate_size); MoE only.",
+        unit="features", min=0,
+    )
+    moe_norm_topk_prob: bool = opt(
+        True, "Renormalise the top-k router probabilities to sum to 1 (HF norm_topk_prob; Mixtral always does)."
+    )
+    moe_layers: tuple[bool, ...] = opt(
+        (), "Per layer, true where the MLP is a MoE block (HF decoder_sparse_step / mlp_only_layers); "
+        "empty = every layer of a MoE architecture.",
+    )
+    shared_expert_ffn_hidden_size: int = opt(
+        0, "Width of the gated shared expert (Qwen2-MoE shared_expert_intermediate_size); 0 = none.",
+        unit="features", min=0,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

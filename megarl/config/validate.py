@@ -137,6 +137,17 @@ def _check_parallel(name: str, role: RoleConfig, devices: int, arch: ArchConfig)
         )
     if arch.num_query_groups % p.tp != 0:
         raise ConfigError(f"{name}.parallel.tp: num_query_groups={arch.num_query_groups} is not divisible by tp={p.tp}")
+    if arch.num_experts:
+        if arch.num_experts % p.ep != 0:
+            raise ConfigError(f"{name}.parallel.ep: num_experts={arch.num_experts} is not divisible by ep={p.ep}")
+        moe_widths = (("moe_ffn_hidden_size", arch.moe_ffn_hidden_size),
+                      ("shared_expert_ffn_hidden_size", arch.shared_expert_ffn_hidden_size))
+        for what, width in moe_widths:
+            if width % p.tp != 0:  # expert tensor parallelism = tp
+                raise ConfigError(f"{name}.parallel.tp: {what}={width} is not divisible by tp={p.tp}")
+    elif p.ep > 1:
+        raise ConfigError(f"{name}.parallel.ep: ep={p.ep} needs a mixture-of-experts model; "
+                          f"{arch.architecture} is dense (use ep: 1)")
     if p.rank_order != "natural" and (name != "actor" or p.ep > 1):
         raise ConfigError(
             f"{name}.parallel.rank_order: {p.rank_order!r} is for the actor of a dense model (it orders the ranks for "

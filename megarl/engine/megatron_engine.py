@@ -35,12 +35,12 @@ import torch
 
 from megarl.engine import offload as off
 from megarl.engine.heads import attach_scalar_head
-from megarl.engine.moe import MoeSettings, apply_moe_training_settings
+from megarl.engine.moe import MoeSettings, enable_routing_hooks
 from megarl.models.gpt import build_gpt_model, build_transformer_config, padded_vocab_size
 from megarl.models.spec import ModelSpec
 from megarl.parallel.groups import RoleGroups
 from megarl.platform.megatron_cpu_compat import megatron_on_cpu
-from megarl.platform.megatron_patches import default_group_collectives, define_moe_router_gemm_without_te
+from megarl.platform.megatron_patches import default_group_collectives
 
 # A micro-batch: tensors keyed by name. `input_ids` [batch, seq] int64 is required; everything else is passed
 # through to the loss function. Sequences are right-padded: causal attention makes padding invisible to
@@ -122,8 +122,6 @@ class MegatronEngine:
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        if self.spec.is_moe:
-            define_moe_router_gemm_without_te()
         if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # layout-independent scratch buffer
             parallel_state._set_global_memory_buffer()
         coord = self.groups.coord
@@ -133,13 +131,16 @@ class MegatronEngine:
         model_parallel_cuda_manual_seed(
             seed + 100 * coord.pp, force_reset_rng=True, tp_rank=coord.tp, ep_rank=0, etp_rank=coord.tp
         )
+        moe = self.moe_settings
         self.config = build_transformer_config(
-            self.spec, self.groups, self.dtype, first_stage_layers, last_stage_layers, recompute
+            self.spec, self.groups, self.dtype, first_stage_layers, last_stage_layers, recompute,
+            moe_token_dispatcher=moe.token_dispatcher, moe_aux_loss_coeff=moe.aux_loss_coeff,
+            moe_z_loss_coeff=moe.z_loss_coeff or None,
         )
         self.config.perform_initialization = self._init_weights
         self.config.variable_seq_lengths = True  # micro-batches may differ in length (token-budget batching)
         self.config.calculate_per_token_loss = True  # exact global normalisation, see module docstring
-        apply_moe_training_settings(self.config, self.moe_settings)
+        enable_routing_hooks(self.config)
         model = build_gpt_model(self.spec, self.groups, self.config)
         if self.head == "scalar" and self.groups.is_last_stage:
             attach_scalar_head(model, self.spec.hidden_size, self.config.params_dtype, seed)
@@ -260,16 +261,24 @@ class MegatronEngine:
         start, end = self.vocab_shard()
         local_end = end - start
         scalar_head = self.head == "scalar"
+        # sequence parallelism (MoE at tp > 1) splits the sequence over TP ranks: pad it to a multiple of tp
+        multiple = self.groups.topology.tp if self.config.sequence_parallel else 1
+
+        def padded(length: int) -> int:
+            return -(-length // multiple) * multiple
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
             if routing is not None:
                 routing.begin_micro_batch(batch)
             tokens = batch["input_ids"].to(device)
+            length = tokens.shape[1]
+            tokens = torch.nn.functional.pad(tokens, (0, padded(length) - length))  # causal: the tail is invisible
             positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
             output = model(tokens, positions, None)
 
             def loss_func(logits):
+                logits = logits[:, :length]
                 return loss_fn(logits if scalar_head else logits[..., :local_end], batch)
 
             return output, loss_func
@@ -277,7 +286,7 @@ class MegatronEngine:
         if self.trainable:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-        seq_length = max(b["input_ids"].shape[1] for b in micro_batches)
+        seq_length = padded(max(b["input_ids"].shape[1] for b in micro_batches))
         micro_batch_size = max(b["input_ids"].shape[0] for b in micro_batches)
         kwargs = {}
         if self.groups.topology.pp > 1:

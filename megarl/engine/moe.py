@@ -56,19 +56,13 @@ class MoeSettings:
                              f"{self.z_loss_coeff}")
 
 
-def apply_moe_training_settings(config, settings: MoeSettings) -> None:
-    """Set the training-side MoE fields of a megatron-core `TransformerConfig` (before the model is built).
-
-    Routing replay hooks (`RouterReplay`) are always created for MoE models: with no action set they compute the
-    top-k exactly as without them, and they are how routing is recorded and replayed.
-    """
-    if not config.num_moe_experts:
-        return
-    config.moe_router_load_balancing_type = "aux_loss" if settings.aux_loss_coeff > 0 else "none"
-    config.moe_aux_loss_coeff = float(settings.aux_loss_coeff)
-    config.moe_z_loss_coeff = float(settings.z_loss_coeff) if settings.z_loss_coeff > 0 else None
-    config.moe_token_dispatcher_type = settings.token_dispatcher
-    config.moe_enable_routing_replay = True
+def enable_routing_hooks(config) -> None:
+    """Give every router of a MoE model built from `config` megatron-core's `RouterReplay` (set before the model is
+    built). With no action set it computes the top-k exactly as without it; it is how routing is recorded and
+    replayed. (The aux/z-loss coefficients and dispatcher go into the config at construction:
+    `megarl.models.gpt.build_transformer_config`.)"""
+    if config.num_moe_experts:
+        config.moe_enable_routing_replay = True
 
 
 def moe_routers(module) -> list:
@@ -90,6 +84,10 @@ class _RouterHooks:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.spec = engine.spec
+        # sequence parallelism (MoE at tp > 1): each TP rank routes its slice of the (tp-padded) sequence
+        self.sp = bool(engine.config.sequence_parallel)
+        self.tp = engine.groups.topology.tp
+        self.tp_rank = engine.groups.coord.tp
         self.slots = moe_layer_slots(engine.spec)
         self.routers = moe_routers(engine.module)
         self._handles: list = []
@@ -153,11 +151,19 @@ class RoutingRecorder(_RouterHooks):
         self._record(router, router.router_replay.recorded_topk_idx)
 
     def routed_experts(self, i: int) -> torch.Tensor:
-        """[b, s, L, k] int64 of micro-batch i (zeros for the layers of other stages)."""
+        """[b, s, L, k] int64 of micro-batch i (zeros for the layers of other stages). Collective over the TP group
+        under sequence parallelism (the slices are gathered)."""
         b, s = self._shape[i]
-        out = torch.zeros(b, s, len(self.slots), self.spec.moe_topk, dtype=torch.int64)
+        local = padded_len(s, self.tp) // self.tp if self.sp else s
+        out = torch.zeros(b, local, len(self.slots), self.spec.moe_topk, dtype=torch.int64)
         for slot, idx in self._per_mb[i].items():
-            out[:, :, slot] = idx.view(s, b, -1).transpose(0, 1)
+            out[:, :, slot] = idx.view(local, b, -1).transpose(0, 1)
+        if self.sp:
+            from megarl.roles.base import compute_device
+
+            parts = [torch.empty_like(out, device=compute_device()) for _ in range(self.tp)]
+            dist.all_gather(parts, out.to(compute_device()).contiguous(), group=self.engine.groups.pgs.tp)
+            out = torch.cat([p.cpu() for p in parts], dim=1)[:, :s]
         return out
 
 
@@ -183,10 +189,16 @@ class RoutingReplayer(RoutingRecorder):
         if "routed_experts" not in mb:
             raise KeyError("router replay needs 'routed_experts' [b, s, L, k] in every micro-batch (record them in "
                            "the old-log-prob forward: Actor.compute_log_probs(record_routing=True))")
-        target = mb["routed_experts"]  # [b, s, L, k]
+        target, valid = mb["routed_experts"], mb["attention_mask"]  # [b, s, L, k], [b, s]
+        if self.sp:  # this TP rank's slice of the tp-padded sequence (padding: valid 0)
+            s = target.shape[1]
+            chunk = padded_len(s, self.tp) // self.tp
+            pad = padded_len(s, self.tp) - s
+            target = torch.nn.functional.pad(target, (0, 0, 0, 0, 0, pad))[:, self.tp_rank * chunk:][:, :chunk]
+            valid = torch.nn.functional.pad(valid, (0, pad))[:, self.tp_rank * chunk:][:, :chunk]
         b, s = target.shape[:2]
         self._target = target.transpose(0, 1).reshape(s * b, *target.shape[2:])  # sequence-first tokens
-        self._valid = mb["attention_mask"].transpose(0, 1).reshape(-1).bool()
+        self._valid = valid.transpose(0, 1).reshape(-1).bool().cpu()
         for router in self.routers:
             router.router_replay.target_topk_idx = self._target[:, self._slot(router)]
             router.router_replay.replay_backward_list = []
@@ -235,10 +247,17 @@ def aux_loss_values(spec) -> dict[str, torch.Tensor]:
     return out
 
 
-def reduce_over_role(t: torch.Tensor, groups, device, dp_op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Combine a per-rank tensor over the role: `dp_op` over dp*cp (token shares; TP ranks hold the same tokens and
-    are not combined), then a sum over the pipeline group (each stage fills its own layers)."""
+def padded_len(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def reduce_over_role(t: torch.Tensor, groups, device, dp_op=dist.ReduceOp.SUM, tp_sum: bool = False) -> torch.Tensor:
+    """Combine a per-rank tensor over the role: a sum over TP when `tp_sum` (sequence parallelism: TP ranks hold
+    different tokens; otherwise the same ones, not combined), `dp_op` over dp*cp (token shares), then a sum over the
+    pipeline group (each stage fills its own layers)."""
     t = t.to(device)
+    if tp_sum and groups.topology.tp > 1:
+        dist.all_reduce(t, group=groups.pgs.tp)
     if groups.topology.dp * groups.topology.cp > 1:
         dist.all_reduce(t, op=dp_op, group=groups.pgs.dp_cp)
     if groups.topology.pp > 1:
@@ -271,20 +290,24 @@ def moe_update_metrics(engine, recorders: list) -> dict[str, float]:
 
     groups = engine.groups
     device = compute_device()
-    tokens = reduce_over_role(sum(r.tokens_per_expert for r in recorders), groups, device)
+    sp = bool(engine.config.sequence_parallel)
+    tokens = reduce_over_role(sum(r.tokens_per_expert for r in recorders), groups, device, tp_sum=sp)
     out = load_metrics(tokens)
     aux = aux_loss_values(engine.spec)
     n_mb = float(sum(len(r._shape) for r in recorders))
     packed = torch.cat([aux["aux_loss"], aux["z_loss"], torch.tensor([n_mb], dtype=torch.float64)])
-    packed = reduce_over_role(packed, groups, device)
+    # under sequence parallelism a TP rank's aux loss is its share of the micro-batch's (sum over TP) and its z-loss
+    # the mean over its own tokens (mean over TP); the micro-batch count was summed over stages (and TP) too
+    packed = reduce_over_role(packed, groups, device, tp_sum=sp)
     layers = len(aux["aux_loss"])
-    n_mb_total = max(float(packed[-1]) / groups.topology.pp, 1.0)  # the count was summed over stages too
+    tp = groups.topology.tp if sp else 1
+    n_mb_total = max(float(packed[-1]) / (groups.topology.pp * tp), 1.0)
     out["moe_aux_loss"] = float(packed[:layers].mean()) / n_mb_total
-    out["moe_z_loss"] = float(packed[layers:2 * layers].mean()) / n_mb_total
+    out["moe_z_loss"] = float(packed[layers:2 * layers].mean()) / tp / n_mb_total
     replayers = [r for r in recorders if isinstance(r, RoutingReplayer)]
     if replayers:
         diff = torch.tensor([sum(r.tokens_differing for r in replayers), sum(r.tokens for r in replayers)],
                             dtype=torch.float64)
-        diff = reduce_over_role(diff, groups, device)
+        diff = reduce_over_role(diff, groups, device, tp_sum=sp)
         out["moe_routing_diff_frac"] = float(diff[0] / diff[1]) if diff[1] > 0 else 0.0
     return out

@@ -67,14 +67,27 @@ def build_transformer_config(
     first_stage_layers: Optional[int] = None,
     last_stage_layers: Optional[int] = None,
     recompute: bool = False,
+    moe_token_dispatcher: str = "alltoall",
+    moe_aux_loss_coeff: float = 0.0,
+    moe_z_loss_coeff: Optional[float] = None,
 ):
-    """megatron-core `TransformerConfig` for `spec` at this role's layout (dropout off: RL fine-tuning)."""
+    """megatron-core `TransformerConfig` for `spec` at this role's layout (dropout off: RL fine-tuning).
+
+    Mixture-of-experts models (`spec.is_moe`) also get megatron-core's MoE settings (`moe_transformer_settings`):
+    `moe_token_dispatcher` ("alltoall" or "allgather") over the role's expert-parallel group, the load-balancing
+    aux-loss and z-loss coefficients (0 / None: off).
+    """
     from megatron.core.transformer import TransformerConfig
 
     topo = groups.topology
     layer_split(spec.num_layers, topo.pp, first_stage_layers, last_stage_layers)  # validates, names the numbers
     torch_dtype = DTYPES[dtype]
     on_cpu = not torch.cuda.is_available()
+    moe = moe_transformer_settings(spec, groups, moe_token_dispatcher, moe_aux_loss_coeff, moe_z_loss_coeff)
+    # megatron-core's MoE layer splits tokens over TP ranks (sequence parallelism) before dispatching them; without
+    # it a training-mode forward raises (moe_layer.py: "...tensor parallelism are enabled without also enabling
+    # sequence parallelism"). Sequence lengths must then be multiples of tp.
+    sequence_parallel = bool(moe) and topo.tp > 1
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -96,7 +109,7 @@ def build_transformer_config(
         context_parallel_size=topo.cp,
         num_layers_in_first_pipeline_stage=first_stage_layers,
         num_layers_in_last_pipeline_stage=last_stage_layers,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel,
         params_dtype=torch_dtype,
         pipeline_dtype=torch_dtype,
         bf16=torch_dtype is torch.bfloat16,
@@ -111,38 +124,55 @@ def build_transformer_config(
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
-        **moe_config_kwargs(spec, groups),
+        **moe,
     )
 
 
-def moe_config_kwargs(spec: ModelSpec, groups: RoleGroups) -> dict:
-    """megatron-core `TransformerConfig` MoE arguments for `spec` (empty for dense models).
+MOE_DISPATCHERS = ("alltoall", "allgather")
 
-    Routing as the HF families define it: `moe_norm_topk_prob` True = top-k of the logits then softmax over the k
-    (megatron-core's default; equals HF's softmax, top-k, renormalise); False = softmax over all experts then top-k
-    (`moe_router_pre_softmax`, Qwen-MoE `norm_topk_prob: false`). Router in fp32; expert TP = dense TP; EP carved
-    from dp*cp (`RoleTopology.ep`). Load-balancing/z-loss coefficients and the token dispatcher are training
-    settings the engine sets (`megarl.engine.moe.apply_moe_training_settings`); here the aux loss is off.
+
+def moe_transformer_settings(spec: ModelSpec, groups: RoleGroups, dispatcher: str = "alltoall",
+                             aux_loss_coeff: float = 0.0, z_loss_coeff: Optional[float] = None) -> dict:
+    """megatron-core `TransformerConfig` MoE fields for `spec` ({} for a dense model).
+
+    Router semantics (megatron-core 0.16.1 `moe_utils.topk_routing_with_score_function`, score function softmax):
+    the default computes top-k of the router logits, then a softmax over those k, which equals HF's "softmax over
+    all experts, top-k, renormalise" (Mixtral; Qwen-MoE `norm_topk_prob=True`); `moe_router_pre_softmax=True` is a
+    softmax over all experts then top-k without renormalisation (Qwen-MoE `norm_topk_prob=False`). The router runs
+    in fp32 (`moe_router_dtype`), as HF's routers compute their softmax in fp32. Dense and MoE layers follow
+    `spec.moe_layers` (`moe_layer_freq` as a per-layer list). Qwen2-MoE's shared expert is
+    `moe_shared_expert_intermediate_size` with `moe_shared_expert_gate` (output * sigmoid(x . gate_weight)).
+    Experts are split over the role's expert-parallel group (`topology.ep`); expert tensor parallelism equals the
+    dense TP (the groups in `megarl.parallel.groups` are built that way).
     """
     if not spec.is_moe:
         return {}
+    if dispatcher not in MOE_DISPATCHERS:
+        raise ValueError(f"moe token dispatcher must be one of {MOE_DISPATCHERS}, got {dispatcher!r}")
     topo = groups.topology
+    if spec.num_experts % topo.ep != 0:
+        raise ValueError(f"ep={topo.ep} does not divide num_experts={spec.num_experts}")
+    shared = spec.shared_expert_ffn_hidden_size
+    te = transformer_engine_available()
     return dict(
         num_moe_experts=spec.num_experts,
-        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
         moe_router_topk=spec.moe_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
         moe_router_pre_softmax=not spec.moe_norm_topk_prob,
-        moe_layer_freq=[1 if m else 0 for m in spec.moe_layers],
+        moe_router_score_function="softmax",
         moe_router_dtype="fp32",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False,
-        moe_permute_fusion=False,
-        moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size or None,
-        moe_shared_expert_gate=bool(spec.shared_expert_ffn_hidden_size),
+        moe_layer_freq=[int(x) for x in spec.moe_layers],
+        moe_shared_expert_intermediate_size=shared or None,
+        moe_shared_expert_gate=bool(shared),
         expert_model_parallel_size=topo.ep,
         expert_tensor_parallel_size=topo.tp,
+        moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=te,
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=aux_loss_coeff,
+        moe_z_loss_coeff=z_loss_coeff or None,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
     )
 
 
@@ -150,13 +180,17 @@ def build_gpt_model(spec: ModelSpec, groups: RoleGroups, config, vp_stage: Optio
     """This rank's `GPTModel` chunk for `spec` (call inside `megatron_on_cpu()` on CPU machines)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if spec.is_moe:  # per-layer specs (dense or MoE MLP per `moe_layer_freq`), this stage's layers
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    if spec.is_moe:
+        from megarl.platform.megatron_patches import define_moe_router_gemm_without_te
 
+        define_moe_router_gemm_without_te()
+        # per-layer dense/MoE specs (`config.moe_layer_freq`), sliced to this stage's layers; on CPU the local spec
+        # with SequentialMLP experts, with TE the grouped-GEMM experts (`config.moe_grouped_gemm`)
         layer_spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=transformer_engine_available(), normalization="RMSNorm",
             vp_stage=vp_stage, pp_rank=groups.coord.pp,

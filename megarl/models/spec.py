@@ -340,3 +340,29 @@ def _moe_fields(cfg: dict[str, Any], traits: ArchTraits, num_layers: int, interm
         shared_expert_ffn_hidden_size=shared,
         router_aux_loss_coef=float(cfg.get("router_aux_loss_coef") or 0.0),
     )
+
+
+def moe_hf_config_fields(spec: ModelSpec) -> dict[str, Any]:
+    """The HF config.json keys of `spec`'s MoE fields, in its family's spelling (inverse of `_moe_fields`).
+
+    Mixtral: `num_local_experts`, the expert width as `intermediate_size`, every layer MoE. Qwen2-/Qwen3-MoE:
+    `num_experts`, `moe_intermediate_size`, `norm_topk_prob`, dense layers as `mlp_only_layers` with
+    `decoder_sparse_step` 1; Qwen2-MoE adds `shared_expert_intermediate_size`. {} for a dense spec.
+    """
+    traits = ARCHITECTURES[spec.architecture]
+    if not traits.moe:
+        return {}
+    out: dict[str, Any] = {"num_experts_per_tok": spec.moe_topk, "router_aux_loss_coef": spec.router_aux_loss_coef}
+    if spec.architecture == "MixtralForCausalLM":
+        if not all(spec.moe_layers):
+            raise UnsupportedModelError("MixtralForCausalLM has a MoE MLP in every layer (moe_layers all true)")
+        out.update(num_local_experts=spec.num_experts, intermediate_size=spec.moe_ffn_hidden_size)
+        return out
+    out.update(
+        num_experts=spec.num_experts, moe_intermediate_size=spec.moe_ffn_hidden_size,
+        norm_topk_prob=spec.moe_norm_topk_prob, decoder_sparse_step=1,
+        mlp_only_layers=[i for i, moe in enumerate(spec.moe_layers) if not moe],
+    )
+    if traits.shared_expert:
+        out["shared_expert_intermediate_size"] = spec.shared_expert_ffn_hidden_size
+    return out

@@ -20,10 +20,8 @@ megatron-core 0.16.1 hard-codes CUDA in places that have nothing to do with the 
    Python call per torch op, so it is *scoped*: `megatron_on_cpu()` is entered around Megatron work (building a
    role, running its schedules) and left while vLLM or the controller run.
 
-4. The MoE alltoall token dispatcher's split sizes (``transformer/moe/token_dispatcher.py``
-   ``_maybe_dtoh_and_synchronize``): `maybe_move_tensor_to_cpu(..., as_numpy=True)` converts only CUDA tensors, so
-   on CPU the splits stay tensors and gloo's ``all_to_all_single`` rejects them ("incompatible function
-   arguments"); CPU tensors asked for as numpy are converted too. See `_install_moe_split_sizes_redirect`.
+4. The MoE alltoall token dispatcher's split sizes (``transformer/moe/moe_utils.py`` ``maybe_move_tensor_to_cpu``
+   converts only CUDA tensors to numpy): see `_install_moe_split_sizes_on_cpu`.
 
 5. Backward passes of megatron's communication autograd functions (``tensor_parallel/mappings.py``: e.g.
    ``_AllToAll`` allocates its all-to-all-v output with ``device=torch.cuda.current_device()``): autograd runs a
@@ -144,17 +142,23 @@ def _install_megatron_rng_redirect() -> None:
     mrandom._set_cuda_rng_state = _set_state
 
 
-def _install_moe_split_sizes_redirect() -> None:
-    from megatron.core.transformer.moe import token_dispatcher
+def _install_moe_split_sizes_on_cpu() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    original = token_dispatcher.maybe_move_tensor_to_cpu
+    # megatron/core/transformer/moe/moe_utils.py `maybe_move_tensor_to_cpu(t, as_numpy=True)` converts only CUDA
+    # tensors; the alltoall token dispatcher (`MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`) relies on it
+    # to turn its split sizes into host numbers, so on CPU they stay tensors and
+    # `torch.distributed.all_to_all_single(output_split_sizes=<tensor>)` raises "TypeError: all_to_all_single():
+    # incompatible function arguments". A CPU tensor asked for as numpy becomes numpy, as a CUDA one would.
+    original = moe_utils.maybe_move_tensor_to_cpu
 
-    def _to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
         if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
             return tensor.numpy()
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    token_dispatcher.maybe_move_tensor_to_cpu = _to_cpu
+    moe_utils.maybe_move_tensor_to_cpu = move
+    token_dispatcher.maybe_move_tensor_to_cpu = move
 
 
 def _install_backward_mode_for_mappings() -> None:
@@ -231,7 +235,7 @@ def install() -> bool:
         if not _INSTALLED:
             _install_torch_cuda_shims()
             _install_megatron_rng_redirect()
-            _install_moe_split_sizes_redirect()
+            _install_moe_split_sizes_on_cpu()
             _install_backward_mode_for_mappings()
             _INSTALLED = True
     return True

@@ -44,10 +44,14 @@ def default_group_collectives(group: Optional[dist.ProcessGroup]) -> Iterator[No
 
 
 def define_moe_router_gemm_without_te() -> None:
-    """megatron-core 0.16.1 `transformer/moe/moe_utils.py` binds `te_general_gemm` only when Transformer Engine
-    imports (its `except ImportError` sets `HAVE_TE = False` and nothing else), yet `RouterGatingLinearFunction`
-    reads the name on every router forward: without TE every MoE model fails with "NameError: name
-    'te_general_gemm' is not defined". Binding it to None selects the function's own torch.mm branch. Idempotent."""
+    """Let megatron-core's MoE router run without Transformer Engine (CPU machines, CUDA without TE).
+
+    megatron-core 0.16.1 `transformer/moe/moe_utils.py` imports `te_general_gemm` only inside `try: ... except
+    ImportError` and never defines it otherwise, yet `RouterGatingLinearFunction.forward/backward` test
+    `te_general_gemm is not None` first: without TE every router forward raises
+    "NameError: name 'te_general_gemm' is not defined". Defining it as None selects the torch.mm path that
+    megatron has for exactly this case. Idempotent; leaves a TE import alone.
+    """
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):

@@ -51,13 +51,6 @@ class Workaround(NamedTuple):
 
 WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
-        where='platform/megatron_patches.py: `define_moe_router_gemm_without_te`',
-        serves='megatron-core 0.16.1',
-        symptom=("MoE router forward without Transformer Engine: NameError: name 'te_general_gemm' is not defined "
-                 "(moe_utils binds it only when TE imports)"),
-        remove_when="moe_utils sets te_general_gemm = None in its ImportError branch",
-    ),
-    Workaround(
         where='platform/megatron_cpu_compat.py: `megatron_on_cpu`',
         serves='megatron-core 0.16.1',
         symptom=('CPU runs: hard-coded `device="cuda"` factories, CUDA RNG helpers and `\'torch.cuda.FloatTensor\'` '
@@ -70,6 +63,28 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         serves='megatron-core 0.16.1',
         symptom='`_get_param_groups` all_gather_object over the whole world deadlocks roles that do not span it',
         remove_when="`get_megatron_optimizer` takes the role's group for that gather",
+    ),
+    Workaround(
+        where='platform/megatron_cpu_compat.py: `_install_backward_mode_for_mappings`',
+        serves='megatron-core 0.16.1',
+        symptom=("CPU MoE update at EP>1: the alltoall's backward (tensor_parallel/mappings.py _AllToAll) allocates on "
+                 "torch.cuda.current_device() outside megarl's CPU function mode: 'Cannot access accelerator "
+                 "device when none is available'"),
+        remove_when="megatron's mapping backwards allocate with the input's device (an EP2 CPU update without it)",
+    ),
+    Workaround(
+        where='platform/megatron_cpu_compat.py: `_install_moe_split_sizes_on_cpu`',
+        serves='megatron-core 0.16.1',
+        symptom=("CPU, MoE alltoall dispatcher at ep or tp > 1: TypeError: all_to_all_single(): incompatible function "
+                 "arguments (split sizes left as CPU tensors by moe_utils.maybe_move_tensor_to_cpu)"),
+        remove_when="maybe_move_tensor_to_cpu(as_numpy=True) converts CPU tensors too",
+    ),
+    Workaround(
+        where='platform/megatron_patches.py: `define_moe_router_gemm_without_te`',
+        serves='megatron-core 0.16.1',
+        symptom=("MoE router forward without Transformer Engine: NameError: name 'te_general_gemm' is not defined "
+                 "(moe_utils.RouterGatingLinearFunction)"),
+        remove_when="moe_utils defines te_general_gemm = None when the TE import fails",
     ),
     Workaround(
         where='checkpoint/dist_ckpt.py: `assign_replica_ids`',

@@ -12,8 +12,9 @@ import json
 import os
 import shutil
 
+from megarl.config.arch import spec_from_arch
 from megarl.config.schema import ArchConfig, JobConfig
-from megarl.models.spec import MODEL_TYPES
+from megarl.models.spec import MODEL_TYPES, moe_hf_config_fields
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json")
@@ -30,13 +31,15 @@ def hf_config_for_arch(arch: ArchConfig, tokenizer_dir: str | None = None) -> di
         tok = AutoTokenizer.from_pretrained(tokenizer_dir)
         special = {k: v for k, v in (("bos_token_id", tok.bos_token_id), ("eos_token_id", tok.eos_token_id),
                                       ("pad_token_id", tok.pad_token_id)) if v is not None}
-    cfg = AutoConfig.for_model(
-        MODEL_TYPES[arch.architecture], vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
+    fields = dict(
+        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
         intermediate_size=arch.ffn_hidden_size, num_hidden_layers=arch.num_layers,
         num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,
         head_dim=arch.head_dim, max_position_embeddings=arch.max_position_embeddings, rms_norm_eps=arch.norm_eps,
         rope_theta=arch.rope_theta, tie_word_embeddings=arch.tie_word_embeddings, **special,
     )
+    fields.update(moe_hf_config_fields(spec_from_arch(arch)))  # Mixtral: intermediate_size is the expert width
+    cfg = AutoConfig.for_model(MODEL_TYPES[arch.architecture], **fields)
     out = cfg.to_dict()
     out["architectures"] = [arch.architecture]
     return out

@@ -119,6 +119,17 @@ def test_tp_that_does_not_divide_query_groups(hf_dir, capsys):
     assert rc == 2 and "tp=4 does not divide num_query_groups" in err
 
 
+def test_ep_on_a_dense_model_is_refused(hf_dir, capsys):
+    rc, err = _run("verify", ["--hf-dir", hf_dir, "--ep", 2], capsys)
+    assert rc == 2 and "ep=2 needs a mixture-of-experts model" in err and "MistralForCausalLM" in err
+
+
+def test_ep_that_does_not_divide_the_experts(tmp_path, capsys):
+    moe = make_hf_model("qwen3_moe", str(tmp_path / "qwen3_moe"))  # 4 experts
+    rc, err = _run("verify", ["--hf-dir", moe, "--ep", 3], capsys)
+    assert rc == 2 and "ep=3 does not divide num_experts=4" in err
+
+
 def test_existing_output_refused_without_overwrite(hf_dir, tmp_path, capsys):
     out = tmp_path / "m"
     out.mkdir()

@@ -146,18 +146,33 @@ def test_architecture_table_is_the_one_source_of_the_flags(name):
     assert MODEL_TYPES[name] == traits.model_type
     dims = dict(num_layers=1, hidden_size=64, num_attention_heads=2, num_query_groups=2, head_dim=32,
                 ffn_hidden_size=128, vocab_size=100, max_position_embeddings=64)
-    inline = spec_from_arch(ArchConfig(architecture=name, **dims))
     hf_cfg = {"architectures": [name], "num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 2,
               "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128, "vocab_size": 100,
               "max_position_embeddings": 64}
+    if traits.moe:  # 4 experts, top-2; the HF keys in each family's own spelling (Mixtral: expert width = intermediate)
+        dims.update(num_experts=4, moe_topk=2, moe_ffn_hidden_size=128 if name.startswith("Mixtral") else 32)
+        hf_cfg.update({"num_local_experts": 4} if name.startswith("Mixtral") else
+                      {"num_experts": 4, "moe_intermediate_size": 32, "norm_topk_prob": True})
+        hf_cfg["num_experts_per_tok"] = 2
+        if traits.shared_expert:
+            dims["shared_expert_ffn_hidden_size"] = 48
+            hf_cfg["shared_expert_intermediate_size"] = 48
+    inline = spec_from_arch(ArchConfig(architecture=name, **dims))
     from_ckpt = ModelSpec.from_hf_config(hf_cfg)
     assert (inline.qkv_bias, inline.qk_layernorm) == (from_ckpt.qkv_bias, from_ckpt.qk_layernorm)
     assert (inline.qkv_bias, inline.qk_layernorm) == (traits.qkv_bias, traits.qk_layernorm)
+    assert inline == from_ckpt
     assert ModelSpec.from_hf_config(spec_to_hf_config(inline)) == inline
 
     config_cls = getattr(transformers, name.replace("ForCausalLM", "Config"))
     hf_config = config_cls(**{k: v for k, v in hf_cfg.items() if k != "architectures"})
     assert ("attention_bias" in hf_config.to_dict()) == traits.attention_bias_key
-    attn = getattr(transformers, name)(hf_config).model.layers[0].self_attn
+    layer = getattr(transformers, name)(hf_config).model.layers[0]
+    attn = layer.self_attn
     assert (attn.q_proj.bias is not None) == traits.qkv_bias
     assert hasattr(attn, "q_norm") == traits.qk_layernorm
+    mlp = getattr(layer, "mlp", None) or layer.block_sparse_moe
+    assert hasattr(mlp, "experts") == traits.moe
+    assert hasattr(mlp, "shared_expert_gate") == traits.shared_expert
+    if traits.moe:  # the spec's expert count and width are what transformers builds from the same config.json
+        assert mlp.experts.gate_up_proj.shape == (4, 2 * inline.moe_ffn_hidden_size, 64)
