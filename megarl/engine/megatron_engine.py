@@ -263,6 +263,7 @@ class MegatronEngine:
         scalar_head = self.head == "scalar"
         # sequence parallelism (MoE at tp > 1) splits the sequence over TP ranks: pad it to a multiple of tp
         multiple = self.groups.topology.tp if self.config.sequence_parallel else 1
+        moe_model = self.spec.is_moe
 
         def padded(length: int) -> int:
             return -(-length // multiple) * multiple
@@ -275,7 +276,15 @@ class MegatronEngine:
             length = tokens.shape[1]
             tokens = torch.nn.functional.pad(tokens, (0, padded(length) - length))  # causal: the tail is invisible
             positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-            output = model(tokens, positions, None)
+            kwargs = {}
+            if moe_model and "attention_mask" in batch:  # router losses and load over real tokens only
+                pad_mask = torch.nn.functional.pad(batch["attention_mask"].to(device) == 0,
+                                                   (0, tokens.shape[1] - length), value=True)
+                if multiple > 1 and not self.groups.is_first_stage:  # the first stage scatters it itself
+                    chunk = tokens.shape[1] // multiple
+                    pad_mask = pad_mask[:, self.groups.coord.tp * chunk:(self.groups.coord.tp + 1) * chunk]
+                kwargs["padding_mask"] = pad_mask  # True = padding (megatron-core's router convention)
+            output = model(tokens, positions, None, **kwargs)
 
             def loss_func(logits):
                 logits = logits[:, :length]

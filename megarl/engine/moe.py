@@ -123,8 +123,8 @@ class RoutingRecorder(_RouterHooks):
     """Records every router's top-k per micro-batch and the tokens each expert received.
 
     After the run: `routed_experts(i)` [b, s, L, k] of micro-batch i (this stage's layers filled), and
-    `tokens_per_expert` [L, E] float64 summed over this rank's micro-batches (padding positions included: megatron
-    routes every position of the micro-batch).
+    `tokens_per_expert` [L, E] float64 summed over this rank's micro-batches (real tokens: positions the engine's
+    padding mask marks as padding are routed but not counted).
     """
 
     def __init__(self, engine, keep_indices: bool = True) -> None:
@@ -140,15 +140,17 @@ class RoutingRecorder(_RouterHooks):
         self._shape.append((b, s))
         self._per_mb.append({})
 
-    def _record(self, router, top_indices: torch.Tensor) -> None:
+    def _record(self, router, top_indices: torch.Tensor, args, kwargs) -> None:
         idx = top_indices.detach().to("cpu", torch.int64)
         slot = self._slot(router)
-        self.tokens_per_expert[slot] += torch.bincount(idx.reshape(-1), minlength=self.spec.num_experts).double()
+        pad = args[1] if len(args) > 1 else kwargs.get("padding_mask")  # [s, b] True = padding (or None)
+        counted = idx if pad is None else idx[~pad.reshape(-1).cpu()]
+        self.tokens_per_expert[slot] += torch.bincount(counted.reshape(-1), minlength=self.spec.num_experts).double()
         if self.keep_indices:
             self._per_mb[-1][slot] = idx
 
     def _hook(self, router, args, kwargs, output) -> None:
-        self._record(router, router.router_replay.recorded_topk_idx)
+        self._record(router, router.router_replay.recorded_topk_idx, args, kwargs)
 
     def routed_experts(self, i: int) -> torch.Tensor:
         """[b, s, L, k] int64 of micro-batch i (zeros for the layers of other stages). Collective over the TP group
@@ -171,8 +173,8 @@ class RoutingReplayer(RoutingRecorder):
     """Forces every router to the recorded experts (`routed_experts` [b, s, L, k] in each micro-batch) and measures
     how many valid tokens (`attention_mask` 1) the router would have sent elsewhere on its own."""
 
-    def __init__(self, engine) -> None:
-        super().__init__(engine, keep_indices=False)
+    def __init__(self, engine, keep_indices: bool = False) -> None:
+        super().__init__(engine, keep_indices=keep_indices)
         self._target: Optional[torch.Tensor] = None
         self._valid: Optional[torch.Tensor] = None
         self.tokens = 0.0  # valid tokens x MoE layers of this stage, summed over micro-batches
@@ -207,7 +209,7 @@ class RoutingReplayer(RoutingRecorder):
         from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
         target = self._target[:, self._slot(router)]
-        self._record(router, target)
+        self._record(router, target, args, kwargs)
         with torch.no_grad():  # what the router chooses by itself now
             hidden = args[0] if args else kwargs["input"]
             logits = router.gating(hidden).view(-1, router.config.num_moe_experts)

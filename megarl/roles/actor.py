@@ -135,25 +135,36 @@ class Actor(Role):
     # ------------------------------------------------------------------------------------------- API
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch, with_entropy: bool = True, share: bool = False,
-                          record_routing: Optional[bool] = None) -> Optional[Batch]:
+                          record_routing: Optional[bool] = None, replay_routing: bool = False) -> Optional[Batch]:
         """Per-token log-probs (and entropy) of the response tokens; see the module docstring. `share=True`: `batch`
         is already this DP rank's share (the controller's DP_SPLIT) and the result covers it only (`Role._forward`).
 
         record_routing (MoE; default: on when `router_replay == "old"`): the result also holds `routed_experts`
         [B, S, L, k] int64, the experts every MoE layer chose for every token (`megarl.engine.moe`), which an
-        update with `router_replay="old"` replays.
+        update with `router_replay="old"` replays. replay_routing: route every token to `batch["routed_experts"]`
+        instead (as a replayed update does; the result's `routed_experts` are those used) and set
+        `self.last_routing_diff_frac` (the `moe_routing_diff_frac` of this forward, every rank).
         """
         batch.require("input_ids", "attention_mask", "response_mask")
         if record_routing is None:
             record_routing = self.router_replay == "old"
-        routing = RoutingRecorder(self.engine) if record_routing and self.engine.spec.is_moe else None
+        keys = ["input_ids", "attention_mask", "response_mask"]
+        routing = None
+        if replay_routing:
+            batch.require("routed_experts")
+            keys.append("routed_experts")
+            routing = RoutingReplayer(self.engine, keep_indices=True)
+        elif record_routing and self.engine.spec.is_moe:
+            routing = RoutingRecorder(self.engine)
 
         def fn(logits, mb):
             logp, ent = self._token_log_probs(logits, mb, with_entropy)
             return {"log_probs": logp, "entropy": ent} if with_entropy else {"log_probs": logp}
 
-        return self._forward(batch, ["input_ids", "attention_mask", "response_mask"], fn, share=share,
-                             routing=routing)
+        out = self._forward(batch, keys, fn, share=share, routing=routing)
+        if replay_routing:
+            self.last_routing_diff_frac = moe_update_metrics(self.engine, [routing])["moe_routing_diff_frac"]
+        return out
 
     def update(self, batch: Batch) -> dict[str, float]:
         """One PPO (or SFT) update over `batch`; returns metrics (same on every rank).
