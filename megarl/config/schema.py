@@ -272,6 +272,11 @@ class RolloutConfig:
     """Generation with vLLM on the actor's devices (hybrid engine)."""
 
     tp: int = opt(1, "Tensor-parallel size of each vLLM engine; must divide the actor's device count.", min=1)
+    ep: bool = opt(
+        False, "vLLM expert parallelism for mixture-of-experts models (vLLM `enable_expert_parallel`): each of an "
+        "engine's tp ranks holds num_experts/tp whole routed experts (vLLM's linear placement) instead of a 1/tp "
+        "slice of every expert; attention stays tensor-parallel. The reshard plans for either layout."
+    )
     samples_per_prompt: int = opt(1, "Responses sampled per prompt (the GRPO/RLOO group size).", min=1)
     temperature: float = opt(1.0, "Sampling temperature; 0 = greedy.", min=0)
     top_p: float = opt(1.0, "Nucleus sampling mass in (0, 1].", min=0)

@@ -152,12 +152,12 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when='megatron-core ships those kernels or falls back to torch softmax when they are missing',
     ),
     Workaround(
-        where='reshard/layouts.py: Qwen2 head_dim refusal in `vllm_needs`',
+        where='reshard/layouts.py: Qwen2 / Qwen2-MoE head_dim refusal in `vllm_needs`',
         serves='vllm 0.32.0',
-        symptom=("`model_executor/models/qwen2.py` sets head_dim = hidden_size // num_heads and ignores config.json's "
-                 'head_dim (transformers honours it): a Qwen2 checkpoint with an explicit, different head_dim would '
-                 'be built with other shapes than the checkpoint, so megarl refuses it'),
-        remove_when="vLLM's Qwen2Attention reads `config.head_dim` (as its Qwen3 does)",
+        symptom=("`model_executor/models/qwen2.py` (and `qwen2_moe.py`) set head_dim = hidden_size // num_heads and "
+                 "ignore config.json's head_dim (transformers honours it): a Qwen2 checkpoint with an explicit, "
+                 'different head_dim would be built with other shapes than the checkpoint, so megarl refuses it'),
+        remove_when="vLLM's Qwen2Attention / Qwen2MoeAttention read `config.head_dim` (as its Qwen3 does)",
     ),
     Workaround(
         where='controller/worker_group.py: LOCAL_RANK from the visible devices (`device_local_rank`)',

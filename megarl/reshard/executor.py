@@ -195,9 +195,9 @@ class _Destinations:
     def __init__(self, plan: ReshardPlan, rank: int, sink: WeightSink, dtype: torch.dtype) -> None:
         infer_rank = plan.infer_rank_of[rank]
         self.sink, self.dtype, self.rank = sink, dtype, rank
-        self.shapes = vllm_param_shapes(plan.spec, plan.infer_tp, infer_rank)
+        self.shapes = vllm_param_shapes(plan.spec, plan.infer_tp, infer_rank, plan.infer_ep)
         self.remaining: dict[str, int] = defaultdict(int)
-        for p in vllm_needs(plan.spec, plan.infer_tp, infer_rank):
+        for p in vllm_needs(plan.spec, plan.infer_tp, infer_rank, plan.infer_ep):
             self.remaining[p.param] += p.piece.length
         self.targets: dict[str, torch.Tensor] = {}
         self._complete: list[str] = []

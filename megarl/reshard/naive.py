@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megarl.checkpoint.name_map import hf_shapes, param_layouts, scatter_shard, shard_segments
 from megarl.parallel.groups import RoleGroups
 from megarl.reshard.executor import ReshardReport, WeightSink
-from megarl.reshard.layouts import stage_layers, vllm_needs, vllm_param_shapes
+from megarl.reshard.layouts import DEFAULT_TRAIN_LAYOUT, stage_layers, vllm_needs, vllm_param_shapes
 from megarl.reshard.planner import ReshardPlan
 
 
@@ -29,6 +29,9 @@ def naive_reshard(
     """Gather-then-slice into `sink`; returns a report with the bytes this rank received and its peak buffers."""
     start = time.perf_counter()
     spec, topo = plan.spec, plan.train
+    if topo.ep > 1 or plan.train_layout != DEFAULT_TRAIN_LAYOUT:
+        raise NotImplementedError(f"the naive gather baseline covers even pipeline splits without expert or virtual "
+                                  f"pipeline parallelism; got {topo.describe()} {plan.train_layout}")
     rank = dist.get_rank()
     coord = groups.coord
     # The plan's element size decides the dtype (as in the executor): a CPU bf16 engine keeps fp32 norms, which are
@@ -38,9 +41,9 @@ def naive_reshard(
     shapes = hf_shapes(spec)
     my_infer = plan.infer_rank_of[rank]
     needs_by_hf = defaultdict(list)
-    for p in vllm_needs(spec, plan.infer_tp, my_infer):
+    for p in vllm_needs(spec, plan.infer_tp, my_infer, plan.infer_ep):
         needs_by_hf[p.piece.hf_name].append(p)
-    vshapes = vllm_param_shapes(spec, plan.infer_tp, my_infer)
+    vshapes = vllm_param_shapes(spec, plan.infer_tp, my_infer, plan.infer_ep)
     remaining = defaultdict(int)
     for ps in needs_by_hf.values():
         for p in ps:

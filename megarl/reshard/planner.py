@@ -30,10 +30,18 @@ import itertools
 from collections import defaultdict
 from typing import Optional
 
-from megarl.checkpoint.name_map import hf_shapes
+from megarl.checkpoint.name_map import cached_hf_shapes, hf_shapes
 from megarl.models.spec import ModelSpec
 from megarl.parallel.topology import RoleTopology
-from megarl.reshard.layouts import Piece, Placement, megatron_holdings, piece_bytes, vllm_needs
+from megarl.reshard.layouts import (
+    DEFAULT_TRAIN_LAYOUT,
+    Piece,
+    Placement,
+    TrainLayout,
+    megatron_holdings,
+    piece_bytes,
+    vllm_needs,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +95,8 @@ class ReshardPlan:
     ops: tuple[TransferOp, ...]
     stats: tuple[RankStats, ...]
     model_bytes: int
+    train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT
+    infer_ep: bool = False
 
     @property
     def natural_mapping(self) -> bool:
@@ -108,12 +118,15 @@ class ReshardPlan:
 class _Index:
     """Holdings of every training rank, indexed by HF tensor name."""
 
-    def __init__(self, spec: ModelSpec, train: RoleTopology):
-        self.by_rank: dict[int, list[Placement]] = {r: megatron_holdings(spec, train, r) for r in train.ranks}
+    def __init__(self, spec: ModelSpec, train: RoleTopology, layout: TrainLayout = DEFAULT_TRAIN_LAYOUT):
+        self.by_rank: dict[int, list[Placement]] = {r: megatron_holdings(spec, train, r, layout) for r in train.ranks}
         self.by_name: dict[str, list[tuple[int, Placement]]] = defaultdict(list)
+        # by_name with the run unpacked: (rank, placement, dim, start, stop), for the router's hot loop
+        self.runs: dict[str, list[tuple[int, Placement, int, int, int]]] = defaultdict(list)
         for r, placements in self.by_rank.items():
             for p in placements:
                 self.by_name[p.piece.hf_name].append((r, p))
+                self.runs[p.piece.hf_name].append((r, p, p.piece.dim, p.piece.start, p.piece.stop))
 
     def held_by(self, rank: int, need: Piece) -> list[Placement]:
         return [p for r, p in self.by_name[need.hf_name] if r == rank and p.piece.intersect(need)]
@@ -128,12 +141,13 @@ def _overlap_bytes(spec: ModelSpec, index: _Index, rank: int, needs: list[Placem
 
 
 def choose_mapping(spec: ModelSpec, train: RoleTopology, infer_tp: int, dtype_bytes: int = 2,
-                   _index: Optional[_Index] = None) -> dict[int, int]:
+                   _index: Optional[_Index] = None, train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT,
+                   infer_ep: bool = False) -> dict[int, int]:
     """Global rank -> inference TP rank maximising local bytes (permutations searched within each replica block
     when infer_tp <= 6, natural order otherwise). Ties keep the natural order."""
     _check_divides(train, infer_tp)
-    index = _index or _Index(spec, train)
-    needs = {j: vllm_needs(spec, infer_tp, j) for j in range(infer_tp)}
+    index = _index or _Index(spec, train, train_layout)
+    needs = {j: vllm_needs(spec, infer_tp, j, infer_ep) for j in range(infer_tp)}
     mapping: dict[int, int] = {}
     for block_start in range(train.rank_offset, train.rank_offset + train.world_size, infer_tp):
         ranks = list(range(block_start, block_start + infer_tp))
@@ -157,32 +171,50 @@ def _check_divides(train: RoleTopology, infer_tp: int) -> None:
 
 
 def plan_reshard(spec: ModelSpec, train: RoleTopology, infer_tp: int, dtype_bytes: int = 2,
-                 search_mapping: bool = False, _prefer_local: bool = True) -> ReshardPlan:
+                 search_mapping: bool = False, _prefer_local: bool = True,
+                 train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT, infer_ep: bool = False,
+                 keep_ops: bool = True) -> ReshardPlan:
     """The transfer plan (cached: call freely before every rollout).
 
     search_mapping: False (default) = inference TP rank = position in its block of `infer_tp` ranks, what vLLM's
         external launcher realises; True = the permutation keeping the most bytes local (`choose_mapping`).
     _prefer_local: testing knob; False routes every need from another holder where one exists (a deliberately
         worse plan that the independent lower bound must catch).
+    train_layout: uneven pipeline split, virtual pipeline chunks and expert TP of the training side
+        (`layouts.TrainLayout`); the default is an even split, no VPP, expert TP = tp.
+    infer_ep: vLLM expert parallelism on the inference side (`rollout.ep`; `layouts.vllm_needs`).
+    keep_ops: False routes every byte as usual but keeps only the per-rank statistics (`ops` is empty): cluster-scale
+        simulations, where the ops of every rank (tens of millions for a 256-rank MoE model) would not fit.
     """
-    return _plan_cached(repr(spec), spec, train, infer_tp, dtype_bytes, search_mapping, _prefer_local)
+    return _plan_cached(repr(spec), spec, train, infer_tp, dtype_bytes, search_mapping, _prefer_local,
+                        train_layout, infer_ep, keep_ops)
 
 
 def lower_bound_bytes(spec: ModelSpec, train: RoleTopology, infer_tp: int, infer_rank_of: dict[int, int],
-                      dtype_bytes: int = 2) -> dict[int, int]:
+                      dtype_bytes: int = 2, train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT,
+                      infer_ep: bool = False) -> dict[int, int]:
     """{rank: bytes it must receive}: bytes inference rank `infer_rank_of[rank]` needs minus the bytes of (the
     rank's Megatron holdings intersected with those needs). From the layouts alone; no plan involved."""
     out = {}
+    needs: dict[int, list[Placement]] = {}
+    shapes = cached_hf_shapes(spec)
     for rank in train.ranks:
         held: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
-        for p in megatron_holdings(spec, train, rank):
+        for p in megatron_holdings(spec, train, rank, train_layout):
             held[(p.piece.hf_name, p.piece.dim)].append((p.piece.start, p.piece.stop))
         runs = {key: _merge(v) for key, v in held.items()}
+        j = infer_rank_of[rank]
+        if j not in needs:
+            needs[j] = vllm_needs(spec, infer_tp, j, infer_ep)
         total = 0
-        for need in vllm_needs(spec, infer_tp, infer_rank_of[rank]):
+        for need in needs[j]:
             n = need.piece
             covered = sum(max(0, min(hi, n.stop) - max(lo, n.start)) for lo, hi in runs.get((n.hf_name, n.dim), []))
-            total += piece_bytes(spec, Piece(n.hf_name, n.dim, 0, n.length - covered), dtype_bytes)
+            elements = n.length - covered
+            for d, size in enumerate(shapes[n.hf_name]):
+                if d != n.dim:
+                    elements *= size
+            total += elements * dtype_bytes
         out[rank] = total
     return out
 
@@ -212,35 +244,44 @@ def check_engine_mapping(plan: ReshardPlan, rank: int, engine_tp_rank: int) -> N
 
 @functools.lru_cache(maxsize=32)
 def _plan_cached(_key: str, spec: ModelSpec, train: RoleTopology, infer_tp: int, dtype_bytes: int,
-                 search_mapping: bool, prefer_local: bool) -> ReshardPlan:
+                 search_mapping: bool, prefer_local: bool, train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT,
+                 infer_ep: bool = False, keep_ops: bool = True) -> ReshardPlan:
     _check_divides(train, infer_tp)
-    index = _Index(spec, train)
+    index = _Index(spec, train, train_layout)
     if search_mapping:
-        mapping = choose_mapping(spec, train, infer_tp, dtype_bytes, index)
+        mapping = choose_mapping(spec, train, infer_tp, dtype_bytes, index, train_layout, infer_ep)
     else:
         mapping = {r: (r - train.rank_offset) % infer_tp for r in train.ranks}
-    needs = {j: vllm_needs(spec, infer_tp, j) for j in range(infer_tp)}
+    needs = {j: vllm_needs(spec, infer_tp, j, infer_ep) for j in range(infer_tp)}
     model_bytes = _model_bytes(spec, dtype_bytes)
 
+    rate = _ByteRate(spec, dtype_bytes)
     sent: dict[int, int] = defaultdict(int)
     ops: list[TransferOp] = []
     stats: list[RankStats] = []
     for dst in train.ranks:
         received = local = lower = 0
         for need in needs[mapping[dst]]:
-            for op in _route(spec, index, dst, need, sent, dtype_bytes, prefer_local):
-                ops.append(op)
-                if op.src == dst:
-                    local += op.nbytes
+            if keep_ops:
+                new_ops = _route(spec, index, dst, need, sent, dtype_bytes, prefer_local, rate)
+                ops.extend(new_ops)
+                routed = [(op.src, op.nbytes) for op in new_ops]
+            else:  # statistics only: the same routing, no TransferOp objects
+                routed = [(src, nbytes) for src, _, _, _, nbytes in _route_runs(index, dst, need.piece, sent, rate,
+                                                                                 prefer_local)]
+            for src, nbytes in routed:
+                if src == dst:
+                    local += nbytes
                 else:
-                    received += op.nbytes
-                    sent[op.src] += op.nbytes
-            lower += piece_bytes(spec, need.piece, dtype_bytes)
+                    received += nbytes
+                    sent[src] += nbytes
+            lower += rate(need.piece)
         held = _unique_bytes(spec, index.by_rank[dst], dtype_bytes)
         stats.append(RankStats(dst, mapping[dst], received, local, 0, 0, model_bytes - held, lower - local))
-    bound = lower_bound_bytes(spec, train, infer_tp, mapping, dtype_bytes)
+    bound = lower_bound_bytes(spec, train, infer_tp, mapping, dtype_bytes, train_layout, infer_ep)
     stats = [dataclasses.replace(s, bytes_sent=sent[s.rank], bytes_lower_bound=bound[s.rank]) for s in stats]
-    return ReshardPlan(spec, train, infer_tp, dtype_bytes, mapping, tuple(ops), tuple(stats), model_bytes)
+    return ReshardPlan(spec, train, infer_tp, dtype_bytes, mapping, tuple(ops), tuple(stats), model_bytes,
+                       train_layout, infer_ep)
 
 
 def _model_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
@@ -274,21 +315,47 @@ def _unique_bytes(spec: ModelSpec, placements: list[Placement], dtype_bytes: int
     return total
 
 
-def _route(spec: ModelSpec, index: _Index, dst: int, need: Placement, sent: dict[int, int],
-           dtype_bytes: int, prefer_local: bool = True) -> list[TransferOp]:
-    """Ops covering `need` for `dst`: its own holdings first, then the least-loaded holder per sub-run.
+class _ByteRate:
+    """Bytes per index along a piece's dim, per HF tensor (one shape lookup per tensor: `piece_bytes` on a hot path
+    would re-key the shape cache by the spec's repr every call)."""
 
-    `sent` (bytes already assigned to each source) is read for balancing; the caller updates it.
-    """
-    piece = need.piece
-    holders = [(r, p) for r, p in index.by_name[piece.hf_name] if p.piece.intersect(piece)]
+    def __init__(self, spec: ModelSpec, dtype_bytes: int) -> None:
+        self.shapes = cached_hf_shapes(spec)
+        self.dtype_bytes = dtype_bytes
+        self._rate: dict[tuple[str, int], int] = {}
+
+    def __call__(self, piece: Piece) -> int:
+        key = (piece.hf_name, piece.dim)
+        rate = self._rate.get(key)
+        if rate is None:
+            rate = self.dtype_bytes
+            for d, n in enumerate(self.shapes[piece.hf_name]):
+                if d != piece.dim:
+                    rate *= n
+            self._rate[key] = rate
+        return rate * (piece.stop - piece.start)
+
+
+def _route_runs(index: _Index, dst: int, piece: Piece, load: dict[int, int], rate: "_ByteRate",
+                prefer_local: bool = True) -> list[tuple[int, Placement, int, int, int]]:
+    """(src, src placement, lo, hi, nbytes) runs covering `piece` for `dst`: its own holdings first, then the
+    least-loaded holder (`load`: bytes already assigned to each source) per elementary run."""
+    lo_, hi_, dim = piece.start, piece.stop, piece.dim
+    holders = [(r, p) for r, p, d, s, e in index.runs[piece.hf_name] if d == dim and s < hi_ and lo_ < e]
+    if prefer_local:
+        # fast path (most pieces): some holder has all of it, and dst holds all of it or none of it
+        whole = [(r, p) for r, p in holders if p.piece.start <= lo_ and hi_ <= p.piece.stop]
+        mine = [(r, p) for r, p in whole if r == dst]
+        if mine or (whole and not any(r == dst for r, _ in holders)):
+            src, src_p = mine[0] if mine else min(whole, key=lambda rp: (load[rp[0]], rp[0]))
+            return [(src, src_p, lo_, hi_, rate(piece))]
     # Cut the needed run at every holder boundary: each elementary run then has a set of candidate holders.
     cuts = {piece.start, piece.stop}
     for _, p in holders:
         cuts.update(c for c in (p.piece.start, p.piece.stop) if piece.start < c < piece.stop)
     bounds = sorted(cuts)
     pending: dict[int, int] = defaultdict(int)
-    ops: list[TransferOp] = []
+    out = []
     for lo, hi in zip(bounds, bounds[1:]):
         run = Piece(piece.hf_name, piece.dim, lo, hi)
         candidates = [(r, p) for r, p in holders if p.piece.start <= lo and hi <= p.piece.stop]
@@ -297,12 +364,26 @@ def _route(spec: ModelSpec, index: _Index, dst: int, need: Placement, sent: dict
         mine = [(r, p) for r, p in candidates if r == dst]
         if not prefer_local and len(mine) < len(candidates):  # testing knob: a deliberately worse plan
             candidates, mine = [(r, p) for r, p in candidates if r != dst], []
-        src, src_p = mine[0] if mine else min(candidates, key=lambda rp: (sent[rp[0]] + pending[rp[0]], rp[0]))
-        nbytes = piece_bytes(spec, run, dtype_bytes)
+        src, src_p = mine[0] if mine else min(candidates, key=lambda rp: (load[rp[0]] + pending[rp[0]], rp[0]))
+        nbytes = rate(run)
         if src != dst:
             pending[src] += nbytes
+        out.append((src, src_p, lo, hi, nbytes))
+    return out
+
+
+def _route(spec: ModelSpec, index: _Index, dst: int, need: Placement, sent: dict[int, int],
+           dtype_bytes: int, prefer_local: bool = True, rate: Optional["_ByteRate"] = None) -> list[TransferOp]:
+    """Ops covering `need` for `dst` (`_route_runs`), one op per contiguous run from one source.
+
+    `sent` (bytes already assigned to each source) is read for balancing; the caller updates it.
+    """
+    piece = need.piece
+    ops: list[TransferOp] = []
+    for src, src_p, lo, hi, nbytes in _route_runs(index, dst, piece, sent, rate or _ByteRate(spec, dtype_bytes),
+                                                  prefer_local):
         op = TransferOp(
-            src=src, dst=dst, piece=run,
+            src=src, dst=dst, piece=Piece(piece.hf_name, piece.dim, lo, hi),
             src_param=src_p.param, src_offset=src_p.offset + (lo - src_p.piece.start),
             dst_param=need.param, dst_offset=need.offset + (lo - piece.start), nbytes=nbytes,
         )

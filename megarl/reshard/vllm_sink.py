@@ -14,6 +14,10 @@ Two ways a shard reaches the engine, chosen per parameter:
 
 `finish` then resets the prefix cache, so no KV block computed with old weights is reused.
 
+Mixture-of-experts: the plan writes each routed expert into its own slot of vLLM's stacked `w13_weight` /
+`w2_weight` ([E_local, ...]; slot names `param[e]`, `layouts.expert_slot_name`): `target` hands out `stacked[e]`, a
+view into the one staged (or live) tensor, and the stacked parameter is complete once all its slots are committed.
+
 Delta mode (`persistent=True`): the destination must still hold the previous sync's values. Staging tensors are
 kept between reshards (on the CPU build: one extra inference shard in the training dtype); in-place targets are the
 engine's parameters, which keep their values as long as the engine is not put to `sleep(level=2)` between syncs
@@ -25,6 +29,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from megarl.reshard.layouts import split_expert_slot
 
 
 def in_place_target(live: Optional[torch.Tensor], shape, dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -55,8 +61,11 @@ class VllmShardSink:
         self._in_place: dict[str, torch.Tensor] = {}
         self._done: list[str] = []
         # vLLM lists a tied lm_head once, under the embedding: shards it does not list are not fed.
-        self._dtypes = {s.name: s.dtype for s in engine.param_shards()}
+        described = engine.param_shards()
+        self._dtypes = {s.name: s.dtype for s in described}
+        self._shapes = {s.name: tuple(s.shape) for s in described}
         self._known = set(self._dtypes)
+        self._slots_done: dict[str, set[int]] = {}
         self._live: Optional[dict[str, torch.Tensor]] = None
         self.tensors_fed = 0
         self.written_in_place = 0
@@ -69,6 +78,19 @@ class VllmShardSink:
         return self._live
 
     def target(self, param: str, shape, dtype) -> torch.Tensor:
+        slot = split_expert_slot(param)
+        if slot is not None:
+            base, expert = slot
+            stacked = self._shapes.get(base)
+            if stacked is None:
+                raise KeyError(f"the rollout engine has no expert parameter {base!r} (slot {param!r})")
+            if tuple(stacked[1:]) != tuple(shape) or not 0 <= expert < stacked[0]:
+                raise ValueError(f"expert slot {param!r} of shape {tuple(shape)} does not fit the engine's {base} "
+                                 f"of shape {stacked}")
+            existing = self._in_place.get(base, self._staged.get(base))  # another slot of it was written already
+            if existing is not None and tuple(existing.shape) == tuple(stacked) and existing.dtype == dtype:
+                return existing[expert]
+            return self.target(base, stacked, dtype)[expert]
         if param not in self._known:
             raise KeyError(f"the rollout engine has no parameter {param!r}; it has e.g. {sorted(self._known)[:3]}")
         live = in_place_target(self._live_params().get(param), shape, dtype)
@@ -83,7 +105,15 @@ class VllmShardSink:
         return t
 
     def commit(self, param: str) -> None:
-        self._done.append(param)
+        slot = split_expert_slot(param)
+        if slot is None:
+            self._done.append(param)
+            return
+        base, expert = slot
+        done = self._slots_done.setdefault(base, set())
+        done.add(expert)
+        if len(done) == self._shapes[base][0]:  # every local expert of the stacked parameter is written
+            self._done.append(base)
 
     def finish(self) -> None:
         missing = self._known - set(self._done)
@@ -102,5 +132,6 @@ class VllmShardSink:
         if not self.keeps_targets:
             self._staged.clear()
         self._in_place.clear()
+        self._slots_done.clear()
         self._done.clear()
         self._live = None

@@ -88,6 +88,8 @@ class VllmEngineSettings:
     max_model_len: prompt + response tokens; must cover max_prompt_tokens + max_new_tokens.
     kv_cache_gib: CPU only (VLLM_CPU_KVCACHE_SPACE, whole GiB, rounded up). gpu_memory_utilization: GPU only.
     enforce_eager: True = no CUDA graphs (vLLM's eager mode); `rollout.enforce_eager` in the config.
+    ep: vLLM expert parallelism (`enable_expert_parallel`; `rollout.ep`): each of the replica's `tp` ranks holds
+        E/tp whole routed experts (linear placement) instead of a 1/tp slice of every expert; attention stays TP.
     """
 
     model_path: str
@@ -103,6 +105,7 @@ class VllmEngineSettings:
     kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
     max_num_seqs: Optional[int] = None
+    ep: bool = False
 
     @classmethod
     def from_config(cls, rollout: Any, model_path: str, **overrides: Any) -> "VllmEngineSettings":
@@ -113,6 +116,7 @@ class VllmEngineSettings:
             max_prompt_tokens=rollout.max_prompt_tokens, overlong_prompt=rollout.overlong_prompt,
             gpu_memory_utilization=rollout.gpu_memory_utilization, kv_cache_gib=rollout.kv_cache_gib,
             enforce_eager=resolve_enforce_eager(getattr(rollout, "enforce_eager", "auto"), _on_cpu()),
+            ep=bool(getattr(rollout, "ep", False)),
         )
         kw.update(overrides)
         return cls(**kw)
@@ -195,6 +199,8 @@ class VllmRolloutEngine:
             kw["enable_sleep_mode"] = True
         if settings.max_num_seqs:
             kw["max_num_seqs"] = settings.max_num_seqs
+        if settings.ep:
+            kw["enable_expert_parallel"] = True
         self.settings = settings
         self.world_size = world
         self.replicas = world // settings.tp

@@ -13,7 +13,12 @@ A shard is `cat([hf[part.hf_name].narrow(dim, part.start, part.length) for part 
 - embed_tokens / lm_head (kind 'vocab', dim 0): vocab rows [org_vocab_start, org_vocab_end) of this rank, then
   `pad_rows` zero rows: vLLM pads the vocabulary to a multiple of 64 * T and splits the padded size evenly, so the
   last rank(s) hold fewer real rows.
-- replicated (norms; kind 'replicated', dim None): the whole tensor on every rank.
+- replicated (norms, MoE routers; kind 'replicated', dim None): the whole tensor on every rank.
+- routed experts of a fused-MoE layer (kind 'experts', dim None): `experts.routed_experts.w13_weight`
+  [E_local, 2*I/T, H] (per local expert [gate rows; up rows] of the rank's 1/T slice) and `w2_weight`
+  [E_local, H, I/T]; T is 1 under vLLM expert parallelism, which places whole experts per rank. `parts` names the
+  parameter itself (not HF tensors): `megarl.reshard.layouts.vllm_needs` describes the per-expert HF pieces, and
+  `build_shard` refuses this kind.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Callable, Literal, Optional
 
 import torch
 
-ShardKind = Literal["qkv", "gate_up", "column", "row", "vocab", "replicated"]
+ShardKind = Literal["qkv", "gate_up", "column", "row", "vocab", "replicated", "experts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +67,9 @@ class ParamShard:
 
 def build_shard(shard: ParamShard, get_hf: Callable[[str], torch.Tensor]) -> torch.Tensor:
     """Reference construction of `shard` from full HF tensors (`get_hf(name)`); returns a new contiguous tensor."""
+    if shard.kind == "experts":
+        raise ValueError(f"{shard.name}: stacked expert parameters are built per expert slot "
+                         "(megarl.reshard.layouts.vllm_needs), not by build_shard")
     if shard.dim is None:
         out = get_hf(shard.parts[0].hf_name)
     else:

@@ -127,6 +127,7 @@ def _live_params(worker: Any) -> dict[str, torch.Tensor]:
 
 def _describe_params(worker: Any) -> list[ParamShard]:
     """`ParamShard` for every parameter of this rank's model (shapes from vLLM's pre-repack reload metadata)."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         MergedColumnParallelLinear,
@@ -175,6 +176,10 @@ def _describe_params(worker: Any) -> list[ParamShard]:
             elif isinstance(mod, ColumnParallelLinear) and not (mod.disable_tp if hasattr(mod, "disable_tp") else 0):
                 n = shape[0]
                 out.append(ParamShard(kind="column", dim=0, parts=(ShardPart(name, tp_rank * n, n),), **kw))
+            elif isinstance(mod, RoutedExperts):
+                moe_tp = mod.moe_config.moe_parallel_config
+                kw.update(tp_rank=moe_tp.tp_rank, tp_size=moe_tp.tp_size)
+                out.append(ParamShard(kind="experts", dim=None, parts=(ShardPart(name, 0, shape[0]),), **kw))
             elif isinstance(mod, VocabParallelEmbedding):
                 si = mod.shard_indices
                 rows = si.org_vocab_end_index - si.org_vocab_start_index

@@ -27,6 +27,7 @@ from megarl.controller.dispatch import Dispatch, dispatch
 from megarl.data.batch import Batch
 from megarl.platform.device import empty_device_cache
 from megarl.reshard.executor import execute_reshard
+from megarl.reshard.layouts import TrainLayout
 from megarl.reshard.planner import check_engine_mapping, plan_reshard
 from megarl.reshard.sources import megatron_sources
 from megarl.reshard.vllm_sink import VllmShardSink
@@ -77,7 +78,8 @@ class HybridWorker:
         elem = ELEMENT_BYTES[cfg.model.dtype]
         # The engine's mapping (vLLM's external launcher: TP rank = position in the block), checked, not searched.
         self.plan = plan_reshard(self.actor.engine.spec, self.actor.groups.topology, cfg.rollout.tp, dtype_bytes=elem,
-                                 search_mapping=False)
+                                 search_mapping=False, train_layout=TrainLayout.from_parallel(cfg.actor.parallel),
+                                 infer_ep=cfg.rollout.ep)
         check_engine_mapping(self.plan, dist.get_rank(), self.engine.tp_rank)
         self.sink = VllmShardSink(self.engine)
         # The step's phases in call order, on every device (CPU too): the engine's own calls (sleep, wake,
