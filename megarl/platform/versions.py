@@ -65,6 +65,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when="`get_megatron_optimizer` takes the role's group for that gather",
     ),
     Workaround(
+        where='platform/megatron_patches.py: `SequenceParallelTorchNorm`',
+        serves='megatron-core 0.16.1',
+        symptom=("MoE at tp>1 on the local spec: the MoE layer refuses training without sequence parallelism and "
+                 "WrappedTorchNorm asserts 'sequence parallel not supported by torch LayerNorm'"),
+        remove_when="WrappedTorchNorm accepts sequence_parallel (a TP2xEP2 CPU update without the substitution)",
+    ),
+    Workaround(
         where='platform/megatron_cpu_compat.py: `_install_backward_mode_for_mappings`',
         serves='megatron-core 0.16.1',
         symptom=("CPU MoE update at EP>1: the alltoall's backward (tensor_parallel/mappings.py _AllToAll) allocates on "
