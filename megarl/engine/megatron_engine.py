@@ -132,10 +132,15 @@ class MegatronEngine:
             seed + 100 * coord.pp, force_reset_rng=True, tp_rank=coord.tp, ep_rank=0, etp_rank=coord.tp
         )
         moe = self.moe_settings
+        # megatron-core 0.16.1 under sequence parallelism (MoE at tp > 1) scales each TP rank's aux/z-loss by its
+        # local token count (router.py, written for CP), so their gradient is 1/tp of the unsplit one next to a
+        # main loss computed on the whole sequence; the coefficients are multiplied by tp to keep the objective
+        # layout-independent (exact when the TP slices hold equally many real tokens).
+        router_scale = self.groups.topology.tp if self.spec.is_moe and self.groups.topology.tp > 1 else 1
         self.config = build_transformer_config(
             self.spec, self.groups, self.dtype, first_stage_layers, last_stage_layers, recompute,
-            moe_token_dispatcher=moe.token_dispatcher, moe_aux_loss_coeff=moe.aux_loss_coeff,
-            moe_z_loss_coeff=moe.z_loss_coeff or None,
+            moe_token_dispatcher=moe.token_dispatcher, moe_aux_loss_coeff=moe.aux_loss_coeff * router_scale,
+            moe_z_loss_coeff=moe.z_loss_coeff * router_scale or None,
         )
         self.config.perform_initialization = self._init_weights
         self.config.variable_seq_lengths = True  # micro-batches may differ in length (token-budget batching)

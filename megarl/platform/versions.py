@@ -65,6 +65,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when="`get_megatron_optimizer` takes the role's group for that gather",
     ),
     Workaround(
+        where='engine/megatron_engine.py: `router_scale` (MoE aux/z-loss coefficients x tp)',
+        serves='megatron-core 0.16.1',
+        symptom=("MoE at tp>1 (sequence parallel) with calculate_per_token_loss: router.py scales each TP rank's "
+                 "aux/z-loss by its local token count, so the router losses weigh 1/tp of the TP1 ones"),
+        remove_when="TP2xEP2 and EP1 updates with router losses agree without the factor",
+    ),
+    Workaround(
         where='platform/megatron_patches.py: `SequenceParallelTorchNorm`',
         serves='megatron-core 0.16.1',
         symptom=("MoE at tp>1 on the local spec: the MoE layer refuses training without sequence parallelism and "
