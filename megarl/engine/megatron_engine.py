@@ -282,13 +282,12 @@ class MegatronEngine:
             tokens = torch.nn.functional.pad(tokens, (0, padded(length) - length))  # causal: the tail is invisible
             positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
             kwargs = {}
-            if moe_model and "attention_mask" in batch:  # router losses and load over real tokens only
-                pad_mask = torch.nn.functional.pad(batch["attention_mask"].to(device) == 0,
-                                                   (0, tokens.shape[1] - length), value=True)
-                if multiple > 1 and not self.groups.is_first_stage:  # the first stage scatters it itself
-                    chunk = tokens.shape[1] // multiple
-                    pad_mask = pad_mask[:, self.groups.coord.tp * chunk:(self.groups.coord.tp + 1) * chunk]
-                kwargs["padding_mask"] = pad_mask  # True = padding (megatron-core's router convention)
+            # router losses and expert load over real tokens only. Not under sequence parallelism: megatron-core
+            # 0.16.1 GPTModel._preprocess scatters the mask with the global TP group ("group should not be None"
+            # with megarl's per-role groups), so there padding positions count (none in micro-batches of one
+            # sample, or of equal lengths that are multiples of tp)
+            if moe_model and multiple == 1 and "attention_mask" in batch:
+                kwargs["padding_mask"] = batch["attention_mask"].to(device) == 0  # True = padding (megatron's way)
             output = model(tokens, positions, None, **kwargs)
 
             def loss_func(logits):
