@@ -79,6 +79,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when="WrappedTorchNorm accepts sequence_parallel (a TP2xEP2 CPU update without the substitution)",
     ),
     Workaround(
+        where='platform/megatron_cpu_compat.py: `_install_uneven_tp_collectives`',
+        serves='megatron-core 0.16.1',
+        symptom=("CPU MoE at TP2xEP2: the alltoall dispatcher's uneven TP gather fails on gloo "
+                 "('ProcessGroupGloo::allgather: invalid tensor size'), and gloo has no list reduce-scatter"),
+        remove_when="gloo gathers uneven tensor lists (a TP2xEP2 CPU update without the redirect)",
+    ),
+    Workaround(
         where='platform/megatron_cpu_compat.py: `_install_backward_mode_for_mappings`',
         serves='megatron-core 0.16.1',
         symptom=("CPU MoE update at EP>1: the alltoall's backward (tensor_parallel/mappings.py _AllToAll) allocates on "
