@@ -23,8 +23,10 @@ megatron-core 0.16.1 hard-codes CUDA in places that have nothing to do with the 
 4. The MoE alltoall token dispatcher's split sizes (``transformer/moe/moe_utils.py`` ``maybe_move_tensor_to_cpu``
    converts only CUDA tensors to numpy): see `_install_moe_split_sizes_on_cpu`.
 
-5. Backward passes of megatron's communication autograd functions (``tensor_parallel/mappings.py``: e.g.
-   ``_AllToAll`` allocates its all-to-all-v output with ``device=torch.cuda.current_device()``): autograd runs a
+5. Backward passes of megatron's autograd functions (``tensor_parallel/mappings.py``, ``tensor_parallel/layers.py``,
+   ``transformer/moe/moe_utils.py``: e.g. ``_AllToAll`` allocates its all-to-all-v output, and
+   ``LinearWithGradAccumulationAndAsyncCommunication`` its sequence-parallel gather buffer, with
+   ``device=torch.cuda.current_device()``): autograd runs a
    Function's backward without the caller's function mode, so each one's backward enters `megatron_on_cpu()`
    itself. See `_install_backward_mode_for_mappings`.
 
@@ -168,10 +170,11 @@ def _install_moe_split_sizes_on_cpu() -> None:
 
 
 def _install_backward_mode_for_mappings() -> None:
-    from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import layers, mappings
+    from megatron.core.transformer.moe import moe_utils
 
-    for name in dir(mappings):
-        cls = getattr(mappings, name)
+    classes = {getattr(m, n) for m in (mappings, layers, moe_utils) for n in dir(m)}
+    for cls in classes:
         if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function) and "backward" in cls.__dict__):
             continue
         original = cls.__dict__["backward"].__func__
