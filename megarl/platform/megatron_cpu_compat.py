@@ -173,8 +173,11 @@ def _install_backward_mode_for_mappings() -> None:
     from megatron.core.tensor_parallel import layers, mappings
     from megatron.core.transformer.moe import moe_utils
 
-    classes = {getattr(m, n) for m in (mappings, layers, moe_utils) for n in dir(m)}
-    for cls in classes:
+    seen: set = set()
+    for cls in (getattr(m, n) for m in (mappings, layers, moe_utils) for n in dir(m)):
+        if not isinstance(cls, type) or cls in seen:
+            continue
+        seen.add(cls)
         if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function) and "backward" in cls.__dict__):
             continue
         original = cls.__dict__["backward"].__func__
