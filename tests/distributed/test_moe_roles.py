@@ -89,9 +89,10 @@ def _worker(rank: int, world: int, hf_dir: str, replay_hf_dir: str, root: str):
     phase({"ep2": (RoleTopology(dp=2, ep=2), AUX, Z), "ep1": (RoleTopology(rank_offset=2), AUX, Z),
            "ep1_plain": (RoleTopology(rank_offset=3), 0.0, 0.0)})
     phase({"tp2ep2": (RoleTopology(tp=2, dp=2, ep=2), AUX, Z)})
+    phase({"tp2ep2_plain": (RoleTopology(tp=2, dp=2, ep=2), 0.0, 0.0)})
     phase({"pp2ep2": (RoleTopology(pp=2, dp=2, ep=2), AUX, Z)})
 
-    for name in [*LAYOUTS, "ep1_plain"]:  # collective: every checkpoint back to HF
+    for name in [*LAYOUTS, "ep1_plain", "tp2ep2_plain"]:  # collective: every checkpoint back to HF
         megatron_to_hf(os.path.join(root, name), os.path.join(root, f"{name}_hf"))
 
     groups = build_role_groups(RoleTopology(dp=2, ep=2))
@@ -134,7 +135,10 @@ def _hand_ppo_step(hf_dir: str, out_dir: str) -> dict:
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.save_pretrained(out_dir, safe_serialization=True)  # transformers' own on-disk (per-expert) names
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(out_dir, "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +159,9 @@ def runs(tmp_path_factory):
     for r in run_ranks(4, _worker, hf_dir, replay_hf_dir, root, timeout_s=1200):
         merged.update(r)
     weights = {name: load_file(os.path.join(root, f"{name}_hf", "model.safetensors"))
-               for name in [*LAYOUTS, "ep1_plain"]}
-    return {"ref_log_probs": ref, "out": merged, "weights": weights, "hand": _hand_ppo_step(hf_dir, root)}
+               for name in [*LAYOUTS, "ep1_plain", "tp2ep2_plain"]}
+    hand = _hand_ppo_step(hf_dir, os.path.join(root, "hand_hf"))
+    return {"ref_log_probs": ref, "out": merged, "weights": weights, "hand": hand}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -167,12 +172,13 @@ def test_log_probs_equal_transformers(runs, layout):
     assert diff < TOL
 
 
-@pytest.mark.parametrize("layout", ["ep2", "tp2ep2", "pp2ep2"])
-def test_one_update_gives_the_same_weights_as_ep1(runs, layout):
-    base, other = runs["weights"]["ep1"], runs["weights"][layout]
+@pytest.mark.parametrize("layout,base_name", [("ep2", "ep1"), ("tp2ep2", "ep1"), ("pp2ep2", "ep1"),
+                                              ("tp2ep2_plain", "ep1_plain")])
+def test_one_update_gives_the_same_weights_as_ep1(runs, layout, base_name):
+    base, other = runs["weights"][base_name], runs["weights"][layout]
     assert sorted(base) == sorted(other)
-    worst = max((base[k] - other[k]).abs().max().item() for k in base)
-    print(f"{layout}: max |weight diff| vs EP1 after one update {worst:.3g}")
+    worst, key = max(((base[k] - other[k]).abs().max().item(), k) for k in base)
+    print(f"{layout}: max |weight diff| vs {base_name} after one update {worst:.3g} ({key})")
     assert worst < TOL
     moved = max((base[k] - runs["weights"]["ep1_plain"][k]).abs().max().item() for k in base)
     assert moved > 0  # the router losses changed the update (the comparison above covers them)
