@@ -206,6 +206,26 @@ class RoleConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MoeTrainingConfig:
+    """Mixture-of-experts training settings of a trained role (unused for dense models): megatron-core's router
+    losses, added to the role's loss through the router's autograd (megarl.engine.moe)."""
+
+    aux_loss_coeff: float = opt(
+        0.0, "Weight of the switch load-balancing loss (E * sum_i f_i * P_i per micro-batch and MoE layer: f_i the "
+        "fraction of routed slots, P_i the mean router probability of expert i); 0 = off. Reported unscaled as "
+        "actor/moe_aux_loss. Per-token normalisation: each micro-batch's term is weighted by its token count and "
+        "divided by the loss's units, as megatron-core does.", min=0,
+    )
+    z_loss_coeff: float = opt(
+        0.0, "Weight of the router z-loss (mean logsumexp(router logits)^2); 0 = off. Reported as actor/moe_z_loss.",
+        min=0,
+    )
+    token_dispatcher: Literal["alltoall", "allgather"] = opt(
+        "alltoall", "megatron-core token dispatcher over the expert-parallel group (gloo on CPU, NCCL on GPU).",
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainedRoleConfig(RoleConfig):
     """A Megatron role with an optimizer (actor)."""
 
@@ -217,6 +237,7 @@ class TrainedRoleConfig(RoleConfig):
         unit="prompts, global",
         min=1,
     )
+    moe: MoeTrainingConfig = opt(factory=MoeTrainingConfig, help="MoE router losses and token dispatcher.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -428,6 +449,12 @@ class AlgorithmConfig:
         "(detached) when the step is one optimizer step (one mini-batch, ppo_epochs 1) with no rollout correction "
         "and no KL in the reward, saving a forward pass; otherwise a separate forward before the update. "
         "recompute: always the separate forward. The metric actor/old_log_probs_fused says which ran."
+    )
+    router_replay: Literal["none", "old", "rollout"] = opt(
+        "none", "MoE routing replay in the actor update. none: each forward routes by itself. old: the update's "
+        "forward uses the experts the old-log-prob forward chose for every token and MoE layer (recorded there; "
+        "needs that separate forward, so old_log_probs: recompute); metric actor/moe_routing_diff_frac = tokens "
+        "whose own routing would differ. rollout (vLLM's routed experts) is not supported yet and refused.",
     )
     kl: KLConfig = opt(factory=KLConfig, help="KL penalty against the reference policy.")
     overlong: OverlongConfig = opt(factory=OverlongConfig, help="DAPO: truncated responses (filtering, soft penalty).")

@@ -106,6 +106,7 @@ def validate(cfg: JobConfig) -> JobConfig:
     for name, arch in archs.items():
         _check_sequence_length(cfg, name, arch)
     _check_rollout(cfg, archs["actor"], resolved_roles["actor"].parallel)
+    _check_router_replay(cfg, archs["actor"])
     _check_trainer(cfg)
     check_supported(cfg)
     algorithm = dataclasses.replace(cfg.algorithm, **{k: cfg.algorithm.setting(k) for k in PRESET_FIELDS})
@@ -261,6 +262,24 @@ def _check_sampling(cfg: JobConfig) -> None:
             f"rollout.samples_per_prompt={r.samples_per_prompt}: advantage_estimator={estimator} compares the "
             "samples of a prompt with each other and needs at least 2"
         )
+
+
+def _check_router_replay(cfg: JobConfig, actor_arch: ArchConfig) -> None:
+    replay = cfg.algorithm.router_replay
+    if replay == "rollout":
+        raise ConfigError(
+            "algorithm.router_replay: 'rollout' (replaying the experts vLLM chose during generation) is not supported "
+            "yet: megarl's rollout adapter does not request vLLM's routed experts (vLLM 0.32 "
+            "enable_return_routed_experts) nor carry them to the actor; use 'old' (replay the old-log-prob forward's "
+            "routing) or 'none'"
+        )
+    if replay == "old":
+        if not getattr(actor_arch, "num_experts", 0):
+            raise ConfigError(f"algorithm.router_replay: 'old' replays mixture-of-experts routing, but the actor's "
+                              f"model ({actor_arch.architecture}) has no experts; use 'none'")
+        if cfg.algorithm.old_log_probs != "recompute":
+            raise ConfigError("algorithm.router_replay: 'old' records the routing in the separate old-log-prob "
+                              "forward; set algorithm.old_log_probs=recompute")
 
 
 def _check_algorithm(cfg: JobConfig) -> None:

@@ -35,6 +35,7 @@ import torch
 
 from megarl.engine import offload as off
 from megarl.engine.heads import attach_scalar_head
+from megarl.engine.moe import MoeSettings, enable_routing_hooks
 from megarl.models.context_parallel import gather_cp_sequence, split_for_cp_rank
 from megarl.models.gpt import build_gpt_model, build_transformer_config, padded_vocab_size
 from megarl.models.spec import ModelSpec
@@ -95,6 +96,7 @@ class MegatronEngine:
         recompute: bool = False,
         head: str = "lm",
         init_weights: bool = True,
+        moe: Optional[MoeSettings] = None,
     ) -> None:
         if not groups.is_member:
             raise ValueError("MegatronEngine built on a rank outside the role's layout")
@@ -109,6 +111,7 @@ class MegatronEngine:
         self.dtype = dtype
         self.trainable = optimizer is not None
         self.optimizer_settings = optimizer
+        self.moe_settings = moe or MoeSettings()
         self._init_weights = init_weights  # False: leave parameters uninitialised (weights are loaded right after)
         with megatron_on_cpu():
             self._build(seed, first_stage_layers, last_stage_layers, recompute)
@@ -129,12 +132,21 @@ class MegatronEngine:
         model_parallel_cuda_manual_seed(
             seed + 100 * coord.pp, force_reset_rng=True, tp_rank=coord.tp, ep_rank=0, etp_rank=coord.tp
         )
+        moe = self.moe_settings
+        # megatron-core 0.16.1 under sequence parallelism (MoE at tp > 1) scales each TP rank's aux/z-loss by its
+        # local token count (router.py, written for CP), so their gradient is 1/tp of the unsplit one next to a
+        # main loss computed on the whole sequence; the coefficients are multiplied by tp to keep the objective
+        # layout-independent (exact when the TP slices hold equally many real tokens).
+        router_scale = self.groups.topology.tp if self.spec.is_moe and self.groups.topology.tp > 1 else 1
         self.config = build_transformer_config(
-            self.spec, self.groups, self.dtype, first_stage_layers, last_stage_layers, recompute
+            self.spec, self.groups, self.dtype, first_stage_layers, last_stage_layers, recompute,
+            moe_token_dispatcher=moe.token_dispatcher, moe_aux_loss_coeff=moe.aux_loss_coeff * router_scale,
+            moe_z_loss_coeff=moe.z_loss_coeff * router_scale or None,
         )
         self.config.perform_initialization = self._init_weights
         self.config.variable_seq_lengths = True  # micro-batches may differ in length (token-budget batching)
         self.config.calculate_per_token_loss = True  # exact global normalisation, see module docstring
+        enable_routing_hooks(self.config)
         model = build_gpt_model(self.spec, self.groups, self.config)
         if self.head == "scalar" and self.groups.is_last_stage:
             attach_scalar_head(model, self.spec.hidden_size, self.config.params_dtype, seed)
@@ -225,7 +237,8 @@ class MegatronEngine:
         return self.model.module if self.trainable else self.model
 
     # ------------------------------------------------------------------------------------------------ run
-    def run(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, forward_only: bool) -> list[dict[str, Any]]:
+    def run(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, forward_only: bool,
+            routing=None) -> list[dict[str, Any]]:
         """Run megatron's pipeline schedule over `micro_batches` (same list on every rank of a pipeline).
 
         `loss_fn` sees this TP rank's logits shard restricted to real vocabulary columns
@@ -233,7 +246,8 @@ class MegatronEngine:
         The metrics dict may carry tensors of any shape (e.g. per-token log-probs of a forward-only run); they are
         returned as they are. Returns the per-micro-batch metric dicts on the last
         pipeline stage, [] elsewhere. With `forward_only=False` gradients accumulate in the DDP buffers; call
-        `step()` afterwards.
+        `step()` afterwards. `routing`: a `megarl.engine.moe.RoutingRecorder` / `RoutingReplayer` of this engine
+        (MoE models): entered around the schedule, told each micro-batch before its forward.
         """
         if not micro_batches:
             raise ValueError("run() needs at least one micro-batch")
@@ -241,9 +255,11 @@ class MegatronEngine:
         if not forward_only and not self.trainable:
             raise RuntimeError("this role is frozen (no optimizer): run it with forward_only=True")
         with megatron_on_cpu():
-            return self._run(list(micro_batches), loss_fn, forward_only)
+            with routing if routing is not None else contextlib.nullcontext():
+                return self._run(list(micro_batches), loss_fn, forward_only, routing)
 
-    def _run(self, micro_batches: list[MicroBatch], loss_fn: LossFn, forward_only: bool) -> list[dict[str, Any]]:
+    def _run(self, micro_batches: list[MicroBatch], loss_fn: LossFn, forward_only: bool,
+             routing=None) -> list[dict[str, Any]]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
@@ -251,25 +267,41 @@ class MegatronEngine:
         start, end = self.vocab_shard()
         local_end = end - start
         scalar_head = self.head == "scalar"
-
+        # sequence parallelism (MoE at tp > 1) splits each CP rank's share of the sequence over TP ranks, context
+        # parallelism cuts it into 2*cp chunks: pad it to a multiple of both
         cp = self.groups.topology.cp
+        multiple = (self.groups.topology.tp if self.config.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+        moe_model = self.spec.is_moe
+
+        def padded(length: int) -> int:
+            return -(-length // multiple) * multiple
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
+            if routing is not None:
+                routing.begin_micro_batch(batch)
             tokens = batch["input_ids"].to(device)
-            seq = tokens.shape[1]
-            positions = torch.arange(seq, device=device).unsqueeze(0).expand_as(tokens)
-            if cp > 1:  # this CP rank's two chunks of the (right-padded) sequence; see megarl.models.context_parallel
-                pad = -seq % (2 * cp)
-                tokens = torch.nn.functional.pad(tokens, (0, pad))
-                positions = torch.arange(seq + pad, device=device).unsqueeze(0).expand_as(tokens)
+            length = tokens.shape[1]
+            tokens = torch.nn.functional.pad(tokens, (0, padded(length) - length))  # causal: the tail is invisible
+            positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+            if cp > 1:  # this CP rank's two chunks of the sequence; see megarl.models.context_parallel
                 tokens = split_for_cp_rank(tokens, cp, self.groups.coord.cp)
                 positions = split_for_cp_rank(positions, cp, self.groups.coord.cp)
-            output = model(tokens, positions, None)
+            kwargs = {}
+            # router losses and expert load over real tokens only. Not under sequence parallelism: megatron-core
+            # 0.16.1 GPTModel._preprocess scatters the mask with the global TP group ("group should not be None"
+            # with megarl's per-role groups), so there padding positions count (none in micro-batches of one
+            # sample, or of equal lengths that are multiples of tp)
+            if moe_model and not self.config.sequence_parallel and "attention_mask" in batch:
+                padding = batch["attention_mask"].to(device) == 0  # True = padding (megatron's way)
+                padding = torch.nn.functional.pad(padding, (0, padded(length) - length), value=True)
+                kwargs["padding_mask"] = split_for_cp_rank(padding, cp, self.groups.coord.cp) if cp > 1 else padding
+            output = model(tokens, positions, None, **kwargs)
 
             def loss_func(logits):
                 if cp > 1:  # the whole sequence on every CP rank; each rank's backward keeps its own positions
-                    logits = gather_cp_sequence(logits, self.groups.pgs.cp)[:, :seq]
+                    logits = gather_cp_sequence(logits, self.groups.pgs.cp)
+                logits = logits[:, :length]
                 loss, units, metrics = loss_fn(logits if scalar_head else logits[..., :local_end], batch)
                 # Every CP rank computed the same loss and contributes its positions' share of the gradient; the
                 # DP reduction sums over dp*cp and divides by the units of all cp copies: scale back by cp.
@@ -280,8 +312,7 @@ class MegatronEngine:
         if self.trainable:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-        seq_length = max(b["input_ids"].shape[1] for b in micro_batches)
-        seq_length += -seq_length % (2 * cp) if cp > 1 else 0
+        seq_length = padded(max(b["input_ids"].shape[1] for b in micro_batches))
         micro_batch_size = max(b["input_ids"].shape[0] for b in micro_batches)
         kwargs = {}
         if self.groups.topology.pp > 1:

@@ -199,6 +199,10 @@ def build_gpt_model(spec: ModelSpec, groups: RoleGroups, config, vp_stage: Optio
             config, use_transformer_engine=transformer_engine_available(), normalization="RMSNorm",
             vp_stage=vp_stage, pp_rank=groups.coord.pp,
         )
+        if config.sequence_parallel and not transformer_engine_available():  # MoE at tp > 1 on the local spec
+            from megarl.platform.megatron_patches import allow_sequence_parallel_torch_norms
+
+            allow_sequence_parallel_torch_norms(layer_spec)
     elif transformer_engine_available():
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
     else:

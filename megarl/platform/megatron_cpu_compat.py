@@ -23,7 +23,20 @@ megatron-core 0.16.1 hard-codes CUDA in places that have nothing to do with the 
 4. The MoE alltoall token dispatcher's split sizes (``transformer/moe/moe_utils.py`` ``maybe_move_tensor_to_cpu``
    converts only CUDA tensors to numpy): see `_install_moe_split_sizes_on_cpu`.
 
-Items 1, 2 and 4 are process-wide but inert on real CUDA machines because `install()` does nothing when
+5. Backward passes of megatron's autograd functions (``tensor_parallel/mappings.py``, ``tensor_parallel/layers.py``,
+   ``transformer/moe/moe_utils.py``: e.g. ``_AllToAll`` allocates its all-to-all-v output, and
+   ``LinearWithGradAccumulationAndAsyncCommunication`` its sequence-parallel gather buffer, with
+   ``device=torch.cuda.current_device()``): autograd runs a
+   Function's backward without the caller's function mode, so each one's backward enters `megatron_on_cpu()`
+   itself. See `_install_backward_mode_for_mappings`.
+
+6. Uneven gathers/reduce-scatters over a TP group (``tensor_parallel/mappings.py`` ``_gather_along_first_dim`` /
+   ``_reduce_scatter_along_first_dim`` with split sizes, used by the MoE alltoall dispatcher at expert-TP > 1):
+   gloo's all_gather needs equal sizes ("ProcessGroupGloo::allgather: invalid tensor size") and has no list
+   reduce-scatter; done as a padded all_gather, and as an all_reduce keeping this rank's rows. See
+   `_install_uneven_tp_collectives`.
+
+Items 1, 2, 4, 5 and 6 are process-wide but inert on real CUDA machines because `install()` does nothing when
 ``torch.cuda.is_available()``. Each redirect names the megatron-core 0.16.1 code that needs it.
 """
 
@@ -156,6 +169,55 @@ def _install_moe_split_sizes_on_cpu() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = move
 
 
+def _install_backward_mode_for_mappings() -> None:
+    from megatron.core.tensor_parallel import layers, mappings
+    from megatron.core.transformer.moe import moe_utils
+
+    seen: set = set()
+    for cls in (getattr(m, n) for m in (mappings, layers, moe_utils) for n in dir(m)):
+        if not isinstance(cls, type) or cls in seen:
+            continue
+        seen.add(cls)
+        if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function) and "backward" in cls.__dict__):
+            continue
+        original = cls.__dict__["backward"].__func__
+
+        def backward(ctx, *grads, _original=original):
+            with megatron_on_cpu():
+                return _original(ctx, *grads)
+
+        cls.backward = staticmethod(backward)
+
+
+def _install_uneven_tp_collectives() -> None:
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def uneven_gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+
+    def uneven_reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        start = sum(sizes[: dist.get_rank(group)])
+        return total[start: start + sizes[dist.get_rank(group)]].contiguous()
+
+    mappings._gather_along_first_dim = uneven_gather
+    mappings._reduce_scatter_along_first_dim = uneven_reduce_scatter
+
+
 # --------------------------------------------------------------------------------------------------------------
 # 3. The scoped function mode
 # --------------------------------------------------------------------------------------------------------------
@@ -215,6 +277,8 @@ def install() -> bool:
             _install_torch_cuda_shims()
             _install_megatron_rng_redirect()
             _install_moe_split_sizes_on_cpu()
+            _install_backward_mode_for_mappings()
+            _install_uneven_tp_collectives()
             _INSTALLED = True
     return True
 

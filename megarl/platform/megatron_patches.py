@@ -56,3 +56,47 @@ def define_moe_router_gemm_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+class SequenceParallelTorchNorm:
+    """megatron-core 0.16.1's `WrappedTorchNorm` (the local spec's norm: torch LayerNorm/RMSNorm) without its
+    `assert not config.sequence_parallel`: the torch norm is per token, so it is correct on a sequence slice; its
+    weight is marked `sequence_parallel` so `finalize_model_grads` sums its gradient over the TP group, as megatron
+    does for Transformer Engine's norms. Needed because megatron's MoE layer refuses TP > 1 in training without
+    sequence parallelism while the local spec refuses sequence parallelism."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        import torch
+
+        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(config.normalization)
+        if norm_cls is None:
+            raise ValueError(f"normalization {config.normalization!r}: only LayerNorm and RMSNorm are supported")
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+def allow_sequence_parallel_torch_norms(spec):
+    """Replace every `WrappedTorchNorm` in a megatron-core layer/block spec (nested ModuleSpecs and submodule
+    dataclasses) by `SequenceParallelTorchNorm`, in place; returns `spec`."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def fix(value):
+        if value is WrappedTorchNorm:
+            return SequenceParallelTorchNorm
+        if isinstance(value, ModuleSpec):
+            value.module = fix(value.module)
+            value.submodules = fix(value.submodules)
+        elif isinstance(value, list):
+            value[:] = [fix(v) for v in value]
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                setattr(value, f.name, fix(getattr(value, f.name)))
+        return value
+
+    return fix(spec)

@@ -65,6 +65,35 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when="`get_megatron_optimizer` takes the role's group for that gather",
     ),
     Workaround(
+        where='engine/megatron_engine.py: `router_scale` (MoE aux/z-loss coefficients x tp)',
+        serves='megatron-core 0.16.1',
+        symptom=("MoE at tp>1 (sequence parallel) with calculate_per_token_loss: router.py scales each TP rank's "
+                 "aux/z-loss by its local token count, so the router losses weigh 1/tp of the TP1 ones"),
+        remove_when="TP2xEP2 and EP1 updates with router losses agree without the factor",
+    ),
+    Workaround(
+        where='platform/megatron_patches.py: `SequenceParallelTorchNorm`',
+        serves='megatron-core 0.16.1',
+        symptom=("MoE at tp>1 on the local spec: the MoE layer refuses training without sequence parallelism and "
+                 "WrappedTorchNorm asserts 'sequence parallel not supported by torch LayerNorm'"),
+        remove_when="WrappedTorchNorm accepts sequence_parallel (a TP2xEP2 CPU update without the substitution)",
+    ),
+    Workaround(
+        where='platform/megatron_cpu_compat.py: `_install_uneven_tp_collectives`',
+        serves='megatron-core 0.16.1',
+        symptom=("CPU MoE at TP2xEP2: the alltoall dispatcher's uneven TP gather fails on gloo "
+                 "('ProcessGroupGloo::allgather: invalid tensor size'), and gloo has no list reduce-scatter"),
+        remove_when="gloo gathers uneven tensor lists (a TP2xEP2 CPU update without the redirect)",
+    ),
+    Workaround(
+        where='platform/megatron_cpu_compat.py: `_install_backward_mode_for_mappings`',
+        serves='megatron-core 0.16.1',
+        symptom=("CPU MoE update at EP>1: the alltoall's backward (tensor_parallel/mappings.py _AllToAll) allocates on "
+                 "torch.cuda.current_device() outside megarl's CPU function mode: 'Cannot access accelerator "
+                 "device when none is available'"),
+        remove_when="megatron's mapping backwards allocate with the input's device (an EP2 CPU update without it)",
+    ),
+    Workaround(
         where='platform/megatron_cpu_compat.py: `_install_moe_split_sizes_on_cpu`',
         serves='megatron-core 0.16.1',
         symptom=("CPU, MoE alltoall dispatcher at ep or tp > 1: TypeError: all_to_all_single(): incompatible function "

@@ -50,6 +50,7 @@ from megarl.algorithms.rollout_correction import (
     mismatch_sums,
 )
 from megarl.data.batch import Batch
+from megarl.engine.moe import RoutingRecorder, RoutingReplayer, aux_loss_tracker_clear, moe_update_metrics
 from megarl.roles.base import Role, count_units, shift_to_tokens
 
 
@@ -108,9 +109,17 @@ class Actor(Role):
 
     head = "lm"
 
-    def __init__(self, *args, loss: PolicyLossSettings = PolicyLossSettings(), **kwargs) -> None:
+    def __init__(self, *args, loss: PolicyLossSettings = PolicyLossSettings(), router_replay: str = "none",
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.loss = loss
+        if router_replay not in ("none", "old"):
+            raise ValueError(f"router_replay must be 'none' or 'old' (rollout replay is not supported), got "
+                             f"{router_replay!r}")
+        if router_replay != "none" and not self.engine.spec.is_moe:
+            raise ValueError(f"router_replay={router_replay!r} needs a mixture-of-experts model; "
+                             f"{self.engine.spec.architecture} is dense")
+        self.router_replay = router_replay
 
     # ------------------------------------------------------------------------------------------- helpers
     def _token_log_probs(self, logits: torch.Tensor, mb: dict, with_entropy: bool):
@@ -125,16 +134,37 @@ class Actor(Role):
 
     # ------------------------------------------------------------------------------------------- API
     @torch.no_grad()
-    def compute_log_probs(self, batch: Batch, with_entropy: bool = True, share: bool = False) -> Optional[Batch]:
+    def compute_log_probs(self, batch: Batch, with_entropy: bool = True, share: bool = False,
+                          record_routing: Optional[bool] = None, replay_routing: bool = False) -> Optional[Batch]:
         """Per-token log-probs (and entropy) of the response tokens; see the module docstring. `share=True`: `batch`
-        is already this DP rank's share (the controller's DP_SPLIT) and the result covers it only (`Role._forward`)."""
+        is already this DP rank's share (the controller's DP_SPLIT) and the result covers it only (`Role._forward`).
+
+        record_routing (MoE; default: on when `router_replay == "old"`): the result also holds `routed_experts`
+        [B, S, L, k] int64, the experts every MoE layer chose for every token (`megarl.engine.moe`), which an
+        update with `router_replay="old"` replays. replay_routing: route every token to `batch["routed_experts"]`
+        instead (as a replayed update does; the result's `routed_experts` are those used) and set
+        `self.last_routing_diff_frac` (the `moe_routing_diff_frac` of this forward, every rank).
+        """
         batch.require("input_ids", "attention_mask", "response_mask")
+        if record_routing is None:
+            record_routing = self.router_replay == "old"
+        keys = ["input_ids", "attention_mask", "response_mask"]
+        routing = None
+        if replay_routing:
+            batch.require("routed_experts")
+            keys.append("routed_experts")
+            routing = RoutingReplayer(self.engine, keep_indices=True)
+        elif record_routing and self.engine.spec.is_moe:
+            routing = RoutingRecorder(self.engine)
 
         def fn(logits, mb):
             logp, ent = self._token_log_probs(logits, mb, with_entropy)
             return {"log_probs": logp, "entropy": ent} if with_entropy else {"log_probs": logp}
 
-        return self._forward(batch, ["input_ids", "attention_mask", "response_mask"], fn, share=share)
+        out = self._forward(batch, keys, fn, share=share, routing=routing)
+        if replay_routing:
+            self.last_routing_diff_frac = moe_update_metrics(self.engine, [routing])["moe_routing_diff_frac"]
+        return out
 
     def update(self, batch: Batch) -> dict[str, float]:
         """One PPO (or SFT) update over `batch`; returns metrics (same on every rank).
@@ -168,7 +198,15 @@ class Actor(Role):
             keys.append("ref_log_probs")
         if s.corrects_rollout or measure_mismatch:
             keys.append("rollout_log_probs")
+        replay = self.router_replay == "old" and not fused  # fused: the update's forward is the old one
+        if replay:
+            keys.append("routed_experts")
         batch.require(*keys)
+        routing_factory = None
+        if self.engine.spec.is_moe:
+            aux_loss_tracker_clear()
+            routing_factory = (lambda: RoutingReplayer(self.engine)) if replay else (
+                lambda: RoutingRecorder(self.engine, keep_indices=False))
 
         def loss_fn(logits, mb):
             response_mask = mb["response_mask"]
@@ -228,7 +266,7 @@ class Actor(Role):
 
         metric_keys = _METRICS + ([f"mismatch_{k}" for k in (*MISMATCH_SUM_KEYS, *MISMATCH_MAX_KEYS)]
                                   if measure_mismatch else [])
-        totals = self._train(batch, keys, loss_fn, metric_keys)
+        totals = self._train(batch, keys, loss_fn, metric_keys, routing_factory=routing_factory)
         tokens_in_loss = totals.pop("tokens_in_loss")
         n_tok = max(tokens_in_loss, 1.0)
         units = max(totals.pop("units"), 1.0)
@@ -253,6 +291,8 @@ class Actor(Role):
             out.update({f"mismatch_{k}": v for k, v in mismatch_from_sums(sums).items()})
         out["old_log_probs_fused"] = 1.0 if fused else 0.0
         out.update(totals)
+        if self.engine.spec.is_moe:
+            out.update(moe_update_metrics(self.engine, self.last_routing))
         return out
 
 

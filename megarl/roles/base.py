@@ -24,6 +24,7 @@ from megarl.checkpoint.engine_io import load_hf_into_engine
 from megarl.data.batch import Batch
 from megarl.data.micro_batching import make_micro_batches, plan_micro_batches, restore_order
 from megarl.engine import MegatronEngine, OptimizerSettings
+from megarl.engine.moe import MoeSettings
 from megarl.models.spec import ModelSpec
 from megarl.parallel.groups import RoleGroups
 
@@ -96,10 +97,11 @@ class Role:
         first_stage_layers: Optional[int] = None,
         last_stage_layers: Optional[int] = None,
         recompute: bool = False,
+        moe: Optional[MoeSettings] = None,
     ) -> None:
         self.engine = MegatronEngine(
             spec, groups, dtype=dtype, optimizer=optimizer, seed=seed, first_stage_layers=first_stage_layers,
-            last_stage_layers=last_stage_layers, recompute=recompute, head=self.head,
+            last_stage_layers=last_stage_layers, recompute=recompute, head=self.head, moe=moe,
         )
         self.batching = batching
         if hf_dir is not None:
@@ -134,14 +136,17 @@ class Role:
             share.lengths().tolist(), self.batching.micro_batch_samples, self.batching.micro_batch_tokens
         )
 
-    def _forward(self, batch: Batch, keys: list[str], fn: Callable, share: bool = False) -> Optional[Batch]:
+    def _forward(self, batch: Batch, keys: list[str], fn: Callable, share: bool = False,
+                 routing=None) -> Optional[Batch]:
         """Forward-only over this DP rank's share; `fn(output, mb) -> dict of [b, s] (or [b]) tensors`.
 
         share=False: `batch` is the whole batch (every rank gets it); returns the whole batch's results (original
         order, [B, S] padded to `batch.seq_len`, all-gathered over DP) on last-stage ranks. share=True: `batch` is
         already this DP rank's share (the controller cut it, `Dispatch.DP_SPLIT`; sizes may differ by one between
         DP ranks); returns the share's results only, no DP collective -- the controller concatenates the shares.
-        None on the other pipeline stages in both cases.
+        None on the other pipeline stages in both cases. `routing` (a `megarl.engine.moe.RoutingRecorder`): the
+        result also holds `routed_experts` [B, S, L, k] int64, every pipeline stage's MoE layers (summed over the
+        pipeline group: each stage fills its own layers).
         """
         if share and len(batch) == 0:
             raise ValueError(f"DP rank {self.dp_rank} received an empty share: send at least dp={self.dp} samples")
@@ -155,10 +160,20 @@ class Role:
             zero = output.sum() * 0.0
             return zero, torch.tensor(1, dtype=torch.int), {k: v.detach().float().cpu() for k, v in results.items()}
 
-        out = self.engine.run([mb.tensors for mb in mbs], loss_fn, forward_only=True)
+        out = self.engine.run([mb.tensors for mb in mbs], loss_fn, forward_only=True, routing=routing)
+        routed = None
+        if routing is not None:
+            parts = [Batch({"routed_experts": routing.routed_experts(i)}) for i in range(len(mbs))]
+            routed = restore_order(parts, plan, seq_len=batch.seq_len)["routed_experts"]
+            if self.groups.topology.pp > 1:
+                routed = routed.to(compute_device())
+                dist.all_reduce(routed, group=self.groups.pgs.pp)
+                routed = routed.cpu()
         if not self.groups.is_last_stage:
             return None
         local = restore_order([Batch(o) for o in out], plan, seq_len=batch.seq_len)
+        if routed is not None:
+            local = local.update({"routed_experts": routed})
         return local if share else self._gather_dp(local)
 
     def _gather_dp(self, local: Batch) -> Batch:
@@ -198,7 +213,8 @@ class Role:
             raise ValueError(f"mini-batch of {size} samples does not split over dp={self.dp} data-parallel ranks")
         return batch.split(size)
 
-    def _train(self, batch: Batch, keys: list[str], loss_fn: Callable, metric_keys: list[str]) -> dict[str, float]:
+    def _train(self, batch: Batch, keys: list[str], loss_fn: Callable, metric_keys: list[str],
+               routing_factory: Optional[Callable] = None) -> dict[str, float]:
         """Mini-batch / micro-batch loop with one optimizer step per mini-batch; returns summed metrics.
 
         `loss_fn(output, mb) -> (loss_sum, units, metric sums)` as `MegatronEngine.run` expects. Metrics named
@@ -206,18 +222,24 @@ class Role:
         (the `loss_sum` metric, when the loss reports it) or gradient norm is not finite is not applied
         (`MegatronEngine.step`): `skipped_steps` counts such optimizer steps, `skipped_trailing` those in a row at
         the end of this update (the trainer's `trainer.max_skipped_steps` streak continues across updates).
+        `routing_factory()` (MoE): a fresh `megarl.engine.moe` recorder/replayer per engine run; the list of them
+        is kept in `self.last_routing` for the caller's metrics.
         """
         batch = batch.select(keys)
         loss_keys = list(metric_keys)
         metric_keys = [*loss_keys, "padded_tokens"]  # micro-batch positions computed, padding included
         totals = {k: 0.0 for k in metric_keys}
         steps = []
+        self.last_routing: list = []
         start = time.perf_counter()
         for _ in range(self.batching.epochs):
             for mini in self._mini_batches(batch):
                 share = mini.chunk_by_dp(self.dp_rank, self.dp)
                 mbs = [mb.to(compute_device()) for mb in make_micro_batches(share, self._plan(share))]
-                out = self.engine.run([mb.tensors for mb in mbs], loss_fn, forward_only=False)
+                routing = routing_factory() if routing_factory is not None else None
+                if routing is not None:
+                    self.last_routing.append(routing)
+                out = self.engine.run([mb.tensors for mb in mbs], loss_fn, forward_only=False, routing=routing)
                 loss_finite = all(math.isfinite(float(m["loss_sum"])) for m in out if "loss_sum" in m)
                 steps.append(self.engine.step(loss_finite=loss_finite))
                 if self.groups.is_last_stage:  # counted once per DP rank (the reduction sums the last stage's)

@@ -13,6 +13,7 @@ from typing import Optional
 from megarl.config.arch import spec_from_arch
 from megarl.config.placement import role_topology
 from megarl.config.schema import JobConfig, ModelConfig
+from megarl.engine.moe import MoeSettings
 from megarl.models.spec import ModelSpec
 from megarl.parallel.groups import RoleGroups, build_role_groups
 from megarl.parallel.topology import RoleTopology
@@ -86,8 +87,11 @@ def build_role(cfg: JobConfig, role: str, groups: Optional[RoleGroups] = None,
         kwargs["optimizer"] = optimizer_settings_from_config(
             role_cfg.optimizer, total_steps=cfg.trainer.total_steps * steps_per_rl_step
         )
+        kwargs["moe"] = MoeSettings(aux_loss_coeff=role_cfg.moe.aux_loss_coeff, z_loss_coeff=role_cfg.moe.z_loss_coeff,
+                                    token_dispatcher=role_cfg.moe.token_dispatcher)
     if role == "actor":
         kwargs["loss"] = PolicyLossSettings.from_config(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
+        kwargs["router_replay"] = cfg.algorithm.router_replay
     if role == "critic":
         kwargs["value_clip"] = role_cfg.value_clip
         kwargs["agg"] = cfg.algorithm.setting("loss_agg")

@@ -250,6 +250,8 @@ class RLTrainer:
             with _timer(t, "old_log_probs"):
                 old = self.workers.compute_log_probs(batch)
                 batch.tensors["old_log_probs"] = old.tensors["log_probs"]
+                if "routed_experts" in old.tensors:  # algorithm.router_replay=old: the update replays them
+                    batch.tensors["routed_experts"] = old.tensors["routed_experts"]
             metrics.update(self._mismatch(batch))
         if "reference" in self.role_groups:
             with _timer(t, "ref_log_probs"):

@@ -1,0 +1,315 @@
+"""megatron-core MoE routing, seen from a role: training settings, routing record/replay, load and aux-loss metrics.
+
+The one module that touches megatron-core 0.16.1's router internals (`TopKRouter`, its `RouterReplay`, the MoE
+aux-loss tracker). Everything is per engine: the routers are found in the engine's own model, so an actor and a
+reference in one process do not see each other's routing (megatron's `RouterReplay.global_router_replay_instances`
+class list, which spans every model built in the process, is never used).
+
+Routing tensor layout (what `RoutingRecorder` returns and `RoutingReplayer` consumes), per micro-batch:
+    routed_experts [b, s, L, k] int64 -- for each token, the k experts each MoE layer chose; L = every MoE layer of
+    the model (global order, `ModelSpec.moe_layers`), filled only for the layers of this pipeline stage (0
+    elsewhere: stages are combined by a sum over the pipeline group). megatron's router sees tokens sequence-first
+    ([s*b, k] after `view(-1, E)` of [s, b, E]); the conversion is here.
+
+Data path of `algorithm.router_replay: old`: the actor's old-log-prob forward records `routed_experts` [B, S, L, k]
+into its result batch; the update's micro-batches carry their rows; before each micro-batch's forward the
+replayer sets every router of this stage to REPLAY_FORWARD with the recorded indices, so the experts (and their
+gates: the router's scores gathered at the replayed indices) are those of the recorded forward, whatever the
+weights are now. The routing each router would have chosen itself is computed beside it (no grad) to measure the
+fraction of tokens whose expert set differs (`routing_diff_frac`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+AUX_LOSS_TRACKER_NAMES = {"aux_loss": "load_balancing_loss", "z_loss": "z_loss"}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSettings:
+    """Training settings of a MoE model (unused for dense models).
+
+    Attributes:
+        aux_loss_coeff: weight of megatron-core's switch load-balancing loss (`aux_loss` type: E * sum_i f_i P_i per
+            micro-batch and layer, f_i the fraction of routed slots, P_i the mean router probability of expert i);
+            0 turns it off. With per-token loss normalisation megatron scales each micro-batch's aux loss by its
+            token count, so its gradient is coeff * sum_mb(aux_mb * tokens_mb) / (the actor loss's units).
+        z_loss_coeff: weight of the router z-loss (mean over tokens of logsumexp(router logits)^2), same scaling;
+            0 = off.
+        token_dispatcher: megatron-core's token dispatcher over the EP group: 'alltoall' or 'allgather'.
+    """
+
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    token_dispatcher: str = "alltoall"
+
+    def __post_init__(self) -> None:
+        if self.token_dispatcher not in ("alltoall", "allgather"):
+            raise ValueError(f"token_dispatcher must be 'alltoall' or 'allgather', got {self.token_dispatcher!r}")
+        if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:
+            raise ValueError(f"aux_loss_coeff and z_loss_coeff must be >= 0, got {self.aux_loss_coeff}, "
+                             f"{self.z_loss_coeff}")
+
+
+def enable_routing_hooks(config) -> None:
+    """Give every router of a MoE model built from `config` megatron-core's `RouterReplay` (set before the model is
+    built). With no action set it computes the top-k exactly as without it; it is how routing is recorded and
+    replayed. (The aux/z-loss coefficients and dispatcher go into the config at construction:
+    `megarl.models.gpt.build_transformer_config`.)"""
+    if config.num_moe_experts:
+        config.moe_enable_routing_replay = True
+
+
+def moe_routers(module) -> list:
+    """This stage's `TopKRouter`s in layer order (their `layer_number` is global, 1-based)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = [m for m in module.modules() if isinstance(m, TopKRouter)]
+    return sorted(routers, key=lambda r: r.layer_number)
+
+
+def moe_layer_slots(spec) -> dict[int, int]:
+    """Global layer index (0-based) -> column of that layer in a routed_experts tensor (MoE layers only)."""
+    return {layer: i for i, layer in enumerate(j for j, m in enumerate(spec.moe_layers) if m)}
+
+
+class _RouterHooks:
+    """Forward hooks on this stage's routers, alive for one `run` (a context manager)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.spec = engine.spec
+        # sequence parallelism (MoE at tp > 1): each TP rank routes its slice of the (tp-padded) sequence
+        self.sp = bool(engine.config.sequence_parallel)
+        self.tp = engine.groups.topology.tp
+        self.tp_rank = engine.groups.coord.tp
+        self.slots = moe_layer_slots(engine.spec)
+        self.routers = moe_routers(engine.module)
+        self._handles: list = []
+
+    def _slot(self, router) -> int:
+        return self.slots[router.layer_number - 1]
+
+    def __enter__(self):
+        for router in self.routers:
+            self._handles.append(router.register_forward_hook(self._hook, with_kwargs=True))
+        self._set_action()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for router in self.routers:
+            router.router_replay.clear_router_replay_action()
+            router.router_replay.clear_indices()
+
+    def _set_action(self) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for router in self.routers:
+            router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+
+    def _hook(self, router, args, kwargs, output) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class RoutingRecorder(_RouterHooks):
+    """Records every router's top-k per micro-batch and the tokens each expert received.
+
+    After the run: `routed_experts(i)` [b, s, L, k] of micro-batch i (this stage's layers filled), and
+    `tokens_per_expert` [L, E] float64 summed over this rank's micro-batches (real tokens: positions the engine's
+    padding mask marks as padding are routed but not counted).
+    """
+
+    def __init__(self, engine, keep_indices: bool = True) -> None:
+        super().__init__(engine)
+        self.keep_indices = keep_indices
+        self._per_mb: list[dict[int, torch.Tensor]] = []
+        self._shape: list[tuple[int, int]] = []
+        self.tokens_per_expert = torch.zeros(len(self.slots), engine.spec.num_experts, dtype=torch.float64)
+
+    def begin_micro_batch(self, mb: dict) -> None:
+        """Called by the engine before each micro-batch's forward (in schedule order)."""
+        b, s = mb["input_ids"].shape
+        self._shape.append((b, s))
+        self._per_mb.append({})
+
+    def _record(self, router, top_indices: torch.Tensor, args, kwargs) -> None:
+        idx = top_indices.detach().to("cpu", torch.int64)
+        slot = self._slot(router)
+        pad = args[1] if len(args) > 1 else kwargs.get("padding_mask")  # [s, b] True = padding (or None)
+        counted = idx if pad is None else idx[~pad.reshape(-1).cpu()]
+        self.tokens_per_expert[slot] += torch.bincount(counted.reshape(-1), minlength=self.spec.num_experts).double()
+        if self.keep_indices:
+            self._per_mb[-1][slot] = idx
+
+    def _hook(self, router, args, kwargs, output) -> None:
+        self._record(router, router.router_replay.recorded_topk_idx, args, kwargs)
+
+    def routed_experts(self, i: int) -> torch.Tensor:
+        """[b, s, L, k] int64 of micro-batch i (zeros for the layers of other stages). Collective over the TP group
+        under sequence parallelism (the slices are gathered)."""
+        b, s = self._shape[i]
+        local = padded_len(s, self.tp) // self.tp if self.sp else s
+        out = torch.zeros(b, local, len(self.slots), self.spec.moe_topk, dtype=torch.int64)
+        for slot, idx in self._per_mb[i].items():
+            out[:, :, slot] = idx.view(local, b, -1).transpose(0, 1)
+        if self.sp:
+            from megarl.roles.base import compute_device
+
+            parts = [torch.empty_like(out, device=compute_device()) for _ in range(self.tp)]
+            dist.all_gather(parts, out.to(compute_device()).contiguous(), group=self.engine.groups.pgs.tp)
+            out = torch.cat([p.cpu() for p in parts], dim=1)[:, :s]
+        return out
+
+
+class RoutingReplayer(RoutingRecorder):
+    """Forces every router to the recorded experts (`routed_experts` [b, s, L, k] in each micro-batch) and measures
+    how many valid tokens (`attention_mask` 1) the router would have sent elsewhere on its own."""
+
+    def __init__(self, engine, keep_indices: bool = False) -> None:
+        super().__init__(engine, keep_indices=keep_indices)
+        self._target: Optional[torch.Tensor] = None
+        self._valid: Optional[torch.Tensor] = None
+        self.tokens = 0.0  # valid tokens x MoE layers of this stage, summed over micro-batches
+        self.tokens_differing = 0.0
+
+    def _set_action(self) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for router in self.routers:
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def begin_micro_batch(self, mb: dict) -> None:
+        super().begin_micro_batch(mb)
+        if "routed_experts" not in mb:
+            raise KeyError("router replay needs 'routed_experts' [b, s, L, k] in every micro-batch (record them in "
+                           "the old-log-prob forward: Actor.compute_log_probs(record_routing=True))")
+        target, valid = mb["routed_experts"], mb["attention_mask"]  # [b, s, L, k], [b, s]
+        if self.sp:  # this TP rank's slice of the tp-padded sequence (padding: valid 0)
+            s = target.shape[1]
+            chunk = padded_len(s, self.tp) // self.tp
+            pad = padded_len(s, self.tp) - s
+            target = torch.nn.functional.pad(target, (0, 0, 0, 0, 0, pad))[:, self.tp_rank * chunk:][:, :chunk]
+            valid = torch.nn.functional.pad(valid, (0, pad))[:, self.tp_rank * chunk:][:, :chunk]
+        b, s = target.shape[:2]
+        self._target = target.transpose(0, 1).reshape(s * b, *target.shape[2:])  # sequence-first tokens
+        self._valid = valid.transpose(0, 1).reshape(-1).bool().cpu()
+        for router in self.routers:
+            router.router_replay.target_topk_idx = self._target[:, self._slot(router)]
+            router.router_replay.replay_backward_list = []
+
+    def _hook(self, router, args, kwargs, output) -> None:
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+        target = self._target[:, self._slot(router)]
+        self._record(router, target, args, kwargs)
+        with torch.no_grad():  # what the router chooses by itself now
+            hidden = args[0] if args else kwargs["input"]
+            logits = router.gating(hidden).view(-1, router.config.num_moe_experts)
+            _, own_map = topk_routing_with_score_function(
+                logits, router.topk, use_pre_softmax=router.config.moe_router_pre_softmax,
+                num_groups=router.config.moe_router_num_groups, group_topk=router.config.moe_router_group_topk,
+                score_function=router.score_function, expert_bias=router.expert_bias,
+            )
+            replay_map = torch.zeros_like(own_map).scatter(1, target.to(own_map.device), True)
+            differs = (own_map != replay_map).any(-1).cpu() & self._valid
+        self.tokens += float(self._valid.sum())
+        self.tokens_differing += float(differs.sum())
+
+
+def aux_loss_tracker_clear() -> None:
+    """Zero megatron-core's process-wide MoE aux-loss tracker (call before a training run of one engine)."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()
+
+
+def aux_loss_values(spec) -> dict[str, torch.Tensor]:
+    """Per MoE layer of this stage [L] float64, summed over the micro-batches since the last clear, of the unscaled
+    aux losses megatron-core tracked ('aux_loss', 'z_loss'; zeros for a loss that is off or a layer elsewhere)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    slots = moe_layer_slots(spec)
+    out = {}
+    for name, tracked in AUX_LOSS_TRACKER_NAMES.items():
+        vals = torch.zeros(len(slots), dtype=torch.float64)
+        if tracked in tracker:
+            per_layer = tracker[tracked]["values"].detach().double().cpu()
+            for layer, slot in slots.items():
+                vals[slot] = per_layer[layer]
+        out[name] = vals
+    return out
+
+
+def padded_len(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def reduce_over_role(t: torch.Tensor, groups, device, dp_op=dist.ReduceOp.SUM, tp_sum: bool = False) -> torch.Tensor:
+    """Combine a per-rank tensor over the role: a sum over TP when `tp_sum` (sequence parallelism: TP ranks hold
+    different tokens; otherwise the same ones, not combined), `dp_op` over dp*cp (token shares), then a sum over the
+    pipeline group (each stage fills its own layers)."""
+    t = t.to(device)
+    if tp_sum and groups.topology.tp > 1:
+        dist.all_reduce(t, group=groups.pgs.tp)
+    if groups.topology.dp * groups.topology.cp > 1:
+        dist.all_reduce(t, op=dp_op, group=groups.pgs.dp_cp)
+    if groups.topology.pp > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=groups.pgs.pp)
+    return t.cpu()
+
+
+def load_metrics(tokens_per_expert: torch.Tensor) -> dict[str, float]:
+    """Expert-load metrics from [L, E] routed-token counts (whole role): per layer max/mean tokens per expert
+    (`moe_load_max_over_mean_l{i}`, i = MoE layer index), their mean over layers and the worst layer."""
+    mean = tokens_per_expert.mean(-1).clamp(min=1e-12)
+    ratio = tokens_per_expert.max(-1).values / mean
+    out = {f"moe_load_max_over_mean_l{i}": float(r) for i, r in enumerate(ratio)}
+    out["moe_load_max_over_mean"] = float(ratio.mean())
+    out["moe_load_max_over_mean_max"] = float(ratio.max())
+    return out
+
+
+def moe_update_metrics(engine, recorders: list) -> dict[str, float]:
+    """The MoE metrics of one update (identical on every rank of the role), from its runs' recorders and megatron's
+    aux-loss tracker (cleared before the update):
+
+      moe_aux_loss, moe_z_loss: the unscaled load-balancing / z-loss (coefficient divided out), mean over
+        micro-batches (all DP ranks) and MoE layers (0 when its coefficient is 0: not computed);
+      moe_load_max_over_mean[_l{i}|_max]: `load_metrics` of the tokens each expert received over the update;
+      moe_routing_diff_frac (replayed updates only): valid tokens x MoE layers whose own top-k expert set differs
+        from the replayed (recorded) one, over all of them.
+    """
+    from megarl.roles.base import compute_device
+
+    groups = engine.groups
+    device = compute_device()
+    sp = bool(engine.config.sequence_parallel)
+    tokens = reduce_over_role(sum(r.tokens_per_expert for r in recorders), groups, device, tp_sum=sp)
+    out = load_metrics(tokens)
+    aux = aux_loss_values(engine.spec)
+    n_mb = float(sum(len(r._shape) for r in recorders))
+    packed = torch.cat([aux["aux_loss"], aux["z_loss"], torch.tensor([n_mb], dtype=torch.float64)])
+    # under sequence parallelism a TP rank's aux loss is its share of the micro-batch's (sum over TP) and its z-loss
+    # the mean over its own tokens (mean over TP); the micro-batch count was summed over stages (and TP) too
+    packed = reduce_over_role(packed, groups, device, tp_sum=sp)
+    layers = len(aux["aux_loss"])
+    tp = groups.topology.tp if sp else 1
+    n_mb_total = max(float(packed[-1]) / (groups.topology.pp * tp), 1.0)
+    out["moe_aux_loss"] = float(packed[:layers].mean()) / n_mb_total
+    out["moe_z_loss"] = float(packed[layers:2 * layers].mean()) / tp / n_mb_total
+    replayers = [r for r in recorders if isinstance(r, RoutingReplayer)]
+    if replayers:
+        diff = torch.tensor([sum(r.tokens_differing for r in replayers), sum(r.tokens for r in replayers)],
+                            dtype=torch.float64)
+        diff = reduce_over_role(diff, groups, device, tp_sum=sp)
+        out["moe_routing_diff_frac"] = float(diff[0] / diff[1]) if diff[1] > 0 else 0.0
+    return out
