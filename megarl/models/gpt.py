@@ -87,11 +87,11 @@ def build_transformer_config(
     # megatron-core's MoE layer expects tokens split over the TP ranks (sequence parallelism) before it dispatches
     # them: without it each TP rank's identical copy of the tokens reaches every expert shard, which gives correct
     # outputs but tp times the expert-weight gradient, and a training-mode forward raises (moe_layer.py "...tensor
-    # parallelism are enabled without also enabling sequence parallelism"). Sequence parallelism needs a norm that
-    # supports it: Transformer Engine's; the local spec's torch norm asserts "sequence parallel not supported by
-    # torch LayerNorm". So: on with TE (sequence lengths must then be multiples of tp); without TE off, which leaves
-    # MoE at tp > 1 forward-only (eval mode: `megarl.checkpoint.engine_io.engine_logits`).
-    sequence_parallel = bool(moe) and topo.tp > 1 and transformer_engine_available()
+    # parallelism are enabled without also enabling sequence parallelism"). So MoE at tp > 1 always runs sequence
+    # parallel: with Transformer Engine's norms, or on the local spec with the torch norms that
+    # `megatron_patches.allow_sequence_parallel_torch_norms` admits (build_gpt_model). The engine pads sequences to
+    # multiples of tp.
+    sequence_parallel = bool(moe) and topo.tp > 1
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,

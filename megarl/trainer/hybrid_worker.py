@@ -22,7 +22,6 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megarl.checkpoint.engine_io import expert_offset
 from megarl.config.schema import JobConfig
 from megarl.controller.dispatch import Dispatch, dispatch
 from megarl.data.batch import Batch
@@ -104,7 +103,7 @@ class HybridWorker:
         # actor's weights never share the GPU with it. Never write into a sleeping engine's weights.
         self._wake(("weights",))
         self.offload["actor"].before_use(("params",))  # gradients and optimizer state stay in host memory
-        sources = megatron_sources(self.actor.engine, expert_offset=expert_offset(self.actor.engine))
+        sources = megatron_sources(self.actor.engine)  # global layer and expert names
         report = execute_reshard(self.plan, sources, self.sink,
                                  bucket_bytes=self.bucket_bytes, verify=self.cfg.rollout.verify_sync)
         # the actor's last use in a step: its parameters (per actor.offload) make room for the rollout

@@ -192,6 +192,19 @@ def test_one_update_gives_the_same_weights_as_ep1(runs, layout, base_name):
     assert moved > 0  # the router losses changed the update (the comparison above covers them)
 
 
+@pytest.mark.parametrize("layout,base_name", [
+    ("ep2", "ep1"), ("tp2ep2", "ep1"), ("pp2ep2", "ep1"), ("tp2ep2_plain", "ep1_plain"),
+])
+def test_gradient_norm_equals_ep1(runs, layout, base_name):
+    """Adam's first step is close to lr * sign(g): a gradient off by a constant factor (an expert gradient counted
+    twice, a missing reduction) barely moves the weights, so the weight check above alone could miss it. The global
+    gradient norm before clipping is the same sum of squares at every layout."""
+    got = runs["out"][(layout, "metrics")]["grad_norm"]
+    want = runs["out"][(base_name, "metrics")]["grad_norm"]
+    print(f"{layout}: grad norm {got:.8g} vs {base_name} {want:.8g}")
+    assert got == pytest.approx(want, rel=1e-5)
+
+
 def test_ep1_update_equals_hand_written_adamw_step(runs):
     ours, hand = runs["weights"]["ep1_plain"], runs["hand"]
     assert sorted(ours) == sorted(hand)
