@@ -66,47 +66,30 @@ def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
     return parts
 
 
-class _GatherSummedGrad(torch.autograd.Function):
-    """All-gather along `dim` into global order; backward: sum the gradient over the group, keep this rank's slice.
-
-    For K/V: every rank's queries read every rank's keys, so a rank's K/V gradient is the sum of what all ranks'
-    attention sends back to it.
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along `dim` into global order. Backward, `sum_grads=True` (keys and values: every rank's queries
+    read every rank's keys, so a rank's K/V gradient is the sum of what all ranks send back): all-reduce, keep this
+    rank's slice. `sum_grads=False` (logits: every CP rank computes the same loss on the gathered sequence, so each
+    rank's gradient for a position is already the whole one): keep this rank's slice only.
     """
 
     @staticmethod
-    def forward(ctx, t, group, dim):
-        ctx.group, ctx.dim = group, dim
+    def forward(ctx, t, group, dim, sum_grads):
+        ctx.group, ctx.dim, ctx.sum_grads = group, dim, sum_grads
         return _to_global_order(_all_gather(t, group), dim)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        if ctx.sum_grads:
+            dist.all_reduce(grad, group=ctx.group)
         cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return split_for_cp_rank(grad, cp, rank, ctx.dim), None, None
-
-
-class _GatherOwnGrad(torch.autograd.Function):
-    """All-gather along `dim` into global order; backward: this rank's slice of the gradient, not summed.
-
-    For the logits: every CP rank computes the same loss on the gathered sequence, so the gradient each rank sees
-    for a position is already the whole gradient; only the rank that computed the position sends it back.
-    """
-
-    @staticmethod
-    def forward(ctx, t, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _to_global_order(_all_gather(t, group), dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return split_for_cp_rank(grad, cp, rank, ctx.dim).contiguous(), None, None
+        return split_for_cp_rank(grad, cp, rank, ctx.dim).contiguous(), None, None, None
 
 
 def gather_cp_sequence(t: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """Per-rank output [.., s, ..] -> the whole sequence [.., S, ..] on every CP rank (see module docstring)."""
-    return _GatherOwnGrad.apply(t, group, dim)
+    return _GatherSequence.apply(t, group, dim, False)
 
 
 def _core_attention_base():
@@ -146,8 +129,8 @@ class AllGatherContextParallelAttention(_core_attention_base()):
             raise NotImplementedError("packed sequences / attention bias need Transformer Engine's attention")
         cp, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
         s_local = query.shape[0]
-        key = _GatherSummedGrad.apply(key, self.cp_group, 0)  # [S, b, g, d]
-        value = _GatherSummedGrad.apply(value, self.cp_group, 0)
+        key = _GatherSequence.apply(key, self.cp_group, 0, True)  # [S, b, g, d]
+        value = _GatherSequence.apply(value, self.cp_group, 0, True)
         if self.heads != self.groups:
             key = key.repeat_interleave(self.heads // self.groups, dim=2)
             value = value.repeat_interleave(self.heads // self.groups, dim=2)
