@@ -161,7 +161,7 @@ class RoutingRecorder(_RouterHooks):
         for slot, idx in self._per_mb[i].items():
             out[:, :, slot] = idx.view(local, b, -1).transpose(0, 1)
         if self.sp:
-            from megarl.roles.base import compute_device
+            from megarl.platform.device import compute_device
 
             parts = [torch.empty_like(out, device=compute_device()) for _ in range(self.tp)]
             dist.all_gather(parts, out.to(compute_device()).contiguous(), group=self.engine.groups.pgs.tp)
@@ -288,7 +288,7 @@ def moe_update_metrics(engine, recorders: list) -> dict[str, float]:
       moe_routing_diff_frac (replayed updates only): valid tokens x MoE layers whose own top-k expert set differs
         from the replayed (recorded) one, over all of them.
     """
-    from megarl.roles.base import compute_device
+    from megarl.platform.device import compute_device
 
     groups = engine.groups
     device = compute_device()

@@ -29,6 +29,11 @@ def local_device(kind: str | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def compute_device() -> torch.device:
+    """Where micro-batches go: this rank's current GPU, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def empty_device_cache() -> None:
     """Return the CUDA caching allocator's unused blocks to the driver (no-op without CUDA). Memory cached by torch
     counts as used for anything that sizes itself from free device memory (vLLM at start-up and on wake_up)."""

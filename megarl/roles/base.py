@@ -27,6 +27,7 @@ from megarl.engine import MegatronEngine, OptimizerSettings
 from megarl.engine.moe import MoeSettings
 from megarl.models.spec import ModelSpec
 from megarl.parallel.groups import RoleGroups
+from megarl.platform.device import compute_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +66,6 @@ def optimizer_settings_from_config(opt_cfg, total_steps: int = 1000) -> Optimize
         betas=tuple(opt_cfg.betas), eps=opt_cfg.eps, clip_grad=opt_cfg.clip_grad,
         warmup_steps=opt_cfg.warmup_steps, total_steps=total_steps, lr_schedule=opt_cfg.lr_schedule,
     )
-
-
-def compute_device() -> torch.device:
-    """Where micro-batches go: this rank's GPU, or the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def count_units(mask: torch.Tensor, agg: str) -> torch.Tensor:
