@@ -115,8 +115,8 @@ class _RouterHooks:
         for router in self.routers:
             router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
 
-    def _hook(self, router, args, kwargs, output) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
+    def _hook(self, router, args, kwargs, output) -> None:  # pragma: no cover - every subclass overrides it
+        raise NotImplementedError(f"{type(self).__name__} must define _hook (what to do after each router forward)")
 
 
 class RoutingRecorder(_RouterHooks):

@@ -40,6 +40,19 @@ def _versions() -> str:
     return ", ".join(found)
 
 
+def write_json_atomically(data: dict, out: str) -> None:
+    """Write `data` as JSON to a temporary file beside `out`, then rename it over `out` (no half-written file)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(os.path.abspath(out)))
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, out)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -64,15 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         "reward_mean": [round(r["reward/mean"], 6) for r in rows],
         "val_reward_mean": {str(r["step"]): r["val/reward_mean"] for r in rows if "val/reward_mean" in r},
     }
-    fd, tmp = tempfile.mkstemp(prefix=".cpu_quickstart.", suffix=".json", dir=os.path.dirname(os.path.abspath(out)))
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(golden, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, out)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_json_atomically(golden, out)
     print(f"wrote {out}: {len(rows)} steps, final reward {golden['reward_mean'][-1]}")
     return 0
 

@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 
-from tests.e2e.regenerate_golden import _versions
+from tests.e2e.regenerate_golden import _versions, write_json_atomically
 from tests.e2e.test_quickstart_addition import GOLDEN, SHORT_ARGS, run_short
 
 
@@ -42,16 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         "sft_loss": [c["loss"] for c in summary["sft_curve"]],
         "grpo_reward_mean": [round(r, 6) for r in summary["grpo_reward_mean"]],
     }
-    fd, tmp_path = tempfile.mkstemp(prefix=".quickstart_addition.", suffix=".json",
-                                    dir=os.path.dirname(os.path.abspath(out)))
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(golden, f, indent=1)
-            f.write("\n")
-        os.replace(tmp_path, out)
-    except BaseException:
-        os.unlink(tmp_path)
-        raise
+    write_json_atomically(golden, out)
     print(f"wrote {out}: accuracy after SFT {golden['accuracy_after_sft']}, after GRPO {golden['accuracy_after_grpo']}")
     return 0
 
