@@ -14,6 +14,11 @@ vLLM shards. Reported (JSON): per rank `bytes_received`, `bytes_local`, `bytes_l
 rank), their ratio, and the machine.
 
 Simulation mode (`--simulate`) runs only the planner for cluster shapes and prints bytes per rank against naive.
+The mixture-of-experts cluster cases (their EP/PP layouts are fixed by the case, beside NeMo-RL's published refit
+times) run through `benchmarks/reshard_moe_sim.py`; `--simulate --model-shape qwen3-30b-a3b` (or qwen3-235b-a22b,
+deepseek-v3) runs that case from here:
+
+    python benchmarks/reshard.py --simulate --model-shape qwen3-30b-a3b
 
 Delta mode (`--delta`): one full sync into persistent shards, then per repeat: change `--delta-change-fraction` of
 every parameter's elements (+1.0, the same elements on replicas), sync in delta mode, and reshard the same weights
@@ -427,7 +432,9 @@ def measure(args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-shape", default="tiny", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--model-shape", default="tiny",
+                   help=f"one of {', '.join(PRESETS)}; with --simulate also a mixture-of-experts case of "
+                        "benchmarks/reshard_moe_sim.py (its layout is the case's: --train-*/--infer-tp are ignored)")
     p.add_argument("--train-tp", type=int, default=1)
     p.add_argument("--train-pp", type=int, default=1)
     p.add_argument("--train-dp", type=int, default=1)
@@ -454,7 +461,16 @@ def main(argv=None) -> int:
     p.add_argument("--timeout-s", type=float, default=1800.0)
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
-    run = simulate if args.simulate else measure
+    if args.simulate and args.model_shape not in PRESETS:
+        import reshard_moe_sim
+
+        if args.model_shape not in reshard_moe_sim.CASES:
+            raise SystemExit(f"reshard.py: unknown --model-shape {args.model_shape!r}; choose from "
+                             f"{', '.join([*PRESETS, *reshard_moe_sim.CASES])}")
+        args.rank_order = "natural"  # the MoE cases fix their own layout
+        run = lambda a: reshard_moe_sim.run_case(a.model_shape, gbps=400.0)  # noqa: E731
+    else:
+        run = simulate if args.simulate else measure
     if args.rank_order == "both":
         result = {"rank_order": "both"}
         for order in ("natural", "reshard"):
