@@ -183,9 +183,16 @@ _TP2EP2_GAP = pytest.mark.xfail(strict=True, reason=(
     "turns summation-order noise in near-zero expert gradients into weight differences of a few percent of lr"))
 
 
+_TP2_ETP1_GAP = pytest.mark.xfail(strict=True, reason=(
+    "the TP2xEP2 gap above with experts whole (expert TP 1): measured 2.1e-05 (dp2) and 2.2e-05 (dp1, EP over the TP "
+    "pair) on an expert gate_proj weight, log-probs and the gradient norm equal EP1's (9.5e-07, 1e-7): the gap comes "
+    "with TP2's sequence parallelism, not with slicing experts over TP"))
+
+
 @pytest.mark.parametrize("layout,base_name", [
     ("ep2", "ep1"), pytest.param("tp2ep2", "ep1", marks=_TP2EP2_GAP), ("pp2ep2", "ep1"),
-    pytest.param("tp2ep2_plain", "ep1_plain", marks=_TP2EP2_GAP), ("tp2ep2etp1", "ep1"), ("tp2ep2etp1dp1", "ep1"),
+    pytest.param("tp2ep2_plain", "ep1_plain", marks=_TP2EP2_GAP),
+    pytest.param("tp2ep2etp1", "ep1", marks=_TP2_ETP1_GAP), pytest.param("tp2ep2etp1dp1", "ep1", marks=_TP2_ETP1_GAP),
 ])
 def test_one_update_gives_the_same_weights_as_ep1(runs, layout, base_name):
     base, other = runs["weights"][base_name], runs["weights"][layout]
