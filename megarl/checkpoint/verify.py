@@ -70,7 +70,8 @@ def check_layout(hf_dir: str, tp: int, pp: int, ep: int = 1, etp: Optional[int] 
         layer_split(reader.spec.num_layers, pp)
         verify_topology(tp, pp, ep, etp)
         if (ep > 1 or (etp is not None and etp != tp)) and not reader.spec.is_moe:
-            raise CheckpointError(f"ep={ep} etp={etp} needs a mixture-of-experts model; {hf_dir} is a dense "
+            what = f"ep={ep}" if ep > 1 else f"etp={etp}"
+            raise CheckpointError(f"{what} needs a mixture-of-experts model; {hf_dir} is a dense "
                                   f"{reader.spec.architecture}")
         if reader.spec.is_moe and reader.spec.num_experts % ep != 0:
             raise CheckpointError(f"ep={ep} does not divide num_experts={reader.spec.num_experts} of {hf_dir}")
