@@ -232,6 +232,11 @@ def build_gpt_model(spec: ModelSpec, groups: RoleGroups, config, vp_stage: Optio
         pg_collection=groups.pgs,
         vp_stage=vp_stage,
     )
+    topo = groups.topology
+    if spec.is_moe and topo.ep == 1 and topo.expert_tp != topo.tp:  # megatron-core would treat experts as dense
+        from megarl.platform.megatron_patches import mark_experts_for_expert_data_parallel
+
+        mark_experts_for_expert_data_parallel(model)
     if rope_type is not None:
         # megatron-core 0.16.1 hard-codes low/high_freq_factor=1/4 and original_max_position_embeddings=8192 in
         # RotaryEmbedding._apply_scaling and has no "linear" type (only seq_len_interpolation_factor): set inv_freq
