@@ -2,14 +2,16 @@
 """Logit parity between transformers and megarl's Megatron model at a TP/PP layout.
 
 Runs one fixed token batch through transformers (fp32, eager attention) and through the Megatron model built at
---tp/--pp/--ep (--ep: expert parallelism of a mixture-of-experts model, on ep data-parallel replicas), with
+--tp/--pp/--ep/--etp (--ep: expert parallelism of a mixture-of-experts model; --etp: its expert tensor parallelism,
+default --tp; on the fewest data-parallel replicas megatron-core's expert grid allows), with
 weights from --megatron-dir (a megarl Megatron checkpoint) or, without it, loaded straight from --hf-dir.
 Prints JSON with max_abs_logit_diff, mean_abs_logit_diff and argmax_agreement; exits 1 when the max
-difference is above --tolerance (fp32 default 1e-4), 2 on bad input. Starts tp*pp*ep local ranks itself when not
-under torchrun.
+difference is above --tolerance (fp32 default 1e-4), 2 on bad input. Starts the layout's local ranks itself when
+not under torchrun (tp*pp*ep when --etp is --tp; e.g. 2 for --tp 2 --ep 2 --etp 1).
 
   python checkpoint_tools/verify.py --hf-dir H [--megatron-dir M] --tp 2 --pp 2 [--json out.json]
   python checkpoint_tools/verify.py --hf-dir H_MOE --tp 2 --ep 2
+  python checkpoint_tools/verify.py --hf-dir H_MOE --tp 2 --ep 2 --etp 1
   torchrun --nproc-per-node 4 checkpoint_tools/verify.py --hf-dir H --megatron-dir M --tp 2 --pp 2
 """
 
@@ -28,6 +30,8 @@ def main(argv=None) -> int:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel size (MoE models; carved out of data parallelism: tp*pp*ep ranks)")
+    p.add_argument("--etp", type=int, default=None,
+                   help="expert tensor-parallel size (MoE models; default --tp; etp*ep must divide tp*dp)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="Megatron model dtype")
     p.add_argument("--tolerance", type=float, default=None, help="max |logit diff| allowed (fp32 1e-4, bf16 5e-2)")
     p.add_argument("--batch", type=int, default=2)
@@ -39,7 +43,7 @@ def main(argv=None) -> int:
     from megarl.checkpoint.verify import verify
 
     result = verify(args.hf_dir, args.megatron_dir, args.tp, args.pp, args.dtype, args.tolerance,
-                    args.batch, args.seq_len, args.seed, ep=args.ep)
+                    args.batch, args.seq_len, args.seed, ep=args.ep, etp=args.etp)
     if result is None:  # torchrun ranks other than 0
         return 0
     text = json.dumps(result, indent=2)

@@ -38,6 +38,16 @@ def expert_offset(engine) -> int:
     return dist.get_rank(engine.groups.pgs.ep) * (spec.num_experts // topo.ep)
 
 
+def shard_rank(engine, layout: ParamLayout) -> tuple[int, int]:
+    """(rank, size) of the tensor-parallel split of `layout` on this rank: routed experts are split over the expert
+    tensor-parallel group (megatron-core's `expt_tp`: `RoleTopology.expert_coord`), everything else (router and
+    shared expert included) over the dense TP group."""
+    topo, coord = engine.groups.topology, engine.groups.coord
+    if layout.expert is not None:
+        return topo.expert_coord(coord.rank).etp, topo.expert_tp
+    return coord.tp, topo.tp
+
+
 def engine_canonical_name(engine, name: str) -> str:
     """`canonical_name` of this rank's module parameter `name` (global layer and expert numbers)."""
     return canonical_name(name, stage_layer_offset(engine.module), expert_offset(engine))
@@ -77,8 +87,8 @@ def load_hf_into_engine(engine, hf_dir: str, reader: Optional[HFReader] = None) 
     check_same_model(engine.spec, reader.spec, ignore=("tie_word_embeddings",) if scalar else ())
     # the body's layouts are the HF model's (tied or not, the embedding is read the same way)
     spec = reader.spec if scalar else engine.spec
-    topo, coord = engine.groups.topology, engine.groups.coord
-    validate_tp(spec, topo.tp)
+    topo = engine.groups.topology
+    validate_tp(spec, topo.tp, topo.expert_tp)
     offset, experts = stage_layer_offset(engine.module), expert_offset(engine)
     nbytes = 0
     for name, param in engine.module.named_parameters():
@@ -90,9 +100,9 @@ def load_hf_into_engine(engine, hf_dir: str, reader: Optional[HFReader] = None) 
                 param.data.copy_(t)
                 nbytes += t.numel() * t.element_size()
             continue
-        # routed experts: only this expert-parallel rank's experts are read, one at a time
+        # routed experts: only this expert-parallel rank's experts are read, one at a time, sliced by expert TP
         layout = module_param_layout(spec, canonical_name(name, offset, experts))
-        shard = build_shard(spec, layout, coord.tp, topo.tp, reader.read)
+        shard = build_shard(spec, layout, *shard_rank(engine, layout), reader.read)
         if tuple(shard.shape) != tuple(param.shape):
             raise CheckpointError(
                 f"{name}: built shard {list(shard.shape)} from {layout.hf_names} "
@@ -150,7 +160,7 @@ def build_engine_from_hf(hf_dir: str, groups, dtype: str = "fp32", optimizer=Non
     """Startup path for a config whose model points at an HF directory: build the `MegatronEngine` at `groups`'
     TP/PP layout and load the HF weights into it directly (no offline conversion). Call on every rank of the role."""
     reader = HFReader(hf_dir)
-    validate_tp(reader.spec, groups.topology.tp)
+    validate_tp(reader.spec, groups.topology.tp, groups.topology.expert_tp)
     engine = MegatronEngine(reader.spec, groups, dtype=dtype, optimizer=optimizer, seed=seed, **engine_kwargs)
     load_hf_into_engine(engine, hf_dir, reader=reader)
     return engine

@@ -147,17 +147,20 @@ def family(spec: ModelSpec) -> dict[str, str]:
     return FAMILIES[spec.architecture]
 
 
-def validate_tp(spec: ModelSpec, tp: int) -> None:
-    """Raise `LayoutError` naming the numbers when `tp` cannot split the model."""
-    for what, n in (
-        ("num_attention_heads", spec.num_attention_heads),
-        ("num_query_groups (num_key_value_heads)", spec.num_query_groups),
-        ("ffn_hidden_size (intermediate_size)", spec.ffn_hidden_size),
-        ("moe_ffn_hidden_size (moe_intermediate_size)", spec.moe_ffn_hidden_size if spec.is_moe else 0),
-        ("shared_expert_ffn_hidden_size", spec.shared_expert_ffn_hidden_size),
+def validate_tp(spec: ModelSpec, tp: int, etp: Optional[int] = None) -> None:
+    """Raise `LayoutError` naming the numbers when `tp` (attention, dense MLP, shared expert) or `etp` (routed
+    experts' expert tensor parallelism; None = tp) cannot split the model."""
+    etp = tp if etp is None else etp
+    for what, n, size, name in (
+        ("num_attention_heads", spec.num_attention_heads, tp, "tp"),
+        ("num_query_groups (num_key_value_heads)", spec.num_query_groups, tp, "tp"),
+        ("ffn_hidden_size (intermediate_size)", spec.ffn_hidden_size, tp, "tp"),
+        ("moe_ffn_hidden_size (moe_intermediate_size)", spec.moe_ffn_hidden_size if spec.is_moe else 0, etp,
+         "tp" if etp == tp else "etp"),
+        ("shared_expert_ffn_hidden_size", spec.shared_expert_ffn_hidden_size, tp, "tp"),
     ):
-        if n % tp != 0:
-            raise LayoutError(f"tp={tp} does not divide {what}={n}")
+        if n % size != 0:
+            raise LayoutError(f"{name}={size} does not divide {what}={n}")
 
 
 def param_layouts(spec: ModelSpec) -> list[ParamLayout]:
@@ -311,10 +314,15 @@ def shard_segments(
 ) -> list[Segment]:
     """The HF runs, in order along `layout.partition_dim`, whose concatenation is TP rank `tp_rank`'s shard.
 
+    Routed experts (`layout.expert` set) are split by expert tensor parallelism: pass the expert-TP rank and size
+    (`RoleTopology.expert_coord(rank).etp`, `RoleTopology.expert_tp`) for them, the dense TP rank for the rest.
     Replicated parameters give one segment covering the whole HF tensor (dim 0). With `pad_vocab=False` vocab
     shards hold only real rows (the distributed-checkpoint form; at tp=1 that is the HF tensor itself).
     """
-    validate_tp(spec, tp)
+    if layout.expert is None:
+        validate_tp(spec, tp, etp=1)  # only the split this layout uses
+    else:
+        validate_tp(spec, 1, etp=tp)
     if not 0 <= tp_rank < tp:
         raise LayoutError(f"tp_rank={tp_rank} is outside 0..{tp - 1}")
     names = layout.hf_names

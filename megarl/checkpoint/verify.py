@@ -8,6 +8,7 @@ fp32 forward and returns the metrics.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -53,15 +54,24 @@ def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     }
 
 
-def check_layout(hf_dir: str, tp: int, pp: int, ep: int = 1) -> HFReader:
+def verify_topology(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> RoleTopology:
+    """The layout `verify` runs: tp x pp with the fewest data-parallel replicas dp that megatron-core's expert grid
+    allows (etp*ep must divide tp*dp: dp = etp*ep / gcd(tp, etp*ep); dp = ep when etp = tp, i.e. expert
+    parallelism carved out of data parallelism; dp = 1 for tp=2, ep=2, etp=1, EP spanning the TP pair)."""
+    expert = (tp if etp is None else etp) * ep
+    return RoleTopology(tp=tp, pp=pp, dp=expert // math.gcd(tp, expert), ep=ep, etp=etp)
+
+
+def check_layout(hf_dir: str, tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> HFReader:
     """Validate the HF directory and the layout before any rank starts (raises CheckpointError)."""
     reader = HFReader(hf_dir)
     try:
-        validate_tp(reader.spec, tp)
+        validate_tp(reader.spec, tp, etp)
         layer_split(reader.spec.num_layers, pp)
-        RoleTopology(tp=tp, pp=pp, dp=ep, ep=ep)
-        if ep > 1 and not reader.spec.is_moe:
-            raise CheckpointError(f"ep={ep} needs a mixture-of-experts model; {hf_dir} is a dense "
+        verify_topology(tp, pp, ep, etp)
+        if (ep > 1 or (etp is not None and etp != tp)) and not reader.spec.is_moe:
+            what = f"ep={ep}" if ep > 1 else f"etp={etp}"
+            raise CheckpointError(f"{what} needs a mixture-of-experts model; {hf_dir} is a dense "
                                   f"{reader.spec.architecture}")
         if reader.spec.is_moe and reader.spec.num_experts % ep != 0:
             raise CheckpointError(f"ep={ep} does not divide num_experts={reader.spec.num_experts} of {hf_dir}")
@@ -71,16 +81,18 @@ def check_layout(hf_dir: str, tp: int, pp: int, ep: int = 1) -> HFReader:
 
 
 def verify_ranks(rank: int, world_size: int, hf_dir: str, megatron_dir: Optional[str], tp: int, pp: int,
-                 dtype: str, input_ids: torch.Tensor, tolerance: float, ep: int = 1) -> Optional[dict]:
+                 dtype: str, input_ids: torch.Tensor, tolerance: float, ep: int = 1,
+                 etp: Optional[int] = None) -> Optional[dict]:
     """Per-rank body; returns the metrics dict on rank 0 (None elsewhere). Collective over the world.
 
-    Expert parallelism is carved out of data parallelism (as megatron-core does): the world is tp*pp*ep ranks,
-    the ep data-parallel replicas run the same batch and each holds num_experts/ep experts."""
-    if world_size != tp * pp * ep:
-        raise CheckpointError(f"verify needs tp*pp*ep = {tp}*{pp}*{ep} = {tp * pp * ep} ranks, "
+    The world is `verify_topology(tp, pp, ep, etp)`'s tp*pp*dp ranks: the dp data-parallel replicas run the same
+    batch, each expert-parallel rank holds num_experts/ep experts, each sliced over etp ranks."""
+    topo = verify_topology(tp, pp, ep, etp)
+    if world_size != topo.world_size:
+        raise CheckpointError(f"verify at {topo.describe()} needs {topo.world_size} ranks, "
                               f"the world has {world_size}")
     spec = ModelSpec.from_hf_dir(hf_dir)
-    groups = build_role_groups(RoleTopology(tp=tp, pp=pp, dp=ep, ep=ep))
+    groups = build_role_groups(topo)
     engine = MegatronEngine(spec, groups, dtype=dtype)
     if megatron_dir:
         load_engine_checkpoint(engine, megatron_dir)
@@ -94,7 +106,8 @@ def verify_ranks(rank: int, world_size: int, hf_dir: str, megatron_dir: Optional
         return None
     ours = next(t for t in gathered if t is not None)
     result = compare_logits(ours, hf_logits(hf_dir, input_ids))
-    result.update(tp=tp, pp=pp, ep=ep, dtype=dtype, tolerance=tolerance, source="megatron" if megatron_dir else "hf",
+    result.update(tp=tp, pp=pp, ep=ep, etp=topo.expert_tp, dp=topo.dp, dtype=dtype, tolerance=tolerance,
+                  source="megatron" if megatron_dir else "hf",
                   batch=list(input_ids.shape), passed=result["max_abs_logit_diff"] <= tolerance)
     return result
 
@@ -105,15 +118,15 @@ def under_torchrun() -> bool:
 
 def verify(hf_dir: str, megatron_dir: Optional[str], tp: int, pp: int, dtype: str = "fp32",
            tolerance: Optional[float] = None, batch: int = 2, seq: int = 32, seed: int = 0,
-           ep: int = 1) -> Optional[dict]:
-    """Run the parity check; spawns tp*pp*ep local ranks unless already under torchrun. Metrics on rank 0."""
-    reader = check_layout(hf_dir, tp, pp, ep)
+           ep: int = 1, etp: Optional[int] = None) -> Optional[dict]:
+    """Run the parity check; spawns `verify_topology`'s ranks unless already under torchrun. Metrics on rank 0."""
+    reader = check_layout(hf_dir, tp, pp, ep, etp)
     if megatron_dir:
         read_meta(megatron_dir)
     tolerance = DEFAULT_TOLERANCE[dtype] if tolerance is None else tolerance
     ids = token_batch(reader.spec.vocab_size, batch, seq, seed)
-    args = (hf_dir, megatron_dir, tp, pp, dtype, ids, tolerance, ep)
+    args = (hf_dir, megatron_dir, tp, pp, dtype, ids, tolerance, ep, etp)
     if under_torchrun():
         rank, world = init_distributed()
         return verify_ranks(rank, world, *args)
-    return run_ranks(tp * pp * ep, verify_ranks, *args, timeout_s=1800)[0]
+    return run_ranks(verify_topology(tp, pp, ep, etp).world_size, verify_ranks, *args, timeout_s=1800)[0]

@@ -35,7 +35,8 @@ def role_topology(cfg: JobConfig, role: str) -> RoleTopology:
     """The Megatron layout of a role of a validated config (dp resolved), offset to its pool's first rank."""
     r = cfg.role(role)
     p = r.parallel
-    return RoleTopology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, rank_offset=pool_offsets(cfg.resources)[r.pool])
+    return RoleTopology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, etp=p.etp,
+                        rank_offset=pool_offsets(cfg.resources)[r.pool])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -144,7 +144,12 @@ class ParallelConfig:
         "(megatron's load-balanced split). With Transformer Engine its attention runs CP; without it (CPU) megarl's "
         "all-gather-KV attention does (megarl/models/context_parallel.py).", min=1)
     dp: Optional[int] = opt(None, "Data-parallel size; null = pool devices / (tp*pp*cp).", min=1)
-    ep: int = opt(1, "Expert-parallel size for MoE layers (carved out of dp*cp; 1 for dense models).", min=1)
+    ep: int = opt(1, "Expert-parallel size for MoE layers (1 for dense models). etp*ep must divide tp*cp*dp: with "
+                  "etp = tp it is carved out of dp*cp, with a smaller etp it may span TP ranks too.", min=1)
+    etp: Optional[int] = opt(
+        None, "Expert tensor-parallel size for MoE layers (megatron-core expert_tensor_parallel_size): each expert's "
+        "FFN width is split over etp ranks; null = tp (megatron-core's default). The expert grid is etp fastest, "
+        "then ep, then expert-dp over the tp*cp*dp ranks of a pipeline stage.", min=1)
     first_stage_layers: Optional[int] = opt(
         None, "Layers on the first pipeline stage for an uneven split; null = even split.", min=0
     )

@@ -151,14 +151,20 @@ def _check_parallel(name: str, role: RoleConfig, devices: int, arch: ArchConfig)
     if arch.num_experts:
         if arch.num_experts % p.ep != 0:
             raise ConfigError(f"{name}.parallel.ep: num_experts={arch.num_experts} is not divisible by ep={p.ep}")
-        moe_widths = (("moe_ffn_hidden_size", arch.moe_ffn_hidden_size),
-                      ("shared_expert_ffn_hidden_size", arch.shared_expert_ffn_hidden_size))
-        for what, width in moe_widths:
-            if width % p.tp != 0:  # expert tensor parallelism = tp
-                raise ConfigError(f"{name}.parallel.tp: {what}={width} is not divisible by tp={p.tp}")
+        # routed experts are split over expert TP (etp, default tp), the shared expert over the dense tp
+        etp_key, etp = ("tp", p.tp) if p.etp is None else ("etp", p.etp)
+        if arch.moe_ffn_hidden_size % etp != 0:
+            raise ConfigError(f"{name}.parallel.{etp_key}: moe_ffn_hidden_size={arch.moe_ffn_hidden_size} is not "
+                              f"divisible by {etp_key}={etp}")
+        if arch.shared_expert_ffn_hidden_size % p.tp != 0:
+            raise ConfigError(f"{name}.parallel.tp: shared_expert_ffn_hidden_size="
+                              f"{arch.shared_expert_ffn_hidden_size} is not divisible by tp={p.tp}")
     elif p.ep > 1:
         raise ConfigError(f"{name}.parallel.ep: ep={p.ep} needs a mixture-of-experts model; "
                           f"{arch.architecture} is dense (use ep: 1)")
+    elif p.etp is not None and p.etp != p.tp:
+        raise ConfigError(f"{name}.parallel.etp: etp={p.etp} needs a mixture-of-experts model; "
+                          f"{arch.architecture} is dense (use etp: null)")
     if p.rank_order != "natural" and (name != "actor" or p.ep > 1):
         raise ConfigError(
             f"{name}.parallel.rank_order: {p.rank_order!r} is for the actor of a dense model (it orders the ranks for "
@@ -166,7 +172,7 @@ def _check_parallel(name: str, role: RoleConfig, devices: int, arch: ArchConfig)
         )
     try:
         layer_split(arch.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers)
-        RoleTopology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep)
+        RoleTopology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, etp=p.etp)
     except TopologyError as e:
         raise ConfigError(f"{name}.parallel: {e}") from None
     return p

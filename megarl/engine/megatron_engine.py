@@ -126,11 +126,12 @@ class MegatronEngine:
         if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # layout-independent scratch buffer
             parallel_state._set_global_memory_buffer()
         coord = self.groups.coord
+        expert = self.groups.topology.expert_coord(coord.rank)
         # Model-parallel RNG streams: the same `seed` everywhere, offset by pp rank (as megatron does) so that
-        # stages differ; tensor-parallel regions get their own stream.
+        # stages differ; tensor-parallel regions get their own stream, expert layers one per (ep, etp) rank.
         torch.manual_seed(seed + 100 * coord.pp)
         model_parallel_cuda_manual_seed(
-            seed + 100 * coord.pp, force_reset_rng=True, tp_rank=coord.tp, ep_rank=0, etp_rank=coord.tp
+            seed + 100 * coord.pp, force_reset_rng=True, tp_rank=coord.tp, ep_rank=expert.ep, etp_rank=expert.etp
         )
         moe = self.moe_settings
         # megatron-core 0.16.1 under sequence parallelism (MoE at tp > 1) scales each TP rank's aux/z-loss by its

@@ -146,8 +146,9 @@ def moe_transformer_settings(spec: ModelSpec, groups: RoleGroups, dispatcher: st
     in fp32 (`moe_router_dtype`), as HF's routers compute their softmax in fp32. Dense and MoE layers follow
     `spec.moe_layers` (`moe_layer_freq` as a per-layer list). Qwen2-MoE's shared expert is
     `moe_shared_expert_intermediate_size` with `moe_shared_expert_gate` (output * sigmoid(x . gate_weight)).
-    Experts are split over the role's expert-parallel group (`topology.ep`); expert tensor parallelism equals the
-    dense TP (the groups in `megarl.parallel.groups` are built that way).
+    Experts are split over the role's expert-parallel group (`topology.ep`) and each expert's FFN width over its
+    expert tensor-parallel group (`topology.expert_tp`: `etp`, default the dense tp); the groups in
+    `megarl.parallel.groups` follow megatron-core's expert grid for both.
     """
     if not spec.is_moe:
         return {}
@@ -156,6 +157,9 @@ def moe_transformer_settings(spec: ModelSpec, groups: RoleGroups, dispatcher: st
     topo = groups.topology
     if spec.num_experts % topo.ep != 0:
         raise ValueError(f"ep={topo.ep} does not divide num_experts={spec.num_experts}")
+    if spec.moe_ffn_hidden_size % topo.expert_tp != 0:
+        raise ValueError(f"expert tensor-parallel size {topo.expert_tp} does not divide "
+                         f"moe_ffn_hidden_size={spec.moe_ffn_hidden_size}")
     shared = spec.shared_expert_ffn_hidden_size
     te = transformer_engine_available()
     return dict(
@@ -169,7 +173,7 @@ def moe_transformer_settings(spec: ModelSpec, groups: RoleGroups, dispatcher: st
         moe_shared_expert_intermediate_size=shared or None,
         moe_shared_expert_gate=bool(shared),
         expert_model_parallel_size=topo.ep,
-        expert_tensor_parallel_size=topo.tp,
+        expert_tensor_parallel_size=topo.expert_tp,
         moe_token_dispatcher_type=dispatcher,
         moe_grouped_gemm=te,
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
@@ -228,6 +232,11 @@ def build_gpt_model(spec: ModelSpec, groups: RoleGroups, config, vp_stage: Optio
         pg_collection=groups.pgs,
         vp_stage=vp_stage,
     )
+    topo = groups.topology
+    if spec.is_moe and topo.ep == 1 and topo.expert_tp != topo.tp:  # megatron-core would treat experts as dense
+        from megarl.platform.megatron_patches import mark_experts_for_expert_data_parallel
+
+        mark_experts_for_expert_data_parallel(model)
     if rope_type is not None:
         # megatron-core 0.16.1 hard-codes low/high_freq_factor=1/4 and original_max_position_embeddings=8192 in
         # RotaryEmbedding._apply_scaling and has no "linear" type (only seq_len_interpolation_factor): set inv_freq

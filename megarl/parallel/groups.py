@@ -50,20 +50,17 @@ class RoleGroups:
 
 
 def _expert_enumerations(topo: RoleTopology) -> dict[str, list[list[int]]]:
-    """Expert-layer groups, megatron-core's expert grid order tp-ep-edp-pp (expert tp = dense tp).
+    """Expert-layer groups in megatron-core's expert grid order etp-ep-edp-pp (`RoleTopology.expert_coord`;
+    parallel_state.initialize_model_parallel's `expert_decoder_rank_generator`).
 
-    For dense models (ep=1) these degenerate to: ep = singletons, expt_tp = tp, expt_dp = dp*cp.
+    ep: experts split over it (the alltoall dispatcher's group); expt_tp: each expert's FFN width split over it;
+    expt_dp: same expert slice, gradients reduced over it; tp_ep: etp x ep (tokens travel over it); tp_ep_pp.
+    For dense models (ep=1, etp=tp) these degenerate to: ep = singletons, expt_tp = tp, expt_dp = dp*cp.
     """
-    edp = topo.dp * topo.cp // topo.ep
     coords = {}
-    for local in range(topo.world_size):  # natural index; the rank holding it is rank_order[local]
-        rank = topo.rank_offset + (local if topo.rank_order is None else topo.rank_order[local])
-        tp_r = local % topo.tp
-        rest = local // topo.tp
-        ep_r = rest % topo.ep
-        edp_r = (rest // topo.ep) % edp
-        pp_r = rest // (topo.ep * edp)
-        coords[rank] = (tp_r, ep_r, edp_r, pp_r)
+    for rank in topo.ranks:
+        c = topo.expert_coord(rank)
+        coords[rank] = (c.etp, c.ep, c.edp, c.pp)
 
     def enum(varying: tuple[int, ...]) -> list[list[int]]:  # each group in coordinate order (= group rank order)
         buckets: dict[tuple, list[tuple[tuple, int]]] = {}

@@ -7,8 +7,13 @@ tp varies fastest, then cp, then dp, then pp, so
 
     rank = rank_offset + tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
-Expert parallelism (ep) is carved out of the dp*cp ranks for expert layers only, as megatron-core does; it does
-not change the dense layout and only has to divide dp*cp.
+Expert layers have their own grid over the same ranks (megatron-core's expert `RankGenerator`: the default order
+"tp-cp-ep-dp-pp" with tp := etp and cp := 1): within a pipeline stage, the rank's position s in 0..tp*cp*dp-1 gives
+
+    etp_rank = s % etp,  ep_rank = (s // etp) % ep,  edp_rank = s // (etp * ep)
+
+so etp*ep must divide tp*cp*dp (`expert_coord`). With etp = tp (megatron-core's default, `etp=None`) expert
+parallelism is carved out of the dp*cp ranks; with etp < tp it may also span TP ranks (e.g. tp=2, dp=1, ep=2, etp=1).
 
 `rank_order` (optional) moves coordinates to other ranks: the coordinate whose natural index (the formula above,
 without the offset) is `i` lives on local rank `rank_order[i]`. Groups are then listed in coordinate order (group
@@ -41,6 +46,21 @@ class RankCoord:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertCoord:
+    """Coordinates of one global rank in a role's expert grid (megatron-core's expert `RankGenerator`).
+
+    etp: expert tensor-parallel rank (slices each expert's FFN width); ep: expert-parallel rank (which experts);
+    edp: expert data-parallel rank (replicas of the same expert slice; gradients are reduced over them); pp: stage.
+    """
+
+    rank: int
+    etp: int
+    ep: int
+    edp: int
+    pp: int
+
+
+@dataclasses.dataclass(frozen=True)
 class RoleTopology:
     """Layout of one role over `world_size = tp*cp*dp*pp` consecutive global ranks starting at `rank_offset`.
 
@@ -49,7 +69,9 @@ class RoleTopology:
         pp: pipeline-parallel size (splits the layer stack into stages).
         dp: data-parallel size (replicas; the distributed optimizer shards its state over them).
         cp: context-parallel size (splits the sequence).
-        ep: expert-parallel size for MoE layers (carved out of dp*cp; 1 for dense models).
+        ep: expert-parallel size for MoE layers (1 for dense models).
+        etp: expert tensor-parallel size for MoE layers (megatron-core `expert_tensor_parallel_size`); None = tp.
+            etp*ep must divide tp*cp*dp (the expert grid, see the module docstring).
         rank_offset: first global rank of this role (roles in other pools start elsewhere).
         rank_order: None (natural order) or a permutation of range(world_size): natural coordinate index i ->
             the local rank (global rank - rank_offset) that holds it.
@@ -60,6 +82,7 @@ class RoleTopology:
     dp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int | None = None
     rank_offset: int = 0
     rank_order: tuple[int, ...] | None = None
 
@@ -68,12 +91,23 @@ class RoleTopology:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise TopologyError(f"{name} must be a positive integer, got {value!r}")
+        if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
+            raise TopologyError(f"etp must be a positive integer or None (= tp), got {self.etp!r}")
+        if self.etp == self.tp:
+            object.__setattr__(self, "etp", None)  # etp = tp has one spelling (megatron-core's default)
         if self.rank_offset < 0:
             raise TopologyError(f"rank_offset must be >= 0, got {self.rank_offset}")
-        if (self.dp * self.cp) % self.ep != 0:
+        per_stage = self.tp * self.cp * self.dp
+        if per_stage % (self.expert_tp * self.ep) != 0:
+            if self.etp is None:
+                raise TopologyError(
+                    f"ep={self.ep} must divide dp*cp={self.dp}*{self.cp}={self.dp * self.cp} "
+                    "(expert parallelism is carved out of the data/context-parallel ranks when etp = tp; "
+                    "a smaller etp lets it span tensor-parallel ranks too)"
+                )
             raise TopologyError(
-                f"ep={self.ep} must divide dp*cp={self.dp}*{self.cp}={self.dp * self.cp} "
-                "(expert parallelism is carved out of the data/context-parallel ranks)"
+                f"etp*ep={self.expert_tp}*{self.ep}={self.expert_tp * self.ep} must divide "
+                f"tp*cp*dp={self.tp}*{self.cp}*{self.dp}={per_stage} (megatron-core's expert grid)"
             )
         if self.rank_order is not None:
             object.__setattr__(self, "rank_order", tuple(self.rank_order))
@@ -82,8 +116,9 @@ class RoleTopology:
                     f"rank_order must be a permutation of 0..{self.world_size - 1} (tp*cp*dp*pp), "
                     f"got {self.rank_order}"
                 )
-            if self.ep > 1:
-                raise TopologyError(f"rank_order is not supported with ep={self.ep} > 1 (expert groups)")
+            if self.ep > 1 or self.expert_tp != self.tp:
+                raise TopologyError(f"rank_order is not supported with ep={self.ep} > 1 or etp={self.etp} != tp "
+                                    "(expert groups)")
             if list(self.rank_order) == list(range(self.world_size)):
                 object.__setattr__(self, "rank_order", None)  # the natural order has one spelling
 
@@ -91,6 +126,16 @@ class RoleTopology:
     def world_size(self) -> int:
         """Number of ranks this role occupies."""
         return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size: `etp`, or `tp` when unset (megatron-core's default)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert data-parallel size: tp*cp*dp / (etp*ep) ranks per stage hold the same expert slice."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
     @property
     def ranks(self) -> range:
@@ -116,6 +161,13 @@ class RoleTopology:
         dp_rank = local % self.dp
         pp_rank = local // self.dp
         return RankCoord(rank=rank, tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank)
+
+    def expert_coord(self, rank: int) -> ExpertCoord:
+        """(etp, ep, edp, pp) coordinates of global `rank` in the expert grid (see the module docstring)."""
+        c = self.coord(rank)
+        s = c.tp + self.tp * (c.cp + self.cp * c.dp)  # position inside the pipeline stage, natural order
+        etp = self.expert_tp
+        return ExpertCoord(rank=rank, etp=s % etp, ep=(s // etp) % self.ep, edp=s // (etp * self.ep), pp=c.pp)
 
     def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
         """Global rank at the given coordinates (inverse of `coord`)."""
@@ -169,6 +221,7 @@ class RoleTopology:
 
     def describe(self) -> str:
         out = f"tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp}" + (f" ep={self.ep}" if self.ep > 1 else "")
+        out += f" etp={self.etp}" if self.etp is not None else ""
         return out + (f" rank_order={list(self.rank_order)}" if self.rank_order is not None else "")
 
 

@@ -51,6 +51,14 @@ class Workaround(NamedTuple):
 
 WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
+        where='platform/megatron_patches.py: `mark_experts_for_expert_data_parallel`',
+        serves='megatron-core 0.16.1',
+        symptom=('MoE at ep=1 with expert TP != TP: expert weights are marked dense (`allreduce` True unless '
+                 'expert_model_parallel_size > 1), reduced and sharded over the dense DP group, mixing expert slices'),
+        remove_when=('megatron-core marks expert weights by expert-data-parallel group, not by ep > 1 '
+                     '(tests/distributed/test_moe_roles.py etp2 layout without the call)'),
+    ),
+    Workaround(
         where='platform/megatron_cpu_compat.py: `megatron_on_cpu`',
         serves='megatron-core 0.16.1',
         symptom=('CPU runs: hard-coded `device="cuda"` factories, CUDA RNG helpers and `\'torch.cuda.FloatTensor\'` '

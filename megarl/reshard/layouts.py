@@ -96,12 +96,12 @@ class TrainLayout:
         has no field for it yet, so callers pass it here). The layers are split evenly into pp*vpp chunks; chunk c
         holds layers [c*n, (c+1)*n) with n = num_layers / (pp*vpp), and pipeline rank r holds chunks r, r+pp, ...,
         r+(vpp-1)*pp (megatron-core's interleaved schedule). Not combined with an uneven split.
-    etp: expert tensor-parallel size (megatron-core `expert_tensor_parallel_size`; None: = tp). Megatron-core's
-        expert grid per pipeline stage is etp-ep-edp (fastest first) over the stage's tp*cp*dp ranks, so etp*ep
-        must divide tp*cp*dp.
-    ep: expert-parallel size when it differs from the topology's `ep` (None: `RoleTopology.ep`). With etp < tp,
-        megatron-core lets EP span TP ranks (e.g. tp4 x dp4 with etp1 x ep16), which `RoleTopology`'s own check
-        (ep divides dp*cp, right when etp = tp) does not accept yet; the planner takes it here.
+    etp: expert tensor-parallel size overriding the topology's (None: `RoleTopology.expert_tp`, which the config's
+        `parallel.etp` sets). Megatron-core's expert grid per pipeline stage is etp-ep-edp (fastest first) over the
+        stage's tp*cp*dp ranks, so etp*ep must divide tp*cp*dp.
+    ep: expert-parallel size overriding the topology's (None: `RoleTopology.ep`). `RoleTopology` itself accepts
+        EP spanning TP ranks when its etp < tp (e.g. tp4 x dp4 with etp1 x ep16); these two overrides let a planner
+        caller describe a layout without building that topology.
     """
 
     first_stage_layers: Optional[int] = None
@@ -157,13 +157,13 @@ def expert_coords(spec: ModelSpec, topo: RoleTopology, rank: int, layout: TrainL
     ep rank r holds experts [r*E/ep, (r+1)*E/ep) (moe_layer.py: `local_expert_indices_offset = ep_rank *
     num_local_experts`).
     """
-    etp, ep = layout.etp or topo.tp, layout.ep or topo.ep
+    etp, ep = layout.etp or topo.expert_tp, layout.ep or topo.ep
     per_stage = topo.tp * topo.cp * topo.dp
     if per_stage % (etp * ep):
         raise ValueError(f"etp*ep={etp}*{ep} must divide tp*cp*dp={per_stage} (megatron-core's expert grid)")
     if spec.is_moe and spec.num_experts % ep:
         raise ValueError(f"ep={ep} must divide num_experts={spec.num_experts}")
-    if ep > 1 and topo.rank_order is not None:
+    if (ep > 1 or etp != topo.tp) and topo.rank_order is not None:
         raise ValueError("expert holdings need the natural rank order (rank_order with ep > 1 is not supported)")
     s = (rank - topo.rank_offset) % per_stage
     ep_rank = (s // etp) % ep

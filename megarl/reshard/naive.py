@@ -29,7 +29,7 @@ def naive_reshard(
     """Gather-then-slice into `sink`; returns a report with the bytes this rank received and its peak buffers."""
     start = time.perf_counter()
     spec, topo = plan.spec, plan.train
-    if topo.ep > 1 or plan.train_layout != DEFAULT_TRAIN_LAYOUT:
+    if topo.ep > 1 or topo.expert_tp != topo.tp or plan.train_layout != DEFAULT_TRAIN_LAYOUT:
         raise NotImplementedError(f"the naive gather baseline covers even pipeline splits without expert or virtual "
                                   f"pipeline parallelism; got {topo.describe()} {plan.train_layout}")
     rank = dist.get_rank()

@@ -1,14 +1,18 @@
 """HF <-> Megatron checkpoints of mixture-of-experts models on 4 gloo ranks: logit parity with transformers (fp32,
 eager) for Qwen3-MoE (top-k renormalised), Mixtral and Qwen2-MoE (softmax-then-top-k without renormalisation, gated
-shared expert, qkv bias, a dense layer from `mlp_only_layers`) at EP1, EP2, TP2xEP2 and PP2xEP2; offline-converted
-checkpoints load at every layout; a checkpoint saved at one layout loads at another with identical logits;
-HF -> Megatron -> HF is bit-exact.
+shared expert, qkv bias, a dense layer from `mlp_only_layers`) at EP1, EP2, TP2xEP2 and PP2xEP2, and with expert
+tensor parallelism different from TP (megatron-core `expert_tensor_parallel_size`): TP2xEP2 with ETP1 (4 ranks, and
+2 ranks where EP spans the TP pair) and ETP2 at TP1; offline-converted checkpoints load at every layout; a
+checkpoint saved at one layout loads at another with identical logits; HF -> Megatron -> HF is bit-exact.
 
 One 4-rank world does everything (roles side by side, expert parallelism carved out of data parallelism):
   convert: rank 0 converts each HF model offline (hf_to_megatron), everyone joins megatron-core's save
   phase A: EP2 (dp2) on ranks 0-1 and EP1 on rank 2; EP2 saves its model
   phase B: TP2xEP2 (dp2) on ranks 0-3; loads the EP2 checkpoint, saves its own
-  phase C: PP2xEP2 (dp2) on ranks 0-3; loads the TP2xEP2 checkpoint, saves its own; both the offline and the
+  phase D: TP2xEP2xETP1 (dp2) on ranks 0-3; loads the TP2xEP2 checkpoint, saves its own
+  phase E: TP2xEP2xETP1 (dp1: EP over the TP pair) on ranks 0-1 | TP1xETP2 (dp2) on ranks 2-3; load the
+           TP2xEP2xETP1 checkpoint
+  phase C: PP2xEP2 (dp2) on ranks 0-3; loads the TP2xEP2xETP1 checkpoint, saves its own; both the offline and the
            PP2xEP2 checkpoints are exported back to HF
 """
 
@@ -25,7 +29,7 @@ from megarl.platform.spawn import run_ranks
 pytestmark = pytest.mark.slow
 
 ARCHS = sorted(MOE_ARCH_CONFIGS)
-LAYOUTS = ["ep1", "ep2", "tp2ep2", "pp2ep2"]
+LAYOUTS = ["ep1", "ep2", "tp2ep2", "pp2ep2", "tp2ep2etp1", "tp2ep2etp1dp1", "etp2"]
 TOL = 1e-4
 
 
@@ -78,6 +82,9 @@ def _worker(rank: int, world_size: int, root: str):
                 local = sum(1 for n, _ in direct.module.named_parameters()
                             if n.startswith("decoder.layers.0.mlp.experts.local_experts.") and n.endswith("fc1.weight"))
                 out[("experts", name, a, rank)] = (expert_offset(direct), local)
+                # the width of this rank's slice of each expert (fc2's columns: moe_ffn_hidden_size / etp)
+                out[("expert_width", name, a, rank)] = next(
+                    p.shape[1] for n, p in direct.module.named_parameters() if ".local_experts.0.linear_fc2." in n)
                 offline = MegatronEngine(spec[a], g, seed=12)
             load_engine_checkpoint(offline, ckpt(a, "offline"))  # collective: outsiders pass None
             if offline is not None:
@@ -93,7 +100,10 @@ def _worker(rank: int, world_size: int, root: str):
 
     phase({"ep2": RoleTopology(dp=2, ep=2), "ep1": RoleTopology(rank_offset=2)}, saver="ep2", load_from=None)
     phase({"tp2ep2": RoleTopology(tp=2, dp=2, ep=2)}, saver="tp2ep2", load_from="ep2")
-    phase({"pp2ep2": RoleTopology(pp=2, dp=2, ep=2)}, saver="pp2ep2", load_from="tp2ep2")
+    phase({"tp2ep2etp1": RoleTopology(tp=2, dp=2, ep=2, etp=1)}, saver="tp2ep2etp1", load_from="tp2ep2")
+    phase({"tp2ep2etp1dp1": RoleTopology(tp=2, ep=2, etp=1), "etp2": RoleTopology(dp=2, etp=2, rank_offset=2)},
+          saver=None, load_from="tp2ep2etp1")
+    phase({"pp2ep2": RoleTopology(pp=2, dp=2, ep=2)}, saver="pp2ep2", load_from="tp2ep2etp1")
     for a in ARCHS:
         megatron_to_hf(ckpt(a, "offline"), ckpt(a, "offline_hf"))
         # a small read budget: each routed expert is read on its own
@@ -134,7 +144,8 @@ def test_offline_checkpoint_loads_at_every_layout(runs, arch, layout):
     assert torch.equal(out[(layout, arch, "offline")], out[(layout, arch, "direct")])
 
 
-@pytest.mark.parametrize("saved,loaded", [("ep2", "tp2ep2"), ("tp2ep2", "pp2ep2")])
+@pytest.mark.parametrize("saved,loaded", [("ep2", "tp2ep2"), ("tp2ep2", "tp2ep2etp1"), ("tp2ep2etp1", "pp2ep2"),
+                                          ("tp2ep2etp1", "tp2ep2etp1dp1"), ("tp2ep2etp1", "etp2")])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_checkpoint_saved_at_one_layout_loads_at_another(runs, arch, saved, loaded):
     _, _, out = runs
@@ -150,6 +161,23 @@ def test_each_expert_parallel_rank_holds_its_own_experts(runs):
         assert [out[("experts", "ep2", a, r)] for r in (0, 1)] == [(0, 2), (2, 2)]
         # tp2ep2: ranks 0,1 are TP ranks of EP rank 0; ranks 2,3 of EP rank 1
         assert [out[("experts", "tp2ep2", a, r)] for r in range(4)] == [(0, 2), (0, 2), (2, 2), (2, 2)]
+
+
+def test_expert_tensor_parallelism_slices_experts_by_etp_not_tp(runs):
+    """megatron-core's expert grid (order tp-ep-dp-pp with tp := etp; parallel_state.initialize_model_parallel),
+    worked out by hand for 4 experts: at tp2 dp2 ep2 etp1 the position s = rank gives ep rank s % 2, so ranks 0, 2
+    hold experts 0-1 and ranks 1, 3 experts 2-3, each expert whole although tp=2; at tp2 dp1 ep2 etp1 EP spans the
+    TP pair; at tp1 dp2 etp2 both ranks hold all four experts, each half of the FFN width. Widths from the HF config."""
+    _, _, out = runs
+    for a in ARCHS:
+        width = MOE_ARCH_CONFIGS[a].get("moe_intermediate_size") or MOE_ARCH_CONFIGS[a]["intermediate_size"]
+        assert [out[("experts", "tp2ep2etp1", a, r)] for r in range(4)] == [(0, 2), (2, 2), (0, 2), (2, 2)]
+        assert [out[("experts", "tp2ep2etp1dp1", a, r)] for r in (0, 1)] == [(0, 2), (2, 2)]
+        assert [out[("experts", "etp2", a, r)] for r in (2, 3)] == [(0, 4), (0, 4)]
+        assert {out[("expert_width", "tp2ep2", a, r)] for r in range(4)} == {width // 2}
+        assert {out[("expert_width", "tp2ep2etp1", a, r)] for r in range(4)} == {width}
+        assert {out[("expert_width", "tp2ep2etp1dp1", a, r)] for r in (0, 1)} == {width}
+        assert {out[("expert_width", "etp2", a, r)] for r in (2, 3)} == {width // 2}
 
 
 @pytest.mark.parametrize("source", ["offline", "pp2ep2"])

@@ -5,6 +5,11 @@ One spawn runs every layout (expert parallelism carved out of data parallelism, 
   phase A: EP2 (dp2) on ranks 0-1 | EP1 on rank 2 | EP1 with router losses off on rank 3 (hand-written reference)
   phase B: TP2xEP2 (dp2, sequence parallel) on ranks 0-3
   phase C: PP2xEP2 (dp2) on ranks 0-3
+  phase E: TP2xEP2 with expert TP 1 (dp2: ranks 0, 2 hold experts 0-1, ranks 1, 3 experts 2-3, each whole) on ranks
+           0-3, then with dp1 (EP spans the TP pair) on ranks 0-1 | expert TP 2 above TP 1 (dp2: each rank holds
+           half of every expert, tokens of both data-parallel ranks meet in the experts) on ranks 2-3; without
+           megarl's `mark_experts_for_expert_data_parallel` (megatron-core 0.16.1 treats experts at ep=1 as dense
+           parameters) its update moved expert weights by 0.58 and its gradient norm was off by 1.7e-3
   phase D: routing replay at EP2 on ranks 0-1
 Every layout loads the same HF checkpoint, computes log-probs (compared with transformers' own forward), makes one
 PPO update on the same batch with the same optimizer and router-loss coefficients (one sample per micro-batch
@@ -31,7 +36,7 @@ ADVANTAGE = [1.0, -1.0, 0.5, -0.5]
 LR = 1e-3
 REPLAY_LR = 0.05  # large enough that one step changes some tokens' routing
 AUX, Z = 0.01, 0.001
-LAYOUTS = ["ep1", "ep2", "tp2ep2", "pp2ep2"]
+LAYOUTS = ["ep1", "ep2", "tp2ep2", "pp2ep2", "tp2ep2etp1", "tp2ep2etp1dp1", "etp2"]
 TOL = 1e-5
 
 
@@ -91,6 +96,9 @@ def _worker(rank: int, world: int, hf_dir: str, replay_hf_dir: str, root: str):
     phase({"tp2ep2": (RoleTopology(tp=2, dp=2, ep=2), AUX, Z)})
     phase({"tp2ep2_plain": (RoleTopology(tp=2, dp=2, ep=2), 0.0, 0.0)})
     phase({"pp2ep2": (RoleTopology(pp=2, dp=2, ep=2), AUX, Z)})
+    phase({"tp2ep2etp1": (RoleTopology(tp=2, dp=2, ep=2, etp=1), AUX, Z)})
+    phase({"tp2ep2etp1dp1": (RoleTopology(tp=2, ep=2, etp=1), AUX, Z),
+           "etp2": (RoleTopology(dp=2, etp=2, rank_offset=2), AUX, Z)})
 
     for name in [*LAYOUTS, "ep1_plain", "tp2ep2_plain"]:  # collective: every checkpoint back to HF
         megatron_to_hf(os.path.join(root, name), os.path.join(root, f"{name}_hf"))
@@ -179,9 +187,17 @@ _TP2EP2_GAP = pytest.mark.xfail(strict=True, reason=(
     "turns summation-order noise in near-zero expert gradients into weight differences of a few percent of lr"))
 
 
+_TP2_ETP1_GAP = pytest.mark.xfail(strict=True, reason=(
+    "the TP2xEP2 gap above with experts whole (expert TP 1): measured 2.1e-05 (dp2) and 2.2e-05 (dp1, EP over the TP "
+    "pair) on an expert gate_proj weight, log-probs and the gradient norm equal EP1's (9.5e-07, 1e-7): the gap comes "
+    "with TP2's sequence parallelism, not with slicing experts over TP"))
+
+
 @pytest.mark.parametrize("layout,base_name", [
     ("ep2", "ep1"), pytest.param("tp2ep2", "ep1", marks=_TP2EP2_GAP), ("pp2ep2", "ep1"),
     pytest.param("tp2ep2_plain", "ep1_plain", marks=_TP2EP2_GAP),
+    pytest.param("tp2ep2etp1", "ep1", marks=_TP2_ETP1_GAP), pytest.param("tp2ep2etp1dp1", "ep1", marks=_TP2_ETP1_GAP),
+    ("etp2", "ep1"),
 ])
 def test_one_update_gives_the_same_weights_as_ep1(runs, layout, base_name):
     base, other = runs["weights"][base_name], runs["weights"][layout]
@@ -194,7 +210,8 @@ def test_one_update_gives_the_same_weights_as_ep1(runs, layout, base_name):
 
 
 @pytest.mark.parametrize("layout,base_name", [
-    ("ep2", "ep1"), ("tp2ep2", "ep1"), ("pp2ep2", "ep1"), ("tp2ep2_plain", "ep1_plain"),
+    ("ep2", "ep1"), ("tp2ep2", "ep1"), ("pp2ep2", "ep1"), ("tp2ep2_plain", "ep1_plain"), ("tp2ep2etp1", "ep1"),
+    ("tp2ep2etp1dp1", "ep1"), ("etp2", "ep1"),
 ])
 def test_gradient_norm_equals_ep1(runs, layout, base_name):
     """Adam's first step is close to lr * sign(g): a gradient off by a constant factor (an expert gradient counted

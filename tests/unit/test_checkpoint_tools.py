@@ -124,6 +124,17 @@ def test_ep_on_a_dense_model_is_refused(hf_dir, capsys):
     assert rc == 2 and "ep=2 needs a mixture-of-experts model" in err and "MistralForCausalLM" in err
 
 
+def test_etp_on_a_dense_model_is_refused(hf_dir, capsys):
+    rc, err = _run("verify", ["--hf-dir", hf_dir, "--tp", 2, "--etp", 1], capsys)
+    assert rc == 2 and "etp=1 needs a mixture-of-experts model" in err
+
+
+def test_etp_that_does_not_divide_the_expert_width(tmp_path, capsys):
+    moe = make_hf_model("qwen3_moe", str(tmp_path / "qwen3_moe"), moe_intermediate_size=30)
+    rc, err = _run("verify", ["--hf-dir", moe, "--etp", 4], capsys)
+    assert rc == 2 and "etp=4 does not divide moe_ffn_hidden_size (moe_intermediate_size)=30" in err
+
+
 def test_ep_that_does_not_divide_the_experts(tmp_path, capsys):
     moe = make_hf_model("qwen3_moe", str(tmp_path / "qwen3_moe"))  # 4 experts
     rc, err = _run("verify", ["--hf-dir", moe, "--ep", 3], capsys)

@@ -92,7 +92,7 @@ def test_inline_arch_round_trips_through_config_json(arch):
     assert sum(p.numel() for p in rebuilt.parameters()) == sum(p.numel() for p in model.parameters())
 
 
-def _job(ep: int, tp: int, **arch) -> dict:
+def _job(ep: int, tp: int, etp: int | None = None, **arch) -> dict:
     moe = dict(architecture="Qwen3MoeForCausalLM", num_layers=2, hidden_size=64, num_attention_heads=4,
                num_query_groups=2, head_dim=32, ffn_hidden_size=128, vocab_size=256, max_position_embeddings=128,
                num_experts=4, moe_topk=2, moe_ffn_hidden_size=32)
@@ -100,7 +100,7 @@ def _job(ep: int, tp: int, **arch) -> dict:
     return {
         "model": {"arch": moe, "dtype": "fp32"},
         "resources": {"device": "cpu", "pools": {"default": {"nodes": 1, "devices_per_node": 4}}},
-        "actor": {"parallel": {"tp": tp, "ep": ep}, "micro_batch_samples": 2, "mini_batch_prompts": 2},
+        "actor": {"parallel": {"tp": tp, "ep": ep, "etp": etp}, "micro_batch_samples": 2, "mini_batch_prompts": 2},
         "rollout": {"tp": 2, "samples_per_prompt": 2, "max_prompt_tokens": 64, "max_new_tokens": 32},
         "algorithm": {"name": "grpo"},
         "data": {"train_path": "train.jsonl", "prompts_per_step": 4},
@@ -113,7 +113,10 @@ def _job(ep: int, tp: int, **arch) -> dict:
     (_job(ep=2, tp=2, moe_ffn_hidden_size=33), "actor.parallel.tp: moe_ffn_hidden_size=33 is not divisible by tp=2"),
     (_job(ep=4, tp=2), "ep=4 must divide dp*cp=2*1=2"),
     (_job(ep=1, tp=2, moe_topk=5), "1 <= moe_topk <= num_experts"),
-], ids=["experts", "expert-width", "ep-vs-dp", "topk"])
+    (_job(ep=2, tp=2, etp=4), "actor.parallel: etp*ep=4*2=8 must divide tp*cp*dp=2*1*2=4"),
+    (_job(ep=1, tp=1, etp=4, moe_ffn_hidden_size=34),
+     "actor.parallel.etp: moe_ffn_hidden_size=34 is not divisible by etp=4"),
+], ids=["experts", "expert-width", "ep-vs-dp", "topk", "etp-ep-grid", "expert-width-etp"])
 def test_config_refuses_moe_layouts_naming_the_numbers(tmp_path, job, message):
     import yaml
 
@@ -135,6 +138,21 @@ def test_config_accepts_an_ep2_moe_actor(tmp_path):
     path.write_text(yaml.safe_dump(_job(ep=2, tp=2)))
     cfg = load_config(path, [])
     assert cfg.actor.parallel.ep == 2 and cfg.model.arch.num_experts == 4
+
+
+def test_config_accepts_expert_parallelism_spanning_tp_ranks_with_etp1(tmp_path):
+    """tp=2 on 4 devices (dp=2) with ep=4, etp=1: etp*ep = 4 divides tp*cp*dp = 4 (megatron-core's expert grid),
+    although ep=4 does not divide dp*cp=2; the placement's topology carries etp."""
+    import yaml
+
+    from megarl.config import load_config
+    from megarl.config.placement import role_topology
+
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(_job(ep=4, tp=2, etp=1)))
+    cfg = load_config(path, [])
+    topo = role_topology(cfg, "actor")
+    assert (cfg.actor.parallel.etp, topo.ep, topo.expert_tp, topo.expert_dp) == (1, 4, 1, 1)
 
 
 def test_canonical_name_maps_local_experts_to_global_ones():

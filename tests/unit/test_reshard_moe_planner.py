@@ -55,11 +55,16 @@ LAYOUTS = [
     (1, 1, 4, 2, None, 1, None, None, 4, True),    # EP2 -> vLLM EP4
     (2, 1, 2, 2, 1, 1, None, None, 2, True),       # TP2xEP2 (ETP1) -> vLLM EP2: expert bytes stay local
     (1, 2, 4, 4, None, 1, None, None, 4, False),   # PP2xEP4 -> TP4 (8 ranks)
+    (2, 1, 1, 2, 1, 1, None, None, 2, False),      # TP2xEP2xETP1 on 2 ranks: EP spans the TP pair -> TP2
+    (2, 1, 1, 2, 1, 1, None, None, 2, True),       # the same -> vLLM EP2
+    (1, 1, 2, 1, 2, 1, None, None, 2, False),      # expert TP 2 above TP 1 (dp2) -> TP2
+    (1, 1, 4, 2, 2, 1, None, None, 4, False),      # EP2xETP2 at TP1 (dp4) -> TP4
+    (2, 2, 2, 4, 1, 1, None, None, 2, False),      # PP2 x TP2 with EP4 x ETP1 over each stage's 4 ranks -> TP2
 ]
 
 
-def _train_layout(first, last, vpp, etp):
-    return TrainLayout(first_stage_layers=first, last_stage_layers=last, vpp=vpp, etp=etp)
+def _train_layout(first, last, vpp):
+    return TrainLayout(first_stage_layers=first, last_stage_layers=last, vpp=vpp)
 
 
 # --------------------------------------------------------------- the independent model: element masks per HF tensor
@@ -231,8 +236,8 @@ def _cases():
 @pytest.mark.parametrize("spec,tp,pp,dp,ep,etp,vpp,first,last,infer_tp,infer_ep", list(_cases()))
 def test_moe_received_bytes_equal_the_independent_bound(spec, tp, pp, dp, ep, etp, vpp, first, last, infer_tp,
                                                         infer_ep):
-    train = RoleTopology(tp=tp, pp=pp, dp=dp, ep=ep)
-    plan = plan_reshard(spec, train, infer_tp, dtype_bytes=2, train_layout=_train_layout(first, last, vpp, etp),
+    train = RoleTopology(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp)  # etp as the config's parallel.etp makes it
+    plan = plan_reshard(spec, train, infer_tp, dtype_bytes=2, train_layout=_train_layout(first, last, vpp),
                         infer_ep=infer_ep)
     bound = _independent_bound(spec, tp, pp, dp, ep, etp, vpp, first, last, infer_tp, infer_ep)
     assert {s.rank: s.bytes_received for s in plan.stats} == bound
