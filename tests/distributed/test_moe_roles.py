@@ -5,6 +5,8 @@ One spawn runs every layout (expert parallelism carved out of data parallelism, 
   phase A: EP2 (dp2) on ranks 0-1 | EP1 on rank 2 | EP1 with router losses off on rank 3 (hand-written reference)
   phase B: TP2xEP2 (dp2, sequence parallel) on ranks 0-3
   phase C: PP2xEP2 (dp2) on ranks 0-3
+  phase C': EP2 with the allgather token dispatcher on ranks 0-1 (the others: alltoall); its first micro-batches
+            hold 12 and 14 tokens on the two EP ranks (megatron-core's equal-size all-gather failed on that)
   phase D: routing replay at EP2 on ranks 0-1
 Every layout loads the same HF checkpoint, computes log-probs (compared with transformers' own forward), makes one
 PPO update on the same batch with the same optimizer and router-loss coefficients (one sample per micro-batch
@@ -45,7 +47,9 @@ LR = 0.1
 ADAM_EPS = 0.1  # see the module docstring: Adam's first step is then ~lr/eps * g, not lr * sign(g) or noise * 1e5
 REPLAY_LR = 0.05  # large enough that one step changes some tokens' routing
 AUX, Z = 0.01, 0.001
-LAYOUTS = ["ep1", "ep2", "tp2ep2", "pp2ep2"]
+LAYOUTS = ["ep1", "ep2", "tp2ep2", "pp2ep2", "ep2_allgather"]
+# the other layouts' dispatcher is megatron's default here, alltoall
+DISPATCHER_CLASS = {"ep2": "MoEAlltoAllTokenDispatcher", "ep2_allgather": "MoEAllGatherTokenDispatcher"}
 TOL = 1e-5
 
 
@@ -81,14 +85,16 @@ def _worker(rank: int, world: int, hf_dir: str, replay_hf_dir: str, root: str):
     res: dict = {}
 
     def phase(roles: dict):
-        """roles: name -> (topology, aux coeff, z coeff); every rank builds every role's groups (collective)."""
-        groups = {name: build_role_groups(topo) for name, (topo, _, _) in roles.items()}
-        for name, (topo, aux, z) in roles.items():
+        """roles: name -> (topology, aux coeff, z coeff[, token dispatcher]); every rank builds every role's groups
+        (collective)."""
+        groups = {name: build_role_groups(role[0]) for name, role in roles.items()}
+        for name, (topo, aux, z, *dispatcher) in roles.items():
             actor = None
             if groups[name].is_member:
                 actor = Actor(spec, groups[name], optimizer=OptimizerSettings(lr=LR, eps=ADAM_EPS, clip_grad=1.0),
                               batching=BatchingSettings(micro_batch_samples=1), hf_dir=hf_dir,
-                              moe=MoeSettings(aux_loss_coeff=aux, z_loss_coeff=z))
+                              moe=MoeSettings(aux_loss_coeff=aux, z_loss_coeff=z,
+                                              token_dispatcher=dispatcher[0] if dispatcher else "alltoall"))
                 before = actor.compute_log_probs(batch)
                 old = before["log_probs"] if before is not None else torch.zeros(B, S)
                 metrics = actor.update(batch.update({"old_log_probs": old, "advantages": _advantages(batch)}))
@@ -96,6 +102,9 @@ def _worker(rank: int, world: int, hf_dir: str, replay_hf_dir: str, root: str):
                     res[(name, "log_probs")] = before["log_probs"].numpy()
                 if rank == min(topo.ranks):
                     res[(name, "metrics")] = metrics
+                    modules = actor.engine.module.modules()
+                    res[(name, "dispatchers")] = {type(m.token_dispatcher).__name__ for m in modules
+                                                  if hasattr(m, "token_dispatcher")}
             save_engine_checkpoint(actor.engine if actor is not None else None, os.path.join(root, name),
                                    hf_dir=hf_dir)
             dist.barrier()
@@ -105,6 +114,7 @@ def _worker(rank: int, world: int, hf_dir: str, replay_hf_dir: str, root: str):
     phase({"tp2ep2": (RoleTopology(tp=2, dp=2, ep=2), AUX, Z)})
     phase({"tp2ep2_plain": (RoleTopology(tp=2, dp=2, ep=2), 0.0, 0.0)})
     phase({"pp2ep2": (RoleTopology(pp=2, dp=2, ep=2), AUX, Z)})
+    phase({"ep2_allgather": (RoleTopology(dp=2, ep=2), AUX, Z, "allgather")})
 
     for name in [*LAYOUTS, "ep1_plain", "tp2ep2_plain"]:  # collective: every checkpoint back to HF
         megatron_to_hf(os.path.join(root, name), os.path.join(root, f"{name}_hf"))
@@ -188,7 +198,7 @@ def test_log_probs_equal_transformers(runs, layout):
 
 
 @pytest.mark.parametrize("layout,base_name", [
-    ("ep2", "ep1"), ("tp2ep2", "ep1"), ("pp2ep2", "ep1"), ("tp2ep2_plain", "ep1_plain"),
+    ("ep2", "ep1"), ("tp2ep2", "ep1"), ("pp2ep2", "ep1"), ("tp2ep2_plain", "ep1_plain"), ("ep2_allgather", "ep1"),
 ])
 def test_one_update_gives_the_same_weights_as_ep1(runs, layout, base_name):
     base, other = runs["weights"][base_name], runs["weights"][layout]
@@ -201,7 +211,7 @@ def test_one_update_gives_the_same_weights_as_ep1(runs, layout, base_name):
 
 
 @pytest.mark.parametrize("layout,base_name", [
-    ("ep2", "ep1"), ("tp2ep2", "ep1"), ("pp2ep2", "ep1"), ("tp2ep2_plain", "ep1_plain"),
+    ("ep2", "ep1"), ("tp2ep2", "ep1"), ("pp2ep2", "ep1"), ("tp2ep2_plain", "ep1_plain"), ("ep2_allgather", "ep1"),
 ])
 def test_gradient_norm_equals_ep1(runs, layout, base_name):
     """The global gradient norm before clipping (megatron's, reduced over every group) is the same sum of squares at
@@ -221,7 +231,7 @@ def _gradient_from_step(before: torch.Tensor, after: torch.Tensor) -> torch.Tens
 
 
 @pytest.mark.parametrize("layout,base_name", [
-    ("ep2", "ep1"), ("tp2ep2", "ep1"), ("pp2ep2", "ep1"), ("tp2ep2_plain", "ep1_plain"),
+    ("ep2", "ep1"), ("tp2ep2", "ep1"), ("pp2ep2", "ep1"), ("tp2ep2_plain", "ep1_plain"), ("ep2_allgather", "ep1"),
 ])
 def test_per_parameter_gradients_equal_ep1(runs, layout, base_name):
     """Every HF tensor's gradient (recovered from the step) equals EP1's within 1e-4 of that tensor's largest
@@ -237,6 +247,13 @@ def test_per_parameter_gradients_equal_ep1(runs, layout, base_name):
         worst = max(worst, (rel, k))
     print(f"{layout}: worst per-tensor max |grad diff| / max |grad| vs {base_name} {worst[0]:.3g} ({worst[1]})")
     assert worst[0] < 1e-4, worst
+
+
+@pytest.mark.parametrize("layout", sorted(DISPATCHER_CLASS))
+def test_token_dispatcher_is_the_configured_one(runs, layout):
+    """The allgather layout really ran megatron's allgather dispatcher (its log-probs, weights and gradients are
+    compared with transformers' and EP1's above)."""
+    assert runs["out"][(layout, "dispatchers")] == {DISPATCHER_CLASS[layout]}
 
 
 def test_ep1_update_equals_hand_written_adamw_step(runs):
