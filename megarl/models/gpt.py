@@ -194,9 +194,10 @@ def build_gpt_model(spec: ModelSpec, groups: RoleGroups, config, vp_stage: Optio
     )
 
     if spec.is_moe:
-        from megarl.platform.megatron_patches import define_moe_router_gemm_without_te
+        from megarl.platform.megatron_patches import allow_uneven_allgather_dispatch, define_moe_router_gemm_without_te
 
         define_moe_router_gemm_without_te()
+        allow_uneven_allgather_dispatch()
         # per-layer dense/MoE specs (`config.moe_layer_freq`), sliced to this stage's layers; on CPU the local spec
         # with SequentialMLP experts, with TE the grouped-GEMM experts (`config.moe_grouped_gemm`)
         layer_spec = get_gpt_decoder_block_spec(

