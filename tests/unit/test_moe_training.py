@@ -40,7 +40,14 @@ def test_moe_quickstart_config_validates():
 
 @pytest.mark.parametrize("path,overrides,message", [
     (MOE_CFG, ["algorithm.router_replay=rollout"],
-     "algorithm.router_replay: 'rollout' (replaying the experts vLLM chose during generation) is not supported yet"),
+     "algorithm.router_replay: 'rollout' replays vLLM's routed experts in, and records every token's routing for "
+     "the update from, the separate old-log-prob forward; set algorithm.old_log_probs=recompute"),
+    (DENSE_CFG, ["algorithm.router_replay=rollout", "algorithm.old_log_probs=recompute"],
+     "algorithm.router_replay: 'rollout' replays mixture-of-experts routing, but the actor's model "
+     "(LlamaForCausalLM) has no experts; use 'none'"),
+    (MOE_CFG, ["algorithm.router_replay=rollout", "algorithm.old_log_probs=recompute", "rollout.ep=true"],
+     "algorithm.router_replay: 'rollout' with rollout.ep=true: the routed-experts capture is untested under vLLM "
+     "expert parallelism"),
     (MOE_CFG, ["algorithm.router_replay=old"],
      "algorithm.router_replay: 'old' records the routing in the separate old-log-prob forward; set "
      "algorithm.old_log_probs=recompute"),
@@ -54,6 +61,17 @@ def test_router_replay_rules(path, overrides, message):
     assert message in str(e.value)
 
 
-def test_router_replay_old_accepted_with_recompute():
-    cfg = load_config(MOE_CFG, ["algorithm.router_replay=old", "algorithm.old_log_probs=recompute"])
-    assert cfg.algorithm.router_replay == "old"
+@pytest.mark.parametrize("mode", ["old", "rollout"])
+def test_router_replay_accepted_with_recompute(mode):
+    cfg = load_config(MOE_CFG, [f"algorithm.router_replay={mode}", "algorithm.old_log_probs=recompute"])
+    assert cfg.algorithm.router_replay == mode
+
+
+def test_routing_sets_differ_by_hand():
+    from megarl.engine.moe import routing_sets_differ
+
+    # 4 tokens, 4 experts, top-2. Own sets: {0,1}, {2,3}, {1,3}, {0,2}; replayed: {1,0} (same set, other order),
+    # {2,1} (differs), {3,1} (same), {3,1} (differs) -> 2 of 4 differ
+    own = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1], [0, 1, 0, 1], [1, 0, 1, 0]], dtype=torch.bool)
+    replayed = torch.tensor([[1, 0], [2, 1], [3, 1], [3, 1]])
+    assert routing_sets_differ(own, replayed).tolist() == [False, True, False, True]
