@@ -88,21 +88,42 @@ def _tp1_worker(rank, world, path):
     built = actor.compute_log_probs(batch.update({"rollout_routed_experts": constructed,
                                                   "rollout_routing_mask": mask}))
     hand = len(changed) / (float(mask.sum()) * constructed.shape[2])
-    return dict(samples=samples, layers=layers, batch=batch, own_lp=own["log_probs"], own_routing=own_routing,
+    return _by_value(dict(samples=samples, layers=layers, batch=batch.tensors, own_lp=own["log_probs"],
+                          own_routing=own_routing,
                 same_lp=same["log_probs"], same_frac=same_frac, permuted_lp=permuted["log_probs"],
                 permuted_frac=permuted_frac, rollout_lp=rollout["log_probs"], rollout_used=rollout["routed_experts"],
                 rollout_frac=rollout.meta["moe_rollout_routing_diff_frac"], built_frac=built.meta[
                     "moe_rollout_routing_diff_frac"], built_used=built["routed_experts"], constructed=constructed,
-                hand=hand, excluded=excluded)
+                hand=hand, excluded=excluded))
 
 
-def _tp2_worker(rank, world, path, batch):
+def _by_value(out: dict) -> dict:
+    """Tensors as numpy (a tensor crosses the result queue as shared memory, gone once the rank exits)."""
+    def conv(v):
+        if isinstance(v, torch.Tensor):
+            return v.numpy()
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        return v
+    return conv(out)
+
+
+def _as_torch(out: dict) -> dict:
+    import numpy as np
+
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else (_as_torch(v) if isinstance(v, dict) else v)
+            for k, v in out.items()}
+
+
+def _tp2_worker(rank, world, path, tensors):
+    from megarl.data.batch import Batch
     from megarl.platform.distributed import init_distributed
 
     init_distributed()
     actor = _actor(path, 2)
-    out = actor.compute_log_probs(batch)
-    return dict(lp=out["log_probs"], used=out["routed_experts"], frac=out.meta["moe_rollout_routing_diff_frac"])
+    out = actor.compute_log_probs(Batch(_as_torch(tensors)))
+    return _by_value(dict(lp=out["log_probs"], used=out["routed_experts"],
+                          frac=out.meta["moe_rollout_routing_diff_frac"]))
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +132,7 @@ def run(tmp_path_factory):
 
     path = build_tiny_moe(str(tmp_path_factory.mktemp("qwen3moe")), "qwen3moe")
     out = run_ranks(1, _tp1_worker, path, timeout_s=600, env={"VLLM_CPU_KVCACHE_SPACE": "1"})[0]
-    return path, out
+    return path, _as_torch(out)
 
 
 def _transformers_top_k(path: str, sequence: list[int]) -> torch.Tensor:
@@ -181,7 +202,7 @@ def test_diff_fraction_equals_hand_count_on_constructed_routing(run):
 
 def test_tp2_sequence_parallel_replay_equals_tp1(run):
     path, out = run
-    res = run_ranks(2, _tp2_worker, path, out["batch"], timeout_s=600)
+    res = [_as_torch(r) for r in run_ranks(2, _tp2_worker, path, _by_value(out["batch"]), timeout_s=600)]
     resp = out["batch"]["response_mask"].bool()
     valid = out["batch"]["attention_mask"].bool()
     for r in res:
