@@ -8,7 +8,8 @@ a Megatron actor (TP1) loads the same HF directory. References, none sharing cod
       printed), and the shapes are [prompt + response - 1, layers, k];
   (b) replaying the actor's own recorded routing leaves its log-probs unchanged (<= 1e-6) and measures 0 differing
       choices; replaying a permutation of it (expert e -> e+1 mod 4: every 2-set changes) moves the log-probs and
-      measures exactly 1; the rollout-mode forward uses exactly vLLM's experts on every token vLLM routed;
+      measures a difference on every first-layer pair (its input depends on no routing), so at least half of them;
+      the rollout-mode forward uses exactly vLLM's experts on every token vLLM routed;
   (c) a constructed rollout routing (the actor's own, with chosen (token, last layer) entries changed, one of them on
       a token the mask excludes) gives a diff fraction equal to the hand count: changing the last MoE layer's
       routing of a token cannot change any layer's own choice (nothing routes after it), so exactly the changed
@@ -174,7 +175,9 @@ def test_replaying_own_routing_is_exact_and_a_permutation_changes_log_probs(run)
     assert float((out["same_lp"] - out["own_lp"])[resp].abs().max()) <= 1e-6
     assert out["same_frac"] == 0.0
     assert float((out["permuted_lp"] - out["own_lp"])[resp].abs().max()) > 1e-2
-    assert out["permuted_frac"] == 1.0
+    # the first MoE layer's input depends on no routing, so there its own set is the original one and every
+    # permuted set differs: at least those half of the (token, layer) pairs; the second layer sees changed inputs
+    assert 0.5 <= out["permuted_frac"] <= 1.0
 
 
 def test_rollout_forward_uses_vllm_experts_on_every_routed_token(run):
