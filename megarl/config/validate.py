@@ -271,11 +271,8 @@ def _check_router_replay(cfg: JobConfig, actor_arch: ArchConfig) -> None:
     if not getattr(actor_arch, "num_experts", 0):
         raise ConfigError(f"algorithm.router_replay: {replay!r} replays mixture-of-experts routing, but the actor's "
                           f"model ({actor_arch.architecture}) has no experts; use 'none'")
-    if cfg.algorithm.old_log_probs != "recompute":
-        what = ("records the routing in" if replay == "old" else
-                "replays vLLM's routed experts in, and records every token's routing for the update from,")
-        raise ConfigError(f"algorithm.router_replay: {replay!r} {what} the separate old-log-prob forward; set "
-                          "algorithm.old_log_probs=recompute")
+    # old_log_probs: auto resolves to the separate old-log-prob forward whenever replay is on (it records / replays
+    # the routing there): `megarl.trainer.rl_trainer.old_log_probs_from_update`
     if replay == "rollout":
         if cfg.actor.parallel.cp > 1:
             raise ConfigError(f"algorithm.router_replay: 'rollout' with actor.parallel.cp={cfg.actor.parallel.cp}: "

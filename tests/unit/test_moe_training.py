@@ -39,9 +39,6 @@ def test_moe_quickstart_config_validates():
 
 
 @pytest.mark.parametrize("path,overrides,message", [
-    (MOE_CFG, ["algorithm.router_replay=rollout"],
-     "algorithm.router_replay: 'rollout' replays vLLM's routed experts in, and records every token's routing for "
-     "the update from, the separate old-log-prob forward; set algorithm.old_log_probs=recompute"),
     (DENSE_CFG, ["algorithm.router_replay=rollout", "algorithm.old_log_probs=recompute"],
      "algorithm.router_replay: 'rollout' replays mixture-of-experts routing, but the actor's model "
      "(LlamaForCausalLM) has no experts; use 'none'"),
@@ -51,9 +48,6 @@ def test_moe_quickstart_config_validates():
     (MOE_CFG, ["algorithm.router_replay=rollout", "algorithm.old_log_probs=recompute", "rollout.ep=true"],
      "algorithm.router_replay: 'rollout' with rollout.ep=true: the routed-experts capture is untested under vLLM "
      "expert parallelism"),
-    (MOE_CFG, ["algorithm.router_replay=old"],
-     "algorithm.router_replay: 'old' records the routing in the separate old-log-prob forward; set "
-     "algorithm.old_log_probs=recompute"),
     (DENSE_CFG, ["algorithm.router_replay=old", "algorithm.old_log_probs=recompute"],
      "algorithm.router_replay: 'old' replays mixture-of-experts routing, but the actor's model "
      "(LlamaForCausalLM) has no experts; use 'none'"),
@@ -65,9 +59,16 @@ def test_router_replay_rules(path, overrides, message):
 
 
 @pytest.mark.parametrize("mode", ["old", "rollout"])
-def test_router_replay_accepted_with_recompute(mode):
-    cfg = load_config(MOE_CFG, [f"algorithm.router_replay={mode}", "algorithm.old_log_probs=recompute"])
-    assert cfg.algorithm.router_replay == mode
+def test_router_replay_always_runs_the_separate_old_log_prob_forward(mode):
+    from megarl.trainer.rl_trainer import old_log_probs_from_update
+
+    # one mini-batch per step, one epoch, no KL in the reward, no rollout correction: auto would fuse the old
+    # log-probs into the update, except that replay records / replays the routing in that separate forward
+    one_step = ["actor.mini_batch_prompts=8", "algorithm.kl.coef=0"]
+    assert old_log_probs_from_update(load_config(MOE_CFG, one_step))
+    cfg = load_config(MOE_CFG, [f"algorithm.router_replay={mode}"] + one_step)
+    assert cfg.algorithm.router_replay == mode and cfg.algorithm.old_log_probs == "auto"
+    assert not old_log_probs_from_update(cfg)
 
 
 def test_routing_sets_differ_by_hand():
