@@ -451,15 +451,20 @@ class AlgorithmConfig:
     ppo_epochs: int = opt(1, "Passes over each step's samples.", unit="epochs", min=1)
     old_log_probs: Literal["auto", "recompute"] = opt(
         "auto", "Where the PPO ratio's old-policy log-probs come from. auto: from the actor update's own forward "
-        "(detached) when the step is one optimizer step (one mini-batch, ppo_epochs 1) with no rollout correction "
-        "and no KL in the reward, saving a forward pass; otherwise a separate forward before the update. "
-        "recompute: always the separate forward. The metric actor/old_log_probs_fused says which ran."
+        "(detached) when the step is one optimizer step (one mini-batch, ppo_epochs 1) with no rollout correction, "
+        "no KL in the reward and no router replay, saving a forward pass; otherwise a separate forward before the "
+        "update. recompute: always the separate forward. The metric actor/old_log_probs_fused says which ran."
     )
     router_replay: Literal["none", "old", "rollout"] = opt(
         "none", "MoE routing replay in the actor update. none: each forward routes by itself. old: the update's "
         "forward uses the experts the old-log-prob forward chose for every token and MoE layer (recorded there; "
-        "needs that separate forward, so old_log_probs: recompute); metric actor/moe_routing_diff_frac = tokens "
-        "whose own routing would differ. rollout (vLLM's routed experts) is not supported yet and refused.",
+        "old_log_probs: auto then always runs that separate forward); metric actor/moe_routing_diff_frac = tokens "
+        "whose own routing would differ. rollout: the experts vLLM chose during generation (captured on vLLM's "
+        "workers; prefix caching is turned off for it) are replayed in the old-log-prob forward for every token "
+        "vLLM routed (the last sampled token and padding route by themselves), and the experts that forward used "
+        "are replayed in the update; metric "
+        "actor/moe_rollout_routing_diff_frac = (token, MoE layer) choices where the actor's own top-k set differs "
+        "from vLLM's.",
     )
     kl: KLConfig = opt(factory=KLConfig, help="KL penalty against the reference policy.")
     overlong: OverlongConfig = opt(factory=OverlongConfig, help="DAPO: truncated responses (filtering, soft penalty).")

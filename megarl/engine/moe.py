@@ -17,6 +17,14 @@ replayer sets every router of this stage to REPLAY_FORWARD with the recorded ind
 gates: the router's scores gathered at the replayed indices) are those of the recorded forward, whatever the
 weights are now. The routing each router would have chosen itself is computed beside it (no grad) to measure the
 fraction of tokens whose expert set differs (`routing_diff_frac`).
+
+Data path of `algorithm.router_replay: rollout`: vLLM captures the experts it chose for every computed token
+(`megarl.rollout.vllm_routing`; `RolloutSample.routed_experts` [p + r - 1, L, k]); `samples_to_batch` lays them out
+as `rollout_routed_experts` [B, S, L, k] with `rollout_routing_mask` [B, S] (1 where vLLM routed the token: every
+token but the last sampled one and padding). The old-log-prob forward replays them (`RoutingReplayer` with a mask:
+the unmasked tokens take the router's own choice, computed in a forward pre-hook) and records the experts it used
+(every token), which the update replays as for `old`. The fraction of replayed (token, layer) choices whose own
+top-k set differs from vLLM's, measured in that forward, is `moe_rollout_routing_diff_frac`.
 """
 
 from __future__ import annotations
@@ -170,15 +178,32 @@ class RoutingRecorder(_RouterHooks):
 
 
 class RoutingReplayer(RoutingRecorder):
-    """Forces every router to the recorded experts (`routed_experts` [b, s, L, k] in each micro-batch) and measures
-    how many valid tokens (`attention_mask` 1) the router would have sent elsewhere on its own."""
+    """Forces every router to given experts and measures how many of the replayed (token, layer) choices the router
+    would have made differently on its own.
 
-    def __init__(self, engine, keep_indices: bool = False) -> None:
+    Each micro-batch carries the experts in `mb[key]` [b, s, L, k] (`routed_experts`: a recorded forward's, for
+    `old`; `rollout_routed_experts`: vLLM's, for `rollout`) and, when `mask_key` is given, `mb[mask_key]` [b, s]
+    (1 = replay this token; 0 = the router chooses by itself: the tokens vLLM never routed, i.e. the last sampled
+    token and padding). The counted tokens are the valid (`attention_mask` 1) replayed ones: `tokens` (x this
+    stage's MoE layers) and `tokens_differing` (own top-k set != replayed set), which `moe_update_metrics` turns into
+    `moe_routing_diff_frac`. With `keep_indices` the experts actually used are recorded (`routed_experts(i)`).
+    """
+
+    def __init__(self, engine, keep_indices: bool = False, key: str = "routed_experts",
+                 mask_key: Optional[str] = None) -> None:
         super().__init__(engine, keep_indices=keep_indices)
+        self.key, self.mask_key = key, mask_key
         self._target: Optional[torch.Tensor] = None
+        self._replayed: Optional[torch.Tensor] = None
         self._valid: Optional[torch.Tensor] = None
-        self.tokens = 0.0  # valid tokens x MoE layers of this stage, summed over micro-batches
+        self.tokens = 0.0  # replayed valid tokens x MoE layers of this stage, summed over micro-batches
         self.tokens_differing = 0.0
+
+    def __enter__(self):
+        if self.mask_key is not None:  # tokens not replayed take the router's own choice, computed first
+            for router in self.routers:
+                self._handles.append(router.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+        return super().__enter__()
 
     def _set_action(self) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
@@ -188,40 +213,67 @@ class RoutingReplayer(RoutingRecorder):
 
     def begin_micro_batch(self, mb: dict) -> None:
         super().begin_micro_batch(mb)
-        if "routed_experts" not in mb:
-            raise KeyError("router replay needs 'routed_experts' [b, s, L, k] in every micro-batch (record them in "
-                           "the old-log-prob forward: Actor.compute_log_probs(record_routing=True))")
-        target, valid = mb["routed_experts"], mb["attention_mask"]  # [b, s, L, k], [b, s]
+        if self.key not in mb:
+            raise KeyError(f"router replay needs {self.key!r} [b, s, L, k] in every micro-batch (record them in "
+                           "the old-log-prob forward: Actor.compute_log_probs(record_routing=True), or capture "
+                           "vLLM's: algorithm.router_replay=rollout)")
+        target, valid = mb[self.key], mb["attention_mask"]  # [b, s, L, k], [b, s]
+        replayed = mb[self.mask_key] if self.mask_key is not None else torch.ones_like(valid)
         if self.sp:  # this TP rank's slice of the tp-padded sequence (padding: valid 0)
-            s = target.shape[1]
-            chunk = padded_len(s, self.tp) // self.tp
-            pad = padded_len(s, self.tp) - s
-            target = torch.nn.functional.pad(target, (0, 0, 0, 0, 0, pad))[:, self.tp_rank * chunk:][:, :chunk]
-            valid = torch.nn.functional.pad(valid, (0, pad))[:, self.tp_rank * chunk:][:, :chunk]
+            target, valid, replayed = (sequence_parallel_slice(t, self.tp, self.tp_rank)
+                                       for t in (target, valid, replayed))
         b, s = target.shape[:2]
-        self._target = target.transpose(0, 1).reshape(s * b, *target.shape[2:])  # sequence-first tokens
-        self._valid = valid.transpose(0, 1).reshape(-1).bool().cpu()
+        self._target = target.transpose(0, 1).reshape(s * b, *target.shape[2:]).long()  # sequence-first tokens
+        self._replayed = replayed.transpose(0, 1).reshape(-1).bool()
+        self._valid = valid.transpose(0, 1).reshape(-1).bool().cpu() & self._replayed.cpu()
         for router in self.routers:
             router.router_replay.target_topk_idx = self._target[:, self._slot(router)]
             router.router_replay.replay_backward_list = []
 
-    def _hook(self, router, args, kwargs, output) -> None:
+    def _own_top_k(self, router, hidden: torch.Tensor) -> torch.Tensor:
+        """[tokens, k] the experts this router picks by itself for `hidden` (no grad)."""
         from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
-        target = self._target[:, self._slot(router)]
-        self._record(router, target, args, kwargs)
-        with torch.no_grad():  # what the router chooses by itself now
-            hidden = args[0] if args else kwargs["input"]
+        with torch.no_grad():
             logits = router.gating(hidden).view(-1, router.config.num_moe_experts)
             _, own_map = topk_routing_with_score_function(
                 logits, router.topk, use_pre_softmax=router.config.moe_router_pre_softmax,
                 num_groups=router.config.moe_router_num_groups, group_topk=router.config.moe_router_group_topk,
                 score_function=router.score_function, expert_bias=router.expert_bias,
             )
-            replay_map = torch.zeros_like(own_map).scatter(1, target.to(own_map.device), True)
-            differs = (own_map != replay_map).any(-1).cpu() & self._valid
+        return own_map
+
+    def _pre_hook(self, router, args, kwargs):
+        own_map = self._own_top_k(router, args[0] if args else kwargs["input"])
+        own = own_map.float().topk(router.topk, dim=-1).indices.sort(-1).values.cpu()
+        slot = self._slot(router)
+        target = torch.where(self._replayed.to(own.device)[:, None], self._target[:, slot].to(own.device), own)
+        router.router_replay.target_topk_idx = target
+
+    def _hook(self, router, args, kwargs, output) -> None:
+        target = router.router_replay.target_topk_idx
+        self._record(router, target, args, kwargs)
+        own_map = self._own_top_k(router, args[0] if args else kwargs["input"])
+        differs = routing_sets_differ(own_map, target.to(own_map.device)).cpu() & self._valid
         self.tokens += float(self._valid.sum())
         self.tokens_differing += float(differs.sum())
+
+
+def routing_sets_differ(own_map: torch.Tensor, replayed: torch.Tensor) -> torch.Tensor:
+    """[tokens] bool: whether a token's own expert set (`own_map` [tokens, E] bool, True = chosen) differs from the
+    replayed one (`replayed` [tokens, k] expert indices); order within the k does not matter."""
+    replay_map = torch.zeros_like(own_map).scatter(1, replayed.long(), True)
+    return (own_map != replay_map).any(-1)
+
+
+def sequence_parallel_slice(t: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    """This TP rank's slice along dim 1 of a [b, s, ...] tensor padded with zeros to a multiple of tp (megatron's
+    sequence-parallel split of the tp-padded sequence)."""
+    s = t.shape[1]
+    chunk = padded_len(s, tp) // tp
+    pad = padded_len(s, tp) - s
+    padded = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+    return padded[:, tp_rank * chunk:][:, :chunk]
 
 
 def aux_loss_tracker_clear() -> None:
@@ -308,8 +360,17 @@ def moe_update_metrics(engine, recorders: list) -> dict[str, float]:
     out["moe_z_loss"] = float(packed[layers:2 * layers].mean()) / tp / n_mb_total
     replayers = [r for r in recorders if isinstance(r, RoutingReplayer)]
     if replayers:
-        diff = torch.tensor([sum(r.tokens_differing for r in replayers), sum(r.tokens for r in replayers)],
-                            dtype=torch.float64)
-        diff = reduce_over_role(diff, groups, device, tp_sum=sp)
-        out["moe_routing_diff_frac"] = float(diff[0] / diff[1]) if diff[1] > 0 else 0.0
+        out["moe_routing_diff_frac"] = routing_diff_frac(engine, replayers)
     return out
+
+
+def routing_diff_frac(engine, replayers: list) -> float:
+    """Replayed (valid token, MoE layer) choices whose own top-k set differs from the replayed one, over all of them,
+    summed over the replayers' micro-batches and the whole role (collective over the role; same on every rank;
+    0 when nothing was replayed)."""
+    from megarl.platform.device import compute_device
+
+    diff = torch.tensor([sum(r.tokens_differing for r in replayers), sum(r.tokens for r in replayers)],
+                        dtype=torch.float64)
+    diff = reduce_over_role(diff, engine.groups, compute_device(), tp_sum=bool(engine.config.sequence_parallel))
+    return float(diff[0] / diff[1]) if diff[1] > 0 else 0.0

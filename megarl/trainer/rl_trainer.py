@@ -250,8 +250,10 @@ class RLTrainer:
             with _timer(t, "old_log_probs"):
                 old = self.workers.compute_log_probs(batch)
                 batch.tensors["old_log_probs"] = old.tensors["log_probs"]
-                if "routed_experts" in old.tensors:  # algorithm.router_replay=old: the update replays them
+                if "routed_experts" in old.tensors:  # algorithm.router_replay=old|rollout: the update replays them
                     batch.tensors["routed_experts"] = old.tensors["routed_experts"]
+                if "moe_rollout_routing_diff_frac" in old.meta:  # rollout: vLLM's experts vs the actor's own
+                    metrics["actor/moe_rollout_routing_diff_frac"] = float(old.meta["moe_rollout_routing_diff_frac"])
             metrics.update(self._mismatch(batch))
         if "reference" in self.role_groups:
             with _timer(t, "ref_log_probs"):
@@ -487,9 +489,9 @@ def old_log_probs_from_update(cfg: JobConfig) -> bool:
     Exact only while the step is a single optimizer step (one mini-batch, one epoch): the update's forward then runs
     on the weights a separate pass would have used, so its detached log-probs are the old policy's. Not taken when
     something needs them before the update: KL in the reward (advantages), rollout correction (its weights and
-    masks are computed from them)."""
+    masks are computed from them), router replay (`old` records the routing there, `rollout` replays vLLM's)."""
     algo = cfg.algorithm
-    if algo.old_log_probs == "recompute" or algo.ppo_epochs != 1:
+    if algo.old_log_probs == "recompute" or algo.ppo_epochs != 1 or algo.router_replay != "none":
         return False
     mini = cfg.actor.mini_batch_prompts
     if mini is not None and mini < cfg.data.prompts_per_step:

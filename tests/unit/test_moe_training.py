@@ -39,11 +39,15 @@ def test_moe_quickstart_config_validates():
 
 
 @pytest.mark.parametrize("path,overrides,message", [
-    (MOE_CFG, ["algorithm.router_replay=rollout"],
-     "algorithm.router_replay: 'rollout' (replaying the experts vLLM chose during generation) is not supported yet"),
-    (MOE_CFG, ["algorithm.router_replay=old"],
-     "algorithm.router_replay: 'old' records the routing in the separate old-log-prob forward; set "
-     "algorithm.old_log_probs=recompute"),
+    (DENSE_CFG, ["algorithm.router_replay=rollout", "algorithm.old_log_probs=recompute"],
+     "algorithm.router_replay: 'rollout' replays mixture-of-experts routing, but the actor's model "
+     "(LlamaForCausalLM) has no experts; use 'none'"),
+    (MOE_CFG, ["algorithm.router_replay=rollout", "algorithm.old_log_probs=recompute", "resources.device=cuda"],
+     "algorithm.router_replay: 'rollout' captures routing on vLLM's V1 model runner (the CPU build's); on GPU vLLM "
+     "runs Model Runner V2"),
+    (MOE_CFG, ["algorithm.router_replay=rollout", "algorithm.old_log_probs=recompute", "rollout.ep=true"],
+     "algorithm.router_replay: 'rollout' with rollout.ep=true: the routed-experts capture is untested under vLLM "
+     "expert parallelism"),
     (DENSE_CFG, ["algorithm.router_replay=old", "algorithm.old_log_probs=recompute"],
      "algorithm.router_replay: 'old' replays mixture-of-experts routing, but the actor's model "
      "(LlamaForCausalLM) has no experts; use 'none'"),
@@ -54,6 +58,24 @@ def test_router_replay_rules(path, overrides, message):
     assert message in str(e.value)
 
 
-def test_router_replay_old_accepted_with_recompute():
-    cfg = load_config(MOE_CFG, ["algorithm.router_replay=old", "algorithm.old_log_probs=recompute"])
-    assert cfg.algorithm.router_replay == "old"
+@pytest.mark.parametrize("mode", ["old", "rollout"])
+def test_router_replay_always_runs_the_separate_old_log_prob_forward(mode):
+    from megarl.trainer.rl_trainer import old_log_probs_from_update
+
+    # one mini-batch per step, one epoch, no KL in the reward, no rollout correction: auto would fuse the old
+    # log-probs into the update, except that replay records / replays the routing in that separate forward
+    one_step = ["actor.mini_batch_prompts=8", "algorithm.kl.coef=0"]
+    assert old_log_probs_from_update(load_config(MOE_CFG, one_step))
+    cfg = load_config(MOE_CFG, [f"algorithm.router_replay={mode}"] + one_step)
+    assert cfg.algorithm.router_replay == mode and cfg.algorithm.old_log_probs == "auto"
+    assert not old_log_probs_from_update(cfg)
+
+
+def test_routing_sets_differ_by_hand():
+    from megarl.engine.moe import routing_sets_differ
+
+    # 4 tokens, 4 experts, top-2. Own sets: {0,1}, {2,3}, {1,3}, {0,2}; replayed: {1,0} (same set, other order),
+    # {2,1} (differs), {3,1} (same), {3,1} (differs) -> 2 of 4 differ
+    own = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1], [0, 1, 0, 1], [1, 0, 1, 0]], dtype=torch.bool)
+    replayed = torch.tensor([[1, 0], [2, 1], [3, 1], [3, 1]])
+    assert routing_sets_differ(own, replayed).tolist() == [False, True, False, True]
