@@ -10,6 +10,7 @@ under torchrun.
 
   python checkpoint_tools/verify.py --hf-dir H [--megatron-dir M] --tp 2 --pp 2 [--json out.json]
   python checkpoint_tools/verify.py --hf-dir H_MOE --tp 2 --ep 2
+  python checkpoint_tools/verify.py --hf-dir H4LAYERS --pp 2 --vpp 2
   torchrun --nproc-per-node 4 checkpoint_tools/verify.py --hf-dir H --megatron-dir M --tp 2 --pp 2
 """
 
@@ -28,6 +29,8 @@ def main(argv=None) -> int:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel size (MoE models; carved out of data parallelism: tp*pp*ep ranks)")
+    p.add_argument("--vpp", type=int, default=1,
+                   help="virtual pipeline chunks per stage (megatron's interleaved schedule; needs --pp > 1)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="Megatron model dtype")
     p.add_argument("--tolerance", type=float, default=None, help="max |logit diff| allowed (fp32 1e-4, bf16 5e-2)")
     p.add_argument("--batch", type=int, default=2)
@@ -39,7 +42,7 @@ def main(argv=None) -> int:
     from megarl.checkpoint.verify import verify
 
     result = verify(args.hf_dir, args.megatron_dir, args.tp, args.pp, args.dtype, args.tolerance,
-                    args.batch, args.seq_len, args.seed, ep=args.ep)
+                    args.batch, args.seq_len, args.seed, ep=args.ep, vpp=args.vpp)
     if result is None:  # torchrun ranks other than 0
         return 0
     text = json.dumps(result, indent=2)

@@ -20,6 +20,7 @@ from megarl.checkpoint.errors import CheckpointError
 from megarl.checkpoint.hf_io import HFReader
 from megarl.checkpoint.name_map import LayoutError, validate_tp
 from megarl.engine import MegatronEngine
+from megarl.engine.megatron_engine import check_vpp
 from megarl.models.spec import ModelSpec
 from megarl.parallel.groups import build_role_groups
 from megarl.parallel.topology import RoleTopology, TopologyError, layer_split
@@ -53,12 +54,16 @@ def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     }
 
 
-def check_layout(hf_dir: str, tp: int, pp: int, ep: int = 1) -> HFReader:
+def check_layout(hf_dir: str, tp: int, pp: int, ep: int = 1, vpp: int = 1) -> HFReader:
     """Validate the HF directory and the layout before any rank starts (raises CheckpointError)."""
     reader = HFReader(hf_dir)
     try:
         validate_tp(reader.spec, tp)
         layer_split(reader.spec.num_layers, pp)
+        try:
+            check_vpp(reader.spec.num_layers, pp, vpp)
+        except ValueError as e:
+            raise CheckpointError(f"--vpp {vpp}: {e}") from None
         RoleTopology(tp=tp, pp=pp, dp=ep, ep=ep)
         if ep > 1 and not reader.spec.is_moe:
             raise CheckpointError(f"ep={ep} needs a mixture-of-experts model; {hf_dir} is a dense "
@@ -71,17 +76,18 @@ def check_layout(hf_dir: str, tp: int, pp: int, ep: int = 1) -> HFReader:
 
 
 def verify_ranks(rank: int, world_size: int, hf_dir: str, megatron_dir: Optional[str], tp: int, pp: int,
-                 dtype: str, input_ids: torch.Tensor, tolerance: float, ep: int = 1) -> Optional[dict]:
+                 dtype: str, input_ids: torch.Tensor, tolerance: float, ep: int = 1, vpp: int = 1) -> Optional[dict]:
     """Per-rank body; returns the metrics dict on rank 0 (None elsewhere). Collective over the world.
 
     Expert parallelism is carved out of data parallelism (as megatron-core does): the world is tp*pp*ep ranks,
-    the ep data-parallel replicas run the same batch and each holds num_experts/ep experts."""
+    the ep data-parallel replicas run the same batch and each holds num_experts/ep experts. `vpp`: virtual pipeline
+    chunks per stage (megatron-core's interleaved schedule)."""
     if world_size != tp * pp * ep:
         raise CheckpointError(f"verify needs tp*pp*ep = {tp}*{pp}*{ep} = {tp * pp * ep} ranks, "
                               f"the world has {world_size}")
     spec = ModelSpec.from_hf_dir(hf_dir)
     groups = build_role_groups(RoleTopology(tp=tp, pp=pp, dp=ep, ep=ep))
-    engine = MegatronEngine(spec, groups, dtype=dtype)
+    engine = MegatronEngine(spec, groups, dtype=dtype, vpp=vpp)
     if megatron_dir:
         load_engine_checkpoint(engine, megatron_dir)
     else:
@@ -94,7 +100,8 @@ def verify_ranks(rank: int, world_size: int, hf_dir: str, megatron_dir: Optional
         return None
     ours = next(t for t in gathered if t is not None)
     result = compare_logits(ours, hf_logits(hf_dir, input_ids))
-    result.update(tp=tp, pp=pp, ep=ep, dtype=dtype, tolerance=tolerance, source="megatron" if megatron_dir else "hf",
+    result.update(tp=tp, pp=pp, ep=ep, vpp=vpp, dtype=dtype, tolerance=tolerance,
+                  source="megatron" if megatron_dir else "hf",
                   batch=list(input_ids.shape), passed=result["max_abs_logit_diff"] <= tolerance)
     return result
 
@@ -105,14 +112,14 @@ def under_torchrun() -> bool:
 
 def verify(hf_dir: str, megatron_dir: Optional[str], tp: int, pp: int, dtype: str = "fp32",
            tolerance: Optional[float] = None, batch: int = 2, seq: int = 32, seed: int = 0,
-           ep: int = 1) -> Optional[dict]:
+           ep: int = 1, vpp: int = 1) -> Optional[dict]:
     """Run the parity check; spawns tp*pp*ep local ranks unless already under torchrun. Metrics on rank 0."""
-    reader = check_layout(hf_dir, tp, pp, ep)
+    reader = check_layout(hf_dir, tp, pp, ep, vpp)
     if megatron_dir:
         read_meta(megatron_dir)
     tolerance = DEFAULT_TOLERANCE[dtype] if tolerance is None else tolerance
     ids = token_batch(reader.spec.vocab_size, batch, seq, seed)
-    args = (hf_dir, megatron_dir, tp, pp, dtype, ids, tolerance, ep)
+    args = (hf_dir, megatron_dir, tp, pp, dtype, ids, tolerance, ep, vpp)
     if under_torchrun():
         rank, world = init_distributed()
         return verify_ranks(rank, world, *args)
