@@ -61,7 +61,7 @@ def check_layout(hf_dir: str, tp: int, pp: int, ep: int = 1, vpp: int = 1) -> HF
         validate_tp(reader.spec, tp)
         layer_split(reader.spec.num_layers, pp)
         try:
-            check_vpp(reader.spec.num_layers, pp, vpp)
+            check_vpp(reader.spec.num_layers, pp, vpp, moe=reader.spec.is_moe)
         except ValueError as e:
             raise CheckpointError(f"--vpp {vpp}: {e}") from None
         RoleTopology(tp=tp, pp=pp, dp=ep, ep=ep)

@@ -92,7 +92,7 @@ def validate(cfg: JobConfig) -> JobConfig:
     for name in cfg.enabled_roles():
         role = cfg.role(name)
         devices = _pool_devices(cfg, name, role)
-        parallel = _check_parallel(name, role, devices, archs[name], cfg)
+        parallel = _check_parallel(name, role, devices, archs[name])
         role = dataclasses.replace(role, parallel=parallel)
         if role.micro_batch_samples is not None and role.micro_batch_tokens is not None:
             raise ConfigError(
@@ -125,7 +125,7 @@ def _pool_devices(cfg: JobConfig, name: str, role: RoleConfig) -> int:
     return pool_size(pools[role.pool])
 
 
-def _check_parallel(name: str, role: RoleConfig, devices: int, arch: ArchConfig, cfg: JobConfig):
+def _check_parallel(name: str, role: RoleConfig, devices: int, arch: ArchConfig):
     p = role.parallel
     pool = f"pool {role.pool!r}"
     if p.dp is None:
@@ -165,7 +165,7 @@ def _check_parallel(name: str, role: RoleConfig, devices: int, arch: ArchConfig,
             f"the reshard into the rollout engine); use 'natural'"
         )
     if p.vpp > 1:
-        _check_vpp(name, p, arch, cfg)
+        _check_vpp(name, p, arch)
     try:
         layer_split(arch.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers)
         RoleTopology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep)
@@ -174,7 +174,7 @@ def _check_parallel(name: str, role: RoleConfig, devices: int, arch: ArchConfig,
     return p
 
 
-def _check_vpp(name: str, p, arch: ArchConfig, cfg: JobConfig) -> None:
+def _check_vpp(name: str, p, arch: ArchConfig) -> None:
     """megatron-core 0.16.1's interleaved schedule and megarl's chunk layout (megarl.engine.megatron_engine)."""
     if p.pp < 2:
         raise ConfigError(f"{name}.parallel.vpp: vpp={p.vpp} needs pp > 1 (virtual chunks interleave pipeline "
@@ -185,10 +185,10 @@ def _check_vpp(name: str, p, arch: ArchConfig, cfg: JobConfig) -> None:
     if arch.num_layers % (p.pp * p.vpp):
         raise ConfigError(f"{name}.parallel.vpp: num_layers={arch.num_layers} is not divisible by pp*vpp="
                           f"{p.pp}*{p.vpp}={p.pp * p.vpp} (every virtual chunk holds the same number of layers)")
-    if name == "actor" and cfg.algorithm.router_replay != "none":
-        raise ConfigError(f"{name}.parallel.vpp: vpp > 1 with algorithm.router_replay="
-                          f"{cfg.algorithm.router_replay!r} is not supported (routing records are kept per "
-                          "micro-batch forward; the interleaved schedule splits each forward over chunks); use vpp: 1")
+    if arch.num_experts:
+        raise ConfigError(f"{name}.parallel.vpp: vpp > 1 with a mixture-of-experts model is not supported yet "
+                          "(routing records, router replay and router losses assume one forward per micro-batch; "
+                          "the interleaved schedule splits each forward over chunks); use vpp: 1")
 
 
 def _check_batches(cfg: JobConfig, name: str, role: RoleConfig) -> None:

@@ -100,8 +100,13 @@ def _filler_loss(output: torch.Tensor):
     return output.sum() * 0.0, torch.tensor(0, dtype=torch.int, device=output.device), {}
 
 
-def check_vpp(num_layers: int, pp: int, vpp: int, first_stage_layers=None, last_stage_layers=None) -> int:
-    """`vpp` when megarl can build that many virtual pipeline chunks per stage, else ValueError saying why."""
+def check_vpp(num_layers: int, pp: int, vpp: int, first_stage_layers=None, last_stage_layers=None,
+              moe: bool = False) -> int:
+    """`vpp` when megarl can build that many virtual pipeline chunks per stage, else ValueError saying why.
+
+    Mixture-of-experts models are refused at vpp > 1: the actor's routing records (expert load, router replay) are
+    kept per micro-batch forward, which the interleaved schedule splits over chunks, and a filler micro-batch would
+    add router aux-loss gradients and expert counts of its own."""
     if vpp < 1:
         raise ValueError(f"vpp must be >= 1, got {vpp}")
     if vpp == 1:
@@ -112,6 +117,9 @@ def check_vpp(num_layers: int, pp: int, vpp: int, first_stage_layers=None, last_
         raise ValueError("vpp > 1 with first_stage_layers / last_stage_layers is not supported: use an even split")
     if num_layers % (pp * vpp):
         raise ValueError(f"num_layers={num_layers} must be divisible by pp*vpp={pp}*{vpp} (equal virtual chunks)")
+    if moe:
+        raise ValueError(f"vpp={vpp} with a mixture-of-experts model is not supported yet (routing records and "
+                         "router losses assume one forward per micro-batch); use vpp=1")
     return vpp
 
 
@@ -148,7 +156,8 @@ class MegatronEngine:
         self.optimizer_settings = optimizer
         self.moe_settings = moe or MoeSettings()
         self._init_weights = init_weights  # False: leave parameters uninitialised (weights are loaded right after)
-        self.vpp = check_vpp(spec.num_layers, groups.topology.pp, vpp, first_stage_layers, last_stage_layers)
+        self.vpp = check_vpp(spec.num_layers, groups.topology.pp, vpp, first_stage_layers, last_stage_layers,
+                             moe=spec.is_moe)
         with megatron_on_cpu():
             self._build(seed, first_stage_layers, last_stage_layers, recompute)
 
