@@ -12,6 +12,7 @@ not under torchrun (tp*pp*ep when --etp is --tp; e.g. 2 for --tp 2 --ep 2 --etp 
   python checkpoint_tools/verify.py --hf-dir H [--megatron-dir M] --tp 2 --pp 2 [--json out.json]
   python checkpoint_tools/verify.py --hf-dir H_MOE --tp 2 --ep 2
   python checkpoint_tools/verify.py --hf-dir H_MOE --tp 2 --ep 2 --etp 1
+  python checkpoint_tools/verify.py --hf-dir H4LAYERS --pp 2 --vpp 2
   torchrun --nproc-per-node 4 checkpoint_tools/verify.py --hf-dir H --megatron-dir M --tp 2 --pp 2
 """
 
@@ -32,6 +33,8 @@ def main(argv=None) -> int:
                    help="expert-parallel size (MoE models; carved out of data parallelism: tp*pp*ep ranks)")
     p.add_argument("--etp", type=int, default=None,
                    help="expert tensor-parallel size (MoE models; default --tp; etp*ep must divide tp*dp)")
+    p.add_argument("--vpp", type=int, default=1,
+                   help="virtual pipeline chunks per stage (megatron's interleaved schedule; needs --pp > 1)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="Megatron model dtype")
     p.add_argument("--tolerance", type=float, default=None, help="max |logit diff| allowed (fp32 1e-4, bf16 5e-2)")
     p.add_argument("--batch", type=int, default=2)
@@ -43,7 +46,7 @@ def main(argv=None) -> int:
     from megarl.checkpoint.verify import verify
 
     result = verify(args.hf_dir, args.megatron_dir, args.tp, args.pp, args.dtype, args.tolerance,
-                    args.batch, args.seq_len, args.seed, ep=args.ep, etp=args.etp)
+                    args.batch, args.seq_len, args.seed, ep=args.ep, etp=args.etp, vpp=args.vpp)
     if result is None:  # torchrun ranks other than 0
         return 0
     text = json.dumps(result, indent=2)

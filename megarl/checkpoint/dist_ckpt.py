@@ -92,8 +92,23 @@ def assign_replica_ids(sharded_sd: dict) -> None:
 # ----------------------------------------------------------------------------------------------- engine side
 def module_sharded_state_dict(engine) -> dict:
     """This rank's megatron-core sharded state dict of the model as megatron-core builds it (padded vocabulary;
-    each ShardedTensor's `data` is the parameter itself, which is how the optimizer's state is matched to it)."""
-    module = engine.module
+    each ShardedTensor's `data` is the parameter itself, which is how the optimizer's state is matched to it).
+
+    With virtual pipeline chunks (`engine.vpp > 1`) the chunks' dicts are merged with their keys prefixed by the
+    chunk index ("0.decoder...", as `engine.module.named_parameters()` names them): megatron-core gives each chunk's
+    layers their global offsets (`vp_stage`), so the ShardedTensors' own keys and shapes are layout-independent."""
+    if engine.vpp == 1:
+        return _chunk_sharded_state_dict(engine, engine.chunks[0])
+    return {f"{c}.{k}": v for c, chunk in enumerate(engine.chunks)
+            for k, v in _chunk_sharded_state_dict(engine, chunk).items()}
+
+
+def _local_name(engine, name: str) -> str:
+    """A `module_sharded_state_dict` / `engine.module` parameter name without its chunk prefix (vpp > 1)."""
+    return name.split(".", 1)[1] if engine.vpp > 1 else name
+
+
+def _chunk_sharded_state_dict(engine, module) -> dict:
     # megatron-core 0.16.1 ties a last stage's output layer to the first stage's embedding through the global
     # parallel state (LanguageModule.tie_embeddings_and_output_weights_state_dict reads
     # parallel_state.get_data_parallel_rank), which megarl never initialises. Build that entry untied and key it
@@ -118,7 +133,7 @@ def engine_sharded_state_dict(engine, raw: Optional[dict] = None) -> dict:
     for name, item in sd.items():
         if isinstance(item, ShardedObject) or name.endswith("_extra_state"):
             continue  # local-spec / bf16 extra state is None; TE fp8 scaling state is not carried over
-        if name in VOCAB_KEYS:
+        if _local_name(engine, name) in VOCAB_KEYS:
             entry = _vocab_entry(engine, item, VOCAB_KEYS[0] if engine.spec.tie_word_embeddings else item.key)
             if entry is not None:  # None: this TP rank holds padding rows only
                 out[name] = entry
@@ -328,7 +343,7 @@ def load_engine_checkpoint(engine, mdir: str, with_optimizer: bool = False) -> N
     with torch.no_grad():
         params = dict(engine.module.named_parameters())
         for name, param in params.items():
-            if name in VOCAB_KEYS:
+            if _local_name(engine, name) in VOCAB_KEYS:
                 t = loaded.get(name)
                 n = 0 if t is None else t.shape[0]
                 if t is not None:

@@ -49,15 +49,28 @@ def shard_rank(engine, layout: ParamLayout) -> tuple[int, int]:
 
 
 def engine_canonical_name(engine, name: str) -> str:
-    """`canonical_name` of this rank's module parameter `name` (global layer and expert numbers)."""
+    """`canonical_name` of this rank's module parameter `name` (global layer and expert numbers); vpp=1 only (a
+    chunk-local name is ambiguous across virtual pipeline chunks: use `engine_named_parameters`)."""
+    if engine.vpp > 1:
+        raise ValueError("engine_canonical_name needs vpp=1: use engine_named_parameters for virtual pipeline chunks")
     return canonical_name(name, stage_layer_offset(engine.module), expert_offset(engine))
 
 
+def engine_named_parameters(engine) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """(canonical name, chunk-local module name, parameter) for every parameter of every model chunk of this rank
+    (one chunk, or `engine.vpp` virtual pipeline chunks; megatron numbers each chunk's layers globally, so a chunk's
+    local layer i is global layer `stage_layer_offset(chunk) + i`)."""
+    experts = expert_offset(engine)
+    for chunk in engine.chunks:
+        offset = stage_layer_offset(chunk)
+        for name, param in chunk.named_parameters():
+            yield canonical_name(name, offset, experts), name, param
+
+
 def named_layouts(engine) -> Iterator[tuple[str, torch.nn.Parameter, ParamLayout]]:
-    """(module name, parameter, layout) for every parameter of this rank's model chunk."""
-    offset, experts = stage_layer_offset(engine.module), expert_offset(engine)
-    for name, param in engine.module.named_parameters():
-        yield name, param, module_param_layout(engine.spec, canonical_name(name, offset, experts))
+    """(chunk-local module name, parameter, layout) for every parameter of this rank's model chunks."""
+    for canonical, name, param in engine_named_parameters(engine):
+        yield name, param, module_param_layout(engine.spec, canonical)
 
 
 def check_same_model(engine_spec, hf_spec, ignore: tuple[str, ...] = ()) -> None:
@@ -89,9 +102,8 @@ def load_hf_into_engine(engine, hf_dir: str, reader: Optional[HFReader] = None) 
     spec = reader.spec if scalar else engine.spec
     topo = engine.groups.topology
     validate_tp(spec, topo.tp, topo.expert_tp)
-    offset, experts = stage_layer_offset(engine.module), expert_offset(engine)
     nbytes = 0
-    for name, param in engine.module.named_parameters():
+    for canonical, name, param in engine_named_parameters(engine):
         if scalar and name == MEGATRON_HEAD_NAME:
             if HF_HEAD_NAME in reader.files:
                 t = reader.read(HF_HEAD_NAME)
@@ -101,7 +113,7 @@ def load_hf_into_engine(engine, hf_dir: str, reader: Optional[HFReader] = None) 
                 nbytes += t.numel() * t.element_size()
             continue
         # routed experts: only this expert-parallel rank's experts are read, one at a time, sliced by expert TP
-        layout = module_param_layout(spec, canonical_name(name, offset, experts))
+        layout = module_param_layout(spec, canonical)
         shard = build_shard(spec, layout, *shard_rank(engine, layout), reader.read)
         if tuple(shard.shape) != tuple(param.shape):
             raise CheckpointError(

@@ -21,6 +21,7 @@ from megarl.checkpoint.errors import CheckpointError
 from megarl.checkpoint.hf_io import HFReader
 from megarl.checkpoint.name_map import LayoutError, validate_tp
 from megarl.engine import MegatronEngine
+from megarl.engine.megatron_engine import check_vpp
 from megarl.models.spec import ModelSpec
 from megarl.parallel.groups import build_role_groups
 from megarl.parallel.topology import RoleTopology, TopologyError, layer_split
@@ -62,12 +63,17 @@ def verify_topology(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) ->
     return RoleTopology(tp=tp, pp=pp, dp=expert // math.gcd(tp, expert), ep=ep, etp=etp)
 
 
-def check_layout(hf_dir: str, tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> HFReader:
+def check_layout(hf_dir: str, tp: int, pp: int, ep: int = 1, etp: Optional[int] = None,
+                 vpp: int = 1) -> HFReader:
     """Validate the HF directory and the layout before any rank starts (raises CheckpointError)."""
     reader = HFReader(hf_dir)
     try:
         validate_tp(reader.spec, tp, etp)
         layer_split(reader.spec.num_layers, pp)
+        try:
+            check_vpp(reader.spec.num_layers, pp, vpp, moe=reader.spec.is_moe)
+        except ValueError as e:
+            raise CheckpointError(f"--vpp {vpp}: {e}") from None
         verify_topology(tp, pp, ep, etp)
         if (ep > 1 or (etp is not None and etp != tp)) and not reader.spec.is_moe:
             what = f"ep={ep}" if ep > 1 else f"etp={etp}"
@@ -82,18 +88,19 @@ def check_layout(hf_dir: str, tp: int, pp: int, ep: int = 1, etp: Optional[int] 
 
 def verify_ranks(rank: int, world_size: int, hf_dir: str, megatron_dir: Optional[str], tp: int, pp: int,
                  dtype: str, input_ids: torch.Tensor, tolerance: float, ep: int = 1,
-                 etp: Optional[int] = None) -> Optional[dict]:
+                 etp: Optional[int] = None, vpp: int = 1) -> Optional[dict]:
     """Per-rank body; returns the metrics dict on rank 0 (None elsewhere). Collective over the world.
 
     The world is `verify_topology(tp, pp, ep, etp)`'s tp*pp*dp ranks: the dp data-parallel replicas run the same
-    batch, each expert-parallel rank holds num_experts/ep experts, each sliced over etp ranks."""
+    batch, each expert-parallel rank holds num_experts/ep experts, each sliced over etp ranks. `vpp`: virtual pipeline
+    chunks per stage (megatron-core's interleaved schedule)."""
     topo = verify_topology(tp, pp, ep, etp)
     if world_size != topo.world_size:
         raise CheckpointError(f"verify at {topo.describe()} needs {topo.world_size} ranks, "
                               f"the world has {world_size}")
     spec = ModelSpec.from_hf_dir(hf_dir)
     groups = build_role_groups(topo)
-    engine = MegatronEngine(spec, groups, dtype=dtype)
+    engine = MegatronEngine(spec, groups, dtype=dtype, vpp=vpp)
     if megatron_dir:
         load_engine_checkpoint(engine, megatron_dir)
     else:
@@ -106,7 +113,7 @@ def verify_ranks(rank: int, world_size: int, hf_dir: str, megatron_dir: Optional
         return None
     ours = next(t for t in gathered if t is not None)
     result = compare_logits(ours, hf_logits(hf_dir, input_ids))
-    result.update(tp=tp, pp=pp, ep=ep, etp=topo.expert_tp, dp=topo.dp, dtype=dtype, tolerance=tolerance,
+    result.update(tp=tp, pp=pp, ep=ep, etp=topo.expert_tp, dp=topo.dp, vpp=vpp, dtype=dtype, tolerance=tolerance,
                   source="megatron" if megatron_dir else "hf",
                   batch=list(input_ids.shape), passed=result["max_abs_logit_diff"] <= tolerance)
     return result
@@ -118,14 +125,14 @@ def under_torchrun() -> bool:
 
 def verify(hf_dir: str, megatron_dir: Optional[str], tp: int, pp: int, dtype: str = "fp32",
            tolerance: Optional[float] = None, batch: int = 2, seq: int = 32, seed: int = 0,
-           ep: int = 1, etp: Optional[int] = None) -> Optional[dict]:
+           ep: int = 1, etp: Optional[int] = None, vpp: int = 1) -> Optional[dict]:
     """Run the parity check; spawns `verify_topology`'s ranks unless already under torchrun. Metrics on rank 0."""
-    reader = check_layout(hf_dir, tp, pp, ep, etp)
+    reader = check_layout(hf_dir, tp, pp, ep, etp, vpp)
     if megatron_dir:
         read_meta(megatron_dir)
     tolerance = DEFAULT_TOLERANCE[dtype] if tolerance is None else tolerance
     ids = token_batch(reader.spec.vocab_size, batch, seq, seed)
-    args = (hf_dir, megatron_dir, tp, pp, dtype, ids, tolerance, ep, etp)
+    args = (hf_dir, megatron_dir, tp, pp, dtype, ids, tolerance, ep, etp, vpp)
     if under_torchrun():
         rank, world = init_distributed()
         return verify_ranks(rank, world, *args)

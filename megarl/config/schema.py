@@ -156,6 +156,12 @@ class ParallelConfig:
     last_stage_layers: Optional[int] = opt(
         None, "Layers on the last pipeline stage for an uneven split; null = even split.", min=0
     )
+    vpp: int = opt(
+        1, "Virtual pipeline chunks per stage (megatron-core's virtual_pipeline_model_parallel_size; interleaved 1F1B "
+        "schedule). The layers are cut into pp*vpp equal chunks; stage r holds chunks r, r+pp, ... Needs pp > 1, "
+        "num_layers divisible by pp*vpp, an even split (no first/last_stage_layers) and a dense model (MoE: not yet). "
+        "Micro-batch counts that are not a multiple of pp are padded with empty micro-batches (megatron's "
+        "schedule requires a multiple).", min=1)
     rank_order: Literal["natural", "reshard"] = opt(
         "natural", "Which rank holds which Megatron coordinate (actor only). natural = tp fastest, then cp, dp, pp; "
         "reshard = the order that minimises the most bytes any rank receives when resharding into rollout.tp's "

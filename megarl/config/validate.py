@@ -170,12 +170,31 @@ def _check_parallel(name: str, role: RoleConfig, devices: int, arch: ArchConfig)
             f"{name}.parallel.rank_order: {p.rank_order!r} is for the actor of a dense model (it orders the ranks for "
             f"the reshard into the rollout engine); use 'natural'"
         )
+    if p.vpp > 1:
+        _check_vpp(name, p, arch)
     try:
         layer_split(arch.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers)
         RoleTopology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, etp=p.etp)
     except TopologyError as e:
         raise ConfigError(f"{name}.parallel: {e}") from None
     return p
+
+
+def _check_vpp(name: str, p, arch: ArchConfig) -> None:
+    """megatron-core 0.16.1's interleaved schedule and megarl's chunk layout (megarl.engine.megatron_engine)."""
+    if p.pp < 2:
+        raise ConfigError(f"{name}.parallel.vpp: vpp={p.vpp} needs pp > 1 (virtual chunks interleave pipeline "
+                          f"stages), got pp={p.pp}; set pp >= 2 or vpp: 1")
+    if p.first_stage_layers is not None or p.last_stage_layers is not None:
+        raise ConfigError(f"{name}.parallel.vpp: vpp > 1 with first_stage_layers / last_stage_layers is not "
+                          "supported; use an even split (null) or vpp: 1")
+    if arch.num_layers % (p.pp * p.vpp):
+        raise ConfigError(f"{name}.parallel.vpp: num_layers={arch.num_layers} is not divisible by pp*vpp="
+                          f"{p.pp}*{p.vpp}={p.pp * p.vpp} (every virtual chunk holds the same number of layers)")
+    if arch.num_experts:
+        raise ConfigError(f"{name}.parallel.vpp: vpp > 1 with a mixture-of-experts model is not supported yet "
+                          "(routing records, router replay and router losses assume one forward per micro-batch; "
+                          "the interleaved schedule splits each forward over chunks); use vpp: 1")
 
 
 def _check_batches(cfg: JobConfig, name: str, role: RoleConfig) -> None:

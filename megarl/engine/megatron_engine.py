@@ -1,7 +1,8 @@
 """`MegatronEngine`: one role's megatron-core model on this rank, with its optimizer and pipeline schedule.
 
 Every role (actor, critic, reference, reward model) is a thin layer over this engine. It owns:
-  - the `GPTModel` chunk for this rank's pipeline stage, built from a `ModelSpec` at the role's layout;
+  - the `GPTModel` chunk(s) for this rank's pipeline stage, built from a `ModelSpec` at the role's layout: one, or
+    `vpp` virtual pipeline chunks (megatron-core's interleaved 1F1B schedule; see `vpp` below);
   - megatron-core's `DistributedDataParallel` (gradient buckets, reduce-scatter over dp*cp) and
     `DistributedOptimizer` (Adam/AdamW, fp32 master weights, grad clipping) with `OptimizerParamScheduler`
     (linear warm-up, then constant or cosine) — absent for frozen roles (reference, reward model at inference);
@@ -18,6 +19,16 @@ All process groups come from the role's `RoleGroups`; nothing is read from megat
 Heads: `head="lm"` (default) keeps GPTModel's vocab-parallel output layer; `head="scalar"` replaces it on the last
 stage with a `ScalarHead` (hidden -> 1, replicated across TP; see `megarl.engine.heads`) for the critic and the
 reward model, whose models are always built untied (the head does not share the embedding).
+
+Virtual pipeline parallelism (`vpp > 1`, megatron-core `virtual_pipeline_model_parallel_size`): the layers are cut
+into pp*vpp equal chunks; pipeline rank r builds chunks r, r+pp, ..., r+(vpp-1)*pp as `vp_stage` 0..vpp-1 (megatron
+numbers each chunk's layers globally), the embedding lives in chunk 0 of the first stage, the final norm and
+output layer in the last chunk of the last stage. Each chunk has its own DDP wrapper, one distributed optimizer
+covers them all, and `run` drives megatron's interleaved schedule. That schedule needs a micro-batch count that
+is a multiple of pp: `run` pads the list with one-token micro-batches that contribute nothing (zero loss, zero
+units) and drops their results. `chunks` lists the bare chunks; `module` is the only chunk at vpp=1, a
+`torch.nn.ModuleList` of the chunks otherwise (for `parameters()` / `modules()`; its parameter names carry the
+chunk index: use `megarl.checkpoint.engine_io.named_layouts` / `engine_named_parameters` for canonical names).
 
 Offload: `offload(params=, grads=, optimizer=)` moves the chosen state to host memory and frees the device copy
 (storage resized to 0, so views such as DDP's parameter and gradient buffers stay valid); `reload()` brings it
@@ -41,7 +52,7 @@ from megarl.models.gpt import build_gpt_model, build_transformer_config, padded_
 from megarl.models.spec import ModelSpec
 from megarl.parallel.groups import RoleGroups
 from megarl.platform.megatron_cpu_compat import megatron_on_cpu
-from megarl.platform.megatron_patches import default_group_collectives
+from megarl.platform.megatron_patches import default_group_collectives, unbatched_p2p_for_two_stage_gloo_ring
 
 # A micro-batch: tensors keyed by name. `input_ids` [batch, seq] int64 is required; everything else is passed
 # through to the loss function. Sequences are right-padded: causal attention makes padding invisible to
@@ -81,6 +92,37 @@ class OptimizerSettings:
     lr_schedule: str = "constant"
 
 
+_FILLER: Any = object()  # a micro-batch that pads the interleaved schedule's count (MegatronEngine._run)
+
+
+def _filler_loss(output: torch.Tensor):
+    """Loss of a filler micro-batch: zero, counting zero units; its graph still reaches every parameter it used."""
+    return output.sum() * 0.0, torch.tensor(0, dtype=torch.int, device=output.device), {}
+
+
+def check_vpp(num_layers: int, pp: int, vpp: int, first_stage_layers=None, last_stage_layers=None,
+              moe: bool = False) -> int:
+    """`vpp` when megarl can build that many virtual pipeline chunks per stage, else ValueError saying why.
+
+    Mixture-of-experts models are refused at vpp > 1: the actor's routing records (expert load, router replay) are
+    kept per micro-batch forward, which the interleaved schedule splits over chunks, and a filler micro-batch would
+    add router aux-loss gradients and expert counts of its own."""
+    if vpp < 1:
+        raise ValueError(f"vpp must be >= 1, got {vpp}")
+    if vpp == 1:
+        return vpp
+    if pp < 2:
+        raise ValueError(f"vpp={vpp} needs pp > 1 (virtual pipeline chunks interleave pipeline stages), got pp={pp}")
+    if first_stage_layers is not None or last_stage_layers is not None:
+        raise ValueError("vpp > 1 with first_stage_layers / last_stage_layers is not supported: use an even split")
+    if num_layers % (pp * vpp):
+        raise ValueError(f"num_layers={num_layers} must be divisible by pp*vpp={pp}*{vpp} (equal virtual chunks)")
+    if moe:
+        raise ValueError(f"vpp={vpp} with a mixture-of-experts model is not supported yet (routing records and "
+                         "router losses assume one forward per micro-batch); use vpp=1")
+    return vpp
+
+
 class MegatronEngine:
     """This rank's share of one role's model. Construct on every rank of the role, collectively."""
 
@@ -97,6 +139,7 @@ class MegatronEngine:
         head: str = "lm",
         init_weights: bool = True,
         moe: Optional[MoeSettings] = None,
+        vpp: int = 1,
     ) -> None:
         if not groups.is_member:
             raise ValueError("MegatronEngine built on a rank outside the role's layout")
@@ -113,6 +156,8 @@ class MegatronEngine:
         self.optimizer_settings = optimizer
         self.moe_settings = moe or MoeSettings()
         self._init_weights = init_weights  # False: leave parameters uninitialised (weights are loaded right after)
+        self.vpp = check_vpp(spec.num_layers, groups.topology.pp, vpp, first_stage_layers, last_stage_layers,
+                             moe=spec.is_moe)
         with megatron_on_cpu():
             self._build(seed, first_stage_layers, last_stage_layers, recompute)
 
@@ -145,14 +190,28 @@ class MegatronEngine:
             moe_z_loss_coeff=moe.z_loss_coeff * router_scale or None,
         )
         self.config.perform_initialization = self._init_weights
-        self.config.variable_seq_lengths = True  # micro-batches may differ in length (token-budget batching)
+        # micro-batches may differ in length (token-budget batching); under VPP `_run` pads them to one shape instead
+        self.config.variable_seq_lengths = self.vpp == 1
         self.config.calculate_per_token_loss = True  # exact global normalisation, see module docstring
+        if self.vpp > 1:  # megatron-core's layer offsets (get_transformer_layer_offset) read it from the config
+            self.config.virtual_pipeline_model_parallel_size = self.vpp
+            unbatched_p2p_for_two_stage_gloo_ring(self.config, self.groups.pgs.pp)
         enable_routing_hooks(self.config)
-        model = build_gpt_model(self.spec, self.groups, self.config)
+        chunks = []
+        for c in range(self.vpp):
+            chunk = build_gpt_model(
+                self.spec, self.groups, self.config, vp_stage=c if self.vpp > 1 else None,
+                pre_process=self.groups.is_first_stage and c == 0,
+                post_process=self.groups.is_last_stage and c == self.vpp - 1,
+            )
+            if torch.cuda.is_available():
+                chunk.cuda(torch.cuda.current_device())
+            chunks.append(chunk)
         if self.head == "scalar" and self.groups.is_last_stage:
-            attach_scalar_head(model, self.spec.hidden_size, self.config.params_dtype, seed)
-        if torch.cuda.is_available():
-            model.cuda(torch.cuda.current_device())
+            attach_scalar_head(chunks[-1], self.spec.hidden_size, self.config.params_dtype, seed)
+            if torch.cuda.is_available():
+                chunks[-1].cuda(torch.cuda.current_device())
+        self.chunks = chunks
         if self.trainable:
             ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,
@@ -163,18 +222,25 @@ class MegatronEngine:
                 check_for_nan_in_grad=False,
                 bucket_size=40_000_000,
             )
-            model = DistributedDataParallel(self.config, ddp_config, model, pg_collection=self.groups.pgs)
+            # one DDP per chunk; buckets for the first only (megatron's get_model: later chunks' grads are reduced
+            # as their own whole buffers)
+            self.models = [
+                DistributedDataParallel(self.config, ddp_config, chunk, pg_collection=self.groups.pgs,
+                                        disable_bucketing=c > 0)
+                for c, chunk in enumerate(chunks)
+            ]
             self.config.finalize_model_grads_func = finalize_model_grads
-            self._build_optimizer(model)
+            self._build_optimizer(self.models)
         else:
-            for p in model.parameters():
-                p.requires_grad_(False)
+            for chunk in chunks:
+                for p in chunk.parameters():
+                    p.requires_grad_(False)
+            self.models = list(chunks)
             self.optimizer = None
             self.scheduler = None
-        self.model = model
         self.steps = 0
 
-    def _build_optimizer(self, model) -> None:
+    def _build_optimizer(self, models: list) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -201,7 +267,7 @@ class MegatronEngine:
         )
         with default_group_collectives(self.groups.pgs.intra_dist_opt):
             self.optimizer = get_megatron_optimizer(
-                opt_config, [model], pg_collection=self.groups.pgs, use_gloo_process_groups=False
+                opt_config, models, pg_collection=self.groups.pgs, use_gloo_process_groups=False
             )
         if opt_config.bf16 or opt_config.fp16:
             self.config.grad_scale_func = self.optimizer.scale_loss
@@ -233,9 +299,17 @@ class MegatronEngine:
         return start, max(start, end)
 
     @property
+    def model(self):
+        """The model as megatron's schedule sees it (DDP-wrapped when trainable); vpp=1 only (else `models`)."""
+        if self.vpp > 1:
+            raise AttributeError("engine.model is the single chunk of vpp=1: with vpp > 1 use engine.models")
+        return self.models[0]
+
+    @property
     def module(self):
-        """The bare GPTModel chunk (unwrapped from DDP)."""
-        return self.model.module if self.trainable else self.model
+        """The bare GPTModel (unwrapped from DDP) at vpp=1; with vpp > 1 a `torch.nn.ModuleList` of the chunks (its
+        parameter names are prefixed by the chunk index)."""
+        return self.chunks[0] if self.vpp == 1 else torch.nn.ModuleList(self.chunks)
 
     # ------------------------------------------------------------------------------------------------ run
     def run(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, forward_only: bool,
@@ -255,6 +329,11 @@ class MegatronEngine:
         self._check_loaded()
         if not forward_only and not self.trainable:
             raise RuntimeError("this role is frozen (no optimizer): run it with forward_only=True")
+        if routing is not None and self.vpp > 1:
+            raise NotImplementedError(
+                "recording or replaying MoE routing with vpp > 1 is not supported: the interleaved schedule runs each "
+                "micro-batch's chunks at different times, and the routing records are kept per micro-batch forward "
+                "(use vpp=1 with algorithm.router_replay)")
         with megatron_on_cpu():
             with routing if routing is not None else contextlib.nullcontext():
                 return self._run(list(micro_batches), loss_fn, forward_only, routing)
@@ -279,11 +358,17 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
-            if routing is not None:
+            filler = batch is _FILLER  # see _filled_to_pipeline_multiple: one token, nothing to the loss
+            if filler:
+                batch = {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
+            elif routing is not None:
                 routing.begin_micro_batch(batch)
             tokens = batch["input_ids"].to(device)
-            length = tokens.shape[1]
-            tokens = torch.nn.functional.pad(tokens, (0, padded(length) - length))  # causal: the tail is invisible
+            rows, length = tokens.shape
+            # causal: the padded tail is invisible to real tokens; padded rows are cut off before the loss
+            extra_len, extra_rows = (seq_length - length, micro_batch_size - rows) if uniform else \
+                (padded(length) - length, 0)
+            tokens = torch.nn.functional.pad(tokens, (0, extra_len, 0, extra_rows))
             positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
             if cp > 1:  # this CP rank's two chunks of the sequence; see megarl.models.context_parallel
                 tokens = split_for_cp_rank(tokens, cp, self.groups.coord.cp)
@@ -295,14 +380,16 @@ class MegatronEngine:
             # sample, or of equal lengths that are multiples of tp)
             if moe_model and not self.config.sequence_parallel and "attention_mask" in batch:
                 padding = batch["attention_mask"].to(device) == 0  # True = padding (megatron's way)
-                padding = torch.nn.functional.pad(padding, (0, padded(length) - length), value=True)
+                padding = torch.nn.functional.pad(padding, (0, extra_len, 0, extra_rows), value=True)
                 kwargs["padding_mask"] = split_for_cp_rank(padding, cp, self.groups.coord.cp) if cp > 1 else padding
             output = model(tokens, positions, None, **kwargs)
+            if filler:
+                return output, _filler_loss
 
             def loss_func(logits):
                 if cp > 1:  # the whole sequence on every CP rank; each rank's backward keeps its own positions
                     logits = gather_cp_sequence(logits, self.groups.pgs.cp)
-                logits = logits[:, :length]
+                logits = logits[:rows, :length]
                 loss, units, metrics = loss_fn(logits if scalar_head else logits[..., :local_end], batch)
                 # Every CP rank computed the same loss and contributes its positions' share of the gradient; the
                 # DP reduction sums over dp*cp and divides by the units of all cp copies: scale back by cp.
@@ -311,14 +398,25 @@ class MegatronEngine:
             return output, loss_func
 
         if self.trainable:
-            self.model.zero_grad_buffer()
+            for m in self.models:
+                m.zero_grad_buffer()
             self.optimizer.zero_grad()
         seq_length = padded(max(b["input_ids"].shape[1] for b in micro_batches))
         micro_batch_size = max(b["input_ids"].shape[0] for b in micro_batches)
+        real = len(micro_batches)
+        micro_batches = self._filled_to_pipeline_multiple(micro_batches)
+        # megatron-core 0.16.1's interleaved schedule with variable_seq_lengths failed here in backward with
+        # micro-batches of different shapes ("Mismatch in shape: grad_output[0] [14, 1, 64] vs output[0] [12, 1, 64]"
+        # at pp2 x vpp2) and deadlocked in its shape exchange with 2 micro-batches at pp2: under VPP every micro-batch
+        # is padded to the largest one's [rows, length] and the shapes are fixed (variable_seq_lengths off)
+        uniform = self.vpp > 1
         kwargs = {}
         if self.groups.topology.pp > 1:
             kwargs["p2p_communicator"] = P2PCommunicator(self.groups.pgs.pp, self.config)
-        forward_backward = get_forward_backward_func(pp_size=self.groups.topology.pp)
+        forward_backward = get_forward_backward_func(pp_size=self.groups.topology.pp,
+                                                     vp_size=self.vpp if self.vpp > 1 else None)
+        # the interleaved schedule takes one data iterator per chunk; each chunk reads every micro-batch once
+        data = [iter(micro_batches) for _ in self.models] if self.vpp > 1 else iter(micro_batches)
         if forward_only:
             ctx = torch.no_grad()
         else:
@@ -326,8 +424,8 @@ class MegatronEngine:
         with ctx:
             results = forward_backward(
                 forward_step_func=forward_step,
-                data_iterator=iter(micro_batches),
-                model=[self.model],
+                data_iterator=data,
+                model=list(self.models),
                 num_microbatches=len(micro_batches),
                 seq_length=seq_length,
                 micro_batch_size=micro_batch_size,
@@ -335,7 +433,17 @@ class MegatronEngine:
                 pg_collection=self.groups.pgs,
                 **kwargs,
             )
-        return list(results) if self.groups.is_last_stage else []
+        return list(results)[:real] if self.groups.is_last_stage else []
+
+    def _filled_to_pipeline_multiple(self, micro_batches: list[MicroBatch]) -> list:
+        """megatron-core 0.16.1's interleaved schedule (`forward_backward_pipelining_with_interleaving`) groups
+        micro-batches by `microbatch_group_size_per_vp_stage` (= pp) and raises unless their number is a multiple of
+        pp: append fillers (one-token forwards with zero loss and zero units, so gradients and the per-token
+        normalisation are unchanged) up to the next multiple; their results come last and are dropped."""
+        pp = self.groups.topology.pp
+        if self.vpp == 1 or len(micro_batches) % pp == 0:
+            return micro_batches
+        return micro_batches + [_FILLER] * (pp - len(micro_batches) % pp)
 
     def step(self, loss_finite: bool = True) -> dict[str, float]:
         """One optimizer step on the accumulated gradients, skipped when they are not finite.

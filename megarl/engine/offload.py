@@ -87,7 +87,7 @@ def restore(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def param_tensors(engine) -> list[torch.Tensor]:
     if engine.trainable:  # DDP: parameters are views into the flat param buffers
-        bufs = engine.model.buffers + engine.model.expert_parallel_buffers
+        bufs = [b for m in engine.models for b in m.buffers + m.expert_parallel_buffers]
         flat = [b.param_data for b in bufs if b.param_data is not None]
         covered = {t.untyped_storage().data_ptr() for t in flat}
         extra = [p for p in engine.module.parameters() if p.untyped_storage().data_ptr() not in covered]
@@ -98,7 +98,7 @@ def param_tensors(engine) -> list[torch.Tensor]:
 def grad_tensors(engine) -> list[torch.Tensor]:
     if not engine.trainable:
         return []
-    return [b.grad_data for b in engine.model.buffers + engine.model.expert_parallel_buffers]
+    return [b.grad_data for m in engine.models for b in m.buffers + m.expert_parallel_buffers]
 
 
 def optimizer_tensors(engine) -> list[torch.Tensor]:

@@ -184,8 +184,12 @@ def moe_transformer_settings(spec: ModelSpec, groups: RoleGroups, dispatcher: st
     )
 
 
-def build_gpt_model(spec: ModelSpec, groups: RoleGroups, config, vp_stage: Optional[int] = None):
-    """This rank's `GPTModel` chunk for `spec` (call inside `megatron_on_cpu()` on CPU machines)."""
+def build_gpt_model(spec: ModelSpec, groups: RoleGroups, config, vp_stage: Optional[int] = None,
+                    pre_process: Optional[bool] = None, post_process: Optional[bool] = None):
+    """This rank's `GPTModel` chunk for `spec` (call inside `megatron_on_cpu()` on CPU machines).
+
+    vp_stage: the virtual pipeline chunk (None without VPP); pre_process / post_process: whether the chunk holds
+    the embedding / the final norm and output layer (None: this rank is the first / last pipeline stage)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
@@ -223,8 +227,8 @@ def build_gpt_model(spec: ModelSpec, groups: RoleGroups, config, vp_stage: Optio
         transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(spec.vocab_size, groups.topology.tp),
         max_sequence_length=spec.max_position_embeddings,
-        pre_process=groups.is_first_stage,
-        post_process=groups.is_last_stage,
+        pre_process=groups.is_first_stage if pre_process is None else pre_process,
+        post_process=groups.is_last_stage if post_process is None else post_process,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),

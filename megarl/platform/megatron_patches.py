@@ -168,3 +168,19 @@ def mark_experts_for_expert_data_parallel(model) -> int:
             param.allreduce = False
             marked += 1
     return marked
+
+
+def unbatched_p2p_for_two_stage_gloo_ring(config, pp_group) -> None:
+    """Turn off `config.batch_p2p_comm` when the interleaved (VPP) schedule runs over a 2-rank gloo pipeline group.
+
+    megatron-core 0.16.1 `p2p_communication._batched_p2p_ops` posts send_prev, recv_prev, send_next, recv_next on
+    every rank. With pp=2 the previous and the next rank are the same peer, and the interleaved schedule's steady
+    state (`send_forward_backward_recv_forward_backward`) sends an activation and a gradient to it at once: rank 0
+    sends [gradient, activation] while rank 1 receives [activation, gradient], and gloo matches the messages of a
+    peer pair in posting order. Equal shapes swap silently (wrong gradients), different shapes fail in backward
+    ("Mismatch in shape: grad_output[0] ..."). The unbatched `_p2p_ops` orders sends and receives by even/odd rank,
+    so both sides agree. NCCL runs keep the batched path."""
+    import torch.distributed as dist
+
+    if pp_group.size() == 2 and dist.get_backend(pp_group) == "gloo":
+        config.batch_p2p_comm = False

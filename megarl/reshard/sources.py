@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.checkpoint.engine_io import engine_canonical_name
+from megarl.checkpoint.engine_io import engine_named_parameters
 
 
 def megatron_sources(engine) -> dict[str, torch.Tensor]:
@@ -14,4 +14,4 @@ def megatron_sources(engine) -> dict[str, torch.Tensor]:
     ep_rank * num_experts / ep + j: `engine_io.expert_offset`) and local-spec suffixes (Transformer Engine's fused
     norm and grouped-GEMM expert names are folded), matching `megarl.reshard.layouts.megatron_holdings`.
     """
-    return {engine_canonical_name(engine, name): p.data for name, p in engine.module.named_parameters()}
+    return {canonical: p.data for canonical, _, p in engine_named_parameters(engine)}

@@ -94,10 +94,12 @@ class Role:
         last_stage_layers: Optional[int] = None,
         recompute: bool = False,
         moe: Optional[MoeSettings] = None,
+        vpp: int = 1,
     ) -> None:
         self.engine = MegatronEngine(
             spec, groups, dtype=dtype, optimizer=optimizer, seed=seed, first_stage_layers=first_stage_layers,
             last_stage_layers=last_stage_layers, recompute=recompute, head=self.head, moe=moe,
+            vpp=vpp,
         )
         self.batching = batching
         if hf_dir is not None:

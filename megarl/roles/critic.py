@@ -39,7 +39,7 @@ class ScalarHeadRole(Role):
     head = "scalar"
 
     def _head_param(self) -> Optional[torch.nn.Parameter]:
-        return dict(self.engine.module.named_parameters()).get(MEGATRON_HEAD_NAME)
+        return dict(self.engine.chunks[-1].named_parameters()).get(MEGATRON_HEAD_NAME)
 
     def head_state_dict(self) -> dict[str, torch.Tensor]:
         """{'score.weight': [1, hidden]} on last-stage ranks, {} elsewhere (a CPU copy)."""

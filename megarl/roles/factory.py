@@ -80,6 +80,7 @@ def build_role(cfg: JobConfig, role: str, groups: Optional[RoleGroups] = None,
         batching=BatchingSettings.from_config(role_cfg, samples_per_prompt=samples_per_prompt, epochs=epochs),
         dtype=dtype, seed=cfg.trainer.seed, hf_dir=model.path,
         first_stage_layers=role_cfg.parallel.first_stage_layers, last_stage_layers=role_cfg.parallel.last_stage_layers,
+        vpp=role_cfg.parallel.vpp,
     )
     if role in ("actor", "critic"):
         mini = getattr(role_cfg, "mini_batch_prompts", None) or cfg.data.prompts_per_step

@@ -98,7 +98,8 @@ NEUTRAL_SUFFIXES = (".offload.params", ".offload.grads", ".offload.optimizer")
 # the checkpoint reshards, and the numbers equal the uninterrupted run's up to float rounding (reduction order).
 LAYOUT_KEYS = ("resources.pools.", "resources.threads_per_worker")
 LAYOUT_SUFFIXES = (".parallel.tp", ".parallel.pp", ".parallel.cp", ".parallel.dp", ".parallel.first_stage_layers",
-                   ".parallel.last_stage_layers", ".pool", ".micro_batch_samples", ".micro_batch_tokens")
+                   ".parallel.last_stage_layers", ".parallel.vpp", ".pool", ".micro_batch_samples",
+                   ".micro_batch_tokens")
 TRAINED_ROLES = ("actor", "critic")
 
 

@@ -75,7 +75,8 @@ def placement_summary(cfg: JobConfig, device: str, threads: int) -> str:
         q = cfg.role(role).parallel
         lines.append(f"  {role:<12} Megatron tp {q.tp} pp {q.pp} cp {q.cp} dp {q.dp}" + (f" ep {q.ep}" if q.ep > 1
                                                                                            else "")
-                     + (f" etp {q.etp}" if q.etp is not None and q.etp != q.tp else ""))
+                     + (f" etp {q.etp}" if q.etp is not None and q.etp != q.tp else "")
+                     + (f" vpp {q.vpp}" if q.vpp > 1 else ""))
     devices = cfg.resources.pools[cfg.actor.pool].nodes * cfg.resources.pools[cfg.actor.pool].devices_per_node
     lines.append(f"  {'rollout':<12} vLLM tp {cfg.rollout.tp} x {devices // cfg.rollout.tp} engine(s), weights "
                  "resharded from the actor every step")

@@ -141,6 +141,13 @@ def test_ep_that_does_not_divide_the_experts(tmp_path, capsys):
     assert rc == 2 and "ep=3 does not divide num_experts=4" in err
 
 
+def test_vpp_that_does_not_fit_the_layers_is_refused(hf_dir, capsys):
+    rc, err = _run("verify", ["--hf-dir", hf_dir, "--pp", 2, "--vpp", 2], capsys)  # 2 layers, 4 chunks
+    assert rc == 2 and "num_layers=2 must be divisible by pp*vpp=2*2" in err
+    rc, err = _run("verify", ["--hf-dir", hf_dir, "--vpp", 2], capsys)
+    assert rc == 2 and "vpp=2 needs pp > 1" in err
+
+
 def test_existing_output_refused_without_overwrite(hf_dir, tmp_path, capsys):
     out = tmp_path / "m"
     out.mkdir()

@@ -230,6 +230,21 @@ def test_layers_not_divisible_by_pp_and_uneven_split(tmp_path):
     assert "cannot split num_layers=3 over pp=2 with first_stage_layers=5" in msg
 
 
+def test_virtual_pipeline_rules(tmp_path):
+    data = base()
+    data["model"]["arch"]["num_layers"] = 4
+    cfg = load(tmp_path, data, ["actor.parallel.tp=1", "actor.parallel.pp=2", "actor.parallel.vpp=2"])
+    assert cfg.actor.parallel.vpp == 2 and cfg.actor.parallel.dp == 2 and cfg.reference.parallel.vpp == 1
+    assert error(tmp_path, data, ["actor.parallel.vpp=2"]).startswith(
+        "actor.parallel.vpp: vpp=2 needs pp > 1 (virtual chunks interleave pipeline stages), got pp=1")
+    msg = error(tmp_path, data, ["actor.parallel.tp=1", "actor.parallel.pp=2", "actor.parallel.vpp=4"])
+    assert msg.startswith("actor.parallel.vpp: num_layers=4 is not divisible by pp*vpp=2*4=8")
+    msg = error(tmp_path, data, ["actor.parallel.tp=1", "actor.parallel.pp=2", "actor.parallel.vpp=2",
+                                 "actor.parallel.first_stage_layers=1"])
+    assert "vpp > 1 with first_stage_layers / last_stage_layers is not supported" in msg
+    assert "actor.parallel.vpp" in error(tmp_path, data, ["actor.parallel.vpp=0"])
+
+
 def test_rollout_tp_must_divide_actor_devices(tmp_path):
     data = base()
     data["resources"]["pools"]["default"]["devices_per_node"] = 6
