@@ -82,7 +82,13 @@ class WandbSink:
         self.run.log(_scalars(metrics), step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # wandb 0.31.0: in offline mode finish() can return before its service has written the run's transaction
+        # log (measured: 2 of 6 runs left a 7-byte `run-*.wandb`); teardown waits for the service to exit. One run
+        # per trainer process, so stopping the service loses nothing (a later wandb.init starts a new one).
+        wandb.teardown()
 
 
 def build_sinks(backends, run_dir: str, logging_cfg=None, config: Optional[dict] = None) -> list[MetricSink]:

@@ -63,8 +63,9 @@ def _wandb_records(path: str) -> list:
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if length == 0 and kind == 0:
-            break
+        if length == 0 and kind == 0:  # zero padding up to the block's end (a tail of exactly 7 bytes included)
+            pos += block - pos % block
+            continue
         pending += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
