@@ -7,6 +7,8 @@ One spawn runs every layout (expert parallelism carved out of data parallelism, 
   phase C: PP2xEP2 (dp2) on ranks 0-3
   phase C': EP2 with the allgather token dispatcher on ranks 0-1 (the others: alltoall); its first micro-batches
             hold 12 and 14 tokens on the two EP ranks (megatron-core's equal-size all-gather failed on that)
+            | CP2xEP2 (ep carved from dp*cp = 2) on ranks 2-3: the 14-token sample is padded to 16 and cut into
+            megatron's 4 load-balanced chunks, so its CP ranks hold 6 and 8 real tokens (router losses included)
   phase D: routing replay at EP2 on ranks 0-1
 Every layout loads the same HF checkpoint, computes log-probs (compared with transformers' own forward), makes one
 PPO update on the same batch with the same optimizer and router-loss coefficients (one sample per micro-batch
@@ -47,7 +49,7 @@ LR = 0.1
 ADAM_EPS = 0.1  # see the module docstring: Adam's first step is then ~lr/eps * g, not lr * sign(g) or noise * 1e5
 REPLAY_LR = 0.05  # large enough that one step changes some tokens' routing
 AUX, Z = 0.01, 0.001
-LAYOUTS = ["ep1", "ep2", "tp2ep2", "pp2ep2", "ep2_allgather"]
+LAYOUTS = ["ep1", "ep2", "tp2ep2", "pp2ep2", "ep2_allgather", "cp2ep2"]
 # the other layouts' dispatcher is megatron's default here, alltoall
 DISPATCHER_CLASS = {"ep2": "MoEAlltoAllTokenDispatcher", "ep2_allgather": "MoEAllGatherTokenDispatcher"}
 TOL = 1e-5
@@ -114,7 +116,8 @@ def _worker(rank: int, world: int, hf_dir: str, replay_hf_dir: str, root: str):
     phase({"tp2ep2": (RoleTopology(tp=2, dp=2, ep=2), AUX, Z)})
     phase({"tp2ep2_plain": (RoleTopology(tp=2, dp=2, ep=2), 0.0, 0.0)})
     phase({"pp2ep2": (RoleTopology(pp=2, dp=2, ep=2), AUX, Z)})
-    phase({"ep2_allgather": (RoleTopology(dp=2, ep=2), AUX, Z, "allgather")})
+    phase({"ep2_allgather": (RoleTopology(dp=2, ep=2), AUX, Z, "allgather"),
+           "cp2ep2": (RoleTopology(cp=2, ep=2, rank_offset=2), AUX, Z)})
 
     for name in [*LAYOUTS, "ep1_plain", "tp2ep2_plain"]:  # collective: every checkpoint back to HF
         megatron_to_hf(os.path.join(root, name), os.path.join(root, f"{name}_hf"))
@@ -199,6 +202,7 @@ def test_log_probs_equal_transformers(runs, layout):
 
 @pytest.mark.parametrize("layout,base_name", [
     ("ep2", "ep1"), ("tp2ep2", "ep1"), ("pp2ep2", "ep1"), ("tp2ep2_plain", "ep1_plain"), ("ep2_allgather", "ep1"),
+    ("cp2ep2", "ep1"),
 ])
 def test_one_update_gives_the_same_weights_as_ep1(runs, layout, base_name):
     base, other = runs["weights"][base_name], runs["weights"][layout]
@@ -212,6 +216,7 @@ def test_one_update_gives_the_same_weights_as_ep1(runs, layout, base_name):
 
 @pytest.mark.parametrize("layout,base_name", [
     ("ep2", "ep1"), ("tp2ep2", "ep1"), ("pp2ep2", "ep1"), ("tp2ep2_plain", "ep1_plain"), ("ep2_allgather", "ep1"),
+    ("cp2ep2", "ep1"),
 ])
 def test_gradient_norm_equals_ep1(runs, layout, base_name):
     """The global gradient norm before clipping (megatron's, reduced over every group) is the same sum of squares at
@@ -232,6 +237,7 @@ def _gradient_from_step(before: torch.Tensor, after: torch.Tensor) -> torch.Tens
 
 @pytest.mark.parametrize("layout,base_name", [
     ("ep2", "ep1"), ("tp2ep2", "ep1"), ("pp2ep2", "ep1"), ("tp2ep2_plain", "ep1_plain"), ("ep2_allgather", "ep1"),
+    ("cp2ep2", "ep1"),
 ])
 def test_per_parameter_gradients_equal_ep1(runs, layout, base_name):
     """Every HF tensor's gradient (recovered from the step) equals EP1's within 1e-4 of that tensor's largest
@@ -274,7 +280,10 @@ def test_router_loss_and_expert_load_metrics(runs, layout):
     for i in range(2):
         assert 1.0 <= m[f"moe_load_max_over_mean_l{i}"] <= 2.0 + 1e-12
     for k in ("moe_aux_loss", "moe_z_loss", "moe_load_max_over_mean_l0", "moe_load_max_over_mean_l1"):
-        assert abs(m[k] - base[k]) < 1e-5 * max(1.0, abs(base[k])), k
+        # the reported z-loss at CP2 is the mean of each CP rank's own token mean, and the 14-token sample's CP
+        # ranks hold 6 and 8 real tokens: measured 0.18% off EP1's (its gradient is exact: the checks above)
+        tol = 1e-2 if (layout, k) == ("cp2ep2", "moe_z_loss") else 1e-5
+        assert abs(m[k] - base[k]) < tol * max(1.0, abs(base[k])), k
     plain = runs["out"][("ep1_plain", "metrics")]
     assert plain["moe_aux_loss"] == 0.0 and plain["moe_z_loss"] == 0.0  # coefficients 0: not computed
 
