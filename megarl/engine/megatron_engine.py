@@ -156,7 +156,8 @@ class MegatronEngine:
         enable_routing_hooks(self.config)
         model = build_gpt_model(self.spec, self.groups, self.config)
         if self.head == "scalar" and self.groups.is_last_stage:
-            attach_scalar_head(model, self.spec.hidden_size, self.config.params_dtype, seed)
+            attach_scalar_head(model, self.spec.hidden_size, self.config.params_dtype, seed,
+                               sp_group=self.groups.pgs.tp if self.config.sequence_parallel else None)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         if self.trainable:

@@ -81,6 +81,7 @@ def _worker(rank: int, world: int, hf_dir: str, replay_hf_dir: str, root: str):
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
     from megarl.roles import Actor, BatchingSettings, OptimizerSettings
+    from megarl.roles.critic import Critic
 
     spec = ModelSpec.from_hf_dir(hf_dir)
     batch = _batch()
@@ -118,6 +119,18 @@ def _worker(rank: int, world: int, hf_dir: str, replay_hf_dir: str, root: str):
     phase({"pp2ep2": (RoleTopology(pp=2, dp=2, ep=2), AUX, Z)})
     phase({"ep2_allgather": (RoleTopology(dp=2, ep=2), AUX, Z, "allgather"),
            "cp2ep2": (RoleTopology(cp=2, ep=2, rank_offset=2), AUX, Z)})
+
+    # phase E: the critic (scalar value head) at TP2 (sequence parallel: the head gathers the sequence) vs TP1
+    critics = {"critic_tp2": RoleTopology(tp=2), "critic_tp1": RoleTopology(rank_offset=2)}
+    critic_groups = {name: build_role_groups(topo) for name, topo in critics.items()}
+    for name, topo in critics.items():
+        if critic_groups[name].is_member:
+            critic = Critic(spec, critic_groups[name], optimizer=OptimizerSettings(lr=LR, eps=ADAM_EPS),
+                            batching=BatchingSettings(micro_batch_samples=1), hf_dir=hf_dir)
+            values = critic.compute_values(batch)["values"]
+            metrics = critic.update(batch.update({"old_values": values, "returns": values + 1.0}))
+            if rank == min(topo.ranks):
+                res[(name, "critic")] = (values.numpy(), metrics["grad_norm"])
 
     for name in [*LAYOUTS, "ep1_plain", "tp2ep2_plain"]:  # collective: every checkpoint back to HF
         megatron_to_hf(os.path.join(root, name), os.path.join(root, f"{name}_hf"))
@@ -260,6 +273,16 @@ def test_token_dispatcher_is_the_configured_one(runs, layout):
     """The allgather layout really ran megatron's allgather dispatcher (its log-probs, weights and gradients are
     compared with transformers' and EP1's above)."""
     assert runs["out"][(layout, "dispatchers")] == {DISPATCHER_CLASS[layout]}
+
+
+def test_critic_on_moe_at_tp2_equals_tp1(runs):
+    """A value model on the MoE body at TP2 (sequence parallel, required by megatron's MoE layer) gives the TP1
+    critic's values and gradient norm (before the fix the head saw only this rank's sequence slice)."""
+    (v2, g2), (v1, g1) = runs["out"][("critic_tp2", "critic")], runs["out"][("critic_tp1", "critic")]
+    diff = abs(v2 - v1).max()
+    print(f"critic TP2 vs TP1 on MoE: max |value diff| {diff:.3g}, grad norm {g2:.8g} vs {g1:.8g}")
+    assert abs(v1).max() > 0.1 and diff < TOL
+    assert g2 == pytest.approx(g1, rel=1e-5)
 
 
 def test_ep1_update_equals_hand_written_adamw_step(runs):
