@@ -25,10 +25,16 @@ MEGATRON_HEAD_NAME = "output_layer.score.weight"
 
 
 class ScalarHead(torch.nn.Module):
-    """hidden [s, b, h] -> ([s, b, 1], None), called like megatron's output layer (extra kwargs ignored)."""
+    """hidden [s, b, h] -> ([s, b, 1], None), called like megatron's output layer (extra kwargs ignored).
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, seed: int) -> None:
+    `sp_group` (sequence parallelism, MoE at tp > 1): the hidden states arrive as this TP rank's slice [s/tp, b, h];
+    they are gathered over it first, so every TP rank returns the whole sequence's values (as megatron's vocabulary
+    output layer does). Every TP rank then computes the same loss on the whole sequence, so the gather's backward
+    keeps this rank's slice of the gradient (`tensor_parallel_output_grad=False`), not their sum."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, seed: int, sp_group=None) -> None:
         super().__init__()
+        self.sp_group = sp_group
         self.score = torch.nn.Linear(hidden_size, 1, bias=False, dtype=dtype)
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():  # identical on every TP rank and layout at the same seed
@@ -41,10 +47,15 @@ class ScalarHead(torch.nn.Module):
         self.sequence_parallel = False
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sp_group is not None and self.sp_group.size() > 1:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False, group=self.sp_group)
         return self.score(hidden_states), None
 
 
-def attach_scalar_head(model, hidden_size: int, dtype: torch.dtype, seed: int) -> None:
+def attach_scalar_head(model, hidden_size: int, dtype: torch.dtype, seed: int, sp_group=None) -> None:
     """Replace `model.output_layer` (a last-stage GPTModel) with a `ScalarHead`, in place.
 
     megatron-core 0.16.1's `LanguageModule.sharded_state_dict` assumes a vocabulary output layer (it flags
@@ -52,7 +63,7 @@ def attach_scalar_head(model, hidden_size: int, dtype: torch.dtype, seed: int) -
     swapped for a subclass whose `sharded_state_dict` skips that step. Scalar-head models are never tied, so
     nothing else in it applies.
     """
-    model.output_layer = ScalarHead(hidden_size, dtype, seed)
+    model.output_layer = ScalarHead(hidden_size, dtype, seed, sp_group)
     model.__class__ = _scalar_head_class(type(model))
 
 

@@ -179,15 +179,22 @@ class MegatronEngine:
             seed + 100 * coord.pp, force_reset_rng=True, tp_rank=coord.tp, ep_rank=expert.ep, etp_rank=expert.etp
         )
         moe = self.moe_settings
-        # megatron-core 0.16.1 under sequence parallelism (MoE at tp > 1) scales each TP rank's aux/z-loss by its
-        # local token count (router.py, written for CP), so their gradient is 1/tp of the unsplit one next to a
-        # main loss computed on the whole sequence; the coefficients are multiplied by tp to keep the objective
-        # layout-independent (exact when the TP slices hold equally many real tokens).
-        router_scale = self.groups.topology.tp if self.spec.is_moe and self.groups.topology.tp > 1 else 1
+        # Router losses next to a main loss computed on the whole sequence (megatron-core 0.16.1 router.py): each
+        # TP (sequence-parallel) or CP rank scales its aux/z-loss by its own token count, megatron divides the
+        # z-loss coefficient by tp*cp, and under CP the engine's normaliser counts every unit cp times (the main
+        # loss is scaled by cp for it in `_run`, the router losses are not): the z-loss gradient is 1/(tp*cp^2)
+        # of the unsplit one. The aux loss too under sequence parallelism (no padding mask); without it (tp 1)
+        # megatron's token count is the whole CP group's, because `reduce_from_tensor_model_parallel_region`
+        # all-reduces the local expert counts in place (moe_utils.get_tokens_per_expert_and_token_count), so
+        # there it is 1/cp. The coefficients are multiplied back to keep the objective layout-independent (exact
+        # when the TP/CP slices hold equally many real tokens; at tp 1 the aux loss is exact regardless).
+        topo = self.groups.topology
+        z_scale = topo.tp * topo.cp ** 2 if self.spec.is_moe else 1
+        aux_scale = (topo.tp * topo.cp ** 2 if topo.tp > 1 else topo.cp) if self.spec.is_moe else 1
         self.config = build_transformer_config(
             self.spec, self.groups, self.dtype, first_stage_layers, last_stage_layers, recompute,
-            moe_token_dispatcher=moe.token_dispatcher, moe_aux_loss_coeff=moe.aux_loss_coeff * router_scale,
-            moe_z_loss_coeff=moe.z_loss_coeff * router_scale or None,
+            moe_token_dispatcher=moe.token_dispatcher, moe_aux_loss_coeff=moe.aux_loss_coeff * aux_scale,
+            moe_z_loss_coeff=moe.z_loss_coeff * z_scale or None,
         )
         self.config.perform_initialization = self._init_weights
         # micro-batches may differ in length (token-budget batching); under VPP `_run` pads them to one shape instead
@@ -208,7 +215,8 @@ class MegatronEngine:
                 chunk.cuda(torch.cuda.current_device())
             chunks.append(chunk)
         if self.head == "scalar" and self.groups.is_last_stage:
-            attach_scalar_head(chunks[-1], self.spec.hidden_size, self.config.params_dtype, seed)
+            attach_scalar_head(chunks[-1], self.spec.hidden_size, self.config.params_dtype, seed,
+                               sp_group=self.groups.pgs.tp if self.config.sequence_parallel else None)
             if torch.cuda.is_available():
                 chunks[-1].cuda(torch.cuda.current_device())
         self.chunks = chunks

@@ -350,14 +350,16 @@ def moe_update_metrics(engine, recorders: list) -> dict[str, float]:
     aux = aux_loss_values(engine.spec)
     n_mb = float(sum(len(r._shape) for r in recorders))
     packed = torch.cat([aux["aux_loss"], aux["z_loss"], torch.tensor([n_mb], dtype=torch.float64)])
-    # under sequence parallelism a TP rank's aux loss is its share of the micro-batch's (sum over TP) and its z-loss
-    # the mean over its own tokens (mean over TP); the micro-batch count was summed over stages (and TP) too
+    # under sequence (context) parallelism a TP (CP) rank's aux loss is its share of the micro-batch's (sum over
+    # TP, CP) and its z-loss the mean over its own tokens (mean over TP, CP); the micro-batch count was summed over
+    # stages (and TP, CP) too
     packed = reduce_over_role(packed, groups, device, tp_sum=sp)
     layers = len(aux["aux_loss"])
     tp = groups.topology.tp if sp else 1
-    n_mb_total = max(float(packed[-1]) / (groups.topology.pp * tp), 1.0)
+    cp = groups.topology.cp
+    n_mb_total = max(float(packed[-1]) / (groups.topology.pp * tp * cp), 1.0)
     out["moe_aux_loss"] = float(packed[:layers].mean()) / n_mb_total
-    out["moe_z_loss"] = float(packed[layers:2 * layers].mean()) / tp / n_mb_total
+    out["moe_z_loss"] = float(packed[layers:2 * layers].mean()) / (tp * cp) / n_mb_total
     replayers = [r for r in recorders if isinstance(r, RoutingReplayer)]
     if replayers:
         out["moe_routing_diff_frac"] = routing_diff_frac(engine, replayers)

@@ -117,6 +117,7 @@ class AllGatherContextParallelAttention(_core_attention_base()):
             raise ValueError(f"context parallelism without Transformer Engine runs without attention dropout, "
                              f"got {dropout}")
         tp = pg_collection.tp.size()
+        self.tp_group = pg_collection.tp  # MegatronModule.sharded_state_dict reads it (else megatron's global group)
         self.cp_group = pg_collection.cp
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp

@@ -80,11 +80,12 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when="`get_megatron_optimizer` takes the role's group for that gather",
     ),
     Workaround(
-        where='engine/megatron_engine.py: `router_scale` (MoE aux/z-loss coefficients x tp)',
+        where='engine/megatron_engine.py: `aux_scale`, `z_scale` (MoE aux/z-loss coefficients x tp, cp)',
         serves='megatron-core 0.16.1',
-        symptom=("MoE at tp>1 (sequence parallel) with calculate_per_token_loss: router.py scales each TP rank's "
-                 "aux/z-loss by its local token count, so the router losses weigh 1/tp of the TP1 ones"),
-        remove_when="TP2xEP2 and EP1 updates with router losses agree without the factor",
+        symptom=("MoE at tp>1 (sequence parallel) or cp>1 with calculate_per_token_loss: router.py scales each "
+                 "TP/CP rank's aux/z-loss by its local token count (the aux count is the CP group's at tp 1: an "
+                 "in-place all-reduce), so the router losses weigh 1/tp, 1/cp or 1/cp^2 of the EP1 ones"),
+        remove_when="TP2xEP2 and CP2xEP2 updates with router losses agree with EP1 without the factors",
     ),
     Workaround(
         where='platform/megatron_patches.py: `SequenceParallelTorchNorm`',
