@@ -9,7 +9,10 @@ Routing tensor layout (what `RoutingRecorder` returns and `RoutingReplayer` cons
     routed_experts [b, s, L, k] int64 -- for each token, the k experts each MoE layer chose; L = every MoE layer of
     the model (global order, `ModelSpec.moe_layers`), filled only for the layers of this pipeline stage (0
     elsewhere: stages are combined by a sum over the pipeline group). megatron's router sees tokens sequence-first
-    ([s*b, k] after `view(-1, E)` of [s, b, E]); the conversion is here.
+    ([s*b, k] after `view(-1, E)` of [s, b, E]); the conversion is here. Under virtual pipeline parallelism
+    (vpp > 1) a stage's layers sit in several chunks whose forwards of one micro-batch run at different times,
+    interleaved with other micro-batches': the engine names the micro-batch before every chunk's forward, and each
+    router writes (or replays) that micro-batch's columns. The schedule's filler micro-batches are not recorded.
 
 Data path of `algorithm.router_replay: old`: the actor's old-log-prob forward records `routed_experts` [B, S, L, k]
 into its result batch; the update's micro-batches carry their rows; before each micro-batch's forward the
