@@ -71,7 +71,7 @@ def check_layout(hf_dir: str, tp: int, pp: int, ep: int = 1, etp: Optional[int] 
         validate_tp(reader.spec, tp, etp)
         layer_split(reader.spec.num_layers, pp)
         try:
-            check_vpp(reader.spec.num_layers, pp, vpp, moe=reader.spec.is_moe)
+            check_vpp(reader.spec.num_layers, pp, vpp)
         except ValueError as e:
             raise CheckpointError(f"--vpp {vpp}: {e}") from None
         verify_topology(tp, pp, ep, etp)

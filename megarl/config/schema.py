@@ -159,7 +159,8 @@ class ParallelConfig:
     vpp: int = opt(
         1, "Virtual pipeline chunks per stage (megatron-core's virtual_pipeline_model_parallel_size; interleaved 1F1B "
         "schedule). The layers are cut into pp*vpp equal chunks; stage r holds chunks r, r+pp, ... Needs pp > 1, "
-        "num_layers divisible by pp*vpp, an even split (no first/last_stage_layers) and a dense model (MoE: not yet). "
+        "num_layers divisible by pp*vpp and an even split (no first/last_stage_layers); MoE models at tp > 1 only "
+        "without router losses (aux_loss_coeff = z_loss_coeff = 0). "
         "Micro-batch counts that are not a multiple of pp are padded with empty micro-batches (megatron's "
         "schedule requires a multiple).", min=1)
     rank_order: Literal["natural", "reshard"] = opt(

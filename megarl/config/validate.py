@@ -171,7 +171,7 @@ def _check_parallel(name: str, role: RoleConfig, devices: int, arch: ArchConfig)
             f"the reshard into the rollout engine); use 'natural'"
         )
     if p.vpp > 1:
-        _check_vpp(name, p, arch)
+        _check_vpp(name, role, p, arch)
     try:
         layer_split(arch.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers)
         RoleTopology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, etp=p.etp)
@@ -180,7 +180,7 @@ def _check_parallel(name: str, role: RoleConfig, devices: int, arch: ArchConfig)
     return p
 
 
-def _check_vpp(name: str, p, arch: ArchConfig) -> None:
+def _check_vpp(name: str, role: RoleConfig, p, arch: ArchConfig) -> None:
     """megatron-core 0.16.1's interleaved schedule and megarl's chunk layout (megarl.engine.megatron_engine)."""
     if p.pp < 2:
         raise ConfigError(f"{name}.parallel.vpp: vpp={p.vpp} needs pp > 1 (virtual chunks interleave pipeline "
@@ -191,10 +191,12 @@ def _check_vpp(name: str, p, arch: ArchConfig) -> None:
     if arch.num_layers % (p.pp * p.vpp):
         raise ConfigError(f"{name}.parallel.vpp: num_layers={arch.num_layers} is not divisible by pp*vpp="
                           f"{p.pp}*{p.vpp}={p.pp * p.vpp} (every virtual chunk holds the same number of layers)")
-    if arch.num_experts:
-        raise ConfigError(f"{name}.parallel.vpp: vpp > 1 with a mixture-of-experts model is not supported yet "
-                          "(routing records, router replay and router losses assume one forward per micro-batch; "
-                          "the interleaved schedule splits each forward over chunks); use vpp: 1")
+    moe = getattr(role, "moe", None)
+    if arch.num_experts and p.tp > 1 and moe is not None and (moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0):
+        raise ConfigError(f"{name}.parallel.vpp: vpp > 1 with mixture-of-experts router losses at tp={p.tp} is not "
+                          "supported (sequence parallelism takes no padding mask in megatron-core 0.16.1, so the "
+                          "interleaved schedule's padding to one micro-batch shape would enter the aux / z-loss); "
+                          f"use tp: 1, vpp: 1, or {name}.moe.aux_loss_coeff and z_loss_coeff 0")
 
 
 def _check_batches(cfg: JobConfig, name: str, role: RoleConfig) -> None:

@@ -26,7 +26,10 @@ numbers each chunk's layers globally), the embedding lives in chunk 0 of the fir
 output layer in the last chunk of the last stage. Each chunk has its own DDP wrapper, one distributed optimizer
 covers them all, and `run` drives megatron's interleaved schedule. That schedule needs a micro-batch count that
 is a multiple of pp: `run` pads the list with one-token micro-batches that contribute nothing (zero loss, zero
-units) and drops their results. `chunks` lists the bare chunks; `module` is the only chunk at vpp=1, a
+units; their routers run with the aux / z-loss off and are neither recorded nor counted) and drops their results.
+Mixture-of-experts models: routing records and replays are kept per (chunk, micro-batch) forward (`run` tells the
+recorder which micro-batch each chunk's forward belongs to); what MoE cannot combine with vpp > 1: `check_moe_vpp`.
+`chunks` lists the bare chunks; `module` is the only chunk at vpp=1, a
 `torch.nn.ModuleList` of the chunks otherwise (for `parameters()` / `modules()`; its parameter names carry the
 chunk index: use `megarl.checkpoint.engine_io.named_layouts` / `engine_named_parameters` for canonical names).
 
@@ -46,7 +49,7 @@ import torch
 
 from megarl.engine import offload as off
 from megarl.engine.heads import attach_scalar_head
-from megarl.engine.moe import MoeSettings, enable_routing_hooks
+from megarl.engine.moe import MoeSettings, enable_routing_hooks, moe_routers
 from megarl.models.context_parallel import gather_cp_sequence, split_for_cp_rank
 from megarl.models.gpt import build_gpt_model, build_transformer_config, padded_vocab_size
 from megarl.models.spec import ModelSpec
@@ -100,13 +103,9 @@ def _filler_loss(output: torch.Tensor):
     return output.sum() * 0.0, torch.tensor(0, dtype=torch.int, device=output.device), {}
 
 
-def check_vpp(num_layers: int, pp: int, vpp: int, first_stage_layers=None, last_stage_layers=None,
-              moe: bool = False) -> int:
+def check_vpp(num_layers: int, pp: int, vpp: int, first_stage_layers=None, last_stage_layers=None) -> int:
     """`vpp` when megarl can build that many virtual pipeline chunks per stage, else ValueError saying why.
-
-    Mixture-of-experts models are refused at vpp > 1: the actor's routing records (expert load, router replay) are
-    kept per micro-batch forward, which the interleaved schedule splits over chunks, and a filler micro-batch would
-    add router aux-loss gradients and expert counts of its own."""
+    (Mixture-of-experts models work at vpp > 1; what they cannot combine with it: `check_moe_vpp`.)"""
     if vpp < 1:
         raise ValueError(f"vpp must be >= 1, got {vpp}")
     if vpp == 1:
@@ -117,10 +116,29 @@ def check_vpp(num_layers: int, pp: int, vpp: int, first_stage_layers=None, last_
         raise ValueError("vpp > 1 with first_stage_layers / last_stage_layers is not supported: use an even split")
     if num_layers % (pp * vpp):
         raise ValueError(f"num_layers={num_layers} must be divisible by pp*vpp={pp}*{vpp} (equal virtual chunks)")
-    if moe:
-        raise ValueError(f"vpp={vpp} with a mixture-of-experts model is not supported yet (routing records and "
-                         "router losses assume one forward per micro-batch); use vpp=1")
     return vpp
+
+
+def check_moe_vpp(vpp: int, tp: int, router_losses: bool, recompute: bool = False) -> None:
+    """ValueError for what a mixture-of-experts model cannot combine with vpp > 1 (megatron-core 0.16.1):
+
+    - router aux/z losses at tp > 1: MoE at tp > 1 runs sequence-parallel, where megatron-core's GPTModel cannot take
+      a padding mask (it scatters it with the global TP group), so the router losses count every position fed; the
+      interleaved schedule needs one micro-batch shape, so `_run` pads every micro-batch to the largest one, and that
+      padding would enter the aux/z losses (the objective would depend on vpp and on the batching);
+    - activation recomputation: a filler micro-batch's router losses are switched off during its forward only
+      (`_run`), a recomputed forward in backward would attach them again.
+    """
+    if vpp == 1:
+        return
+    if router_losses and tp > 1:
+        raise ValueError(f"vpp={vpp} with MoE router losses (aux_loss_coeff / z_loss_coeff > 0) at tp={tp} is not "
+                         "supported: under sequence parallelism megatron-core 0.16.1 takes no padding mask, so the "
+                         "interleaved schedule's padding to one micro-batch shape would enter the router losses; use "
+                         "tp=1, vpp=1, or router-loss coefficients 0")
+    if recompute:
+        raise ValueError(f"vpp={vpp} with activation recomputation on a MoE model is not supported (a filler "
+                         "micro-batch's recomputed forward would add router losses); use vpp=1 or no recompute")
 
 
 class MegatronEngine:
@@ -156,8 +174,10 @@ class MegatronEngine:
         self.optimizer_settings = optimizer
         self.moe_settings = moe or MoeSettings()
         self._init_weights = init_weights  # False: leave parameters uninitialised (weights are loaded right after)
-        self.vpp = check_vpp(spec.num_layers, groups.topology.pp, vpp, first_stage_layers, last_stage_layers,
-                             moe=spec.is_moe)
+        self.vpp = check_vpp(spec.num_layers, groups.topology.pp, vpp, first_stage_layers, last_stage_layers)
+        if spec.is_moe:
+            check_moe_vpp(self.vpp, groups.topology.tp, recompute=recompute, router_losses=self.trainable and (
+                self.moe_settings.aux_loss_coeff > 0 or self.moe_settings.z_loss_coeff > 0))
         with megatron_on_cpu():
             self._build(seed, first_stage_layers, last_stage_layers, recompute)
 
@@ -220,6 +240,7 @@ class MegatronEngine:
             if torch.cuda.is_available():
                 chunks[-1].cuda(torch.cuda.current_device())
         self.chunks = chunks
+        self._chunk_routers = [moe_routers(chunk) for chunk in chunks]  # [] per chunk for dense models
         if self.trainable:
             ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,
@@ -337,11 +358,6 @@ class MegatronEngine:
         self._check_loaded()
         if not forward_only and not self.trainable:
             raise RuntimeError("this role is frozen (no optimizer): run it with forward_only=True")
-        if routing is not None and self.vpp > 1:
-            raise NotImplementedError(
-                "recording or replaying MoE routing with vpp > 1 is not supported: the interleaved schedule runs each "
-                "micro-batch's chunks at different times, and the routing records are kept per micro-batch forward "
-                "(use vpp=1 with algorithm.router_replay)")
         with megatron_on_cpu():
             with routing if routing is not None else contextlib.nullcontext():
                 return self._run(list(micro_batches), loss_fn, forward_only, routing)
@@ -365,17 +381,24 @@ class MegatronEngine:
             return -(-length // multiple) * multiple
 
         def forward_step(data_iterator, model):
-            batch = next(data_iterator)
+            # (chunk, micro-batch index): under the interleaved schedule the forwards of one micro-batch's chunks run
+            # at different times, interleaved with other micro-batches'
+            chunk, index = next(data_iterator)
+            batch = micro_batches[index]
             filler = batch is _FILLER  # see _filled_to_pipeline_multiple: one token, nothing to the loss
             if filler:
                 batch = {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
-            elif routing is not None:
-                routing.begin_micro_batch(batch)
             tokens = batch["input_ids"].to(device)
             rows, length = tokens.shape
             # causal: the padded tail is invisible to real tokens; padded rows are cut off before the loss
             extra_len, extra_rows = (seq_length - length, micro_batch_size - rows) if uniform else \
                 (padded(length) - length, 0)
+            if routing is not None and filler:
+                routing.begin_filler()
+            elif routing is not None:  # fed grid: the micro-batch's own (padded to the tp / cp multiple) is True
+                own = torch.ones(rows, padded(length), dtype=torch.bool)
+                routing.begin_micro_batch(batch, index, torch.nn.functional.pad(
+                    own, (0, length + extra_len - padded(length), 0, extra_rows), value=False))
             tokens = torch.nn.functional.pad(tokens, (0, extra_len, 0, extra_rows))
             positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
             if cp > 1:  # this CP rank's two chunks of the sequence; see megarl.models.context_parallel
@@ -390,9 +413,18 @@ class MegatronEngine:
                 padding = batch["attention_mask"].to(device) == 0  # True = padding (megatron's way)
                 padding = torch.nn.functional.pad(padding, (0, extra_len, 0, extra_rows), value=True)
                 kwargs["padding_mask"] = split_for_cp_rank(padding, cp, self.groups.coord.cp) if cp > 1 else padding
-            output = model(tokens, positions, None, **kwargs)
-            if filler:
+            if filler:  # no router aux / z-loss from a filler: megatron-core attaches them only in training mode
+                routers = self._chunk_routers[chunk]
+                was_training = [router.training for router in routers]
+                for router in routers:
+                    router.training = False
+                try:
+                    output = model(tokens, positions, None, **kwargs)
+                finally:
+                    for router, mode in zip(routers, was_training):
+                        router.training = mode
                 return output, _filler_loss
+            output = model(tokens, positions, None, **kwargs)
 
             def loss_func(logits):
                 if cp > 1:  # the whole sequence on every CP rank; each rank's backward keeps its own positions
@@ -424,7 +456,8 @@ class MegatronEngine:
         forward_backward = get_forward_backward_func(pp_size=self.groups.topology.pp,
                                                      vp_size=self.vpp if self.vpp > 1 else None)
         # the interleaved schedule takes one data iterator per chunk; each chunk reads every micro-batch once
-        data = [iter(micro_batches) for _ in self.models] if self.vpp > 1 else iter(micro_batches)
+        data = [iter([(c, i) for i in range(len(micro_batches))]) for c in range(self.vpp)]
+        data = data if self.vpp > 1 else data[0]
         if forward_only:
             ctx = torch.no_grad()
         else:

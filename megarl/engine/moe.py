@@ -9,7 +9,10 @@ Routing tensor layout (what `RoutingRecorder` returns and `RoutingReplayer` cons
     routed_experts [b, s, L, k] int64 -- for each token, the k experts each MoE layer chose; L = every MoE layer of
     the model (global order, `ModelSpec.moe_layers`), filled only for the layers of this pipeline stage (0
     elsewhere: stages are combined by a sum over the pipeline group). megatron's router sees tokens sequence-first
-    ([s*b, k] after `view(-1, E)` of [s, b, E]); the conversion is here.
+    ([s*b, k] after `view(-1, E)` of [s, b, E]); the conversion is here. Under virtual pipeline parallelism
+    (vpp > 1) a stage's layers sit in several chunks whose forwards of one micro-batch run at different times,
+    interleaved with other micro-batches': the engine names the micro-batch before every chunk's forward, and each
+    router writes (or replays) that micro-batch's columns. The schedule's filler micro-batches are not recorded.
 
 Data path of `algorithm.router_replay: old`: the actor's old-log-prob forward records `routed_experts` [B, S, L, k]
 into its result batch; the update's micro-batches carry their rows; before each micro-batch's forward the
@@ -130,32 +133,66 @@ class _RouterHooks:
 class RoutingRecorder(_RouterHooks):
     """Records every router's top-k per micro-batch and the tokens each expert received.
 
+    The engine announces every forward before it runs: `begin_micro_batch(mb, index, fed)` for micro-batch `index`
+    of the run (under the interleaved schedule, vpp > 1, each micro-batch's forward is split over this stage's
+    chunks and those of different micro-batches interleave: the routers of a chunk write to the micro-batch whose
+    forward runs them), `begin_filler()` for a schedule filler (nothing recorded or counted; its routers choose by
+    themselves).
+
     After the run: `routed_experts(i)` [b, s, L, k] of micro-batch i (this stage's layers filled), and
     `tokens_per_expert` [L, E] float64 summed over this rank's micro-batches (real tokens: positions the engine's
-    padding mask marks as padding are routed but not counted).
+    padding mask marks as padding, and the schedule's uniform padding under vpp > 1, are routed but not counted).
     """
 
     def __init__(self, engine, keep_indices: bool = True) -> None:
         super().__init__(engine)
         self.keep_indices = keep_indices
-        self._per_mb: list[dict[int, torch.Tensor]] = []
-        self._shape: list[tuple[int, int]] = []
+        self._per_mb: dict[int, dict[int, torch.Tensor]] = {}
+        self._shape: dict[int, tuple[int, int]] = {}  # index -> the micro-batch's own [b, s]
+        self._fed: dict[int, tuple[int, int]] = {}  # index -> [rows, length] the engine fed (before CP / SP split)
+        self._current: Optional[int] = None  # the micro-batch whose forward runs now (None: a filler)
+        self._counted: Optional[torch.Tensor] = None  # [local tokens] bool, sequence-first: not schedule padding
         self.tokens_per_expert = torch.zeros(len(self.slots), engine.spec.num_experts, dtype=torch.float64)
 
-    def begin_micro_batch(self, mb: dict) -> None:
-        """Called by the engine before each micro-batch's forward (in schedule order)."""
-        b, s = mb["input_ids"].shape
-        self._shape.append((b, s))
-        self._per_mb.append({})
+    def begin_micro_batch(self, mb: dict, index: Optional[int] = None, fed: Optional[torch.Tensor] = None) -> None:
+        """Called by the engine before each forward of micro-batch `index` (default: the next one). `fed` [rows,
+        length] bool: the token grid the engine feeds for it (its own tokens, padded to a multiple of tp / 2*cp, and
+        under vpp > 1 to the schedule's uniform shape), True where a position belongs to the micro-batch (its own
+        padded [b, s']), False for the schedule's extra padding; None = exactly the micro-batch."""
+        index = len(self._shape) if index is None else index
+        if fed is None:
+            fed = torch.ones(mb["input_ids"].shape, dtype=torch.bool)
+        if index not in self._shape:
+            self._shape[index] = tuple(mb["input_ids"].shape)
+            self._fed[index] = tuple(fed.shape)
+            self._per_mb[index] = {}
+        self._current = index
+        if self.engine.groups.topology.cp > 1:
+            from megarl.models.context_parallel import split_for_cp_rank
+
+            fed = split_for_cp_rank(fed, self.engine.groups.topology.cp, self.engine.groups.coord.cp)
+        if self.sp:
+            fed = sequence_parallel_slice(fed, self.tp, self.tp_rank)
+        self._counted = fed.transpose(0, 1).reshape(-1)
+        self._set_action()
+
+    def begin_filler(self) -> None:
+        """Called by the engine before a filler forward (vpp > 1): its routing is neither recorded nor counted."""
+        self._current = None
+        for router in self.routers:
+            router.router_replay.clear_router_replay_action()
 
     def _record(self, router, top_indices: torch.Tensor, args, kwargs) -> None:
+        if self._current is None:
+            return
         idx = top_indices.detach().to("cpu", torch.int64)
         slot = self._slot(router)
         pad = args[1] if len(args) > 1 else kwargs.get("padding_mask")  # [s, b] True = padding (or None)
-        counted = idx if pad is None else idx[~pad.reshape(-1).cpu()]
-        self.tokens_per_expert[slot] += torch.bincount(counted.reshape(-1), minlength=self.spec.num_experts).double()
+        counted = self._counted if pad is None else self._counted & ~pad.reshape(-1).cpu()
+        self.tokens_per_expert[slot] += torch.bincount(idx[counted].reshape(-1),
+                                                       minlength=self.spec.num_experts).double()
         if self.keep_indices:
-            self._per_mb[-1][slot] = idx
+            self._per_mb[self._current][slot] = idx
 
     def _hook(self, router, args, kwargs, output) -> None:
         self._record(router, router.router_replay.recorded_topk_idx, args, kwargs)
@@ -164,17 +201,18 @@ class RoutingRecorder(_RouterHooks):
         """[b, s, L, k] int64 of micro-batch i (zeros for the layers of other stages). Collective over the TP group
         under sequence parallelism (the slices are gathered)."""
         b, s = self._shape[i]
-        local = padded_len(s, self.tp) // self.tp if self.sp else s
-        out = torch.zeros(b, local, len(self.slots), self.spec.moe_topk, dtype=torch.int64)
+        rows, length = self._fed[i]
+        local = length // self.tp if self.sp else length
+        out = torch.zeros(rows, local, len(self.slots), self.spec.moe_topk, dtype=torch.int64)
         for slot, idx in self._per_mb[i].items():
-            out[:, :, slot] = idx.view(local, b, -1).transpose(0, 1)
+            out[:, :, slot] = idx.view(local, rows, -1).transpose(0, 1)
         if self.sp:
             from megarl.platform.device import compute_device
 
             parts = [torch.empty_like(out, device=compute_device()) for _ in range(self.tp)]
             dist.all_gather(parts, out.to(compute_device()).contiguous(), group=self.engine.groups.pgs.tp)
-            out = torch.cat([p.cpu() for p in parts], dim=1)[:, :s]
-        return out
+            out = torch.cat([p.cpu() for p in parts], dim=1)
+        return out[:b, :s]
 
 
 class RoutingReplayer(RoutingRecorder):
@@ -211,14 +249,19 @@ class RoutingReplayer(RoutingRecorder):
         for router in self.routers:
             router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
-    def begin_micro_batch(self, mb: dict) -> None:
-        super().begin_micro_batch(mb)
+    def begin_micro_batch(self, mb: dict, index: Optional[int] = None, fed: Optional[torch.Tensor] = None) -> None:
+        super().begin_micro_batch(mb, index, fed)
         if self.key not in mb:
             raise KeyError(f"router replay needs {self.key!r} [b, s, L, k] in every micro-batch (record them in "
                            "the old-log-prob forward: Actor.compute_log_probs(record_routing=True), or capture "
                            "vLLM's: algorithm.router_replay=rollout)")
         target, valid = mb[self.key], mb["attention_mask"]  # [b, s, L, k], [b, s]
         replayed = mb[self.mask_key] if self.mask_key is not None else torch.ones_like(valid)
+        rows, length = self._fed[self._current]
+        extra_len, extra_rows = length - target.shape[1], rows - target.shape[0]
+        if extra_len or extra_rows:  # the engine's padding (tp, uniform shape under vpp > 1): valid 0, expert 0
+            target = torch.nn.functional.pad(target, (0, 0, 0, 0, 0, extra_len, 0, extra_rows))
+            valid, replayed = (torch.nn.functional.pad(t, (0, extra_len, 0, extra_rows)) for t in (valid, replayed))
         if self.sp:  # this TP rank's slice of the tp-padded sequence (padding: valid 0)
             target, valid, replayed = (sequence_parallel_slice(t, self.tp, self.tp_rank)
                                        for t in (target, valid, replayed))
@@ -244,6 +287,8 @@ class RoutingReplayer(RoutingRecorder):
         return own_map
 
     def _pre_hook(self, router, args, kwargs):
+        if self._current is None:  # a filler: the router chooses by itself
+            return
         own_map = self._own_top_k(router, args[0] if args else kwargs["input"])
         own = own_map.float().topk(router.topk, dim=-1).indices.sort(-1).values.cpu()
         slot = self._slot(router)
@@ -251,6 +296,8 @@ class RoutingReplayer(RoutingRecorder):
         router.router_replay.target_topk_idx = target
 
     def _hook(self, router, args, kwargs, output) -> None:
+        if self._current is None:
+            return
         target = router.router_replay.target_topk_idx
         self._record(router, target, args, kwargs)
         own_map = self._own_top_k(router, args[0] if args else kwargs["input"])

@@ -79,3 +79,15 @@ def test_routing_sets_differ_by_hand():
     own = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1], [0, 1, 0, 1], [1, 0, 1, 0]], dtype=torch.bool)
     replayed = torch.tensor([[1, 0], [2, 1], [3, 1], [3, 1]])
     assert routing_sets_differ(own, replayed).tolist() == [False, True, False, True]
+
+
+def test_what_moe_cannot_combine_with_vpp():
+    from megarl.engine.megatron_engine import check_moe_vpp
+
+    check_moe_vpp(vpp=2, tp=1, router_losses=True)  # accepted
+    check_moe_vpp(vpp=2, tp=2, router_losses=False)
+    check_moe_vpp(vpp=1, tp=2, router_losses=True, recompute=True)
+    with pytest.raises(ValueError, match="vpp=2 with MoE router losses .* at tp=2 is not supported"):
+        check_moe_vpp(vpp=2, tp=2, router_losses=True)
+    with pytest.raises(ValueError, match="vpp=2 with activation recomputation on a MoE model is not supported"):
+        check_moe_vpp(vpp=2, tp=1, router_losses=False, recompute=True)
