@@ -235,6 +235,18 @@ def _last_stage(runs, role):
     return outs
 
 
+def assert_same_update(results, base_results, base_metrics: dict, metric_keys) -> None:
+    """One layout's update equals the base layout's: every merged HF-layout weight within 1e-5 and the named metrics
+    (of the layout's first rank) within rel 1e-5."""
+    want, got = _merged_weights(base_results), _merged_weights(results)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], atol=1e-5, rtol=0, err_msg=k)
+    m = results[0]["metrics"]
+    for key in metric_keys:
+        assert m[key] == pytest.approx(base_metrics[key], rel=1e-5, abs=1e-6), key
+
+
 def _merged_weights(results) -> dict[str, np.ndarray]:
     merged = {}
     for r in results:
@@ -286,14 +298,8 @@ def test_layouts_agree_before_and_after_one_update(runs, layout):
     for r in _last_stage(runs, layout):
         np.testing.assert_allclose(r["before"]["log_probs"], base["before"]["log_probs"], atol=1e-5, rtol=0)
         np.testing.assert_allclose(r["after"]["log_probs"], base["after"]["log_probs"], atol=1e-5, rtol=0)
-    want = _merged_weights(runs["roles"]["tp1pp1"])
-    got = _merged_weights(runs["roles"][layout])
-    assert sorted(got) == sorted(want)
-    for k in want:
-        np.testing.assert_allclose(got[k], want[k], atol=1e-5, rtol=0, err_msg=k)
-    m, mb = runs["roles"][layout][0]["metrics"], base["metrics"]
-    for key in ("loss", "grad_norm", "entropy"):
-        assert m[key] == pytest.approx(mb[key], rel=1e-5, abs=1e-6), key
+    assert_same_update(runs["roles"][layout], runs["roles"]["tp1pp1"], base["metrics"],
+                       ("loss", "grad_norm", "entropy"))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
