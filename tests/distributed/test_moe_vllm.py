@@ -35,8 +35,6 @@ from megarl.platform.spawn import run_ranks
 
 pytestmark = pytest.mark.slow
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 PROMPTS = [[1, 5, 9, 14, 22, 7], [1, 40, 41, 42], [1] + list(range(200, 230))]
 MAX_NEW = 8

@@ -21,8 +21,6 @@ from megarl.rollout.testing import build_tiny_llama, hf_greedy, hf_token_log_pro
 
 pytestmark = pytest.mark.slow
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 # A 40-token prompt fills 2 full KV blocks (block size 16), so the prefix cache really holds it between calls.
 LONG = [1] + [3 + (7 * i) % 290 for i in range(39)]
