@@ -1,6 +1,9 @@
-"""Regenerate the golden quickstart curve, `tests/e2e/golden/cpu_quickstart.json`, from a fresh run.
+"""Regenerate the golden quickstart curve, `tests/e2e/golden/cpu_quickstart.<kernel class>.json`, from a fresh run.
 
-    cd <repo root> && .venv/bin/python -m tests.e2e.regenerate_golden [--out PATH]
+    cd <repo root> && .venv/bin/python -m tests.e2e.regenerate_golden [--out PATH] [--emulate avx2]
+
+One file per CPU kernel class (`tests/e2e/golden_host.py`): the host's, or with `--emulate avx2` the AVX2 class's
+(torch, oneDNN, MKL and vLLM held to AVX2 on a newer host).
 
 (on the 2-core CPU machine: hold the heavy-process lock, `flock /tmp/megarl-heavy.lock ...`). It runs
 `megarl train yaml_configs/cpu_quickstart.yaml` in a temporary logging directory with the same clean environment as
@@ -20,8 +23,11 @@ import subprocess
 import sys
 import tempfile
 
-from tests.e2e.test_quickstart import GOLDEN, ROOT
+from tests.e2e.conftest import ROOT
+from tests.e2e.golden_host import emulation_env, golden_path, host_kernel_class
 from tests.subprocess_env import clean_env
+
+GOLDEN_STEM = "cpu_quickstart"
 
 CONFIG = "yaml_configs/cpu_quickstart.yaml"
 
@@ -38,6 +44,13 @@ def _versions() -> str:
             except Exception:  # PackageNotFoundError: try the next name
                 continue
     return ", ".join(found)
+
+
+def machine() -> str:
+    """'2-core x86_64 CPU (AMD EPYC), torch ..., ...': cores, CPU model and the stack's versions."""
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 platform.processor())
+    return f"{os.cpu_count()}-core {platform.machine()} CPU ({model}), {_versions()}"
 
 
 def write_json_atomically(data: dict, out: str) -> None:
@@ -57,12 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=GOLDEN, help="where to write the golden JSON (default: %(default)s)")
-    out = parser.parse_args(argv).out
+    parser.add_argument("--out", default=None, help="where to write the golden JSON (default: the class's file)")
+    parser.add_argument("--emulate", choices=["avx2"], default=None, help="record the AVX2 class's file here")
+    args = parser.parse_args(argv)
+    env = emulation_env(args.emulate, clean_env()) if args.emulate else clean_env()
+    klass = args.emulate or host_kernel_class()
+    out = args.out or golden_path(GOLDEN_STEM, klass)
     with tempfile.TemporaryDirectory(prefix="megarl-golden-") as run_dir:
         proc = subprocess.run(
             [sys.executable, "-m", "megarl", "train", CONFIG, f"logging.dir={run_dir}"],
-            cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=1800,
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
         )
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
@@ -73,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     golden = {
         "config": CONFIG,
         "command": f"megarl train {CONFIG}",
-        "machine": f"{os.cpu_count()}-core {platform.machine()} CPU, {_versions()}",
+        "machine": machine(),
+        "kernel_class": klass + (" (emulated)" if args.emulate else ""),
         "reward_mean": [round(r["reward/mean"], 6) for r in rows],
         "val_reward_mean": {str(r["step"]): r["val/reward_mean"] for r in rows if "val/reward_mean" in r},
     }

@@ -1,6 +1,8 @@
-"""Regenerate `tests/e2e/golden/quickstart_addition_short.json`, the short `megarl quickstart` run's curves.
+"""Regenerate `tests/e2e/golden/quickstart_addition_short.<kernel class>.json`, the short `megarl quickstart` curves.
 
-    cd <repo root> && flock /tmp/megarl-heavy.lock .venv/bin/python -m tests.e2e.regenerate_golden_addition [--out PATH]
+    cd <repo root> && .venv/bin/python -m tests.e2e.regenerate_golden_addition [--out PATH] [--emulate avx2]
+
+One file per CPU kernel class (`tests/e2e/golden_host.py`): the host's, or with `--emulate avx2` the AVX2 class's.
 
 Runs `megarl quickstart` with the test's `SHORT_ARGS` in a temporary directory (the test's clean environment) and
 writes, atomically: the three held-out accuracies, the SFT losses at its evaluations, the GRPO reward per step and
@@ -15,19 +17,23 @@ import os
 import sys
 import tempfile
 
-from tests.e2e.regenerate_golden import _versions, write_json_atomically
-from tests.e2e.test_quickstart_addition import GOLDEN, SHORT_ARGS, run_short
+from tests.e2e.golden_host import emulation_env, golden_path, host_kernel_class
+from tests.e2e.regenerate_golden import machine, write_json_atomically
+from tests.e2e.test_quickstart_addition import GOLDEN_STEM, SHORT_ARGS, run_short
+from tests.subprocess_env import clean_env
 
 
 def main(argv: list[str] | None = None) -> int:
-    import platform
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=GOLDEN, help="where to write the golden JSON (default: %(default)s)")
-    out = parser.parse_args(argv).out
+    parser.add_argument("--out", default=None, help="where to write the golden JSON (default: the class's file)")
+    parser.add_argument("--emulate", choices=["avx2"], default=None, help="record the AVX2 class's file here")
+    args = parser.parse_args(argv)
+    env = emulation_env(args.emulate, clean_env()) if args.emulate else clean_env()
+    klass = args.emulate or host_kernel_class()
+    out = args.out or golden_path(GOLDEN_STEM, klass)
     with tempfile.TemporaryDirectory(prefix="megarl-golden-") as tmp:
         run_dir = os.path.join(tmp, "run")
-        proc = run_short(run_dir)
+        proc = run_short(run_dir, env)
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
             sys.stderr.write(f"\nquickstart run failed (exit {proc.returncode}); {out} left unchanged\n")
@@ -35,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = json.load(open(os.path.join(run_dir, "summary.json")))
     golden = {
         "command": "megarl quickstart --out DIR " + " ".join(SHORT_ARGS),
-        "machine": f"{os.cpu_count()}-core {platform.machine()} CPU, {_versions()}",
+        "machine": machine(),
+        "kernel_class": klass + (" (emulated)" if args.emulate else ""),
         "accuracy_initial": summary["accuracy_initial"],
         "accuracy_after_sft": summary["accuracy_after_sft"],
         "accuracy_after_grpo": summary["accuracy_after_grpo"],

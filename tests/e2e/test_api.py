@@ -4,10 +4,10 @@ root): Ray, two worker processes, vLLM TP=2, three GRPO steps driven by `trainer
 
 What it is compared with, none of it computed by the API:
 - the README block is the example file, character for character (so the README cannot rot silently);
-- the reward curve equals the first 3 steps of the CLI's golden curve (`golden/cpu_quickstart.json`, recorded by
-  `megarl train yaml_configs/cpu_quickstart.yaml`): the example's closure reward is the quickstart's rule (every record
-  has the same target words) and its records are the quickstart's file, so the API must run the CLI's engine
-  step for step;
+- the reward curve equals the first 3 steps of the CLI's run of the same config (the session's shared
+  `quickstart_run`, `megarl train yaml_configs/cpu_quickstart.yaml` on this machine, tests/e2e/conftest.py): the
+  example's closure reward is the quickstart's rule (every record has the same target words) and its records are the
+  quickstart's file, so the API must run the CLI's engine step for step -- bit for bit, on the same host;
 - `generate`'s greedy text equals transformers' greedy decoding of the exported HuggingFace model (the weights after
   step 3, read back by transformers itself).
 """
@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from tests.e2e.test_quickstart import GOLDEN, GOLDEN_TOLERANCE, ROOT
+from tests.e2e.conftest import ROOT
 from tests.subprocess_env import clean_env
 
 EXAMPLE = os.path.join(ROOT, "examples", "api_quickstart.py")
@@ -37,7 +37,7 @@ def readme_example() -> str:
 
 
 @pytest.mark.slow
-def test_readme_api_example_runs_the_cli_engine(tmp_path):
+def test_readme_api_example_runs_the_cli_engine(tmp_path, quickstart_run):
     code = readme_example()
     assert code == open(EXAMPLE).read(), "README's API example and examples/api_quickstart.py differ"
     assert code.count(RUN_DIR_IN_EXAMPLE) >= 2
@@ -49,9 +49,9 @@ def test_readme_api_example_runs_the_cli_engine(tmp_path):
 
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    golden = json.load(open(GOLDEN))["reward_mean"][:3]
+    cli = [r["reward/mean"] for r in quickstart_run.rows[:3]]
     got = [r["reward/mean"] for r in rows]
-    assert max(abs(a - b) for a, b in zip(got, golden)) <= GOLDEN_TOLERANCE, (got, golden)
+    assert got == cli, (got, cli)
     # step() returned the row metrics.jsonl holds for step 1
     assert f"step 1: reward {rows[0]['reward/mean']:.3f} kl {rows[0]['actor/kl']:.4f}" in proc.stdout
     assert "run summary: steps 1..3 of 3" in proc.stdout  # fit() ended with the table and the plots

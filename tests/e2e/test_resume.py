@@ -1,19 +1,25 @@
 """Exact resume through `megarl train`, as a user runs it (CPU quickstart, fp32, deterministic).
 
 For GRPO (actor + reference) and PPO (actor + reference + critic, colocated):
-  uninterrupted: steps 1-4 in one run (checkpoints after steps 2 and 4);
+  uninterrupted: steps 1-4 in one run with checkpoints after steps 2 and 4 -- for GRPO the session's shared
+                 `quickstart_run` (tests/e2e/conftest.py: 20 steps, a checkpoint every 2, constant LR, validation only
+                 at steps 10 and 20, so its steps 1-4 are those of a 4-step run), for PPO a 4-step run here;
   interrupted:   steps 1-2 (trainer.total_steps=2), then a second run with total_steps=4 that resumes from step 2.
+                 GRPO's saves every step and keeps the last one only (checkpoint.keep_last=1): the pruning is checked.
 Every per-step metric that is not a wall time (rewards, losses, grad norms, KL, clip fractions, mismatch, entropy,
 reshard bytes) must be bit-identical between the two, and so must every tensor of the final checkpoints (weights and
 Adam moments of the actor and the critic, read back with torch.distributed.checkpoint, independent of megarl), the LR
-schedulers and the step counters. GRPO also resumes at another actor layout (TP2 -> PP2): its next step's actor loss
-must equal the uninterrupted run's within 1e-6. The expected values always come from the uninterrupted run made
-in the same test.
+schedulers' positions and the step counters. GRPO also resumes at another actor layout (TP2 -> PP2): its next step's
+actor loss must equal the uninterrupted run's within 1e-6. The expected values always come from an uninterrupted run
+made in the same session on the same machine.
+PPO's 4-step run is also the suite's PPO-with-a-critic run: GAE from a colocated TP2 critic, every metric finite, one
+critic optimizer step per RL step.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -22,6 +28,7 @@ import sys
 import pytest
 import torch
 
+from tests.e2e.conftest import QUICKSTART_SAVE_EVERY
 from tests.subprocess_env import clean_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,7 +39,8 @@ LAYOUT_TOL = 1e-6
 def _train(run_dir, ckpt, *overrides):
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart.yaml", "trainer.val_every=0",
-         f"logging.dir={run_dir}", f"checkpoint.dir={ckpt}", "checkpoint.save_every=2", *overrides],
+         f"logging.dir={run_dir}", f"checkpoint.dir={ckpt}", f"checkpoint.save_every={QUICKSTART_SAVE_EVERY}",
+         *overrides],
         cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -70,25 +78,44 @@ def _assert_same_checkpoint(a: str, b: str, role: str) -> int:
         assert torch.equal(ta[k], tb[k]), f"{role} {k}: max diff {(ta[k] - tb[k]).abs().max().item()}"
     sa = torch.load(os.path.join(a, role, "engine_state.pt"), weights_only=False)
     sb = torch.load(os.path.join(b, role, "engine_state.pt"), weights_only=False)
-    assert sa["scheduler"] == sb["scheduler"] and sa["steps"] == sb["steps"] > 0
+    # the schedule's length (lr_decay_steps, wd_incr_steps) follows trainer.total_steps (20 in the shared run, 4
+    # here); its position and every rate at that position must be equal (the quickstart's LR is constant)
+    length = {"lr_decay_steps", "wd_incr_steps"}
+    assert {k: v for k, v in sa["scheduler"].items() if k not in length} == \
+        {k: v for k, v in sb["scheduler"].items() if k not in length}
+    assert sa["scheduler"]["num_steps"] == sb["scheduler"]["num_steps"] > 0
+    assert sa["steps"] == sb["steps"] > 0
     return len(ta)
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_resume_is_bit_identical(tmp_path, algo):
+def test_resume_is_bit_identical(tmp_path, algo, request):
     extra = PPO if algo == "ppo" else ()
-    full_run, full_ckpt = tmp_path / "full", tmp_path / "full_ckpt"
-    _train(full_run, full_ckpt, "trainer.total_steps=4", *extra)
+    if algo == "grpo":
+        shared = request.getfixturevalue("quickstart_run")
+        full, full_ckpt = shared.rows[:4], shared.ckpt_dir
+    else:
+        full_run, full_ckpt = tmp_path / "full", tmp_path / "full_ckpt"
+        _train(full_run, full_ckpt, "trainer.total_steps=4", *extra)
+        full = _rows(full_run)
+        _assert_ppo_ran_its_critic(full)
     part_run, part_ckpt = tmp_path / "part", tmp_path / "part_ckpt"
-    _train(part_run, part_ckpt, "trainer.total_steps=2", *extra)
-    if algo == "grpo":  # keep the step-2 checkpoint for the other-layout resume below
-        shutil.copytree(part_ckpt, tmp_path / "layout_ckpt")
-    out = _train(part_run, part_ckpt, "trainer.total_steps=4", *extra)
+    prune = ("checkpoint.save_every=1", "checkpoint.keep_last=1") if algo == "grpo" else ()
+    _train(part_run, part_ckpt, "trainer.total_steps=2", *extra, *prune)
+    if algo == "grpo":  # saved after steps 1 and 2, kept the last one only
+        assert sorted(os.listdir(part_ckpt)) == ["step_000002"]
+        assert sorted(os.listdir(part_ckpt / "step_000002")) == ["actor", "rng", "trainer_state.json"]
+        state = json.load(open(part_ckpt / "step_000002" / "trainer_state.json"))
+        assert state["step"] == 2 and state["loader"]["position"] > 0
+        shutil.copytree(part_ckpt, tmp_path / "layout_ckpt")  # for the other-layout resume below
+    out = _train(part_run, part_ckpt, "trainer.total_steps=4", *extra, *prune)
     assert "resumed from" in out and "config change since" in out and "trainer.total_steps: 2 -> 4 (neutral)" in out
     loaded = "actor+optimizer, critic+optimizer" if algo == "ppo" else "actor+optimizer"
     assert f"loaded {loaded})" in out, out[-3000:]
+    if algo == "grpo":
+        assert sorted(os.listdir(part_ckpt)) == ["step_000004"]  # keep_last=1 across the resumed run too
 
-    full, part = _rows(full_run), _rows(part_run)
+    part = _rows(part_run)
     assert [r["step"] for r in full] == [r["step"] for r in part] == [1, 2, 3, 4]
     compared = set()
     for a, b in zip(full, part):
@@ -119,10 +146,19 @@ def test_resume_is_bit_identical(tmp_path, algo):
         assert abs(step3["actor/grad_norm"] - full[2]["actor/grad_norm"]) <= LAYOUT_TOL * full[2]["actor/grad_norm"]
 
 
-def test_breaking_config_change_is_refused(tmp_path):
-    """A resume whose config changes the algorithm is refused before any step, naming the key; nothing is lost."""
+def _assert_ppo_ran_its_critic(rows: list[dict]) -> None:
+    """PPO preset: GAE advantages from a critic (TP=2) colocated with the actor; every metric finite."""
+    for r in rows:
+        for key in ("critic/value_loss", "critic/grad_norm", "actor/loss", "reward/mean"):
+            assert math.isfinite(r[key]), (key, r[key])
+        assert r["critic/optimizer_steps"] == 1
+
+
+def test_breaking_config_change_is_refused(tmp_path, quickstart_run):
+    """A resume whose config changes the algorithm is refused before any step, naming the key; nothing is lost.
+    The checkpoint is a copy of the shared run's step 2."""
     ckpt = tmp_path / "ckpt"
-    _train(tmp_path / "run", ckpt, "trainer.total_steps=2")
+    shutil.copytree(quickstart_run.ckpt_dir / "step_000002", ckpt / "step_000002")
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart.yaml", "trainer.val_every=0",
          f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={ckpt}", "trainer.total_steps=3",

@@ -1,9 +1,11 @@
 """Rollout/train mismatch on the CPU quickstart in bf16, with token-level TIS on (`docs/rollout_correction.md`).
 
 In bf16 vLLM's and Megatron's kernels round differently, so the rollout's log-probs and the actor's recomputed
-old log-probs disagree slightly on every token: the `mismatch/*` metrics must see it, and a run that corrects for it
-with truncated importance sampling must still learn the task. (The fp32 run's metrics are checked against a bound in
-`test_quickstart.py`, on the golden run itself.)
+old log-probs disagree slightly on every token: the `mismatch/*` metrics must see it on every step, and the
+truncated-importance-sampling correction must run with weights near 1. 4 steps: every check is per step (learning
+is the quickstart's to show, `test_quickstart.py::test_the_policy_learns`; until 2026-12-03 this test ran all 20
+steps and also asked the bf16 run with TIS for a mean-reward rise of 0.2 from steps 1-5 to steps 16-20). (The fp32
+run's metrics are checked against a bound in `test_quickstart.py`, on the shared quickstart run itself.)
 """
 
 from __future__ import annotations
@@ -22,15 +24,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = pytest.mark.slow
 
 
-def test_bf16_mismatch_is_measured_and_a_run_with_tis_learns(tmp_path):
+def test_bf16_mismatch_is_measured_and_corrected_on_every_step(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart.yaml", "model.dtype=bf16",
-         "algorithm.rollout_correction.tis=token", "trainer.val_every=0", f"logging.dir={tmp_path}"],
+         "algorithm.rollout_correction.tis=token", "trainer.total_steps=4", "trainer.val_every=0",
+         f"logging.dir={tmp_path}"],
         cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         # bf16 rounding (8 mantissa bits, relative 2^-9 ~ 2e-3 per op) leaves a visible gap on every step; measured
         # here (without TIS): per-step |d| mean 0.9e-3..3.4e-3 and max 4e-3..9e-2 nats. 1e-4 is 9x below the smallest
@@ -41,9 +44,3 @@ def test_bf16_mismatch_is_measured_and_a_run_with_tis_learns(tmp_path):
         assert abs(r["actor/rollout_tis_weight_mean"] - 1.0) < 0.05, r["actor/rollout_tis_weight_mean"]
         assert 0.0 <= r["actor/rollout_tis_clip_frac"] <= r["mismatch/ratio_out_frac"] + 1e-9
         assert r["actor/rollout_masked_token_frac"] == 0.0  # no mask asked for
-    rewards = [r["reward/mean"] for r in rows]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    # Learning: the fp32 golden run goes from 0.13 (first 5 steps) to 0.52 (last 5). The random-policy reward
-    # (~0.13) has a step-to-step spread of ~0.02 (std of the golden curve's first 8 steps), so a rise of 0.2 is
-    # 10 such spreads -- the same margin test_quickstart.py asks of the fp32 run.
-    assert last > first + 0.2, rewards

@@ -1,0 +1,54 @@
+"""The one CPU quickstart run the e2e tests share (session scope): `megarl train yaml_configs/cpu_quickstart.yaml`
+as a user runs it, with checkpoints.
+
+Each `megarl train` costs ~30 s of start-up on the 2-core machine before its first step, so one 20-step run serves
+every check that needs "the plain quickstart": the golden reward curve, the first screen, the end-of-run summary and
+plots, learning, fp32 rollout/actor agreement, /dev/shm left as found, and the uninterrupted reference of the resume,
+offload and API tests (steps 1-4 and the step-2 / step-4 checkpoints; validation only at steps 10 and 20 and a
+constant LR, so its first steps are those of any shorter run of the same config).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.subprocess_env import clean_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+QUICKSTART_SAVE_EVERY = 2
+
+
+@dataclass
+class QuickstartRun:
+    rows: list  # metrics.jsonl, one dict per step
+    proc: subprocess.CompletedProcess
+    run_dir: Path
+    ckpt_dir: Path  # step_000002, step_000004, ... step_000020 (keep_last=0)
+    shm_new: set  # /dev/shm entries present after the run that were not there before it
+
+
+def read_rows(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory) -> QuickstartRun:
+    base = tmp_path_factory.mktemp("quickstart")
+    run_dir, ckpt = base / "run", base / "ckpt"
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart.yaml", f"logging.dir={run_dir}",
+         f"checkpoint.dir={ckpt}", f"checkpoint.save_every={QUICKSTART_SAVE_EVERY}", "checkpoint.keep_last=0"],
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    shm_new = set(os.listdir("/dev/shm")) - shm_before
+    return QuickstartRun(read_rows(run_dir), proc, run_dir, ckpt, shm_new)
