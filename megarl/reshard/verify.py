@@ -21,13 +21,13 @@ refused above). Integer addition is associative, so CUDA's alignment-dependent v
 Megatron slice and the contiguous vLLM slice all give the same two integers. The work is on the tensor's device: one
 copy of the piece when it is not contiguous, exact column sums of the words seen as [rows, 65521] (int32
 accumulators flushed into int64, never an int64 copy of the piece) and a weighted sum of the 65521 column sums: on
-CPU about 5x a float sum (a 64 MiB fp32 piece: ~45 ms against ~8 ms, 1 thread, loaded 2-core host), memory-bound
-elsewhere. It catches any change of one word (any flipped bit, the lowest mantissa bit included: S1 moves), a wrong
-offset, a shifted run, rows or elements in another order (their words move to other weights mod 65521, a prime no
-row length of a real model is a multiple of), a stale delta target; it can miss a corruption of several words whose
-changes cancel in both sums, and a wrong *source* slice (the sender checks what it sends): it verifies transport and
-placement; the layouts themselves are verified against transformers and vLLM by the test suite. Sender and receiver
-must agree on byte order (same machine kind).
+CPU 3-5x the former float row sums (a 64 MiB fp32 piece: ~45 ms against 8-14 ms, 1 thread, loaded 2-core host),
+memory-bound elsewhere. It catches any change of one word (any flipped bit, the lowest mantissa bit included: S1
+moves), a wrong offset, a shifted run, rows or elements in another order (their words move to other weights mod
+65521, a prime no row length of a real model is a multiple of), a stale delta target; it can miss a corruption of
+several words whose changes cancel in both sums, and a wrong *source* slice (the sender checks what it sends): it
+verifies transport and placement; the layouts themselves are verified against transformers and vLLM by the test
+suite. Sender and receiver must agree on byte order (same machine kind).
 """
 
 from __future__ import annotations
