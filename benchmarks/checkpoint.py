@@ -128,7 +128,10 @@ def main(argv=None) -> dict:
     slowest = {k: max(r[k] for r in per_rank) for k in per_rank[0] if k.endswith("_s") or k == "max_rss_gb"}
     r0 = per_rank[0]
     layout = f"tp{args.tp}pp{args.pp}dp{args.dp}"
+    from megarl.platform.host import host_cpu
+
     result = {"model_shape": args.model_shape, "layout": layout, "dtype": args.dtype, "machine": machine(),
+              "host_cpu": host_cpu(),
               **{k: v for k, v in r0.items() if k.startswith(("bytes_", "params", "loaded_"))}, **slowest}
     if "loaded_weights_equal" in r0:
         result["loaded_weights_equal"] = all(r["loaded_weights_equal"] for r in per_rank)

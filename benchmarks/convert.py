@@ -128,8 +128,11 @@ def main(argv=None) -> int:
             if not torch.equal(fa.get_tensor(name), fb.get_tensor(name)):
                 exact = False
                 break
+    from megarl.platform.host import host_cpu
+
     result = {
-        "benchmark": "convert", "model": f"llama-1B-shaped ({args.layers} layers)", "params": n_params,
+        "benchmark": "convert", "host_cpu": host_cpu(), "model": f"llama-1B-shaped ({args.layers} layers)",
+        "params": n_params,
         "dtype": args.dtype, "model_gib": round(model_gib, 3), "generate_seconds": round(gen_s, 1),
         "hf_to_megatron": to_m, "megatron_to_hf": to_hf, "round_trip_bit_exact": exact,
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),

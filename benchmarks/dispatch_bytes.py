@@ -131,7 +131,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    out = {"machine": {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(),
+    from megarl.platform.host import host_cpu
+
+    out = {"host_cpu": host_cpu(),
+           "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(),
                        "python": platform.python_version(), "torch": torch.__version__},
            "results": [measure(lay) for lay in LAYOUTS]}
     for r in out["results"]:

@@ -487,6 +487,9 @@ def main(argv=None) -> int:
     if not result.get("weights_exact", True):
         print("reshard.py: planned and reference reshard disagree", file=sys.stderr)
     if args.json:
+        from megarl.platform.host import host_cpu
+
+        result["host_cpu"] = host_cpu()
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

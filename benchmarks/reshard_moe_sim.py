@@ -169,8 +169,11 @@ def main(argv=None) -> int:
     results = [run_case(name, args.gbps) for name in (args.case or list(CASES))]
     if not args.case:
         command = "python benchmarks/reshard_moe_sim.py" + (f" --gbps {args.gbps:g}" if args.gbps != 400 else "")
+        from megarl.platform.host import host_cpu
+
+        cpu = host_cpu()  # the planner's run time (plan_time_s) was measured on this host
         with open(args.out + ".json", "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump([{**r, "host_cpu": cpu} for r in results], f, indent=1)
         with open(args.out + ".md", "w") as f:
             f.write(markdown(results, command))
     return 0

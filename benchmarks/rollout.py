@@ -29,6 +29,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 import torch  # noqa: E402
 
+from megarl.platform.host import host_cpu  # noqa: E402
+
 SHAPES = {
     "tiny": dict(build=dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                             num_kv_heads=2, head_dim=32), dtype="float32", weights=True, repeats=5),
@@ -39,12 +41,7 @@ SHAPES = {
 
 
 def _machine() -> dict:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = host_cpu()["model"]
     import vllm
 
     return dict(host=platform.node(), cpu=cpu, cores=len(os.sched_getaffinity(0)),
@@ -159,7 +156,7 @@ def main(argv=None) -> int:
                                    "rollout_gpu.json" if torch.cuda.is_available() else "rollout_cpu.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump(dict(machine=_machine(), results=results), f, indent=2)
+        json.dump(dict(machine=_machine(), host_cpu=host_cpu(), results=results), f, indent=2)
     print(f"wrote {out}")
     return 0
 

@@ -162,7 +162,10 @@ def main(argv=None):
         if not on_gpu and not args.no_baseline:
             base = _baseline(args, hf_dir, threads=world)
     tps = statistics.median(ours["tokens_per_s"])
+    from megarl.platform.host import host_cpu
+
     result = {
+        "host_cpu": host_cpu(),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name() if on_gpu else None, "torch": torch.__version__,
                     "load_avg_1m_at_end": os.getloadavg()[0]},  # shared machines: other jobs skew timings

@@ -38,6 +38,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megarl.platform.host import host_cpu  # noqa: E402
+
 SHAPES = {
     "24m": dict(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1376),
     "0.6m": dict(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256),
@@ -48,13 +50,9 @@ KL_COEF, LR = 0.04, 1e-6
 
 
 def _machine() -> dict:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     import torch
+
+    cpu = host_cpu()["model"]
 
     return dict(host=platform.node(), cpu=cpu, cores=len(os.sched_getaffinity(0)), python=platform.python_version(),
                 torch=torch.__version__, load_avg_1m=os.getloadavg()[0])
@@ -186,7 +184,8 @@ def main(argv=None) -> int:
         inputs = build_inputs(work, a.shape)
         result = {"benchmark": "vs_trl", "shape": a.shape, **SHAPES[a.shape], "vocab_size": VOCAB,
                   "prompts_per_step": PROMPTS_PER_STEP, "samples_per_prompt": SAMPLES, "new_tokens": a.new_tokens,
-                  "kl_coef": KL_COEF, "steps": a.steps, "devices": a.devices, "machine": _machine()}
+                  "kl_coef": KL_COEF, "steps": a.steps, "devices": a.devices, "machine": _machine(),
+                  "host_cpu": host_cpu()}
         if a.only in (None, "trl"):
             child = json.dumps([inputs, os.path.join(work, "trl_out")])
             cmd = [sys.executable, os.path.abspath(__file__), f"--steps={a.steps}", f"--new-tokens={a.new_tokens}",

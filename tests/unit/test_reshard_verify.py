@@ -1,23 +1,69 @@
-"""The reshard checksum, pure: equal for equal values whatever the strides, different for the corruptions it is
-meant to catch (a flipped exponent bit, rows swapped, a run shifted by one row)."""
+"""The reshard checksum, pure: two integers from the piece's bits in logical element order, checked against a
+reference computed here with numpy from the bytes; equal whatever the memory layout (strided view, transposed
+storage, non-zero storage offset), different for the corruptions it is meant to catch (a flipped bit, the lowest
+mantissa bit included, rows or elements swapped, a run shifted by one row)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from megarl.reshard.verify import checksum
 
+DTYPES = [torch.float32, torch.bfloat16]
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_equal_values_equal_checksums_across_strides(dtype):
+
+def reference_checksum(t: torch.Tensor) -> list[int]:
+    """The module docstring's (S1, S2), written independently: the tensor's bytes in row-major element order, read
+    by numpy as little-endian int16 words v_k; S1 = sum v_k, S2 = sum v_k * ((k mod 65521) + 1), in int64 (the
+    sizes here are far from overflow)."""
+    raw = t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+    v = np.frombuffer(raw, dtype="<i2").astype(np.int64)
+    k = np.arange(v.size, dtype=np.int64)
+    return [int(v.sum()), int((v * (k % 65521 + 1)).sum())]
+
+
+@pytest.mark.parametrize("flush_rows", [None, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_checksum_matches_the_reference_sums(dtype, flush_rows, monkeypatch):
+    if flush_rows is not None:  # the int32 accumulators flushed into int64 every 2 rows, not every 2^15
+        monkeypatch.setattr("megarl.reshard.verify._FLUSH_ROWS", flush_rows)
+    g = torch.Generator().manual_seed(2)
+    for shape in [(7,), (64, 96), (300, 500), ()]:  # (300, 500): several 65521-word rows and a tail
+        t = torch.randn(shape, generator=g).to(dtype)
+        assert checksum(t).tolist() == reference_checksum(t), shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_equal_values_equal_checksums_across_layouts(dtype):
     g = torch.Generator().manual_seed(0)
-    megatron = torch.randn(64, 96, generator=g).to(dtype)  # a column run, as o_proj/down_proj pieces are
-    piece = megatron.narrow(1, 32, 48)
-    vllm = torch.zeros(64, 80, dtype=dtype)
+    megatron = torch.randn(160, 96, generator=g).to(dtype)  # a column run, as o_proj/down_proj pieces are
+    piece = megatron.narrow(1, 32, 48)  # strided: row stride 96
+    ref = checksum(piece.contiguous())
+    vllm = torch.zeros(160, 80, dtype=dtype)
     vllm.narrow(1, 16, 48).copy_(piece)
-    assert torch.equal(checksum(piece), checksum(vllm.narrow(1, 16, 48)))
-    assert torch.equal(checksum(piece), checksum(piece.contiguous()))
+    transposed = piece.t().contiguous().t()  # same values, column-major storage
+    assert transposed.stride() == (1, 160)
+    buffer = torch.zeros(160 * 48 + 1000, dtype=dtype)
+    offset = buffer[777:777 + 160 * 48].view(160, 48)  # a view at a non-zero storage offset (odd, in elements)
+    offset.copy_(piece)
+    assert offset.storage_offset() == 777
+    for same in (piece, vllm.narrow(1, 16, 48), transposed, offset):
+        assert torch.equal(checksum(same), ref)
+    assert checksum(piece).dtype == torch.int64
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lowest_mantissa_bit_changes_the_checksum(dtype):
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(128, 512, generator=g).to(dtype)  # 64k elements: rows far longer than a float32 ulp allows
+    flipped = t.clone()
+    bits = flipped.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+    bits[57, 300] ^= 1  # the lowest mantissa bit of one element
+    assert not torch.equal(flipped, t)
+    assert not torch.equal(checksum(flipped), checksum(t))
+    assert not torch.equal(checksum(flipped.t().contiguous().t()), checksum(t))  # whatever the layout
 
 
 def test_corruptions_change_the_checksum():
@@ -31,10 +77,13 @@ def test_corruptions_change_the_checksum():
     shifted = torch.cat([t[1:], t[:1]])
     for bad in (flipped, swapped, shifted):
         assert not torch.equal(checksum(bad), ref)
-    norm = torch.randn(40, generator=g)  # 1-D: the elements are the rows
+    norm = torch.randn(40, generator=g)  # 1-D
     moved = norm.clone()
     moved[[0, 1]] = moved[[1, 0]]
     assert not torch.equal(checksum(moved), checksum(norm))
+    within_row = t.clone()  # elements swapped inside one row
+    within_row[5, [2, 9]] = within_row[5, [9, 2]]
+    assert not torch.equal(checksum(within_row), ref)
 
 
 def test_check_written_names_the_piece_and_accepts_identical_nans():
