@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from megarl.checkpoint.engine_io import engine_named_parameters
-
 
 def megatron_sources(engine) -> dict[str, torch.Tensor]:
     """{canonical Megatron name: parameter data} for this rank's model chunk (no copies).
@@ -14,4 +12,6 @@ def megatron_sources(engine) -> dict[str, torch.Tensor]:
     ep_rank * num_experts / ep + j: `engine_io.expert_offset`) and local-spec suffixes (Transformer Engine's fused
     norm and grouped-GEMM expert names are folded), matching `megarl.reshard.layouts.megatron_holdings`.
     """
+    from megarl.checkpoint.engine_io import engine_named_parameters  # megatron-core: on the workers only
+
     return {canonical: p.data for canonical, _, p in engine_named_parameters(engine)}

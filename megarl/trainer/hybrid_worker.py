@@ -31,7 +31,6 @@ from megarl.reshard.layouts import TrainLayout
 from megarl.reshard.planner import check_engine_mapping, plan_reshard
 from megarl.reshard.sources import megatron_sources
 from megarl.reshard.vllm_sink import VllmShardSink
-from megarl.roles.factory import build_role
 from megarl.rollout.engine import SamplingSettings
 from megarl.trainer.offload_policy import OffloadPolicy
 
@@ -50,6 +49,8 @@ class HybridWorker:
         check_supported(cfg)
         self.cfg = cfg
         # This pool is its own torch.distributed world: roles start at rank 0 in it.
+        from megarl.roles.factory import build_role  # megatron-core: imported on the workers, not the controller
+
         self.actor = build_role(cfg, "actor", rank_offset=0)
 
         def colocated(role: str):

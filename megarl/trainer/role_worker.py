@@ -13,12 +13,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megarl.checkpoint.dist_ckpt import has_optimizer_state, load_engine_checkpoint, save_engine_checkpoint
-from megarl.checkpoint.train_state import load_rng, save_rng
 from megarl.config.schema import JobConfig
 from megarl.controller.dispatch import Dispatch, dispatch
 from megarl.data.batch import Batch
-from megarl.roles.factory import build_role
 from megarl.trainer.offload_policy import OffloadPolicy
 
 
@@ -32,6 +29,8 @@ class RoleWorker:
             raise ValueError(f"RoleWorker hosts critic, reference or reward_model, not {role!r}")
         self.role_name = role
         self.pool = cfg.role(role).pool
+        from megarl.roles.factory import build_role  # megatron-core: imported on the workers, not the controller
+
         self.role = build_role(cfg, role, rank_offset=0)
         self.offload = OffloadPolicy(self.role, cfg.role(role).offload)
 
@@ -83,6 +82,9 @@ class RoleWorker:
         if self.role_name != "critic":
             return []
         self.offload.before_use()
+        from megarl.checkpoint.dist_ckpt import save_engine_checkpoint
+        from megarl.checkpoint.train_state import save_rng
+
         save_engine_checkpoint(self.role.engine, os.path.join(step_dir, "critic"), with_optimizer=True)
         save_rng(step_dir, self.pool, dist.get_rank(), self._rng_layout())
         return ["critic"]
@@ -95,6 +97,9 @@ class RoleWorker:
             return []
         self.offload.before_use()
         path = os.path.join(step_dir, "critic")
+        from megarl.checkpoint.dist_ckpt import has_optimizer_state, load_engine_checkpoint
+        from megarl.checkpoint.train_state import load_rng
+
         full = has_optimizer_state(path)
         load_engine_checkpoint(self.role.engine, path, with_optimizer=full)
         load_rng(step_dir, self.pool, dist.get_rank(), self._rng_layout())

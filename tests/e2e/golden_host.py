@@ -67,16 +67,36 @@ def load_golden(stem: str) -> dict:
 
 
 _SITECUSTOMIZE = '''\
-# written by tests/e2e/golden_host.py: hold vLLM's kernel choice to AVX2 (its import_kernels asks torch.cpu)
+# written by tests/e2e/golden_host.py: hold vLLM's kernel choice to AVX2 (its import_kernels asks torch.cpu). The
+# patch is applied when torch.cpu is first imported (an import hook), so processes without torch (Ray's own) pay
+# nothing.
+import importlib.abc
+import importlib.util
 import os
+import sys
+
+_OFF = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported")
+
+
+class _HoldToAvx2(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "torch.cpu":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            for fn in _OFF:
+                setattr(module, fn, lambda: False)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 if os.environ.get("MEGARL_EMULATED_ISA") == "avx2":
-    try:
-        import torch.cpu
-        torch.cpu._is_avx512_supported = lambda: False
-        torch.cpu._is_avx512_bf16_supported = lambda: False
-        torch.cpu._is_amx_tile_supported = lambda: False
-    except Exception as e:  # a broken emulation must not pass for a real run
-        raise RuntimeError(f"AVX2 emulation failed: {e}") from e
+    sys.meta_path.insert(0, _HoldToAvx2())
 '''
 
 
