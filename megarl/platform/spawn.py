@@ -4,6 +4,12 @@ Used by tests, benchmarks and tools that "start their own ranks when not under t
 importable (module level) because ranks are started with the 'spawn' method. A rank that raises makes the whole
 call raise with that rank's traceback; a call that exceeds `timeout_s` kills every rank and raises, so a hung
 collective never hangs the caller.
+
+How ranks start (`MEGARL_RANK_START`): `spawn` (default) starts each rank as a fresh interpreter, which imports
+torch, megatron-core and vLLM again (5-15 s a rank on 2 cores); `forkserver` forks each rank from one server process
+that imported the modules in `MEGARL_RANK_PRELOAD` (comma-separated) once, so a rank starts in well under a second
+(the test suite uses it: tests/conftest.py). A forked rank's environment is the server's (the caller's when the first
+`run_ranks` of the process started it) plus `env`; nothing else of the caller's later state reaches it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ import socket
 import time
 import traceback
 from typing import Any, Callable
+
+START_METHOD_ENV = "MEGARL_RANK_START"
+PRELOAD_ENV = "MEGARL_RANK_PRELOAD"
+START_METHODS = ("spawn", "forkserver")
 
 
 class RankFailure(RuntimeError):
@@ -54,11 +64,21 @@ def _entry(rank: int, world_size: int, port: int, env: dict, fn: Callable, args:
             print(f"[rank {rank}] process group teardown failed: {e}", flush=True)
 
 
+def _context():
+    method = os.environ.get(START_METHOD_ENV, "spawn")
+    if method not in START_METHODS:
+        raise ValueError(f"{START_METHOD_ENV}={method!r} is not one of {START_METHODS}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":  # only takes effect before the server's first start
+        ctx.set_forkserver_preload([m for m in os.environ.get(PRELOAD_ENV, "").split(",") if m])
+    return ctx
+
+
 def run_ranks(
     world_size: int, fn: Callable, *args: Any, timeout_s: float = 600.0, env: dict | None = None
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` fresh processes; return the results in rank order."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = _free_port()
     procs = [
