@@ -1,9 +1,8 @@
 """Regenerate the golden quickstart curve, `tests/e2e/golden/cpu_quickstart.<kernel class>.json`, from a fresh run.
 
-    cd <repo root> && .venv/bin/python -m tests.e2e.regenerate_golden [--out PATH] [--emulate avx2]
+    cd <repo root> && .venv/bin/python -m tests.e2e.regenerate_golden [--out PATH]
 
-One file per CPU kernel class (`tests/e2e/golden_host.py`): the host's, or with `--emulate avx2` the AVX2 class's
-(torch, oneDNN, MKL and vLLM held to AVX2 on a newer host).
+One file per CPU kernel class (`tests/e2e/golden_host.py`): this host's.
 
 (on the 2-core CPU machine: hold the heavy-process lock, `flock /tmp/megarl-heavy.lock ...`). It runs
 `megarl train yaml_configs/cpu_quickstart.yaml` in a temporary logging directory with the same clean environment as
@@ -24,7 +23,7 @@ import sys
 import tempfile
 
 from tests.e2e.conftest import ROOT
-from tests.e2e.golden_host import emulation_env, golden_path, host_kernel_class
+from tests.e2e.golden_host import golden_path, host_kernel_class
 from tests.subprocess_env import clean_env
 
 GOLDEN_STEM = "cpu_quickstart"
@@ -71,10 +70,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="where to write the golden JSON (default: the class's file)")
-    parser.add_argument("--emulate", choices=["avx2"], default=None, help="record the AVX2 class's file here")
     args = parser.parse_args(argv)
-    env = emulation_env(args.emulate, clean_env()) if args.emulate else clean_env()
-    klass = args.emulate or host_kernel_class()
+    env = clean_env()
+    klass = host_kernel_class()
     out = args.out or golden_path(GOLDEN_STEM, klass)
     with tempfile.TemporaryDirectory(prefix="megarl-golden-") as run_dir:
         proc = subprocess.run(
@@ -91,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": CONFIG,
         "command": f"megarl train {CONFIG}",
         "machine": machine(),
-        "kernel_class": klass + (" (emulated)" if args.emulate else ""),
+        "kernel_class": klass,
         "reward_mean": [round(r["reward/mean"], 6) for r in rows],
         "val_reward_mean": {str(r["step"]): r["val/reward_mean"] for r in rows if "val/reward_mean" in r},
     }

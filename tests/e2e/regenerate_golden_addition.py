@@ -1,8 +1,8 @@
 """Regenerate `tests/e2e/golden/quickstart_addition_short.<kernel class>.json`, the short `megarl quickstart` curves.
 
-    cd <repo root> && .venv/bin/python -m tests.e2e.regenerate_golden_addition [--out PATH] [--emulate avx2]
+    cd <repo root> && .venv/bin/python -m tests.e2e.regenerate_golden_addition [--out PATH]
 
-One file per CPU kernel class (`tests/e2e/golden_host.py`): the host's, or with `--emulate avx2` the AVX2 class's.
+One file per CPU kernel class (`tests/e2e/golden_host.py`): this host's.
 
 Runs `megarl quickstart` with the test's `SHORT_ARGS` in a temporary directory (the test's clean environment) and
 writes, atomically: the three held-out accuracies, the SFT losses at its evaluations, the GRPO reward per step and
@@ -17,7 +17,7 @@ import os
 import sys
 import tempfile
 
-from tests.e2e.golden_host import emulation_env, golden_path, host_kernel_class
+from tests.e2e.golden_host import golden_path, host_kernel_class
 from tests.e2e.regenerate_golden import machine, write_json_atomically
 from tests.e2e.test_quickstart_addition import GOLDEN_STEM, SHORT_ARGS, run_short
 from tests.subprocess_env import clean_env
@@ -26,10 +26,9 @@ from tests.subprocess_env import clean_env
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="where to write the golden JSON (default: the class's file)")
-    parser.add_argument("--emulate", choices=["avx2"], default=None, help="record the AVX2 class's file here")
     args = parser.parse_args(argv)
-    env = emulation_env(args.emulate, clean_env()) if args.emulate else clean_env()
-    klass = args.emulate or host_kernel_class()
+    env = clean_env()
+    klass = host_kernel_class()
     out = args.out or golden_path(GOLDEN_STEM, klass)
     with tempfile.TemporaryDirectory(prefix="megarl-golden-") as tmp:
         run_dir = os.path.join(tmp, "run")
@@ -42,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     golden = {
         "command": "megarl quickstart --out DIR " + " ".join(SHORT_ARGS),
         "machine": machine(),
-        "kernel_class": klass + (" (emulated)" if args.emulate else ""),
+        "kernel_class": klass,
         "accuracy_initial": summary["accuracy_initial"],
         "accuracy_after_sft": summary["accuracy_after_sft"],
         "accuracy_after_grpo": summary["accuracy_after_grpo"],
