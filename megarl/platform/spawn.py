@@ -3,8 +3,9 @@
 Used by tests, benchmarks and tools that "start their own ranks when not under torchrun". The function must be
 importable (module level) because ranks are started with the 'spawn' method. A rank that raises makes the whole
 call raise with that rank's traceback; a call that exceeds `timeout_s` kills every rank and raises, so a hung
-collective never hangs the caller. Each rank applies the vendor log level the caller put in MEGARL_VENDOR_LEVEL
-(`megarl.platform.vendor_logs.quiet_from_env`) before it imports `fn`'s module (and so megatron-core).
+collective never hangs the caller. Results travel pickled by value. Each rank applies the vendor log level the
+caller put in MEGARL_VENDOR_LEVEL (`megarl.platform.vendor_logs.quiet_from_env`) before it imports `fn`'s module
+(and so megatron-core).
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def _entry(rank: int, world_size: int, port: int, env: dict, fn_ref: bytes, args
 
         init_distributed()
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        # by value: a tensor put as is travels as shared memory that the parent maps only while this rank is alive
+        # (FileNotFoundError in `rebuild_storage_fd` when the rank has already exited)
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report every failure, including KeyboardInterrupt/SystemExit, to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -94,7 +97,7 @@ def run_ranks(
                     ) from None
                 continue
             if status == "ok":
-                out[rank] = payload
+                out[rank] = pickle.loads(payload)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break  # the others are probably blocked in a collective with the failed rank
