@@ -13,7 +13,7 @@ passes when both the max and the mean |logit diff| are within `NOISE_MULTIPLE` (
 triangle bound: Megatron's forward and transformers' are each up to one floor away from the exact logits) x 2
 (room for Megatron's path being up to twice as noisy as transformers': measured at TP3 on 12 layers the ratio is
 at most ~1, `tests/distributed/test_checkpoint_layouts.py`). A layout bug moves fp32 logits by thousands of
-floors (a swapped head or a missing qkv bias in one layer: >= 6e3); in bf16 the floor is ~1e4 times larger and
+floors (a swapped head or a missing qkv bias in one layer: >= 6e3); in bf16 the floor is ~2e4 times larger and
 such a bug sits within a few floors, so a bf16 check only catches gross errors. A user tolerance (`atol`) replaces
 the rule: max |diff| <= atol, and no noise-floor forward is run.
 """
@@ -107,15 +107,16 @@ def verdict(ours: torch.Tensor, ref: Reference, dtype: str = "fp32", atol: Optio
     """Judge Megatron's logits `ours` [batch, seq, vocab] against `ref` (module docstring: how and why).
 
     Returns compare_logits' metrics plus logit_scale (max |reference logit|), the noise floor (`noise_floor_max`,
-    `noise_floor_mean`, `noise_floor_source`; each floor at least one rounding step of the largest logit,
-    eps(dtype) x logit_scale), the tolerances (`tolerance` on the max, `tolerance_mean` on the mean, None when not
-    judged), `tolerance_rule` in words, each diff over its floor, and `passed`. `atol`: the user's tolerance on the
-    max diff instead of the rule (the floor is then reported only if `ref` has one)."""
+    `noise_floor_mean`, `noise_floor_source`; each at least one rounding step of the logits: eps(dtype) x
+    logit_scale for the max, eps(dtype) x mean |reference logit| for the mean), the tolerances (`tolerance` on the
+    max, `tolerance_mean` on the mean, None when not judged), `tolerance_rule` in words, each diff over its floor,
+    and `passed`. `atol`: the user's tolerance on the max diff instead of the rule (the floor is then reported only
+    if `ref` has one)."""
     result = compare_logits(ours, ref.logits)
-    scale = float(ref.logits.abs().max())
-    step = torch.finfo(FLOOR_DTYPES[dtype][0]).eps * scale
-    floor_max = None if ref.floor_max is None else max(ref.floor_max, step)
-    floor_mean = None if ref.floor_mean is None else max(ref.floor_mean, step)
+    scale, eps = float(ref.logits.abs().max()), torch.finfo(FLOOR_DTYPES[dtype][0]).eps
+    step_max, step_mean = eps * scale, eps * float(ref.logits.abs().mean())
+    floor_max = None if ref.floor_max is None else max(ref.floor_max, step_max)
+    floor_mean = None if ref.floor_mean is None else max(ref.floor_mean, step_mean)
     if atol is not None:
         tol_max, tol_mean, rule = atol, None, f"user --atol {atol:g} on the max |logit diff|"
     elif floor_max is None:
@@ -123,7 +124,7 @@ def verdict(ours: torch.Tensor, ref: Reference, dtype: str = "fp32", atol: Optio
     else:
         tol_max, tol_mean = multiple * floor_max, multiple * floor_mean
         rule = (f"max and mean |logit diff| each <= {multiple:g} x the noise floor ({ref.floor_source}; "
-                f"floors at least eps({dtype}) x logit_scale = {step:.3g})")
+                f"floors at least eps({dtype}) x max and mean |logit| = {step_max:.3g}, {step_mean:.3g})")
     passed = result["max_abs_logit_diff"] <= tol_max and (
         tol_mean is None or result["mean_abs_logit_diff"] <= tol_mean)
     result.update(
