@@ -16,13 +16,17 @@ import time
 
 
 def main(argv=None) -> int:
+    from megarl.checkpoint.cli import VERBOSE_HELP, quiet_vendor_logs
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf-dir", required=True, help="HuggingFace model directory (config.json + safetensors)")
     p.add_argument("--out", required=True, help="output Megatron checkpoint directory")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
                    help="dtype of the stored weights (default: the HF checkpoint's dtype)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     args = p.parse_args(argv)
+    quiet_vendor_logs(args.verbose)
 
     from megarl.checkpoint.atomic import check_output_dir
     from megarl.checkpoint.dist_ckpt import hf_to_megatron

@@ -15,12 +15,16 @@ import time
 
 
 def main(argv=None) -> int:
+    from megarl.checkpoint.cli import VERBOSE_HELP, quiet_vendor_logs
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--megatron-dir", required=True, help="Megatron checkpoint written by megarl")
     p.add_argument("--out", required=True, help="output HuggingFace directory")
     p.add_argument("--max-shard-gb", type=float, default=2.0, help="largest safetensors shard, GiB")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     args = p.parse_args(argv)
+    quiet_vendor_logs(args.verbose)
 
     from megarl.checkpoint.atomic import check_output_dir
     from megarl.checkpoint.dist_ckpt import megatron_to_hf, read_meta

@@ -1,4 +1,5 @@
-"""Shared plumbing of the `checkpoint_tools/` scripts: bad input -> one line on stderr and exit status 2."""
+"""Shared plumbing of the `checkpoint_tools/` scripts: bad input -> one line on stderr and exit status 2; vendor
+log noise quieted as `megarl train` does (`--verbose` lets it through)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,19 @@ from megarl.models.spec import UnsupportedModelError
 from megarl.parallel.topology import TopologyError
 
 BAD_INPUT = (CheckpointError, UnsupportedModelError, LayoutError, TopologyError)
+
+
+VERBOSE_HELP = ("show megatron-core's, torch's and transformers' own warnings and logs (default: only their errors, "
+                "as `megarl train` without --verbose)")
+
+
+def quiet_vendor_logs(verbose: bool) -> None:
+    """Before any vendor import: vendor warnings and logs at ERROR (megatron-core's "Transformer Engine and Apex are
+    not installed", 7 per process) unless `verbose`; set in the environment too, so the ranks a tool starts
+    (`megarl.platform.spawn.run_ranks`, torchrun children) inherit it. See `megarl.platform.vendor_logs`."""
+    from megarl.platform.vendor_logs import quiet_vendors
+
+    quiet_vendors("info" if verbose else "error")
 
 
 def run_tool(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:

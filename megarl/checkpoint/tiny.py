@@ -57,12 +57,14 @@ def hf_config(arch: str, **overrides):
 
 
 def make_hf_model(arch: str, out_dir: str, seed: int = 0, dtype: str = "float32", init_std: float = 0.1,
-                  **overrides) -> str:
+                  final_norm_scale: float = 1.0, **overrides) -> str:
     """Save a randomly initialised model (and a generation config) to `out_dir`; returns `out_dir`.
 
     Weights are drawn with std `init_std`, larger than transformers' default (0.02), so logits are not near-uniform
     and layout mistakes show up in the logit comparison (greedy comparisons between implementations want ~0.3: a
     peaked next-token distribution has no near-ties for fp32 rounding to flip); norm weights are randomised too.
+    `final_norm_scale` multiplies the final norm's weights, hence the logits (a pretrained model's reach ~20-40;
+    these reach ~5 at 1.0).
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -77,6 +79,7 @@ def make_hf_model(arch: str, out_dir: str, seed: int = 0, dtype: str = "float32"
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.normal_(0, 0.1)
+        model.model.norm.weight.mul_(final_norm_scale)
     model.save_pretrained(out_dir, safe_serialization=True)
     GenerationConfig(bos_token_id=1, eos_token_id=2, max_new_tokens=16).save_pretrained(out_dir)
     return out_dir

@@ -3,13 +3,26 @@
 `verify_ranks` is the per-rank body (under torchrun, or spawned by `verify` when not under torchrun): build the
 model at the layout, load weights from the Megatron checkpoint (or straight from the HF directory), run the
 batch through megatron's pipeline schedule, gather the vocab shards; rank 0 compares with transformers' eager
-fp32 forward and returns the metrics.
+fp32 forward (`reference`) and returns `verdict`'s metrics.
+
+How the verdict is decided (`verdict`): two correct implementations of the same model differ only by rounding, and
+how much rounding moves the logits depends on the model (depth, logit magnitude, vocabulary). So the tolerance is
+derived from the model itself: its noise floor is how far transformers' own forward moves when run one precision up
+(fp32 vs fp64 for an fp32 check, bf16 vs fp32 for a bf16 one), max and mean |diff| over the same batch; the check
+passes when both the max and the mean |logit diff| are within `NOISE_MULTIPLE` (4) times the floor. 4 = 2 (the
+triangle bound: Megatron's forward and transformers' are each up to one floor away from the exact logits) x 2
+(room for Megatron's path being up to twice as noisy as transformers': measured at TP3 on 12 layers the ratio is
+at most ~1, `tests/distributed/test_checkpoint_layouts.py`). A layout bug moves fp32 logits by thousands of
+floors (a swapped head or a missing qkv bias in one layer: >= 6e3); in bf16 the floor is ~2e4 times larger and
+such a bug sits within a few floors, so a bf16 check only catches gross errors. A user tolerance (`atol`) replaces
+the rule: max |diff| <= atol, and no noise-floor forward is run.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -28,7 +41,10 @@ from megarl.parallel.topology import RoleTopology, TopologyError, layer_split
 from megarl.platform.distributed import init_distributed
 from megarl.platform.spawn import run_ranks
 
-DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+NOISE_MULTIPLE = 4.0
+
+# The verified dtype -> the one-up precision its noise floor is measured against, both as transformers dtypes.
+FLOOR_DTYPES = {"fp32": (torch.float32, torch.float64), "bf16": (torch.bfloat16, torch.float32)}
 
 
 def token_batch(vocab_size: int, batch: int = 2, seq: int = 32, seed: int = 0) -> torch.Tensor:
@@ -38,12 +54,43 @@ def token_batch(vocab_size: int, batch: int = 2, seq: int = 32, seed: int = 0) -
 
 def hf_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
     """transformers' own forward, fp32, eager attention: [batch, seq, vocab] float32."""
+    return reference(hf_dir, input_ids, noise_floor=False).logits
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What a Megatron forward is judged against.
+
+    logits: [batch, seq, vocab] float32, transformers' eager fp32 forward.
+    floor_max / floor_mean: max / mean |transformers at the verified dtype - transformers one precision up| over the
+    same batch, logit units (None when not measured); floor_source says which two forwards.
+    """
+
+    logits: torch.Tensor
+    floor_max: Optional[float] = None
+    floor_mean: Optional[float] = None
+    floor_source: Optional[str] = None
+
+
+def reference(hf_dir: str, input_ids: torch.Tensor, dtype: str = "fp32", noise_floor: bool = True) -> Reference:
+    """transformers' eager forward of `input_ids` [batch, seq] in fp32 and, with `noise_floor`, the noise floor of a
+    `dtype` forward (`FLOOR_DTYPES`: the same model cast in place, so peak memory is the larger of the two copies,
+    8 bytes per parameter for fp32's fp64 run)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     with torch.no_grad():
-        return model(input_ids).logits.float()
+        logits = model(input_ids).logits.float()
+        if not noise_floor:
+            return Reference(logits)
+        low, high = FLOOR_DTYPES[dtype]
+        other = high if low == torch.float32 else low  # fp32 has run: the other one, the model cast in place
+        runs = {torch.float32: logits.double(), other: model.to(other)(input_ids).logits.double()}
+    diff = (runs[low] - runs[high]).abs()
+    name = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16"}
+    return Reference(logits, float(diff.max()), float(diff.mean()),
+                     f"transformers {name[low]} vs {name[high]} forward, same batch")
 
 
 def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -53,6 +100,41 @@ def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
         "mean_abs_logit_diff": float(diff.mean()),
         "argmax_agreement": float((ours.argmax(-1) == ref.argmax(-1)).float().mean()),
     }
+
+
+def verdict(ours: torch.Tensor, ref: Reference, dtype: str = "fp32", atol: Optional[float] = None,
+            multiple: float = NOISE_MULTIPLE) -> dict:
+    """Judge Megatron's logits `ours` [batch, seq, vocab] against `ref` (module docstring: how and why).
+
+    Returns compare_logits' metrics plus logit_scale (max |reference logit|), the noise floor (`noise_floor_max`,
+    `noise_floor_mean`, `noise_floor_source`; each at least one rounding step of the logits: eps(dtype) x
+    logit_scale for the max, eps(dtype) x mean |reference logit| for the mean), the tolerances (`tolerance` on the
+    max, `tolerance_mean` on the mean, None when not judged), `tolerance_rule` in words, each diff over its floor,
+    and `passed`. `atol`: the user's tolerance on the max diff instead of the rule (the floor is then reported only
+    if `ref` has one)."""
+    result = compare_logits(ours, ref.logits)
+    scale, eps = float(ref.logits.abs().max()), torch.finfo(FLOOR_DTYPES[dtype][0]).eps
+    step_max, step_mean = eps * scale, eps * float(ref.logits.abs().mean())
+    floor_max = None if ref.floor_max is None else max(ref.floor_max, step_max)
+    floor_mean = None if ref.floor_mean is None else max(ref.floor_mean, step_mean)
+    if atol is not None:
+        tol_max, tol_mean, rule = atol, None, f"user --atol {atol:g} on the max |logit diff|"
+    elif floor_max is None:
+        raise ValueError("verdict needs a Reference with a noise floor, or atol")
+    else:
+        tol_max, tol_mean = multiple * floor_max, multiple * floor_mean
+        rule = (f"max and mean |logit diff| each <= {multiple:g} x the noise floor ({ref.floor_source}; "
+                f"floors at least eps({dtype}) x max and mean |logit| = {step_max:.3g}, {step_mean:.3g})")
+    passed = result["max_abs_logit_diff"] <= tol_max and (
+        tol_mean is None or result["mean_abs_logit_diff"] <= tol_mean)
+    result.update(
+        logit_scale=scale, noise_floor_max=floor_max, noise_floor_mean=floor_mean,
+        noise_floor_source=ref.floor_source, tolerance=tol_max, tolerance_mean=tol_mean, tolerance_rule=rule,
+        max_diff_over_floor=None if floor_max is None else result["max_abs_logit_diff"] / floor_max,
+        mean_diff_over_floor=None if floor_mean is None else result["mean_abs_logit_diff"] / floor_mean,
+        passed=passed,
+    )
+    return result
 
 
 def verify_topology(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> RoleTopology:
@@ -87,9 +169,9 @@ def check_layout(hf_dir: str, tp: int, pp: int, ep: int = 1, etp: Optional[int] 
 
 
 def verify_ranks(rank: int, world_size: int, hf_dir: str, megatron_dir: Optional[str], tp: int, pp: int,
-                 dtype: str, input_ids: torch.Tensor, tolerance: float, ep: int = 1,
-                 etp: Optional[int] = None, vpp: int = 1) -> Optional[dict]:
-    """Per-rank body; returns the metrics dict on rank 0 (None elsewhere). Collective over the world.
+                 dtype: str, input_ids: torch.Tensor, atol: Optional[float] = None, ep: int = 1,
+                 etp: Optional[int] = None, vpp: int = 1, multiple: float = NOISE_MULTIPLE) -> Optional[dict]:
+    """Per-rank body; returns `verdict`'s dict on rank 0 (None elsewhere). Collective over the world.
 
     The world is `verify_topology(tp, pp, ep, etp)`'s tp*pp*dp ranks: the dp data-parallel replicas run the same
     batch, each expert-parallel rank holds num_experts/ep experts, each sliced over etp ranks. `vpp`: virtual pipeline
@@ -112,10 +194,10 @@ def verify_ranks(rank: int, world_size: int, hf_dir: str, megatron_dir: Optional
     if rank != 0:
         return None
     ours = next(t for t in gathered if t is not None)
-    result = compare_logits(ours, hf_logits(hf_dir, input_ids))
-    result.update(tp=tp, pp=pp, ep=ep, etp=topo.expert_tp, dp=topo.dp, vpp=vpp, dtype=dtype, tolerance=tolerance,
-                  source="megatron" if megatron_dir else "hf",
-                  batch=list(input_ids.shape), passed=result["max_abs_logit_diff"] <= tolerance)
+    result = verdict(ours, reference(hf_dir, input_ids, dtype, noise_floor=atol is None), dtype, atol, multiple)
+    passed = result.pop("passed")  # last in the JSON, after the layout
+    result.update(tp=tp, pp=pp, ep=ep, etp=topo.expert_tp, dp=topo.dp, vpp=vpp, dtype=dtype,
+                  source="megatron" if megatron_dir else "hf", batch=list(input_ids.shape), passed=passed)
     return result
 
 
@@ -124,15 +206,18 @@ def under_torchrun() -> bool:
 
 
 def verify(hf_dir: str, megatron_dir: Optional[str], tp: int, pp: int, dtype: str = "fp32",
-           tolerance: Optional[float] = None, batch: int = 2, seq: int = 32, seed: int = 0,
-           ep: int = 1, etp: Optional[int] = None, vpp: int = 1) -> Optional[dict]:
-    """Run the parity check; spawns `verify_topology`'s ranks unless already under torchrun. Metrics on rank 0."""
+           atol: Optional[float] = None, batch: int = 2, seq: int = 32, seed: int = 0,
+           ep: int = 1, etp: Optional[int] = None, vpp: int = 1,
+           multiple: Optional[float] = None) -> Optional[dict]:
+    """Run the parity check; spawns `verify_topology`'s ranks unless already under torchrun. `verdict`'s dict on
+    rank 0: `atol` None judges by `multiple` (default NOISE_MULTIPLE) x the model's noise floor, else
+    max |logit diff| <= atol."""
     reader = check_layout(hf_dir, tp, pp, ep, etp, vpp)
     if megatron_dir:
         read_meta(megatron_dir)
-    tolerance = DEFAULT_TOLERANCE[dtype] if tolerance is None else tolerance
     ids = token_batch(reader.spec.vocab_size, batch, seq, seed)
-    args = (hf_dir, megatron_dir, tp, pp, dtype, ids, tolerance, ep, etp, vpp)
+    multiple = NOISE_MULTIPLE if multiple is None else multiple
+    args = (hf_dir, megatron_dir, tp, pp, dtype, ids, atol, ep, etp, vpp, multiple)
     if under_torchrun():
         rank, world = init_distributed()
         return verify_ranks(rank, world, *args)

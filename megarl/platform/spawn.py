@@ -1,9 +1,11 @@
 """Run a function on N local ranks (gloo on CPU, NCCL on GPU) and collect what each returns.
 
 Used by tests, benchmarks and tools that "start their own ranks when not under torchrun". The function must be
-importable (module level) because ranks are started with the 'spawn' method. A rank that raises makes the whole
+importable (module level): ranks start by 'spawn' or 'forkserver' (below). A rank that raises makes the whole
 call raise with that rank's traceback; a call that exceeds `timeout_s` kills every rank and raises, so a hung
-collective never hangs the caller.
+collective never hangs the caller. Results travel pickled by value. Each rank applies the vendor log level the
+caller put in MEGARL_VENDOR_LEVEL (`megarl.platform.vendor_logs.quiet_from_env`) before it imports `fn`'s module
+(and so megatron-core).
 
 How ranks start (`MEGARL_RANK_START`): `spawn` (default) starts each rank as a fresh interpreter, which imports
 torch, megatron-core and vLLM again (5-15 s a rank on 2 cores); `forkserver` forks each rank from one server process
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -37,13 +40,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, env: dict, fn: Callable, args: tuple, results) -> None:
+def _entry(rank: int, world_size: int, port: int, env: dict, fn_ref: bytes, args: tuple, results) -> None:
+    """One rank: environment, vendor log level, process group, then `fn` (unpickled from `fn_ref` only now, so the
+    imports it pulls in are already quiet)."""
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     try:
+        from megarl.platform.vendor_logs import quiet_from_env
+
+        quiet_from_env()
+        fn = pickle.loads(fn_ref)
         import torch
 
         torch.set_num_threads(max(1, int(env.get("MEGARL_THREADS_PER_RANK", "1"))))
@@ -51,7 +60,9 @@ def _entry(rank: int, world_size: int, port: int, env: dict, fn: Callable, args:
 
         init_distributed()
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        # by value: a tensor put as is travels as shared memory that the parent maps only while this rank is alive
+        # (FileNotFoundError in `rebuild_storage_fd` when the rank has already exited)
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report every failure, including KeyboardInterrupt/SystemExit, to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -81,8 +92,9 @@ def run_ranks(
     ctx = _context()
     results = ctx.Queue()
     port = _free_port()
+    fn_ref = pickle.dumps(fn)  # by reference (module + name), as multiprocessing would pickle it
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, dict(env or {}), fn, args, results), daemon=False)
+        ctx.Process(target=_entry, args=(r, world_size, port, dict(env or {}), fn_ref, args, results), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
@@ -105,7 +117,7 @@ def run_ranks(
                     ) from None
                 continue
             if status == "ok":
-                out[rank] = payload
+                out[rank] = pickle.loads(payload)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break  # the others are probably blocked in a collective with the failed rank
