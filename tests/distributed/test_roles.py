@@ -304,21 +304,24 @@ def assert_same_gradients(got: dict[str, np.ndarray], want: dict[str, np.ndarray
     return worst[0]
 
 
-def hf_ppo_gradients(hf_dir: str, clip: float = ACTOR_CLIP) -> tuple[dict[str, np.ndarray], float]:
-    """transformers' gradients of the update's loss on `_batch`, clipped as megatron clips them.
+def hf_ppo_gradients(hf_dir: str, batch=None, advantage=ADVANTAGE,
+                     clip: float = ACTOR_CLIP) -> tuple[dict[str, np.ndarray], float]:
+    """transformers' gradients of the update's loss on `batch` (default `_batch`; right-padded [B, S] input_ids and
+    response_mask), clipped as megatron clips them.
 
     The PPO loss at ratio 1 (old log-probs = the detached current ones, so no clipping): token mean over the
-    response tokens of -A * exp(logp - old), A = ADVANTAGE per sample, no entropy or KL term. loss.backward() on the
-    HF model (eager, fp32), then megatron's clip_grad_by_total_norm: g * clip / (norm + 1e-6) when that is < 1.
+    response tokens of -A * exp(logp - old), A = `advantage[i]` on sample i, no entropy or KL term. loss.backward()
+    on the HF model (eager, fp32, causal: the right padding is invisible to real tokens), then megatron's
+    clip_grad_by_total_norm: g * clip / (norm + 1e-6) when that is < 1.
     Returns ({HF name: clipped gradient, float64}, the global L2 norm before clipping)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
-    batch = _batch(model.config.vocab_size)
+    batch = _batch(model.config.vocab_size) if batch is None else batch
     ids, mask = batch["input_ids"], batch["response_mask"].float()
     logits = model(ids).logits[:, :-1]
     logp = torch.nn.functional.pad(torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0], (1, 0))
-    adv = torch.tensor(ADVANTAGE).unsqueeze(1) * mask
+    adv = torch.tensor(advantage).unsqueeze(1) * mask
     loss = (-adv * torch.exp(logp - logp.detach()) * mask).sum() / mask.sum()
     loss.backward()
     grads = {k: p.grad.double() for k, p in model.named_parameters()}
