@@ -117,10 +117,17 @@ def _train(tmp_path, *overrides):
 def test_heterogeneous_placement_critic_on_its_own_pool_and_a_reward_model(tmp_path):
     """HybridFlow placement: the critic on its own pool (1 device, TP=1, its own torch.distributed world) beside
     the actor's pool (TP=2 + vLLM), a learned reward model colocated with the actor; the rewards trained on are
-    the reward model's scores, and the rule's are still logged."""
+    the reward model's scores, and the rule's are still logged; the critic's weights moved from step 1 to step 3 and
+    its update ran while the actor's did (tests/e2e/critic_checks.py)."""
     import math
 
     import yaml
+
+    from tests.e2e.critic_checks import (
+        assert_critic_update_overlaps_actor,
+        assert_critic_weights_changed,
+        checkpoint_overrides,
+    )
 
     cfg = yaml.safe_load(open(os.path.join(ROOT, "yaml_configs", "cpu_quickstart.yaml")))
     cfg["resources"]["pools"]["critic_pool"] = {"nodes": 1, "devices_per_node": 1}
@@ -135,7 +142,8 @@ def test_heterogeneous_placement_critic_on_its_own_pool_and_a_reward_model(tmp_p
     config = tmp_path / "hetero.yaml"
     config.write_text(yaml.safe_dump(cfg))
     proc = subprocess.run(
-        [sys.executable, "-m", "megarl", "train", str(config), f"logging.dir={tmp_path / 'run'}"],
+        [sys.executable, "-m", "megarl", "train", str(config), f"logging.dir={tmp_path / 'run'}",
+         *checkpoint_overrides(tmp_path / "ckpt")],
         cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -144,6 +152,8 @@ def test_heterogeneous_placement_critic_on_its_own_pool_and_a_reward_model(tmp_p
     for r in rows:
         assert math.isfinite(r["critic/value_loss"]) and math.isfinite(r["reward/mean"])
         assert "reward/rule_mean" in r and r["reward/mean"] != r["reward/rule_mean"]
+    assert_critic_weights_changed(tmp_path / "ckpt", 1, 3)
+    print("critic update overlap with the actor's, per step:", assert_critic_update_overlaps_actor(rows))
 
 
 def test_offload_between_phases_changes_nothing(tmp_path, quickstart_run):

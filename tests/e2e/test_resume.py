@@ -13,7 +13,7 @@ schedulers' positions and the step counters. GRPO also resumes at another actor 
 actor loss must equal the uninterrupted run's within 1e-6. The expected values always come from an uninterrupted run
 made in the same session on the same machine.
 PPO's 4-step run is also the suite's PPO-with-a-critic run: GAE from a colocated TP2 critic, every metric finite, one
-critic optimizer step per RL step.
+critic optimizer step per RL step, the critic's weights moved by its updates (tests/e2e/critic_checks.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from tests.e2e.conftest import QUICKSTART_SAVE_EVERY
+from tests.e2e.critic_checks import assert_critic_weights_changed
 from tests.subprocess_env import clean_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -99,6 +100,7 @@ def test_resume_is_bit_identical(tmp_path, algo, request):
         _train(full_run, full_ckpt, "trainer.total_steps=4", *extra)
         full = _rows(full_run)
         _assert_ppo_ran_its_critic(full)
+        assert_critic_weights_changed(full_ckpt, 2, 4)
     part_run, part_ckpt = tmp_path / "part", tmp_path / "part_ckpt"
     prune = ("checkpoint.save_every=1", "checkpoint.keep_last=1") if algo == "grpo" else ()
     _train(part_run, part_ckpt, "trainer.total_steps=2", *extra, *prune)
