@@ -163,3 +163,15 @@ def check_resume_config(saved: Optional[dict], cfg, where: str) -> list[str]:
             "with them anyway (the run then differs from an uninterrupted one)"
         )
     return lines
+
+
+def refuse_breaking_resume(cfg) -> None:
+    """Before Ray and the workers start: when this run would resume (`checkpoint.dir` holds a complete checkpoint and
+    `checkpoint.resume`), raise the `ConfigError` of `check_resume_config` for an exactness-breaking config change
+    now, from the files alone, so a refused resume costs no start-up. `RLTrainer` checks (and logs) again at resume."""
+    ckpt = cfg.checkpoint
+    if not ckpt.dir or not ckpt.resume:
+        return
+    path = latest(ckpt.dir)
+    if path is not None:
+        check_resume_config(read_state(path).get("config"), cfg, path)

@@ -31,7 +31,7 @@ from megarl.data.dataset import PromptDataset, PromptLoader
 from megarl.data.tokenization import PromptEncoder
 from megarl.platform.vendor_logs import quiet_vendors, ray_init_kwargs, vendor_env
 from megarl.rewards import build_reward_fn
-from megarl.trainer.checkpointing import complete_steps
+from megarl.trainer.checkpointing import complete_steps, refuse_breaking_resume
 from megarl.trainer.engine_model_dir import engine_model_dir
 from megarl.trainer.shm import remove_shm_segments
 from megarl.trainer.stop import StopRequest
@@ -118,6 +118,7 @@ class TrainingSession:
                 raise ConfigError(f"checkpoint.dir: {cfg.checkpoint.dir} holds checkpoints of an earlier run (steps "
                                   f"{existing}); set checkpoint.resume=true to continue it, or choose another "
                                   "directory")
+        refuse_breaking_resume(cfg)  # a resume this config breaks: refused now, not after the workers started
         # pre-flight: a layout whose static memory exceeds the GPU's (when known) is refused before Ray starts
         check_fits(job_memory_estimate(cfg, device_memory_bytes(cfg)))
         self.stop = StopRequest(graceful=bool(cfg.checkpoint.dir))

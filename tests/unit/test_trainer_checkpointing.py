@@ -99,3 +99,25 @@ def test_resume_refuses_breaking_changes_unless_allowed():
     assert "config change since step_2: algorithm.clip_low: 0.2 -> 0.3 (breaking)" in lines
     assert ck.check_resume_config(None, _cfg(), "step_2") == [
         "step_2 records no config (an older checkpoint): changes since cannot be checked"]
+
+
+def test_a_breaking_resume_is_refused_before_any_worker_starts(tmp_path):
+    """`megarl train` with a checkpoint whose recorded config differs in an exactness-breaking key fails in the
+    session's constructor (no Ray, no workers: the CLI maps ConfigError to exit 2), naming the key."""
+    import pytest
+
+    from megarl.config import ConfigError
+    from megarl.trainer.session import TrainingSession
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    common = [f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'run'}",
+              f"data.train_path={root}/data/quickstart/train.jsonl", f"data.val_path={root}/data/quickstart/val.jsonl",
+              f"model.tokenizer={root}/data/quickstart/tokenizer"]
+    path = _complete(tmp_path / "ckpt", 2)
+    ck.write_state(path, {"step": 2, "config": ck.config_record(_cfg(*common))})
+    with pytest.raises(ConfigError, match=r"algorithm.clip_low: 0.2 -> 0.1"):
+        TrainingSession(_cfg(*common, "algorithm.clip_low=0.1"))
+    import ray
+
+    assert not ray.is_initialized()
+    assert ck.complete_steps(str(tmp_path / "ckpt")) == [2]
