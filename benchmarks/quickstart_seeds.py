@@ -2,7 +2,7 @@
 
     python benchmarks/quickstart_seeds.py --seeds 0 1 2 --json benchmarks/results/quickstart_seeds_cpu.json
 
-Each seed is one `megarl quickstart --seed S --out DIR` subprocess (defaults otherwise: a fixed 250 SFT steps, 200
+Each seed is one `megarl quickstart --seed S --out DIR` subprocess (defaults otherwise: a fixed 300 SFT steps, 200
 GRPO steps), so the seed moves the data split, the random model, the SFT batches and the rollout sampling. Reported
 per seed: the held-out greedy accuracy of the random model, after SFT and after GRPO, the GRPO gain (after GRPO -
 after SFT) and the stage times; over the seeds: the mean and the worst gain. The host's CPU and ISA flags are

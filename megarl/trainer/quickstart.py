@@ -52,7 +52,7 @@ class QuickstartSettings:
     n_monitor: int = 200  # training problems the SFT stopping rule looks at
     sft_batch: int = 64
     sft_lr: float = 2e-3
-    sft_steps: int = 250  # fixed SFT length (steps of `sft_batch` problems)
+    sft_steps: int = 300  # fixed SFT length (steps of `sft_batch` problems)
     sft_target: Optional[float] = None  # stop SFT earlier once the monitor accuracy reaches it (None: never)
     sft_eval_every: int = 25
     grpo_steps: int = 200
