@@ -88,3 +88,18 @@ def actor_log_prob_gap(actor, samples) -> tuple:
         mega = out.tensors["log_probs"][i, p : p + len(s.response_ids)]
         worst = max(worst, float((mega - torch.tensor(s.response_log_probs)).abs().max()))
     return worst, batch
+
+
+def read_dcp(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a megatron-core torch_dist checkpoint at its global shape (weights and, when saved with the
+    optimizer, `optimizer.state.{exp_avg,exp_avg_sq}.<key>`), read with plain torch.distributed.checkpoint: no
+    megarl, no megatron-core, no process group."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(path)
+    meta = reader.read_metadata().state_dict_metadata
+    sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items()
+          if isinstance(v, TensorStorageMetadata)}
+    load(sd, storage_reader=reader, no_dist=True)
+    return sd

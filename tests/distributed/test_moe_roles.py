@@ -61,6 +61,11 @@ DISPATCHER_CLASS = {"ep2": "MoEAlltoAllTokenDispatcher", "ep2_allgather": "MoEAl
 TOL = 1e-5
 # (layout, the EP1 run it must equal): the plain run has router losses off, like its EP1 twin
 COMPARED_WITH_EP1 = [(name, "ep1") for name in LAYOUTS if name != "ep1"] + [("tp2ep2_plain", "ep1_plain")]
+# full-state resume (weights + dense and expert sub-optimizers' Adam state + scheduler + step counter): layout ->
+# (dense DP size, expert DP size) of its two sub-optimizers; at tp2ep2etp1 the experts' Adam state is sharded over
+# 2 expert-DP ranks (ranks 0, 2 hold experts 0-1), at ep2 each expert lives on one rank
+RESUMED = {"ep2": (2, 1), "tp2ep2etp1": (2, 2)}
+RESUME_STEPS, RESUME_SAVE_AT = 4, 2
 
 
 def _batch():
@@ -76,14 +81,26 @@ def _batch():
     return Batch({"input_ids": ids * am, "attention_mask": am, "response_mask": rm})
 
 
-def _advantages(batch):
-    return torch.tensor(ADVANTAGE).unsqueeze(1) * batch["response_mask"]
+def _advantages(batch, step: int = 1):
+    """[B, S] advantages of `step` (1 = the phases' update): ADVANTAGE rotated by step - 1, on response tokens."""
+    return torch.tensor(ADVANTAGE).roll(step - 1).unsqueeze(1) * batch["response_mask"]
+
+
+def _on_policy_update(actor, batch, step: int) -> dict:
+    """One PPO update of `actor` on `batch` with the step's advantages and old log-probs of its current weights
+    (ratio 1: nothing clipped); returns its metrics without the wall times."""
+    old = actor.compute_log_probs(batch)["log_probs"]
+    metrics = actor.update(batch.update({"old_log_probs": old, "advantages": _advantages(batch, step)}))
+    return {k: v for k, v in metrics.items() if k not in ("time_s", "tokens_per_s")}
 
 
 def _worker(rank: int, world: int, hf_dir: str, replay_hf_dir: str, root: str):
+    import functools
+
     import torch.distributed as dist
 
-    from megarl.checkpoint.dist_ckpt import megatron_to_hf, save_engine_checkpoint
+    from megarl.checkpoint.dist_ckpt import load_engine_checkpoint, megatron_to_hf, save_engine_checkpoint
+    from megarl.checkpoint.train_state import sub_optimizers
     from megarl.engine.moe import MoeSettings
     from megarl.models.spec import ModelSpec
     from megarl.parallel.groups import build_role_groups
@@ -95,17 +112,21 @@ def _worker(rank: int, world: int, hf_dir: str, replay_hf_dir: str, root: str):
     batch = _batch()
     res: dict = {}
 
+    def build_actor(groups, aux: float, z: float, dispatcher: str):
+        return Actor(spec, groups, optimizer=OptimizerSettings(lr=LR, eps=ADAM_EPS, clip_grad=1.0),
+                     batching=BatchingSettings(micro_batch_samples=1), hf_dir=hf_dir,
+                     moe=MoeSettings(aux_loss_coeff=aux, z_loss_coeff=z, token_dispatcher=dispatcher))
+
     def phase(roles: dict):
         """roles: name -> (topology, aux coeff, z coeff[, token dispatcher]); every rank builds every role's groups
-        (collective)."""
+        (collective). The roles named in RESUMED then take steps 2-4 and resume (`resume_case`)."""
         groups = {name: build_role_groups(role[0]) for name, role in roles.items()}
         for name, (topo, aux, z, *dispatcher) in roles.items():
             actor = None
+            make_actor = functools.partial(build_actor, groups[name], aux, z,
+                                           dispatcher[0] if dispatcher else "alltoall")
             if groups[name].is_member:
-                actor = Actor(spec, groups[name], optimizer=OptimizerSettings(lr=LR, eps=ADAM_EPS, clip_grad=1.0),
-                              batching=BatchingSettings(micro_batch_samples=1), hf_dir=hf_dir,
-                              moe=MoeSettings(aux_loss_coeff=aux, z_loss_coeff=z,
-                                              token_dispatcher=dispatcher[0] if dispatcher else "alltoall"))
+                actor = make_actor()
                 before = actor.compute_log_probs(batch)
                 old = before["log_probs"] if before is not None else torch.zeros(B, S)
                 metrics = actor.update(batch.update({"old_log_probs": old, "advantages": _advantages(batch)}))
@@ -118,7 +139,35 @@ def _worker(rank: int, world: int, hf_dir: str, replay_hf_dir: str, root: str):
                                                   if hasattr(m, "token_dispatcher")}
             save_engine_checkpoint(actor.engine if actor is not None else None, os.path.join(root, name),
                                    hf_dir=hf_dir)
+            if name in RESUMED:
+                resume_case(name, actor, make_actor if actor is not None else None, rank == min(topo.ranks))
             dist.barrier()
+
+    def resume_case(name, actor, make_actor, reporter: bool):
+        """Steps 2-4 of `actor` (step 1 was the phase's update), saving its full state after step 2 and step 4;
+        a fresh actor loads the step-2 checkpoint and takes steps 3-4, then saves. Collective over the world
+        (`actor` None outside the role). Records the metrics of steps 3-4 and the sub-optimizers' DP sizes."""
+        ckpt = lambda tag: os.path.join(root, f"{name}_resume_{tag}")  # noqa: E731
+        engine = actor.engine if actor is not None else None
+        full = []
+        for step in range(2, RESUME_STEPS + 1):
+            if actor is not None:
+                full.append(_on_policy_update(actor, batch, step))
+            if step == RESUME_SAVE_AT:
+                save_engine_checkpoint(engine, ckpt("at2"), hf_dir=hf_dir, with_optimizer=True)
+        save_engine_checkpoint(engine, ckpt("full"), hf_dir=hf_dir, with_optimizer=True)
+        fresh = make_actor() if make_actor is not None else None
+        load_engine_checkpoint(fresh.engine if fresh is not None else None, ckpt("at2"), with_optimizer=True)
+        resumed = []
+        for step in range(RESUME_SAVE_AT + 1, RESUME_STEPS + 1):
+            if fresh is not None:
+                resumed.append(_on_policy_update(fresh, batch, step))
+        save_engine_checkpoint(fresh.engine if fresh is not None else None, ckpt("resumed"), hf_dir=hf_dir,
+                               with_optimizer=True)
+        if reporter:
+            subs = sub_optimizers(fresh.engine)
+            res[(name, "resume")] = {"full": full[RESUME_SAVE_AT - 1:], "resumed": resumed,
+                                     "sub_optimizer_dp": [s.data_parallel_group.size() for s in subs]}
 
     phase({"ep2": (RoleTopology(dp=2, ep=2), AUX, Z), "ep1": (RoleTopology(rank_offset=2), AUX, Z),
            "ep1_plain": (RoleTopology(rank_offset=3), 0.0, 0.0)})
@@ -212,7 +261,7 @@ def runs(tmp_path_factory):
     weights = {name: load_file(os.path.join(root, f"{name}_hf", "model.safetensors"))
                for name in [*LAYOUTS, "ep1_plain", "tp2ep2_plain"]}
     hand = _hand_ppo_step(hf_dir, os.path.join(root, "hand_hf"))
-    return {"ref_log_probs": ref, "out": merged, "weights": weights, "hand": hand,
+    return {"root": root, "ref_log_probs": ref, "out": merged, "weights": weights, "hand": hand,
             "hf_weights": load_file(os.path.join(hf_dir, "model.safetensors"))}
 
 
@@ -333,3 +382,33 @@ def test_replay_uses_the_recorded_experts_after_the_weights_changed(runs):
     assert abs(r["diff_frac"] - expected) < 1e-12
     # and replaying changes the log-probs where the routing differs
     assert np.abs(r["logp_own"] - r["logp_replayed"]).max() > 0
+
+
+@pytest.mark.parametrize("layout", sorted(RESUMED))
+def test_full_state_resume_is_bit_identical(runs, layout):
+    """Steps 1-4 uninterrupted vs steps 1-2, full-state save, a fresh actor loading it, steps 3-4: the metrics of
+    steps 3-4 and every tensor of the two final checkpoints (weights, and Adam's exp_avg / exp_avg_sq of every dense
+    and expert parameter, read back with plain torch.distributed.checkpoint) are bit-identical, as are the
+    scheduler and step counters. The expected values are the uninterrupted run's; the step-2 checkpoint's moments
+    differ from the final ones (steps 3-4 changed every moment the comparison covers)."""
+    from tests.distributed.harness import read_dcp
+
+    r = runs["out"][(layout, "resume")]
+    assert tuple(r["sub_optimizer_dp"]) == RESUMED[layout]  # [dense, expert] DistributedOptimizers and DP sizes
+    ckpt = lambda tag: os.path.join(runs["root"], f"{layout}_resume_{tag}")  # noqa: E731
+    full, resumed, at2 = read_dcp(ckpt("full")), read_dcp(ckpt("resumed")), read_dcp(ckpt("at2"))
+    assert sorted(full) == sorted(resumed) == sorted(at2)
+    moments = [k for k in full if k.startswith(("optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq."))]
+    expert = [k for k in moments if ".mlp.experts." in k]
+    assert len(expert) == 2 * 2 * 2 and len(moments) > len(expert), sorted(full)  # 2 layers x fc1, fc2 x 2 kinds
+    worst = max(((full[k] - resumed[k]).abs().max().item(), k) for k in full)
+    print(f"{layout}: {len(full)} tensors ({len(moments)} Adam moments, {len(expert)} of experts), "
+          f"worst |full - resumed| {worst[0]:.3g} ({worst[1]}); step 3-4 grad norms {[m['grad_norm'] for m in r['full']]} "
+          f"uninterrupted, {[m['grad_norm'] for m in r['resumed']]} resumed")
+    assert r["resumed"] == r["full"], (r["resumed"], r["full"])
+    for k in full:
+        assert torch.equal(full[k], resumed[k]), f"{k}: max |diff| {(full[k] - resumed[k]).abs().max().item()}"
+    for k in moments:
+        assert not torch.equal(full[k], at2[k]), k
+    sa, sb = (torch.load(os.path.join(ckpt(t), "engine_state.pt"), weights_only=False) for t in ("full", "resumed"))
+    assert sa["scheduler"] == sb["scheduler"] and sa["steps"] == sb["steps"] == RESUME_STEPS

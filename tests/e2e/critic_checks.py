@@ -34,7 +34,7 @@ def checkpoint_overrides(ckpt_dir) -> list[str]:
 
 
 def _critic_weights(step_dir: str) -> dict[str, torch.Tensor]:
-    from tests.e2e.test_resume import read_dcp  # plain torch.distributed.checkpoint, no megarl
+    from tests.distributed.harness import read_dcp  # plain torch.distributed.checkpoint, no megarl
 
     tensors = read_dcp(os.path.join(step_dir, "critic"))
     return {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
