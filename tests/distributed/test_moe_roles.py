@@ -403,8 +403,8 @@ def test_full_state_resume_is_bit_identical(runs, layout):
     assert len(expert) == 2 * 2 * 2 and len(moments) > len(expert), sorted(full)  # 2 layers x fc1, fc2 x 2 kinds
     worst = max(((full[k] - resumed[k]).abs().max().item(), k) for k in full)
     print(f"{layout}: {len(full)} tensors ({len(moments)} Adam moments, {len(expert)} of experts), "
-          f"worst |full - resumed| {worst[0]:.3g} ({worst[1]}); step 3-4 grad norms {[m['grad_norm'] for m in r['full']]} "
-          f"uninterrupted, {[m['grad_norm'] for m in r['resumed']]} resumed")
+          f"worst |full - resumed| {worst[0]:.3g} ({worst[1]}); step 3-4 grad norms "
+          f"{[m['grad_norm'] for m in r['full']]} uninterrupted, {[m['grad_norm'] for m in r['resumed']]} resumed")
     assert r["resumed"] == r["full"], (r["resumed"], r["full"])
     for k in full:
         assert torch.equal(full[k], resumed[k]), f"{k}: max |diff| {(full[k] - resumed[k]).abs().max().item()}"
