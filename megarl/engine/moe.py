@@ -13,6 +13,9 @@ Routing tensor layout (what `RoutingRecorder` returns and `RoutingReplayer` cons
     (vpp > 1) a stage's layers sit in several chunks whose forwards of one micro-batch run at different times,
     interleaved with other micro-batches': the engine names the micro-batch before every chunk's forward, and each
     router writes (or replays) that micro-batch's columns. The schedule's filler micro-batches are not recorded.
+    What is recorded is what the router handed to the token dispatcher: the True entries of its output routing map
+    ([tokens, E] bool, the second output of `TopKRouter.forward`), in ascending expert order -- never the indices
+    megarl asked a replaying router to use, so a replay that does not reach the router shows in the record.
 
 Data path of `algorithm.router_replay: old`: the actor's old-log-prob forward records `routed_experts` [B, S, L, k]
 into its result batch; the update's micro-batches carry their rows; before each micro-batch's forward the
@@ -195,7 +198,7 @@ class RoutingRecorder(_RouterHooks):
             self._per_mb[self._current][slot] = idx
 
     def _hook(self, router, args, kwargs, output) -> None:
-        self._record(router, router.router_replay.recorded_topk_idx, args, kwargs)
+        self._record(router, dispatched_experts(output[1], router.topk), args, kwargs)
 
     def routed_experts(self, i: int) -> torch.Tensor:
         """[b, s, L, k] int64 of micro-batch i (zeros for the layers of other stages). Collective over the TP group
@@ -224,7 +227,8 @@ class RoutingReplayer(RoutingRecorder):
     (1 = replay this token; 0 = the router chooses by itself: the tokens vLLM never routed, i.e. the last sampled
     token and padding). The counted tokens are the valid (`attention_mask` 1) replayed ones: `tokens` (x this
     stage's MoE layers) and `tokens_differing` (own top-k set != replayed set), which `moe_update_metrics` turns into
-    `moe_routing_diff_frac`. With `keep_indices` the experts actually used are recorded (`routed_experts(i)`).
+    `moe_routing_diff_frac`. With `keep_indices` the experts the router actually dispatched to (its output routing
+    map, not the replay target) are recorded (`routed_experts(i)`).
     """
 
     def __init__(self, engine, keep_indices: bool = False, key: str = "routed_experts",
@@ -298,12 +302,24 @@ class RoutingReplayer(RoutingRecorder):
     def _hook(self, router, args, kwargs, output) -> None:
         if self._current is None:
             return
-        target = router.router_replay.target_topk_idx
-        self._record(router, target, args, kwargs)
+        target = router.router_replay.target_topk_idx  # what was asked for: the diff fraction's reference
+        self._record(router, dispatched_experts(output[1], router.topk), args, kwargs)  # what the router used
         own_map = self._own_top_k(router, args[0] if args else kwargs["input"])
         differs = routing_sets_differ(own_map, target.to(own_map.device)).cpu() & self._valid
         self.tokens += float(self._valid.sum())
         self.tokens_differing += float(differs.sum())
+
+
+def dispatched_experts(routing_map: torch.Tensor, k: int) -> torch.Tensor:
+    """[tokens, k] int64, ascending: the experts a router dispatched each token to, from its output routing map
+    [tokens, E] bool (True = the token goes to that expert). Raises if a token does not go to exactly k experts
+    (megatron's token dropping, `moe_expert_capacity_factor`, which megarl does not set)."""
+    counts = routing_map.sum(-1)
+    if not bool((counts == k).all()):
+        bad = int((counts != k).sum())
+        raise RuntimeError(f"{bad} of {routing_map.shape[0]} tokens were dispatched to other than {k} experts "
+                           "(token dropping is not supported by the routing record)")
+    return routing_map.nonzero()[:, 1].view(-1, k)  # row-major: each row's experts in ascending order
 
 
 def routing_sets_differ(own_map: torch.Tensor, replayed: torch.Tensor) -> torch.Tensor:

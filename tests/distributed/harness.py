@@ -1,4 +1,5 @@
-"""Shared pieces of the multi-rank tests: a tiny HF model, the next-token loss, grouping per-rank results."""
+"""Shared pieces of the multi-rank tests: a tiny HF model, the next-token loss, grouping per-rank results, the
+hybrid tests' log-prob gap, push-down update and HF export."""
 
 from __future__ import annotations
 
@@ -103,3 +104,29 @@ def read_dcp(path: str) -> dict[str, torch.Tensor]:
           if isinstance(v, TensorStorageMetadata)}
     load(sd, storage_reader=reader, no_dist=True)
     return sd
+
+
+def push_down_update(actor, groups, batch) -> None:
+    """One PPO step on `batch` (a `response_batch`) with advantage -1 on every response token, from old == new (no
+    clipping): it pushes those tokens' log-probs down, so greedy generations of them change. Collective over the
+    role; sets `batch["old_log_probs"]` and `batch["advantages"]` [B, S]. Under pp > 1 the last stage's old
+    log-probs are broadcast along the pipeline (the other stages get None)."""
+    old = actor.compute_log_probs(batch, with_entropy=False)
+    old_lp = old.tensors["log_probs"] if old is not None else torch.zeros(batch.tensors["input_ids"].shape)
+    if groups.topology.pp > 1:
+        import torch.distributed as dist
+
+        dist.broadcast(old_lp, src=groups.pp_ranks[-1], group=groups.pgs.pp)
+    batch.tensors["old_log_probs"] = old_lp
+    batch.tensors["advantages"] = -batch.tensors["response_mask"].float()
+    actor.update(batch)
+
+
+def export_actor_hf(actor, out: str, hf_dir: str) -> str:
+    """Collective over the world: the actor's current weights as an HF directory at `out` through the user's path
+    (a Megatron dist checkpoint at `out`-megatron, then `megatron_to_hf`); config and tokenizer from `hf_dir`."""
+    from megarl.checkpoint.dist_ckpt import megatron_to_hf, save_engine_checkpoint
+
+    save_engine_checkpoint(actor.engine, out + "-megatron", hf_dir=hf_dir)
+    megatron_to_hf(out + "-megatron", out)
+    return out

@@ -28,7 +28,7 @@ import shutil
 import pytest
 
 from megarl.platform.spawn import run_ranks
-from tests.distributed.harness import actor_log_prob_gap, tiny_family_dir
+from tests.distributed.harness import actor_log_prob_gap, export_actor_hf, push_down_update, tiny_family_dir
 
 pytestmark = pytest.mark.slow
 
@@ -67,25 +67,9 @@ def _observe(engine, actor):
     }, batch
 
 
-def _update(actor, groups, batch):
-    """One PPO step that pushes the greedy tokens' log-probs down (old == new: no clipping)."""
-    import torch
-
-    old = actor.compute_log_probs(batch, with_entropy=False)
-    old_lp = old.tensors["log_probs"] if old is not None else torch.zeros(batch.tensors["input_ids"].shape)
-    if groups.topology.pp > 1:  # non-last stages get None: share the last stage's result along the pipeline
-        import torch.distributed as dist
-
-        dist.broadcast(old_lp, src=groups.pp_ranks[-1], group=groups.pgs.pp)
-    batch.tensors["old_log_probs"] = old_lp
-    batch.tensors["advantages"] = -batch.tensors["response_mask"].float()
-    actor.update(batch)
-
-
 def _family_worker(rank, world_size, hf_dir, export_root):
     import torch
 
-    from megarl.checkpoint.dist_ckpt import megatron_to_hf, save_engine_checkpoint
     from megarl.checkpoint.hf_io import HFReader
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
@@ -112,12 +96,10 @@ def _family_worker(rank, world_size, hf_dir, export_root):
         shards = engine.param_shards()
         mismatch = [s.name for s in shards if not torch.equal(sink.last_fed[s.name], build_shard(s, reader.read))]
         before, batch = _observe(engine, actor)
-        _update(actor, groups, batch)
+        push_down_update(actor, groups, batch)
         execute_reshard(plan, megatron_sources(actor.engine), sink, bucket_bytes=256 << 10)
         after, _ = _observe(engine, actor)
-        out = os.path.join(export_root, name)
-        save_engine_checkpoint(actor.engine, out + "-megatron", hf_dir=hf_dir)
-        megatron_to_hf(out + "-megatron", out)
+        out = export_actor_hf(actor, os.path.join(export_root, name), hf_dir)
         results[name] = {"mismatch": mismatch, "fed": sink.tensors_fed, "params": len(shards),
                          "before": before, "after": after, "exported": out}
         del actor

@@ -18,7 +18,12 @@ Checked against references that share no code with the planner:
     of every expert, so the rank receives the half of 2 experts it lacks: one expert's gate+up+down elements per layer,
     plus the vocabulary rows its vLLM rank needs beyond its Megatron block;
   - greedy generations equal transformers' on the HF directory (every replica);
-  - vLLM's log-probs of its greedy tokens agree with the Megatron actor's `compute_log_probs` within 1e-3 (fp32).
+  - vLLM's log-probs of its greedy tokens agree with the Megatron actor's `compute_log_probs` within 1e-3 (fp32);
+  - after one actor update (pushing the greedy tokens down: every expert the tokens were routed to gets a gradient)
+    and a second reshard into the same engines: the greedy generations change, equal transformers' on the actor's
+    weights exported to an HF directory (dist checkpoint -> `megatron_to_hf`), and vLLM's log-probs again agree with
+    the actor's; the second reshard moves the same bytes. Stale expert weights in vLLM (a sync that skipped or
+    cached the experts) would mix old experts with new dense weights and fail these.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 import pytest
 
 from megarl.platform.spawn import run_ranks
-from tests.distributed.harness import actor_log_prob_gap
+from tests.distributed.harness import actor_log_prob_gap, export_actor_hf, push_down_update
 
 pytestmark = pytest.mark.slow
 
@@ -40,15 +45,16 @@ LAYOUTS = {"ep2": (2, dict(dp=2, ep=2)), "tp2ep2": (4, dict(tp=2, dp=2, ep=2)),
            "tp2ep2etp1": (2, dict(tp=2, ep=2, etp=1))}
 
 
-def _worker(rank, world_size, hf_dir, actor_layout):
+def _worker(rank, world_size, hf_dir, actor_layout, export_dir):
     from megarl.checkpoint.hf_io import HFReader
+    from megarl.engine.megatron_engine import OptimizerSettings
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
     from megarl.reshard.executor import execute_reshard
     from megarl.reshard.planner import plan_reshard
     from megarl.reshard.sources import megatron_sources
     from megarl.reshard.vllm_sink import VllmShardSink
-    from megarl.roles.actor import Actor
+    from megarl.roles.actor import Actor, PolicyLossSettings
     from megarl.rollout.engine import SamplingSettings
     from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine
 
@@ -58,15 +64,23 @@ def _worker(rank, world_size, hf_dir, actor_layout):
         kv_cache_gib=1.0,
     ))
     groups = build_role_groups(RoleTopology(**actor_layout))
-    actor = Actor(spec, groups, hf_dir=hf_dir)
+    actor = Actor(spec, groups, optimizer=OptimizerSettings(lr=5e-2, clip_grad=0.0), hf_dir=hf_dir,
+                  loss=PolicyLossSettings(name="ppo"))  # one step from old == new: no clipping
     plan = plan_reshard(spec, groups.topology, 2, dtype_bytes=4)
     sink = VllmShardSink(engine)
     report = execute_reshard(plan, megatron_sources(actor.engine), sink, bucket_bytes=256 << 10)
-    greedy = engine.generate(PROMPTS, SamplingSettings(temperature=0.0, max_new_tokens=MAX_NEW, seed=0,
-                                                       ignore_eos=True))
-    lp_diff, _ = actor_log_prob_gap(actor, greedy)
+    settings = SamplingSettings(temperature=0.0, max_new_tokens=MAX_NEW, seed=0, ignore_eos=True)
+    greedy = engine.generate(PROMPTS, settings)
+    lp_diff, batch = actor_log_prob_gap(actor, greedy)
+    push_down_update(actor, groups, batch)
+    report2 = execute_reshard(plan, megatron_sources(actor.engine), sink, bucket_bytes=256 << 10)
+    after = engine.generate(PROMPTS, settings)
+    lp_diff_after, _ = actor_log_prob_gap(actor, after)
+    exported = export_actor_hf(actor, export_dir, hf_dir)
     engine.close()
     return dict(greedy=[s.response_ids for s in greedy], lp_diff=lp_diff, bytes_received=report.bytes_received,
+                after=[s.response_ids for s in after], lp_diff_after=lp_diff_after, exported=exported,
+                bytes_received2=report2.bytes_received,
                 lower_bound=report.bytes_lower_bound, spec=(spec.num_layers, spec.hidden_size, spec.num_experts,
                                                             spec.moe_ffn_hidden_size, spec.vocab_size,
                                                             spec.tie_word_embeddings, groups.topology.tp))
@@ -81,8 +95,9 @@ def run(request, tmp_path_factory):
     hf_dir = tiny_family_dir(str(root / "qwen3moe"), "qwen3_moe", seed=3, head_dim=32,
                              moe_intermediate_size=EXPERT_WIDTH, init_std=0.15)
     world, actor_layout = LAYOUTS[request.param]
-    results = run_ranks(world, _worker, hf_dir, actor_layout, timeout_s=900, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
-    return results, hf_greedy(hf_dir, PROMPTS, MAX_NEW)
+    results = run_ranks(world, _worker, hf_dir, actor_layout, str(root / "exported"), timeout_s=900,
+                        env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    return results, hf_greedy(hf_dir, PROMPTS, MAX_NEW), hf_greedy(results[0]["exported"], PROMPTS, MAX_NEW)
 
 
 def _missing_vocab_rows(vocab: int, actor_tp: int, tp_rank: int) -> int:
@@ -98,7 +113,7 @@ def _missing_vocab_rows(vocab: int, actor_tp: int, tp_rank: int) -> int:
 
 
 def test_moe_actor_to_vllm_tp2_receives_the_theoretical_bytes(run):
-    results, _ = run
+    results, _, _ = run
     for rank, r in enumerate(results):
         layers, hidden, experts, width, vocab, tied, actor_tp = r["spec"]
         assert (layers, hidden, experts, width, tied) == (2, 64, 4, EXPERT_WIDTH, False)
@@ -110,9 +125,20 @@ def test_moe_actor_to_vllm_tp2_receives_the_theoretical_bytes(run):
 
 
 def test_greedy_after_reshard_equals_transformers_and_log_probs_match_the_actor(run):
-    results, expected = run
+    results, expected, _ = run
     for r in results:
         assert r["greedy"] == expected
     reported = [r["lp_diff"] for r in results if r["lp_diff"] is not None]
     print(f"max |vLLM log-prob - actor log-prob| per reporting rank: {reported}")
+    assert reported and max(reported) < 1e-3, reported
+
+
+def test_after_update_second_reshard_greedy_equals_transformers_on_exported_weights(run):
+    results, _, expected_after = run
+    for r in results:
+        assert r["after"] != r["greedy"], "generations did not change after the update: stale weights or cache"
+        assert r["after"] == expected_after, "after the update vs transformers on the exported weights"
+        assert r["bytes_received2"] == r["bytes_received"]
+    reported = [r["lp_diff_after"] for r in results if r["lp_diff_after"] is not None]
+    print(f"after the update: max |vLLM log-prob - actor log-prob| per reporting rank: {reported}")
     assert reported and max(reported) < 1e-3, reported

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megarl.platform.spawn import run_ranks
-from tests.distributed.harness import actor_log_prob_gap, group_by_case
+from tests.distributed.harness import actor_log_prob_gap, group_by_case, push_down_update
 
 PROMPTS = [[1, 5, 9, 14, 22, 7], [1, 40, 41, 42], [1, 100, 3, 250, 17, 18, 19], [1, 77]]
 MAX_NEW = 8
@@ -67,17 +67,7 @@ def _worker(rank, world_size, hf_dir, infer_tp, cases):
                            if not torch.equal(sink.last_fed[s.name], build_shard(s, lambda n: reader.read(n)))]
         before = engine.generate(PROMPTS, greedy)
         lp_diff, batch = actor_log_prob_gap(actor, before)
-        # one update that pushes up the greedy tokens' log-probs, then a second reshard
-        batch.tensors["old_log_probs"] = torch.zeros(batch.tensors["input_ids"].shape)
-        old = actor.compute_log_probs(batch, with_entropy=False)
-        old_lp = old.tensors["log_probs"] if old is not None else torch.zeros(batch.tensors["input_ids"].shape)
-        if pp > 1:  # non-last stages get None: share the last stage's result along the pipeline
-            import torch.distributed as dist
-
-            dist.broadcast(old_lp, src=groups.pp_ranks[-1], group=groups.pgs.pp)
-        batch.tensors["old_log_probs"] = old_lp
-        batch.tensors["advantages"] = -batch.tensors["response_mask"].float()  # push the greedy choices down
-        actor.update(batch)
+        push_down_update(actor, groups, batch)  # one update that pushes the greedy tokens down, then a second reshard
         report2 = execute_reshard(plan, megatron_sources(actor.engine), sink, bucket_bytes=256 << 10)
         after = engine.generate(PROMPTS, greedy)
         lp_diff_after, _ = actor_log_prob_gap(actor, after)

@@ -9,11 +9,20 @@ a Megatron actor (TP1) loads the same HF directory. References, none sharing cod
   (b) replaying the actor's own recorded routing leaves its log-probs unchanged (<= 1e-6) and measures 0 differing
       choices; replaying a permutation of it (expert e -> e+1 mod 4: every 2-set changes) moves the log-probs and
       measures a difference on every first-layer pair (its input depends on no routing), so at least half of them;
-      the rollout-mode forward uses exactly vLLM's experts on every token vLLM routed;
+      the rollout-mode forward uses exactly vLLM's experts on every token vLLM routed (the experts "used" are those
+      megatron's router dispatched to: its output routing map, not the replay target megarl set);
   (c) a constructed rollout routing (the actor's own, with chosen (token, last layer) entries changed, one of them on
       a token the mask excludes) gives a diff fraction equal to the hand count: changing the last MoE layer's
       routing of a token cannot change any layer's own choice (nothing routes after it), so exactly the changed
       masked entries differ.
+  (d) forced experts that differ from the router's own choice (vLLM's routing with every third routed token's
+      first-layer set, and the next token's second-layer set, replaced by the complementary 2-set): the router
+      dispatches exactly them, and the log-probs equal transformers' forward with its gates patched to return the
+      same forced experts (transformers' own expert MLPs and weights). Forced gate weights, as megatron-core's
+      replay computes them for this model (`norm_topk_prob` False -> `moe_router_pre_softmax`): the softmax over
+      all 4 router logits, gathered at the forced experts, not renormalised (renormalised to sum 1 when
+      `norm_topk_prob` is True: the reference follows the config). In fp32 vLLM's experts are the actor's own
+      choice, so (b)'s rollout check alone would hold with or without replay; this one cannot.
 The same samples replayed by a TP2 actor (sequence parallel: each rank routes half the tokens) must give the TP1
 log-probs, the same used experts and the same fraction.
 """
@@ -75,6 +84,8 @@ def _tp1_worker(rank, world, path):
                                        replay_routing=True)
     permuted_frac = actor.last_routing_diff_frac
     rollout = actor.compute_log_probs(batch)  # router_replay=rollout: vLLM's experts where it routed
+    forced = _forced_routing(batch["rollout_routed_experts"], batch["rollout_routing_mask"])
+    forced_out = actor.compute_log_probs(batch.update({"rollout_routed_experts": forced}))
 
     # (c) constructed: own routing with chosen last-layer entries changed to the complementary 2-set
     constructed = own_routing.clone()
@@ -95,7 +106,26 @@ def _tp1_worker(rank, world, path):
                 permuted_frac=permuted_frac, rollout_lp=rollout["log_probs"], rollout_used=rollout["routed_experts"],
                 rollout_frac=rollout.meta["moe_rollout_routing_diff_frac"], built_frac=built.meta[
                     "moe_rollout_routing_diff_frac"], built_used=built["routed_experts"], constructed=constructed,
-                hand=hand, excluded=excluded))
+                hand=hand, excluded=excluded, forced=forced, forced_lp=forced_out["log_probs"],
+                forced_used=forced_out["routed_experts"]))
+
+
+def _complement(sets: torch.Tensor) -> torch.Tensor:
+    """[..., 2] expert 2-sets -> [..., 2] the other two of the 4 experts (ascending)."""
+    chosen = torch.zeros(*sets.shape[:-1], EXPERTS, dtype=torch.bool).scatter(-1, sets.long(), True)
+    return (~chosen).nonzero()[:, -1].view(*sets.shape[:-1], EXPERTS - TOP_K)
+
+
+def _forced_routing(vllm: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """vLLM's routing [B, S, L, k] with the first layer's set of every third routed position (1, 4, 7, ...) and the
+    second layer's set of the position after it replaced by their complements: experts the router would not
+    choose itself."""
+    forced = vllm.clone()
+    pos = torch.arange(vllm.shape[1])
+    for layer, rest in ((0, 1), (1, 2)):
+        pick = mask.bool() & (pos % 3 == rest)[None, :]
+        forced[:, :, layer][pick] = _complement(vllm[:, :, layer][pick])
+    return forced
 
 
 def _by_value(out: dict) -> dict:
@@ -152,6 +182,42 @@ def _transformers_top_k(path: str, sequence: list[int]) -> torch.Tensor:
 _transformers_top_k.cache = {}
 
 
+def _transformers_forced_log_probs(path: str, sequence: list[int], forced: torch.Tensor,
+                                   use: torch.Tensor) -> torch.Tensor:
+    """[len] fp32: transformers' log p(sequence[t] | sequence[:t]) (entry 0 is 0) with every Qwen3-MoE gate patched to
+    route token t of layer l to `forced[t, l]` [len, L, k] where `use[t]` [len] bool (elsewhere its own top-k). The
+    gate weights of forced experts: softmax over all experts' logits gathered at them, renormalised iff the config's
+    `norm_topk_prob` (megatron-core's replay semantics). The cached model's gates are restored afterwards."""
+    import torch.nn.functional as F
+
+    _transformers_top_k(path, sequence[:1])  # loads (and caches) the model
+    model = _transformers_top_k.cache[path]
+    gates = [layer.mlp.gate for layer in model.model.layers]
+
+    def forced_forward(gate, layer):
+        def forward(hidden_states):
+            logits = F.linear(hidden_states.reshape(-1, gate.hidden_dim), gate.weight)  # [len, E]
+            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+            index = torch.where(use[:, None], forced[:, layer], probs.topk(gate.top_k, dim=-1).indices)
+            weights = probs.gather(1, index)
+            if gate.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+            return logits, weights.to(logits.dtype), index
+        return forward
+
+    try:
+        for layer, gate in enumerate(gates):
+            gate.forward = forced_forward(gate, layer)
+        with torch.no_grad():
+            logits = model(torch.tensor([sequence])).logits[0].float()
+    finally:
+        for gate in gates:
+            gate.__dict__.pop("forward", None)
+    lp = torch.zeros(len(sequence))
+    lp[1:] = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(sequence[1:])[:, None])[:, 0]
+    return lp
+
+
 def test_vllm_routed_experts_equal_transformers_top_k(run):
     path, out = run
     assert out["layers"] == [0, 1]
@@ -194,6 +260,28 @@ def test_rollout_forward_uses_vllm_experts_on_every_routed_token(run):
     if out["rollout_frac"] == 0.0:
         resp = batch["response_mask"].bool()
         assert float((out["rollout_lp"] - out["own_lp"])[resp].abs().max()) <= 1e-6
+
+
+def test_forced_experts_reach_the_router_and_give_transformers_forced_log_probs(run):
+    path, out = run
+    batch = out["batch"]
+    routed, resp = batch["rollout_routing_mask"].bool(), batch["response_mask"].bool()
+    forced, used = out["forced"], out["forced_used"]
+    changed = (forced.sort(-1).values != batch["rollout_routed_experts"].sort(-1).values).any(-1)  # [B, S, L]
+    assert int(changed.sum()) > 30
+    dispatched_forced = bool(torch.equal(used[routed].sort(-1).values, forced[routed].sort(-1).values))
+    worst = moved = 0.0
+    for i in range(batch["input_ids"].shape[0]):
+        n = int(batch["attention_mask"][i].sum())
+        ref = _transformers_forced_log_probs(path, batch["input_ids"][i, :n].tolist(), forced[i, :n], routed[i, :n])
+        r = resp[i, :n]
+        worst = max(worst, float((out["forced_lp"][i, :n] - ref)[r].abs().max()))
+        moved = max(moved, float((out["forced_lp"][i, :n] - out["own_lp"][i, :n])[r].abs().max()))
+    print(f"forced experts: router dispatched them: {dispatched_forced}; max |actor - transformers forced| "
+          f"log-prob {worst:.2e}; max |forced - own| {moved:.2e}")
+    assert dispatched_forced, "the router did not dispatch the replayed experts"
+    assert worst <= 1e-5, f"log-probs with forced experts differ from transformers' by {worst:.2e}"
+    assert moved > 1e-2  # the forced experts matter: a replay that never reached the router would show
 
 
 def test_diff_fraction_equals_hand_count_on_constructed_routing(run):

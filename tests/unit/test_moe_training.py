@@ -81,6 +81,17 @@ def test_routing_sets_differ_by_hand():
     assert routing_sets_differ(own, replayed).tolist() == [False, True, False, True]
 
 
+def test_dispatched_experts_read_from_the_routing_map_by_hand():
+    from megarl.engine.moe import dispatched_experts
+
+    # 3 tokens, 4 experts, top-2: maps {1,3}, {0,1}, {2,3} -> ascending indices
+    routing_map = torch.tensor([[0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1]], dtype=torch.bool)
+    assert dispatched_experts(routing_map, 2).tolist() == [[1, 3], [0, 1], [2, 3]]
+    dropped = torch.tensor([[0, 1, 0, 1], [1, 0, 0, 0]], dtype=torch.bool)  # token 1 kept by one expert only
+    with pytest.raises(RuntimeError, match="1 of 2 tokens were dispatched to other than 2 experts"):
+        dispatched_experts(dropped, 2)
+
+
 def test_what_moe_cannot_combine_with_vpp():
     from megarl.engine.megatron_engine import check_moe_vpp
 
