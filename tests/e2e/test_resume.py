@@ -175,7 +175,9 @@ def _check_resume_at_another_layout(run_dir, ckpt, full: list[dict], full_final:
         got, want = rows[step], full[step - 1]
         assert got["reward/mean"] == want["reward/mean"], step  # (nearly) the same weights -> the same rollout
         assert abs(got["actor/loss"] - want["actor/loss"]) <= LAYOUT_TOL, (step, got["actor/loss"], want)
-        tol = LAYOUT_TOL if step == 3 else LAYOUT_TOL_AFTER_STEPS
+        # step 3's gradient already follows one resumed Adam step (two optimizer steps per trainer step): measured
+        # 9.6e-7 relative, too close to 1e-6 for another host
+        tol = LAYOUT_TOL_AFTER_STEPS
         assert abs(got["actor/grad_norm"] - want["actor/grad_norm"]) <= tol * want["actor/grad_norm"], step
 
 
