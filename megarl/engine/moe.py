@@ -303,23 +303,34 @@ class RoutingReplayer(RoutingRecorder):
         if self._current is None:
             return
         target = router.router_replay.target_topk_idx  # what was asked for: the diff fraction's reference
-        self._record(router, dispatched_experts(output[1], router.topk), args, kwargs)  # what the router used
+        used = dispatched_experts(output[1], router.topk, fallback=target, must=self._valid)  # what the router used
+        self._record(router, used, args, kwargs)
         own_map = self._own_top_k(router, args[0] if args else kwargs["input"])
         differs = routing_sets_differ(own_map, target.to(own_map.device)).cpu() & self._valid
         self.tokens += float(self._valid.sum())
         self.tokens_differing += float(differs.sum())
 
 
-def dispatched_experts(routing_map: torch.Tensor, k: int) -> torch.Tensor:
+def dispatched_experts(routing_map: torch.Tensor, k: int, fallback: Optional[torch.Tensor] = None,
+                       must: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[tokens, k] int64, ascending: the experts a router dispatched each token to, from its output routing map
-    [tokens, E] bool (True = the token goes to that expert). Raises if a token does not go to exactly k experts
-    (megatron's token dropping, `moe_expert_capacity_factor`, which megarl does not set)."""
+    [tokens, E] bool (True = the token goes to that expert). A token not dispatched to exactly k experts raises
+    (megatron's token dropping, `moe_expert_capacity_factor`, which megarl does not set) unless `must` [tokens] bool
+    marks it as not counted (a padding position, whose replay target may repeat an expert): its row is then
+    `fallback` [tokens, k] (the target asked for)."""
     counts = routing_map.sum(-1)
-    if not bool((counts == k).all()):
-        bad = int((counts != k).sum())
+    odd = counts != k
+    if not bool(odd.any()):
+        return routing_map.nonzero()[:, 1].view(-1, k)  # row-major: each row's experts in ascending order
+    counted = odd if must is None else odd & must.to(odd.device).bool()
+    if fallback is None or bool(counted.any()):
+        bad = int(counted.sum()) if fallback is not None else int(odd.sum())
         raise RuntimeError(f"{bad} of {routing_map.shape[0]} tokens were dispatched to other than {k} experts "
                            "(token dropping is not supported by the routing record)")
-    return routing_map.nonzero()[:, 1].view(-1, k)  # row-major: each row's experts in ascending order
+    out = fallback.to(routing_map.device).long().clone()
+    good = ~odd
+    out[good] = routing_map[good].nonzero()[:, 1].view(-1, k)
+    return out
 
 
 def routing_sets_differ(own_map: torch.Tensor, replayed: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,12 @@ def test_dispatched_experts_read_from_the_routing_map_by_hand():
     dropped = torch.tensor([[0, 1, 0, 1], [1, 0, 0, 0]], dtype=torch.bool)  # token 1 kept by one expert only
     with pytest.raises(RuntimeError, match="1 of 2 tokens were dispatched to other than 2 experts"):
         dispatched_experts(dropped, 2)
+    # a padding position (not counted) whose replay target repeats an expert: its row is the target asked for
+    target = torch.tensor([[1, 3], [0, 0]])
+    assert dispatched_experts(dropped, 2, fallback=target, must=torch.tensor([True, False])).tolist() == [
+        [1, 3], [0, 0]]
+    with pytest.raises(RuntimeError, match="1 of 2 tokens"):  # a counted token is never papered over
+        dispatched_experts(dropped, 2, fallback=target, must=torch.tensor([True, True]))
 
 
 def test_what_moe_cannot_combine_with_vpp():
