@@ -11,7 +11,9 @@ How ranks start (`MEGARL_RANK_START`): `spawn` (default) starts each rank as a f
 torch, megatron-core and vLLM again (5-15 s a rank on 2 cores); `forkserver` forks each rank from one server process
 that imported the modules in `MEGARL_RANK_PRELOAD` (comma-separated) once, so a rank starts in well under a second
 (the test suite uses it: tests/conftest.py). A forked rank's environment is the server's (the caller's when the first
-`run_ranks` of the process started it) plus `env`; nothing else of the caller's later state reaches it.
+`run_ranks` of the process started it) plus `env`; nothing else of the caller's later state reaches it. The server
+imports the preloaded modules before any rank applies the vendor log level, so their import-time warnings
+(megatron-core's "Apex is not installed") print once, from the server.
 """
 
 from __future__ import annotations

@@ -193,10 +193,13 @@ def test_unfinished_output_never_looks_finished(tmp_path):
 
 
 def _run_tool(args) -> str:
-    """Run a tool as a user would (its own process, no warning filters of ours); its stdout. Fails if the tool
-    fails or its output shows any of VENDOR_NOISE."""
+    """Run a tool as a user would (its own process, no warning filters of ours, the suite's starting environment
+    without its rank-start settings: `clean_env`); its stdout. Fails if the tool fails or its output shows any of
+    VENDOR_NOISE."""
+    from tests.subprocess_env import clean_env
+
     proc = subprocess.run([sys.executable, os.path.join(TOOLS, args[0]), *map(str, args[1:])],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     noise = [line for line in (proc.stdout + proc.stderr).splitlines() if any(n in line for n in VENDOR_NOISE)]
     assert not noise, f"{args[0]} printed {len(noise)} vendor warning lines, e.g. {noise[:2]}"
