@@ -24,23 +24,16 @@ GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 KERNEL_CLASSES = ("avx512_bf16", "avx512", "avx2")
 
 
-def cpu_flags(cpuinfo: Optional[str] = None) -> set[str]:
-    """The ISA flags of the first processor in /proc/cpuinfo (or of the given text)."""
-    if cpuinfo is None:
-        with open("/proc/cpuinfo") as f:
-            cpuinfo = f.read()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+def kernel_class(isa: Optional[dict] = None) -> str:
+    """"avx512_bf16" | "avx512" | "avx2" | "other": the kernel library vLLM's x86 build loads for these ISA flags
+    (`megarl.platform.host.host_cpu()["isa"]`, this host's when None)."""
+    if isa is None:
+        from megarl.platform.host import host_cpu
 
-
-def kernel_class(flags: Optional[set[str]] = None) -> str:
-    """"avx512_bf16" | "avx512" | "avx2" | "other": the kernel library vLLM's x86 build loads for these flags."""
-    flags = cpu_flags() if flags is None else flags
-    if "avx512f" in flags:
-        return "avx512_bf16" if "avx512_bf16" in flags else "avx512"
-    return "avx2" if "avx2" in flags else "other"
+        isa = host_cpu()["isa"]
+    if isa.get("avx512f"):
+        return "avx512_bf16" if isa.get("avx512_bf16") else "avx512"
+    return "avx2" if isa.get("avx2") else "other"
 
 
 def golden_path(stem: str, klass: Optional[str] = None) -> str:

@@ -47,8 +47,9 @@ def _versions() -> str:
 
 def machine() -> str:
     """'2-core x86_64 CPU (AMD EPYC), torch ..., ...': cores, CPU model and the stack's versions."""
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 platform.processor())
+    from megarl.platform.host import host_cpu
+
+    model = host_cpu()["model"]
     return f"{os.cpu_count()}-core {platform.machine()} CPU ({model}), {_versions()}"
 
 
