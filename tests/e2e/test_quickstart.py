@@ -5,7 +5,7 @@ A local Ray cluster, two worker processes each holding a Megatron actor (TP=2) a
 shared `quickstart_run` (tests/e2e/conftest.py). Its reward curve is compared with the golden curve of this host's
 CPU kernel class, `golden/cpu_quickstart.<class>.json` (tests/e2e/golden_host.py; regenerate it with
 `python -m tests.e2e.regenerate_golden`) within `GOLDEN_TOLERANCE`. Tests that need identical
-numbers (resume, offload, the API) compare with the shared run itself instead of the file.
+numbers (resume with offload, the API) compare with the shared run itself instead of the file.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import json
 import os
 import subprocess
 import sys
-
-import pytest
 
 from tests.e2e.golden_host import load_golden
 from tests.subprocess_env import clean_env
@@ -154,33 +152,6 @@ def test_heterogeneous_placement_critic_on_its_own_pool_and_a_reward_model(tmp_p
         assert "reward/rule_mean" in r and r["reward/mean"] != r["reward/rule_mean"]
     assert_critic_weights_changed(tmp_path / "ckpt", 1, 3)
     print("critic update overlap with the actor's, per step:", assert_critic_update_overlaps_actor(rows))
-
-
-def test_offload_between_phases_changes_nothing(tmp_path, quickstart_run):
-    """actor (params, grads, optimizer) and reference (params) offloaded to host memory between phases: on CPU
-    that is bookkeeping only, so the run must reproduce the module's `quickstart_run` (same machine, same session,
-    no offload) exactly -- every piece of state that left came back."""
-    _train(tmp_path, "trainer.total_steps=3", "actor.offload.params=true", "actor.offload.grads=true",
-           "actor.offload.optimizer=true", "reference.offload.params=true")
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    plain = quickstart_run.rows[:3]
-    for key in ("reward/mean", "actor/loss", "actor/grad_norm"):
-        assert [r[key] for r in rows] == [r[key] for r in plain], key
-    assert all(r["offload/actor_bytes"] > 0 for r in rows)  # the actor's state really left the device each step
-
-
-def test_reinforce_pp_with_adaptive_kl_in_the_reward(tmp_path):
-    """REINFORCE++ with the KL penalty in the token rewards and the adaptive controller steering its coefficient."""
-    _train(tmp_path, "trainer.total_steps=3", "algorithm.name=reinforce_plus_plus", "algorithm.kl.placement=reward",
-           "algorithm.kl.coef=0.05", "algorithm.kl.target=0.001", "algorithm.kl.horizon=100")
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    coefs = [r["kl/coef"] for r in rows]
-    assert coefs[0] == 0.05
-    # step 1: actor == reference, KL 0 < target: error clipped to -0.2, 32 samples / horizon 100
-    assert coefs[1] == pytest.approx(0.05 * (1 - 0.2 * 32 / 100)), coefs
-    # step 2: the policy has moved away, KL above the tiny target: the coefficient rises again
-    assert rows[1]["kl/kl_seq_sum"] > 0.001 and coefs[2] > coefs[1], coefs
-    assert all(r["kl/kl_seq_sum"] >= 0 for r in rows)
 
 
 def test_fp32_rollout_and_actor_log_probs_agree(quickstart_run):

@@ -4,21 +4,28 @@ For GRPO (actor + reference) and PPO (actor + reference + critic, colocated):
   uninterrupted: steps 1-4 in one run with checkpoints after steps 2 and 4 -- for GRPO the session's shared
                  `quickstart_run` (tests/e2e/conftest.py: 20 steps, a checkpoint every 2, constant LR, validation only
                  at steps 10 and 20, so its steps 1-4 are those of a 4-step run), for PPO a 4-step run here;
-  interrupted:   steps 1-2 (trainer.total_steps=2), then a second run with total_steps=4 that resumes from step 2.
-                 GRPO's saves every step and keeps the last one only (checkpoint.keep_last=1): the pruning is checked.
-Every per-step metric that is not a wall time (rewards, losses, grad norms, KL, clip fractions, mismatch, entropy,
-reshard bytes) must be bit-identical between the two, and so must every tensor of the final checkpoints (weights and
-Adam moments of the actor and the critic, read back with torch.distributed.checkpoint, independent of megarl), the LR
-schedulers' positions and the step counters. GRPO also resumes at another actor layout: a third run loads the
-step-2 (TP2) checkpoint at TP1xPP2 and runs steps 3-4, saving after step 4. Steps 3 and 4 must give the
-uninterrupted run's rewards, and its actor loss and grad norm within 1e-6 (float reduction order differs between
-layouts); step 4 follows three Adam steps taken from the resumed moments (two optimizer steps per trainer step:
-prompts_per_step 8, mini_batch_prompts 4). Its step-4 checkpoint must hold the uninterrupted run's weights and Adam
-moments, tensor by tensor within LAYOUT_TOL of that tensor's largest magnitude (the checkpoint's keys and global
-shapes do not depend on the layout), and the same scheduler position and step counter. The expected values always
-come from an uninterrupted run made in the same session on the same machine.
+  interrupted:   what a run stopped after step 2 leaves is its step-2 checkpoint, and the uninterrupted run saved
+                 exactly that one (same config and seed, deterministic on one host): a copy of it is resumed with
+                 trainer.total_steps=4. (A stop mid-run by a signal, and the resume of what that run saved, is
+                 tests/e2e/test_stop_signal.py.) GRPO's resume saves every step and keeps the last one only
+                 (checkpoint.keep_last=1: the copied step 2 and step 3 are pruned), and runs with the actor's params,
+                 grads and optimizer and the reference's params offloaded to host memory between phases: on CPU that
+                 is bookkeeping only, so it must change nothing (every offloaded piece of state came back).
+Every per-step metric of steps 3-4 that is not a wall time or the offloaded byte count (rewards, losses, grad norms,
+KL, clip fractions, mismatch, entropy, reshard bytes) must be bit-identical between the two, and so must every
+tensor of the final checkpoints (weights and Adam moments of the actor and the critic, read back with
+torch.distributed.checkpoint, independent of megarl), the LR schedulers' positions and the step counters. GRPO also
+resumes at another actor layout: a third run loads the step-2 (TP2) checkpoint at TP1xPP2 and runs steps 3-4, saving
+after step 4. Steps 3 and 4 must give the uninterrupted run's rewards, and its actor loss and grad norm within 1e-6
+(float reduction order differs between layouts); step 4 follows three Adam steps taken from the resumed moments (two
+optimizer steps per trainer step: prompts_per_step 8, mini_batch_prompts 4). Its step-4 checkpoint must hold the
+uninterrupted run's weights and Adam moments, tensor by tensor within LAYOUT_TOL of that tensor's largest magnitude
+(the checkpoint's keys and global shapes do not depend on the layout), and the same scheduler position and step
+counter. The expected values always come from an uninterrupted run made in the same session on the same machine.
 PPO's 4-step run is also the suite's PPO-with-a-critic run: GAE from a colocated TP2 critic, every metric finite, one
 critic optimizer step per RL step, the critic's weights moved by its updates (tests/e2e/critic_checks.py).
+(Until 2026-12-03 each algorithm made a separate 2-step run to stop, and the offload check was a run of its own:
+three `megarl train` start-ups of ~30 s that the copy of the uninterrupted run's step-2 checkpoint replaces.)
 """
 
 from __future__ import annotations
@@ -107,6 +114,11 @@ def _assert_close_checkpoint(want: str, got: str, role: str) -> None:
     _assert_same_schedule(want, got, role)
 
 
+OFFLOAD = ("actor.offload.params=true", "actor.offload.grads=true", "actor.offload.optimizer=true",
+           "reference.offload.params=true")
+NOT_COMPARED = {"offload/actor_bytes"}  # bytes moved to host memory: > 0 with offload, 0 without
+
+
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_resume_is_bit_identical(tmp_path, algo, request):
     extra = PPO if algo == "ppo" else ()
@@ -119,37 +131,43 @@ def test_resume_is_bit_identical(tmp_path, algo, request):
         full = _rows(full_run)
         _assert_ppo_ran_its_critic(full)
         assert_critic_weights_changed(full_ckpt, 2, 4)
+    assert [r["step"] for r in full] == [1, 2, 3, 4]
+    assert all("checkpoint/save_s" in r for r in full if r["step"] in (2, 4))
+    # the interrupted run: what a run stopped after step 2 leaves (see the module docstring)
     part_run, part_ckpt = tmp_path / "part", tmp_path / "part_ckpt"
-    prune = ("checkpoint.save_every=1", "checkpoint.keep_last=1") if algo == "grpo" else ()
-    _train(part_run, part_ckpt, "trainer.total_steps=2", *extra, *prune)
-    if algo == "grpo":  # saved after steps 1 and 2, kept the last one only
-        assert sorted(os.listdir(part_ckpt)) == ["step_000002"]
-        assert sorted(os.listdir(part_ckpt / "step_000002")) == ["actor", "rng", "trainer_state.json"]
-        state = json.load(open(part_ckpt / "step_000002" / "trainer_state.json"))
-        assert state["step"] == 2 and state["loader"]["position"] > 0
-        shutil.copytree(part_ckpt, tmp_path / "layout_ckpt")  # for the other-layout resume below
-    out = _train(part_run, part_ckpt, "trainer.total_steps=4", *extra, *prune)
-    assert "resumed from" in out and "config change since" in out and "trainer.total_steps: 2 -> 4 (neutral)" in out
+    shutil.copytree(full_ckpt / "step_000002", part_ckpt / "step_000002")
+    if algo == "grpo":
+        shutil.copytree(full_ckpt / "step_000002", tmp_path / "layout_ckpt" / "step_000002")  # the layout resume
+    grpo_only = ("checkpoint.save_every=1", "checkpoint.keep_last=1", *OFFLOAD) if algo == "grpo" else ()
+    out = _train(part_run, part_ckpt, "trainer.total_steps=4", *extra, *grpo_only)
+    assert f"resumed from {part_ckpt}/step_000002 (step 2 of 4" in out, out[-3000:]
     loaded = "actor+optimizer, critic+optimizer" if algo == "ppo" else "actor+optimizer"
     assert f"loaded {loaded})" in out, out[-3000:]
     if algo == "grpo":
-        assert sorted(os.listdir(part_ckpt)) == ["step_000004"]  # keep_last=1 across the resumed run too
+        assert "config change since" in out and "trainer.total_steps: 20 -> 4 (neutral)" in out, out[-3000:]
+        assert "actor.offload.params: False -> True (neutral)" in out, out[-3000:]
+        # saved after steps 3 and 4, kept the last one only: the copied step 2 and step 3 were pruned
+        assert sorted(os.listdir(part_ckpt)) == ["step_000004"]
+        assert sorted(os.listdir(part_ckpt / "step_000004")) == ["actor", "rng", "trainer_state.json"]
+        state = json.load(open(part_ckpt / "step_000004" / "trainer_state.json"))
+        assert state["step"] == 4 and state["loader"]["position"] > 0
 
     part = _rows(part_run)
-    assert [r["step"] for r in full] == [r["step"] for r in part] == [1, 2, 3, 4]
+    assert [r["step"] for r in part] == [3, 4]
+    if algo == "grpo":  # the actor's state really left the device every step
+        assert all(r["offload/actor_bytes"] > 0 for r in part), [r["offload/actor_bytes"] for r in part]
     compared = set()
-    for a, b in zip(full, part):
-        keys = {k for k in a if not _is_time(k)}
-        assert keys == {k for k in b if not _is_time(k)}
+    for a, b in zip(full[2:], part):
+        keys = {k for k in a if not _is_time(k)} - NOT_COMPARED
+        assert keys == {k for k in b if not _is_time(k)} - NOT_COMPARED
         for k in keys:
-            assert a[k] == b[k], (a["step"], k, a[k], b[k])
+            assert a[k] == b[k], (a["step"], k, a[k], b[k], "resumed" + (" with offload" if algo == "grpo" else ""))
         compared |= keys
     must = {"reward/mean", "actor/loss", "actor/grad_norm", "actor/kl", "actor/approx_kl", "actor/clip_frac",
             "actor/entropy"}
     if algo == "ppo":
         must |= {"critic/value_loss", "critic/grad_norm"}
     assert must <= compared, must - compared
-    assert all("checkpoint/save_s" in r for r in full if r["step"] in (2, 4))
 
     final_full, final_part = full_ckpt / "step_000004", part_ckpt / "step_000004"
     for role in ("actor", "critic") if algo == "ppo" else ("actor",):

@@ -21,10 +21,12 @@ model name\t: Intel(R) Xeon(R) Platinum 8480+
 flags\t\t: fpu vme sse2 avx avx2 avx512f avx512dq avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8
 """
 EPYC = """processor\t: 0
+vendor_id\t: AuthenticAMD
 model name\t: AMD EPYC
 flags\t\t: fpu sse2 avx avx2 avx512f avx512dq avx512_bf16 avx512_vnni
 
 processor\t: 1
+vendor_id\t: AuthenticAMD
 model name\t: AMD EPYC
 flags\t\t: fpu sse2 avx avx2 avx512f avx512dq avx512_bf16 avx512_vnni
 """
@@ -35,6 +37,7 @@ CPU implementer\t: 0x41
 """
 LSCPU = """Architecture:                            x86_64
 CPU(s):                                  2
+Vendor ID:                               AuthenticAMD
 Model name:                              AMD EPYC
 Flags:                                   fpu sse2 avx avx2 avx512f avx512_bf16
 """
@@ -44,23 +47,23 @@ def _isa(*present: str) -> dict:
     return {**{f: f in present for f in ISA_FLAGS}, "amx": any(f.startswith("amx") for f in present)}
 
 
-@pytest.mark.parametrize("text, model, cpus, isa", [
-    (SAPPHIRE_RAPIDS, "Intel(R) Xeon(R) Platinum 8480+", 2,
+@pytest.mark.parametrize("text, model, vendor, cpus, isa", [
+    (SAPPHIRE_RAPIDS, "Intel(R) Xeon(R) Platinum 8480+", "intel", 2,
      _isa("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")),
-    (EPYC, "AMD EPYC", 2, _isa("avx2", "avx512f", "avx512_bf16")),
-    (NEOVERSE, None, 1, _isa()),  # Arm: no model name in /proc/cpuinfo, no x86 flags among its Features
-    (LSCPU, "AMD EPYC", 2, _isa("avx2", "avx512f", "avx512_bf16")),
-    ("", None, 0, _isa()),
+    (EPYC, "AMD EPYC", "amd", 2, _isa("avx2", "avx512f", "avx512_bf16")),
+    (NEOVERSE, None, None, 1, _isa()),  # Arm: no model name in /proc/cpuinfo, no x86 flags among its Features
+    (LSCPU, "AMD EPYC", "amd", 2, _isa("avx2", "avx512f", "avx512_bf16")),
+    ("", None, None, 0, _isa()),
 ], ids=["sapphire-rapids", "epyc", "neoverse", "lscpu", "empty"])
-def test_parse_cpuinfo(text, model, cpus, isa):
+def test_parse_cpuinfo(text, model, vendor, cpus, isa):
     info = parse_cpuinfo(text)
-    assert info == {"model": model, "logical_cpus": cpus, "isa": isa}
+    assert info == {"model": model, "vendor": vendor, "logical_cpus": cpus, "isa": isa}
     assert info["isa"]["amx"] is (model is not None and "Intel" in model)  # only the AMX host says amx
 
 
 def test_host_cpu_reads_this_host():
     info = host_cpu()
-    assert set(info) == {"model", "logical_cpus", "isa", "source"} and info["model"]
+    assert set(info) == {"model", "vendor", "logical_cpus", "isa", "source"} and info["model"]
     if os.path.exists("/proc/cpuinfo"):
         text = open("/proc/cpuinfo").read()
         assert info["source"] == "/proc/cpuinfo" and info["logical_cpus"] == text.count("processor\t:")
