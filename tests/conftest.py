@@ -55,3 +55,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def joined_ray_env():
+    """`clean_env()` with RAY_ADDRESS of one local Ray cluster that the `megarl train` runs which do not test their
+    own cluster's life cycle share (tests/ray_cluster.py says which and why); started on first use, stopped with the
+    session."""
+    from tests.ray_cluster import LocalRayCluster
+
+    cluster = LocalRayCluster()
+    try:
+        yield cluster.env()
+    finally:
+        cluster.stop()

@@ -22,7 +22,6 @@ import pytest
 import yaml
 
 from tests.distributed.harness import tiny_family_dir
-from tests.subprocess_env import clean_env
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +93,7 @@ def _transformers_greedy_text(hf_dir: str, tokenizer_dir: str, prompts: list[str
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
-def train_run(request, tmp_path_factory):
+def train_run(request, tmp_path_factory, joined_ray_env):
     family, overrides, parallel = RUNS[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
     hf_dir = tiny_family_dir(str(tmp / "hf"), family, seed=5, init_std=0.3, **overrides)
@@ -107,7 +106,7 @@ def train_run(request, tmp_path_factory):
                 shutil.move(os.path.join(hf_dir, name), os.path.join(tokenizer_dir, name))
     job = _job_config(tmp, hf_dir, parallel, tokenizer_dir)
     responses = tmp / "responses.jsonl"
-    env = dict(clean_env(), MEGARL_TEST_RESPONSES=str(responses))
+    env = dict(joined_ray_env, MEGARL_TEST_RESPONSES=str(responses))  # the suite's shared Ray cluster
     proc = subprocess.run([sys.executable, "-m", "megarl", "train", job], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -12,18 +12,16 @@ import sys
 
 import pytest
 
-from tests.subprocess_env import clean_env
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.slow
 
 
-def test_moe_quickstart_learns_with_expert_parallel_actor(tmp_path):
+def test_moe_quickstart_learns_with_expert_parallel_actor(tmp_path, joined_ray_env):
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart_moe.yaml", "trainer.val_every=0",
          f"logging.dir={tmp_path}"],
-        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
+        cwd=ROOT, env=joined_ray_env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

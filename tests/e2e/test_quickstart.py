@@ -102,17 +102,7 @@ def test_the_policy_learns(quickstart_run):
     assert vals[20] > vals[10]
 
 
-def _train(tmp_path, *overrides):
-    proc = subprocess.run(
-        [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart.yaml", "trainer.val_every=0",
-         f"logging.dir={tmp_path / 'run'}", *overrides],
-        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
-
-
-def test_heterogeneous_placement_critic_on_its_own_pool_and_a_reward_model(tmp_path):
+def test_heterogeneous_placement_critic_on_its_own_pool_and_a_reward_model(tmp_path, joined_ray_env):
     """HybridFlow placement: the critic on its own pool (1 device, TP=1, its own torch.distributed world) beside
     the actor's pool (TP=2 + vLLM), a learned reward model colocated with the actor; the rewards trained on are
     the reward model's scores, and the rule's are still logged; the critic's weights moved from step 1 to step 3 and
@@ -142,7 +132,7 @@ def test_heterogeneous_placement_critic_on_its_own_pool_and_a_reward_model(tmp_p
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "train", str(config), f"logging.dir={tmp_path / 'run'}",
          *checkpoint_overrides(tmp_path / "ckpt")],
-        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
+        cwd=ROOT, env=joined_ray_env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]

@@ -54,12 +54,14 @@ LAYOUT_TOL = 1e-6  # another layout: step 3's loss and grad norm, step 4's loss,
 LAYOUT_TOL_AFTER_STEPS = 1e-5
 
 
-def _train(run_dir, ckpt, *overrides):
+def _train(run_dir, ckpt, *overrides, env):
+    """`megarl train` of the quickstart with `overrides`, joined to the suite's shared Ray cluster (`env`:
+    `joined_ray_env`, tests/ray_cluster.py); -> stdout + stderr."""
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart.yaml", "trainer.val_every=0",
          f"logging.dir={run_dir}", f"checkpoint.dir={ckpt}", f"checkpoint.save_every={QUICKSTART_SAVE_EVERY}",
          *overrides],
-        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout + proc.stderr
@@ -120,14 +122,14 @@ NOT_COMPARED = {"offload/actor_bytes"}  # bytes moved to host memory: > 0 with o
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_resume_is_bit_identical(tmp_path, algo, request):
+def test_resume_is_bit_identical(tmp_path, algo, request, joined_ray_env):
     extra = PPO if algo == "ppo" else ()
     if algo == "grpo":
         shared = request.getfixturevalue("quickstart_run")
         full, full_ckpt = shared.rows[:4], shared.ckpt_dir
     else:
         full_run, full_ckpt = tmp_path / "full", tmp_path / "full_ckpt"
-        _train(full_run, full_ckpt, "trainer.total_steps=4", *extra)
+        _train(full_run, full_ckpt, "trainer.total_steps=4", *extra, env=joined_ray_env)
         full = _rows(full_run)
         _assert_ppo_ran_its_critic(full)
         assert_critic_weights_changed(full_ckpt, 2, 4)
@@ -139,7 +141,7 @@ def test_resume_is_bit_identical(tmp_path, algo, request):
     if algo == "grpo":
         shutil.copytree(full_ckpt / "step_000002", tmp_path / "layout_ckpt" / "step_000002")  # the layout resume
     grpo_only = ("checkpoint.save_every=1", "checkpoint.keep_last=1", *OFFLOAD) if algo == "grpo" else ()
-    out = _train(part_run, part_ckpt, "trainer.total_steps=4", *extra, *grpo_only)
+    out = _train(part_run, part_ckpt, "trainer.total_steps=4", *extra, *grpo_only, env=joined_ray_env)
     assert f"resumed from {part_ckpt}/step_000002 (step 2 of 4" in out, out[-3000:]
     loaded = "actor+optimizer, critic+optimizer" if algo == "ppo" else "actor+optimizer"
     assert f"loaded {loaded})" in out, out[-3000:]
@@ -174,13 +176,14 @@ def test_resume_is_bit_identical(tmp_path, algo, request):
         _assert_same_checkpoint(str(final_full), str(final_part), role)
 
     if algo == "grpo":
-        _check_resume_at_another_layout(tmp_path / "layout", tmp_path / "layout_ckpt", full, str(final_full))
+        _check_resume_at_another_layout(tmp_path / "layout", tmp_path / "layout_ckpt", full, str(final_full),
+                                        joined_ray_env)
 
 
-def _check_resume_at_another_layout(run_dir, ckpt, full: list[dict], full_final: str) -> None:
+def _check_resume_at_another_layout(run_dir, ckpt, full: list[dict], full_final: str, env: dict) -> None:
     """Steps 3-4 at TP1xPP2 from the step-2 TP2 checkpoint in `ckpt`, saved after step 4, against the
     uninterrupted run (`full`: its metric rows; `full_final`: its step-4 checkpoint)."""
-    out = _train(run_dir, ckpt, "trainer.total_steps=4", "actor.parallel.tp=1", "actor.parallel.pp=2")
+    out = _train(run_dir, ckpt, "trainer.total_steps=4", "actor.parallel.tp=1", "actor.parallel.pp=2", env=env)
     assert "actor.parallel.pp: 1 -> 2 (layout)" in out
     rows = {r["step"]: r for r in _rows(run_dir)}
     assert sorted(rows) == [3, 4]

@@ -22,8 +22,6 @@ import sys
 
 import pytest
 
-from tests.subprocess_env import clean_env
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.slow
@@ -34,14 +32,14 @@ REINFORCE_PP_ADAPTIVE_KL = ("algorithm.name=reinforce_plus_plus", "algorithm.kl.
 
 
 @pytest.fixture(scope="module")
-def bf16_run(tmp_path_factory) -> list[dict]:
+def bf16_run(tmp_path_factory, joined_ray_env) -> list[dict]:
     """4 steps of the quickstart in bf16 with token-level TIS, REINFORCE++ and adaptive KL in the reward."""
     run_dir = tmp_path_factory.mktemp("bf16_tis")
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart.yaml", "model.dtype=bf16",
          "algorithm.rollout_correction.tis=token", *REINFORCE_PP_ADAPTIVE_KL, "trainer.total_steps=4",
          "trainer.val_every=0", f"logging.dir={run_dir}"],
-        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
+        cwd=ROOT, env=joined_ray_env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
