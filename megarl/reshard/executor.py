@@ -405,7 +405,7 @@ def execute_reshard(
             t0 = time.perf_counter()
             sums_pending.wait()
             expected.update(remote_sums)
-            check_written(expected, dest.view, rank, infer_rank)
+            check_written(expected, dest.view, rank, infer_rank, "global rank" if group is None else "bridge rank")
             verified += len(expected)
             verify_s += time.perf_counter() - t0
         dest.flush()

@@ -17,7 +17,13 @@ bytes it needs minus bytes of (its Megatron holdings intersected with its needs)
 so "received == bound" is a real check of the plan; the plan's own figure (needed minus what it copied locally)
 is reported beside it, with what a naive "gather the full model on every rank" moves.
 
-Rank mapping: inference replicas are blocks of `infer_tp` consecutive global ranks (how vLLM's external launcher
+Across pools the choice among holders is the whole routing: every training rank that holds a needed run is a
+candidate (the DP replicas; the TP ranks for replicated norms), and the least-loaded one sends it, so the bytes each
+training rank sends stay within one run of each other among ranks holding the same data (`PlanTraffic` reports max
+and mean); a pipeline stage sends what only it holds. No rank gathers a full tensor: a sender sends slices of its
+own shards. The fan-out alternatives (gather then broadcast; one engine then broadcast) are costed in `fanout`.
+
+Rank mapping: inference replicas are blocks of `infer_tp` consecutive bridge ranks (how vLLM's external launcher
 forms its TP groups). Within each block the planner can choose which rank plays which inference TP rank;
 `choose_mapping` searches the permutations for the one that keeps the most bytes local (ties keep the natural
 order, the one vLLM realises). vLLM's external launcher fixes TP rank = position in the block, so the trainer plans

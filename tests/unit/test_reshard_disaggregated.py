@@ -290,3 +290,18 @@ def test_one_engine_makes_replica_broadcast_the_direct_plan():
     assert costs["replica_broadcast"].phases[1].max_moved == 0
     # (a) broadcasts the full model to each of the two inference ranks: each receives the model
     assert costs["gather_broadcast"].max_received == MODEL_BYTES
+
+
+# ------------------------------------------------------------------------------ executor arguments across pools
+def test_executor_refuses_ranks_outside_the_plan_and_a_receiver_without_its_wire_dtype():
+    from megarl.reshard.executor import DictSink, execute_reshard
+
+    plan = plan_reshard(SPEC, RoleTopology(tp=2), InferLayout(tp=1, replicas=2, rank_offset=2), dtype_bytes=BF16)
+    with pytest.raises(ValueError, match=r"rank 4 is neither a training rank \(0..1\) nor an inference rank"):
+        execute_reshard(plan, {}, None, rank=4)
+    with pytest.raises(ValueError, match="rank 2 has no Megatron sources .* pass the wire dtype of the 2-byte plan"):
+        execute_reshard(plan, {}, DictSink(), rank=2)
+    with pytest.raises(ValueError, match="dtype=torch.float32 does not have the plan's 2-byte elements"):
+        execute_reshard(plan, {}, DictSink(), rank=2, dtype=torch.float32)
+    with pytest.raises(ValueError, match="rank 3 is inference TP rank 0 of the plan but has no sink"):
+        execute_reshard(plan, {}, None, rank=3, dtype=torch.bfloat16)
