@@ -21,7 +21,8 @@ its shards to TP rank j of the other engines.
 (ii) Simulated (`plan_reshard(..., keep_ops=False)` and the cost model, no ranks): 7B actor TP4 x DP2 on 8 GPUs ->
     4 engines of TP2 on 8; 70B TP8 x PP4 on 32 -> 4 engines of TP8 on 32; Qwen3-30B-A3B EP8 x PP2 (tp1, dp8) on 16
     -> 2 engines of TP8 on 16. Max bytes sent / received per rank for each shape and the time they imply at
-    `--gbps` GB/s per link for the bridge, the rollout pool and the training pool alike.
+    `--gbps` GB/s per link for the bridge, the rollout pool and the training pool alike; and again with the bridge
+    at `--slow-bridge-gbps` (default 50 GB/s, a 400 Gb/s NIC per GPU between pools) and the pools at `--gbps`.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _summary(per_rank: dict[int, tuple[int, int]], train_ranks, infer_ranks) -> 
 
 
 # ------------------------------------------------------------------------------------------------ (ii) simulated
-def simulate_case(name: str, gbps: float) -> dict:
+def simulate_case(name: str, gbps: float, bridge_gbps: float | None = None) -> dict:
     from megarl.reshard.fanout import Links, choose_fanout, fanout_costs
     from megarl.reshard.planner import plan_reshard
 
@@ -80,7 +81,8 @@ def simulate_case(name: str, gbps: float) -> dict:
     start = time.perf_counter()
     plan = plan_reshard(spec, train, infer, dtype_bytes=2, train_layout=TrainLayout(), keep_ops=False)
     plan_s = time.perf_counter() - start
-    links = Links(gbps * 1e9, gbps * 1e9, gbps * 1e9)
+    bridge_gbps = gbps if bridge_gbps is None else bridge_gbps
+    links = Links(bridge_gbps * 1e9, gbps * 1e9, gbps * 1e9)
     start = time.perf_counter()
     costs = fanout_costs(spec, train, infer, links, dtype_bytes=2)
     cost_s = time.perf_counter() - start
@@ -88,7 +90,8 @@ def simulate_case(name: str, gbps: float) -> dict:
     result = {
         "case": name, "params": spec.num_params, "model_bytes": plan.model_bytes, "dtype": "bf16",
         "train": train.describe(), "train_gpus": train.world_size, "infer": infer.describe(),
-        "infer_gpus": infer.world_size, "gbps_per_link": gbps, "plan_time_s": plan_s, "cost_model_time_s": cost_s,
+        "infer_gpus": infer.world_size, "gbps_per_link": gbps, "bridge_gbps": bridge_gbps, "plan_time_s": plan_s,
+        "cost_model_time_s": cost_s,
         "direct_traffic": {"sent_max": traffic.max_sent, "sent_mean": traffic.mean_sent,
                            "received_max": traffic.max_received, "received_mean": traffic.mean_received,
                            "sent_imbalance": traffic.sent_imbalance},
@@ -108,7 +111,7 @@ def simulate_case(name: str, gbps: float) -> dict:
           f"{traffic.max_received / gb:.3f} GB (mean {traffic.mean_received / gb:.3f})")
     for k, c in costs.items():
         print(f"  {k:18s} max sent {c.max_sent / gb:8.3f} GB, max received {c.max_received / gb:8.3f} GB, "
-              f"{c.time_s * 1e3:8.2f} ms at {gbps:g} GB/s")
+              f"{c.time_s * 1e3:8.2f} ms (bridge {bridge_gbps:g} GB/s, pools {gbps:g} GB/s)")
     print(f"  auto: {result['auto']}")
     return result
 
@@ -299,7 +302,7 @@ def measure(args) -> dict:
     return result
 
 
-def markdown(measured: list[dict], simulated: list[dict], command: str) -> str:
+def markdown(measured: list[dict], simulated: list[dict], command: str, slow_bridge: list[dict] = ()) -> str:
     gb, kib = 1e9, 1024
     lines = ["# Reshard across pools: megarl's plan vs gather-broadcast (a) and replica-broadcast (b)", "",
              f"Command: `{command}`. Shapes: `megarl/reshard/fanout.py`; measured and simulated parts: the docstring "
@@ -314,13 +317,16 @@ def markdown(measured: list[dict], simulated: list[dict], command: str) -> str:
                          f"{v['received_max'] / kib:.0f} ({v['received_mean'] / kib:.0f}) | "
                          f"{v['moved_max'] / kib:.0f} | {v['time_s'] * 1e3:.1f} | {v['same_shards_as_direct']} |")
         lines.append("")
-    if simulated:
-        g = simulated[0]["gbps_per_link"]
-        lines += [f"## Simulated at cluster shapes (bf16; time = bytes / {g:g} GB/s per link, every link)", "",
+    for runs in (simulated, slow_bridge):
+        if not runs:
+            continue
+        g, b = runs[0]["gbps_per_link"], runs[0]["bridge_gbps"]
+        lines += [f"## Simulated at cluster shapes (bf16; time = bytes / bandwidth: bridge {b:g} GB/s, training and "
+                  f"rollout pools {g:g} GB/s per link)", "",
                   "| case | actor -> engines | direct: sent max (mean) GB / received max (mean) GB | "
                   "direct max sent, recv GB; ms | (a) gather-broadcast max sent, recv GB; ms | "
                   "(b) replica-broadcast max sent, recv GB; ms | auto |", "|---|---|---|---|---|---|---|"]
-        for r in simulated:
+        for r in runs:
             d, s = r["direct_traffic"], r["strategies"]
             cells = [f"{s[k]['max_sent'] / gb:.2f}, {s[k]['max_received'] / gb:.2f}; {s[k]['time_s'] * 1e3:.1f}"
                      for k in STRATEGIES]
@@ -345,6 +351,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--gbps", type=float, default=400.0, help="simulated part: GB/s per link")
+    p.add_argument("--slow-bridge-gbps", type=float, default=50.0,
+                   help="simulated part, second table: the bridge's GB/s (the pools stay at --gbps)")
     p.add_argument("--skip-measure", action="store_true")
     p.add_argument("--skip-simulate", action="store_true")
     p.add_argument("--timeout-s", type=float, default=900.0)
@@ -354,15 +362,17 @@ def main(argv=None) -> int:
     measured = [] if args.skip_measure else [
         measure(argparse.Namespace(**{**vars(args), "infer_tp": tp})) for tp in args.infer_tp]
     simulated = [] if args.skip_simulate else [simulate_case(name, args.gbps) for name in CLUSTER]
+    slow_bridge = [] if args.skip_simulate else [simulate_case(name, args.gbps, args.slow_bridge_gbps)
+                                                 for name in CLUSTER]
     from megarl.platform.host import host_cpu
 
     result = {"command": "python " + " ".join(sys.argv), "host_cpu": host_cpu(), "measured": measured,
-              "simulated": simulated}
+              "simulated": simulated, "simulated_slow_bridge": slow_bridge}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     with open(args.out + ".md", "w") as f:
-        f.write(markdown(measured, simulated, result["command"]))
+        f.write(markdown(measured, simulated, result["command"], slow_bridge))
     print(f"wrote {args.out}.json and .md")
     exact = all(v["same_shards_as_direct"] for m in measured for v in m["strategies"].values())
     return 0 if exact else 1
