@@ -317,6 +317,12 @@ def markdown(measured: list[dict], simulated: list[dict], command: str, slow_bri
                          f"{v['received_max'] / kib:.0f} ({v['received_mean'] / kib:.0f}) | "
                          f"{v['moved_max'] / kib:.0f} | {v['time_s'] * 1e3:.1f} | {v['same_shards_as_direct']} |")
         lines.append("")
+    if measured:
+        lines += ["Bytes are payload handed to torch.distributed (a broadcast counts once at its root and once per "
+                  "receiver). Direct and (b)'s first phase move only real rows; (a)'s gather moves Megatron's padded "
+                  "TP shards and (b)'s broadcast whole vLLM shards with vLLM's vocabulary padding rows. Times are "
+                  "wall-clock medians of the slowest rank on a shared 2-core host: read them with the load figure.",
+                  ""]
     for runs in (simulated, slow_bridge):
         if not runs:
             continue
