@@ -5,6 +5,7 @@
     python benchmarks/reshard.py --simulate --model-shape 70b --train-tp 8 --train-pp 8 --train-dp 4 --infer-tp 8
     python benchmarks/reshard.py --delta --delta-change-fraction 0.1 --model-shape tiny --train-tp 2 --train-pp 2 \
         --infer-tp 2 --dtype bf16
+    python benchmarks/reshard.py --disaggregated    # across pools: benchmarks/reshard_disagg.py (its options)
 
 Measured mode starts train_tp*train_pp*train_dp ranks itself (gloo on CPU, NCCL on GPU) unless it is already under
 torchrun, builds the Megatron model at the training layout with deterministic weights, and on every rank runs the
@@ -431,6 +432,11 @@ def measure(args) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--disaggregated" in argv:  # the reshard across pools has its own options
+        import reshard_disagg
+
+        return reshard_disagg.main([a for a in argv if a != "--disaggregated"])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-shape", default="tiny",
                    help=f"one of {', '.join(PRESETS)}; with --simulate also a mixture-of-experts case of "
@@ -450,6 +456,10 @@ def main(argv=None) -> int:
     p.add_argument("--delta-change-fraction", type=float, default=0.1,
                    help="with --delta: fraction of every parameter's elements changed between syncs")
     p.add_argument("--simulate", action="store_true", help="planner only, for cluster shapes (no ranks started)")
+    p.add_argument("--disaggregated", action="store_true",
+                   help="the reshard across pools (actor ranks -> rollout ranks): megarl's plan vs gather-broadcast "
+                        "and replica-broadcast, measured on 4 CPU ranks and simulated at cluster shapes "
+                        "(benchmarks/reshard_disagg.py; its options follow)")
     p.add_argument("--search-mapping", action="store_true",
                    help="with --simulate: search the inference TP rank permutation (vLLM's launcher fixes the natural "
                         "one: what the trainer uses)")

@@ -14,6 +14,13 @@ every rank's send plus receive bytes in the bucket stay within `bucket_bytes`, s
 never exceed one bucket (a single parameter shard larger than the bucket travels alone). No rank ever
 materialises a full TP-sharded parameter: it only holds its Megatron shards and the vLLM shards it needs.
 
+Ranks: every rank in the plan is a bridge rank (`planner` module docstring): the rank of the process in the
+process group passed as `group` (the bridge: a group over the union of the training and the rollout pool, in the
+order training ranks first; gloo on CPU, NCCL on GPU), or its global rank when `group` is None. The transport maps
+peers to the group's ranks itself (`TorchP2PTransport`), so nothing here takes `dist.get_rank()` for a plan rank.
+A rank runs its part only: a training rank outside the inference ranks only sends (no sink), an inference rank
+outside the training ranks only receives (no sources; pass `dtype`), a colocated rank does both.
+
 Verification (default, `verify=True`; `rollout.verify_sync`): each bucket's written slices are checked against
 checksums the sources computed (`megarl.reshard.verify`) before any parameter of the bucket is committed.
 
@@ -192,13 +199,17 @@ def _slice(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
 class _Destinations:
     """This rank's vLLM shards being written: targets from the sink, commit once every piece of a parameter landed."""
 
-    def __init__(self, plan: ReshardPlan, rank: int, sink: WeightSink, dtype: torch.dtype) -> None:
-        infer_rank = plan.infer_rank_of[rank]
+    def __init__(self, plan: ReshardPlan, rank: int, sink: Optional[WeightSink], dtype: torch.dtype) -> None:
+        infer_rank = plan.infer_rank_of.get(rank)  # None: this rank only sends
         self.sink, self.dtype, self.rank = sink, dtype, rank
-        self.shapes = vllm_param_shapes(plan.spec, plan.infer_tp, infer_rank, plan.infer_ep)
+        self.shapes: dict[str, tuple[int, ...]] = {}
         self.remaining: dict[str, int] = defaultdict(int)
-        for p in vllm_needs(plan.spec, plan.infer_tp, infer_rank, plan.infer_ep):
-            self.remaining[p.param] += p.piece.length
+        if infer_rank is not None:
+            if sink is None:
+                raise ValueError(f"rank {rank} is inference TP rank {infer_rank} of the plan but has no sink")
+            self.shapes = vllm_param_shapes(plan.spec, plan.infer_tp, infer_rank, plan.infer_ep)
+            for p in vllm_needs(plan.spec, plan.infer_tp, infer_rank, plan.infer_ep):
+                self.remaining[p.param] += p.piece.length
         self.targets: dict[str, torch.Tensor] = {}
         self._complete: list[str] = []
 
@@ -226,16 +237,25 @@ class _Destinations:
             raise RuntimeError(f"reshard left vLLM parameters incomplete on rank {self.rank}: {unfinished[:5]}")
 
 
-def _wire_dtype(plan: ReshardPlan, sources: dict[str, torch.Tensor]) -> torch.dtype:
-    """The sources' dtype of the plan's element size. A bf16 engine on the CPU keeps its norms in fp32
-    (megatron-core's torch-norm fallback); they are cast on the way, so every rank agrees."""
-    dtype = next((t.dtype for t in sources.values() if t.element_size() == plan.dtype_bytes), None)
-    if sources and dtype is None:
+def _wire_dtype(plan: ReshardPlan, sources: dict[str, torch.Tensor], rank: int,
+                dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """The sources' dtype of the plan's element size (or `dtype` where given). A bf16 engine on the CPU keeps its
+    norms in fp32 (megatron-core's torch-norm fallback); they are cast on the way, so every rank agrees. A rank
+    without sources (it only receives) takes `dtype`, or float32 for a 4-byte plan."""
+    if dtype is not None:
+        if torch.empty(0, dtype=dtype).element_size() != plan.dtype_bytes:
+            raise ValueError(f"dtype={dtype} does not have the plan's {plan.dtype_bytes}-byte elements")
+        return dtype
+    found = next((t.dtype for t in sources.values() if t.element_size() == plan.dtype_bytes), None)
+    if sources and found is None:
         raise ValueError(
             f"plan was built for {plan.dtype_bytes}-byte elements but the Megatron weights are "
             f"{sorted({str(t.dtype) for t in sources.values()})}"
         )
-    return dtype or torch.float32
+    if found is None and plan.dtype_bytes != 4:
+        raise ValueError(f"rank {rank} has no Megatron sources (it only receives): pass the wire dtype of the "
+                         f"{plan.dtype_bytes}-byte plan, e.g. execute_reshard(..., dtype=torch.bfloat16)")
+    return found or torch.float32
 
 
 def _split(bucket: list[TransferOp], rank: int):
@@ -284,39 +304,62 @@ def _exchange_dense(send_ops, recv_ops, piece_of, dest: _Destinations, workspace
     return sent, received, cursor * elem
 
 
+def bridge_rank(plan: ReshardPlan, group: Optional[dist.ProcessGroup] = None) -> int:
+    """This process's rank in the plan: its rank in `group` (the bridge), or its global rank when `group` is None
+    (a colocated plan in the default world); the plan's first training rank without torch.distributed."""
+    if not dist.is_initialized():
+        return plan.train.rank_offset
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"global rank {dist.get_rank()} is not a member of the reshard's bridge group")
+    return rank
+
+
 @torch.no_grad()
 def execute_reshard(
     plan: ReshardPlan,
     sources: dict[str, torch.Tensor],
-    sink: WeightSink,
+    sink: Optional[WeightSink],
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     group: Optional[dist.ProcessGroup] = None,
     device: Optional[torch.device] = None,
     delta: Optional[DeltaState] = None,
     transport: Optional[Transport] = None,
     verify: bool = True,
+    rank: Optional[int] = None,
+    dtype: Optional[torch.dtype] = None,
 ) -> ReshardReport:
-    """Run `plan` on this rank. Collective over the actor's ranks (every rank calls it with the same plan).
+    """Run `plan` on this rank. Collective over the plan's ranks (every rank of `plan.ranks` calls it with the same
+    plan; point-to-point only, so bridge ranks outside the plan need not call it).
 
     Args:
         plan: from `plan_reshard` (same on every rank).
-        sources: this rank's Megatron parameter tensors by canonical Megatron name (`megatron_sources(engine)`).
-        sink: destination of this rank's vLLM shards.
+        sources: this rank's Megatron parameter tensors by canonical Megatron name (`megatron_sources(engine)`);
+            {} on a rank that only receives.
+        sink: destination of this rank's vLLM shards; None on a rank that only sends.
         bucket_bytes: bound on the bytes one bucket moves between ranks (send + receive per rank);
             default `DEFAULT_BUCKET_BYTES` (= `rollout.reshard_bucket_mb`'s default).
-        group: process group spanning the actor's ranks (global ranks are used for peers); default world. Used
-            to build the default transport.
+        group: the bridge: a process group over the plan's ranks whose group ranks are the plan's ranks (colocated:
+            the actor's group or None = the default world, whose ranks are global ranks). Used for this rank's
+            plan rank and to build the default transport.
         device: device of the communication buffers (default: the sources' device).
         delta: opt-in delta mode: the same `DeltaState` at every call; the first call (and any after `reset()`)
             is a full sync that takes snapshots, later ones send only changed elements. Needs a sink whose targets
             persist (`keeps_targets`).
         transport: how buffers travel (default `TorchP2PTransport(group)`).
         verify: check every written piece against its source's checksum (`megarl.reshard.verify`; raises
-            `ReshardVerificationError` naming parameter and ranks, before the bucket is committed).
+            `ReshardVerificationError` naming parameter and ranks, before the bucket is committed). Across pools
+            the receiving rank checks what it got against the checksums its senders computed.
+        rank: this process's plan (bridge) rank; default its rank in `group` (`bridge_rank`).
+        dtype: the wire dtype; default the sources' dtype of the plan's element size. Required on a rank without
+            sources for a 2-byte plan (bf16 or fp16 cannot be told apart from the plan).
     """
-    rank = dist.get_rank() if dist.is_initialized() else plan.train.rank_offset
+    rank = bridge_rank(plan, group) if rank is None else rank
+    if rank not in plan.ranks:
+        raise ValueError(f"rank {rank} is neither a training rank ({plan.train.ranks.start}.."
+                         f"{plan.train.ranks.stop - 1}) nor an inference rank ({plan.infer.describe()}) of the plan")
     start_time = time.perf_counter()
-    dtype = _wire_dtype(plan, sources)
+    dtype = _wire_dtype(plan, sources, rank, dtype)
     device = device or (next(iter(sources.values())).device if sources else torch.device("cpu"))
     if delta is not None and not getattr(sink, "keeps_targets", False):
         raise ValueError(
@@ -332,7 +375,7 @@ def execute_reshard(
 
     received = sent = local = peak = verified = 0
     verify_s = 0.0
-    infer_rank = plan.infer_rank_of[rank]
+    infer_rank = plan.infer_rank_of.get(rank)
     buckets = _buckets(plan, bucket_bytes)
     workspace = _workspace(buckets, rank, dtype, device, plan.dtype_bytes)
     delta_sync = delta.begin(plan, rank, transport, device) if delta is not None else False
@@ -362,12 +405,13 @@ def execute_reshard(
             t0 = time.perf_counter()
             sums_pending.wait()
             expected.update(remote_sums)
-            check_written(expected, dest.view, rank, infer_rank)
+            check_written(expected, dest.view, rank, infer_rank, "global rank" if group is None else "bridge rank")
             verified += len(expected)
             verify_s += time.perf_counter() - t0
         dest.flush()
     dest.check_complete()
-    sink.finish()
+    if sink is not None:
+        sink.finish()
     stats = next(s for s in plan.stats if s.rank == rank)
     report = ReshardReport(
         rank=rank, bytes_received=received, bytes_sent=sent, bytes_local=local,

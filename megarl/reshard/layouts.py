@@ -228,6 +228,77 @@ def _placements(spec: ModelSpec, layout, tp_rank: int, tp: int, param: str) -> l
 
 
 # ------------------------------------------------------------------------------------------------- vLLM side
+@dataclasses.dataclass(frozen=True)
+class InferLayout:
+    """Where the inference (vLLM) ranks are, in the reshard's "bridge" rank numbering.
+
+    The bridge numbers the ranks of a reshard: the training ranks are `RoleTopology.ranks` (0..T-1 when the actor
+    starts the bridge), the inference ranks are `ranks` below: `replicas` engines of `tp` consecutive ranks from
+    `rank_offset` (engine r = ranks rank_offset + r*tp ..; TP rank = position in the engine, what vLLM's external
+    launcher realises). Colocated (the hybrid engine): the same ranks as training, `colocated(train, tp)`.
+    Disaggregated (a rollout pool): ranks after the training ranks, e.g. `InferLayout(tp=2, replicas=2,
+    rank_offset=T)`; every inference rank then holds nothing and receives its whole shard.
+
+    Attributes:
+        tp: vLLM tensor-parallel size per engine (`rollout.tp`).
+        replicas: number of engines.
+        ep: vLLM expert parallelism inside each engine (`rollout.ep`; `vllm_needs`' `infer_ep`).
+        rank_offset: bridge rank of engine 0's TP rank 0.
+    """
+
+    tp: int
+    replicas: int = 1
+    ep: bool = False
+    rank_offset: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "replicas"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"InferLayout.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.rank_offset, int) or self.rank_offset < 0:
+            raise ValueError(f"InferLayout.rank_offset must be >= 0, got {self.rank_offset!r}")
+
+    @classmethod
+    def colocated(cls, train: RoleTopology, tp: int, ep: bool = False) -> "InferLayout":
+        """Engines on the training ranks themselves (the hybrid engine): rollout tp must divide the actor's ranks."""
+        if not isinstance(tp, int) or tp < 1 or train.world_size % tp:
+            raise ValueError(f"rollout tp={tp} must divide the actor's {train.world_size} ranks ({train.describe()})")
+        return cls(tp=tp, replicas=train.world_size // tp, ep=ep, rank_offset=train.rank_offset)
+
+    @classmethod
+    def pool(cls, pool_ranks: int, tp: int, rank_offset: int, ep: bool = False) -> "InferLayout":
+        """Engines of `tp` ranks filling a rollout pool of `pool_ranks` ranks at bridge ranks rank_offset.."""
+        if not isinstance(tp, int) or tp < 1 or pool_ranks % tp:
+            raise ValueError(f"rollout tp={tp} must divide the rollout pool's {pool_ranks} ranks")
+        return cls(tp=tp, replicas=pool_ranks // tp, ep=ep, rank_offset=rank_offset)
+
+    @property
+    def world_size(self) -> int:
+        """Inference ranks in all: tp * replicas."""
+        return self.tp * self.replicas
+
+    @property
+    def ranks(self) -> range:
+        """Bridge ranks of the inference ranks, engine by engine."""
+        return range(self.rank_offset, self.rank_offset + self.world_size)
+
+    def tp_rank(self, rank: int) -> int:
+        """vLLM TP rank of bridge rank `rank` (its position in its engine)."""
+        if rank not in self.ranks:
+            raise ValueError(f"rank {rank} is not an inference rank ({self.ranks.start}..{self.ranks.stop - 1})")
+        return (rank - self.rank_offset) % self.tp
+
+    def replica(self, rank: int) -> int:
+        """Engine index of bridge rank `rank`."""
+        self.tp_rank(rank)
+        return (rank - self.rank_offset) // self.tp
+
+    def describe(self) -> str:
+        return (f"{self.replicas} engine(s) of tp{self.tp}{' (ep)' if self.ep else ''} at ranks "
+                f"{self.ranks.start}..{self.ranks.stop - 1}")
+
+
 def vllm_padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
 

@@ -32,6 +32,9 @@ def naive_reshard(
     if topo.ep > 1 or topo.expert_tp != topo.tp or plan.train_layout != DEFAULT_TRAIN_LAYOUT:
         raise NotImplementedError(f"the naive gather baseline covers even pipeline splits without expert or virtual "
                                   f"pipeline parallelism; got {topo.describe()} {plan.train_layout}")
+    if not plan.colocated:
+        raise NotImplementedError(f"the naive gather baseline runs on colocated plans; this plan's engines are "
+                                  f"{plan.infer.describe()}, its training ranks {plan.train.describe()}")
     rank = dist.get_rank()
     coord = groups.coord
     # The plan's element size decides the dtype (as in the executor): a CPU bf16 engine keeps fp32 norms, which are

@@ -1,4 +1,10 @@
-"""Reshard planner: pure, no torch.distributed. (model, training layout, inference TP) -> transfer plan.
+"""Reshard planner: pure, no torch.distributed. (model, training layout, inference layout) -> transfer plan.
+
+Two rank spaces in one "bridge" numbering: the training ranks (`RoleTopology.ranks`) hold Megatron shards, the
+inference ranks (`layouts.InferLayout.ranks`) need vLLM shards. Colocated (the hybrid engine, `plan_reshard(spec,
+train, infer_tp)`) they are the same ranks; disaggregated (a rollout pool, `plan_reshard(spec, train,
+InferLayout(tp, replicas, rank_offset=T))`) they are disjoint: a rank may only send or only receive, and every
+inference rank receives its whole shard (its lower bound: it holds nothing).
 
 For every inference rank the plan lists the HF-layout pieces it needs (`layouts.vllm_needs`) and, for each, the
 training rank it comes from:
@@ -11,7 +17,13 @@ bytes it needs minus bytes of (its Megatron holdings intersected with its needs)
 so "received == bound" is a real check of the plan; the plan's own figure (needed minus what it copied locally)
 is reported beside it, with what a naive "gather the full model on every rank" moves.
 
-Rank mapping: inference replicas are blocks of `infer_tp` consecutive global ranks (how vLLM's external launcher
+Across pools the choice among holders is the whole routing: every training rank that holds a needed run is a
+candidate (the DP replicas; the TP ranks for replicated norms), and the least-loaded one sends it, so the bytes each
+training rank sends stay within one run of each other among ranks holding the same data (`PlanTraffic` reports max
+and mean); a pipeline stage sends what only it holds. No rank gathers a full tensor: a sender sends slices of its
+own shards. The fan-out alternatives (gather then broadcast; one engine then broadcast) are costed in `fanout`.
+
+Rank mapping: inference replicas are blocks of `infer_tp` consecutive bridge ranks (how vLLM's external launcher
 forms its TP groups). Within each block the planner can choose which rank plays which inference TP rank;
 `choose_mapping` searches the permutations for the one that keeps the most bytes local (ties keep the natural
 order, the one vLLM realises). vLLM's external launcher fixes TP rank = position in the block, so the trainer plans
@@ -35,6 +47,7 @@ from megarl.models.spec import ModelSpec
 from megarl.parallel.topology import RoleTopology
 from megarl.reshard.layouts import (
     DEFAULT_TRAIN_LAYOUT,
+    InferLayout,
     Piece,
     Placement,
     TrainLayout,
@@ -63,8 +76,10 @@ class TransferOp:
 
 @dataclasses.dataclass(frozen=True)
 class RankStats:
-    """Per-rank byte accounting (all in bytes).
+    """Per-rank byte accounting (all in bytes), one per bridge rank of the plan (inference and training ranks).
 
+    infer_tp_rank: the vLLM TP rank this rank writes, None on a rank that only sends (a training rank outside the
+        inference ranks: every figure but `bytes_sent` is 0 there).
     bytes_received: bytes this rank receives from other ranks under the plan.
     bytes_local: bytes it copies from its own Megatron shards.
     bytes_sent: bytes it sends to other ranks.
@@ -76,7 +91,7 @@ class RankStats:
     """
 
     rank: int
-    infer_tp_rank: int
+    infer_tp_rank: Optional[int]
     bytes_received: int
     bytes_local: int
     bytes_sent: int
@@ -86,21 +101,70 @@ class RankStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanTraffic:
+    """Bytes on the wire per rank under a plan (local copies are not traffic).
+
+    max_sent / mean_sent: over the training ranks (every rank that may send, senders of 0 bytes included).
+    max_received / mean_received: over the inference ranks.
+    max_moved: max over all ranks of max(bytes sent, bytes received): with full-duplex links of B bytes/s the
+        transfer takes at least max_moved / B seconds.
+    """
+
+    max_sent: int
+    mean_sent: float
+    max_received: int
+    mean_received: float
+    max_moved: int
+
+    @property
+    def sent_imbalance(self) -> float:
+        """max_sent / mean_sent (1.0 = every training rank sends the same; 0 senders: 1.0)."""
+        return self.max_sent / self.mean_sent if self.mean_sent else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class ReshardPlan:
+    """A transfer plan over bridge ranks (`planner` module docstring). `infer_rank_of` maps every inference rank to
+    its vLLM TP rank; `stats` has one entry per bridge rank, in rank order; `infer` is where the engines are (the
+    colocated layout when built from an int rollout tp)."""
+
     spec: ModelSpec
     train: RoleTopology
     infer_tp: int
     dtype_bytes: int
-    infer_rank_of: dict[int, int]  # global rank -> inference TP rank
+    infer_rank_of: dict[int, int]  # bridge rank (global rank when colocated in one world) -> inference TP rank
     ops: tuple[TransferOp, ...]
     stats: tuple[RankStats, ...]
     model_bytes: int
     train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT
     infer_ep: bool = False
+    infer: Optional[InferLayout] = None  # None: colocated with `train` (filled in)
+
+    def __post_init__(self) -> None:
+        if self.infer is None:
+            object.__setattr__(self, "infer", InferLayout.colocated(self.train, self.infer_tp, self.infer_ep))
 
     @property
     def natural_mapping(self) -> bool:
-        return all(self.infer_rank_of[r] == (r - self.train.rank_offset) % self.infer_tp for r in self.train.ranks)
+        return all(self.infer_rank_of[r] == self.infer.tp_rank(r) for r in self.infer.ranks)
+
+    @property
+    def colocated(self) -> bool:
+        """True when the inference ranks are exactly the training ranks (the hybrid engine)."""
+        return self.infer.ranks == self.train.ranks
+
+    @property
+    def ranks(self) -> list[int]:
+        """Every bridge rank the plan involves (training and inference), ascending."""
+        return sorted(set(self.train.ranks) | set(self.infer.ranks))
+
+    def traffic(self) -> PlanTraffic:
+        """Max and mean bytes sent over the training ranks, received over the inference ranks."""
+        by_rank = {s.rank: s for s in self.stats}
+        sent = [by_rank[r].bytes_sent for r in self.train.ranks]
+        received = [by_rank[r].bytes_received for r in self.infer.ranks]
+        return PlanTraffic(max(sent), sum(sent) / len(sent), max(received), sum(received) / len(received),
+                           max(max(s.bytes_sent, s.bytes_received) for s in self.stats))
 
     def ops_for(self, rank: int) -> list[TransferOp]:
         return [op for op in self.ops if op.src == rank or op.dst == rank]
@@ -140,16 +204,18 @@ def _overlap_bytes(spec: ModelSpec, index: _Index, rank: int, needs: list[Placem
     return total
 
 
-def choose_mapping(spec: ModelSpec, train: RoleTopology, infer_tp: int, dtype_bytes: int = 2,
+def choose_mapping(spec: ModelSpec, train: RoleTopology, infer_tp: "int | InferLayout", dtype_bytes: int = 2,
                    _index: Optional[_Index] = None, train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT,
                    infer_ep: bool = False) -> dict[int, int]:
-    """Global rank -> inference TP rank maximising local bytes (permutations searched within each replica block
-    when infer_tp <= 6, natural order otherwise). Ties keep the natural order."""
-    _check_divides(train, infer_tp)
+    """Bridge rank -> inference TP rank maximising local bytes (permutations searched within each replica block
+    when infer_tp <= 6, natural order otherwise). Ties keep the natural order (always the case for an inference
+    rank that holds nothing). `infer_tp`: the rollout tp (colocated) or an `InferLayout`."""
+    infer = infer_layout(train, infer_tp, infer_ep)
+    infer_tp, infer_ep = infer.tp, infer.ep
     index = _index or _Index(spec, train, train_layout)
     needs = {j: vllm_needs(spec, infer_tp, j, infer_ep) for j in range(infer_tp)}
     mapping: dict[int, int] = {}
-    for block_start in range(train.rank_offset, train.rank_offset + train.world_size, infer_tp):
+    for block_start in range(infer.rank_offset, infer.rank_offset + infer.world_size, infer_tp):
         ranks = list(range(block_start, block_start + infer_tp))
         local = {(r, j): _overlap_bytes(spec, index, r, needs[j], dtype_bytes) for r in ranks for j in range(infer_tp)}
         natural = tuple(range(infer_tp))
@@ -163,18 +229,26 @@ def choose_mapping(spec: ModelSpec, train: RoleTopology, infer_tp: int, dtype_by
     return mapping
 
 
-def _check_divides(train: RoleTopology, infer_tp: int) -> None:
-    if infer_tp < 1 or train.world_size % infer_tp:
-        raise ValueError(
-            f"rollout tp={infer_tp} must divide the actor's {train.world_size} ranks ({train.describe()})"
-        )
+def infer_layout(train: RoleTopology, infer: "int | InferLayout", infer_ep: bool = False) -> InferLayout:
+    """`infer` as an `InferLayout`: an int is the rollout tp of engines colocated with `train` (the hybrid engine);
+    an `InferLayout` carries its own `ep`, so `infer_ep` must then be False or agree with it."""
+    if isinstance(infer, InferLayout):
+        if infer_ep and not infer.ep:
+            raise ValueError(f"infer_ep=True conflicts with {infer} (set InferLayout.ep instead)")
+        return infer
+    return InferLayout.colocated(train, infer, infer_ep)
 
 
-def plan_reshard(spec: ModelSpec, train: RoleTopology, infer_tp: int, dtype_bytes: int = 2,
+def plan_reshard(spec: ModelSpec, train: RoleTopology, infer_tp: "int | InferLayout", dtype_bytes: int = 2,
                  search_mapping: bool = False, _prefer_local: bool = True,
                  train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT, infer_ep: bool = False,
                  keep_ops: bool = True) -> ReshardPlan:
     """The transfer plan (cached: call freely before every rollout).
+
+    infer_tp: the rollout tp of engines colocated with the training ranks (the hybrid engine: inference ranks =
+        training ranks, blocks of infer_tp consecutive ranks), or an `InferLayout` placing the engines anywhere in
+        the bridge numbering (a rollout pool after the training ranks: every inference rank receives its whole
+        shard from the training ranks, the senders chosen to balance the bytes each training rank sends).
 
     search_mapping: False (default) = inference TP rank = position in its block of `infer_tp` ranks, what vLLM's
         external launcher realises; True = the permutation keeping the most bytes local (`choose_mapping`).
@@ -186,21 +260,22 @@ def plan_reshard(spec: ModelSpec, train: RoleTopology, infer_tp: int, dtype_byte
     keep_ops: False routes every byte as usual but keeps only the per-rank statistics (`ops` is empty): cluster-scale
         simulations, where the ops of every rank (tens of millions for a 256-rank MoE model) would not fit.
     """
-    return _plan_cached(repr(spec), spec, train, infer_tp, dtype_bytes, search_mapping, _prefer_local,
-                        train_layout, infer_ep, keep_ops)
+    return _plan_cached(repr(spec), spec, train, infer_layout(train, infer_tp, infer_ep), dtype_bytes,
+                        search_mapping, _prefer_local, train_layout, keep_ops)
 
 
 def lower_bound_bytes(spec: ModelSpec, train: RoleTopology, infer_tp: int, infer_rank_of: dict[int, int],
                       dtype_bytes: int = 2, train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT,
                       infer_ep: bool = False) -> dict[int, int]:
-    """{rank: bytes it must receive}: bytes inference rank `infer_rank_of[rank]` needs minus the bytes of (the
-    rank's Megatron holdings intersected with those needs). From the layouts alone; no plan involved."""
+    """{rank: bytes it must receive} for every rank of `infer_rank_of` (bridge rank -> vLLM TP rank): bytes
+    inference rank `infer_rank_of[rank]` needs minus the bytes of (the rank's Megatron holdings intersected with
+    those needs; none when it is not a training rank). From the layouts alone; no plan involved."""
     out = {}
     needs: dict[int, list[Placement]] = {}
     shapes = cached_hf_shapes(spec)
-    for rank in train.ranks:
+    for rank in infer_rank_of:
         held: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
-        for p in megatron_holdings(spec, train, rank, train_layout):
+        for p in (megatron_holdings(spec, train, rank, train_layout) if rank in train.ranks else ()):
             held[(p.piece.hf_name, p.piece.dim)].append((p.piece.start, p.piece.stop))
         runs = {key: _merge(v) for key, v in held.items()}
         j = infer_rank_of[rank]
@@ -243,15 +318,15 @@ def check_engine_mapping(plan: ReshardPlan, rank: int, engine_tp_rank: int) -> N
 
 
 @functools.lru_cache(maxsize=32)
-def _plan_cached(_key: str, spec: ModelSpec, train: RoleTopology, infer_tp: int, dtype_bytes: int,
+def _plan_cached(_key: str, spec: ModelSpec, train: RoleTopology, infer: InferLayout, dtype_bytes: int,
                  search_mapping: bool, prefer_local: bool, train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT,
-                 infer_ep: bool = False, keep_ops: bool = True) -> ReshardPlan:
-    _check_divides(train, infer_tp)
+                 keep_ops: bool = True) -> ReshardPlan:
+    infer_tp, infer_ep = infer.tp, infer.ep
     index = _Index(spec, train, train_layout)
     if search_mapping:
-        mapping = choose_mapping(spec, train, infer_tp, dtype_bytes, index, train_layout, infer_ep)
+        mapping = choose_mapping(spec, train, infer, dtype_bytes, index, train_layout)
     else:
-        mapping = {r: (r - train.rank_offset) % infer_tp for r in train.ranks}
+        mapping = {r: infer.tp_rank(r) for r in infer.ranks}
     needs = {j: vllm_needs(spec, infer_tp, j, infer_ep) for j in range(infer_tp)}
     model_bytes = _model_bytes(spec, dtype_bytes)
 
@@ -259,7 +334,7 @@ def _plan_cached(_key: str, spec: ModelSpec, train: RoleTopology, infer_tp: int,
     sent: dict[int, int] = defaultdict(int)
     ops: list[TransferOp] = []
     stats: list[RankStats] = []
-    for dst in train.ranks:
+    for dst in infer.ranks:
         received = local = lower = 0
         for need in needs[mapping[dst]]:
             if keep_ops:
@@ -276,12 +351,14 @@ def _plan_cached(_key: str, spec: ModelSpec, train: RoleTopology, infer_tp: int,
                     received += nbytes
                     sent[src] += nbytes
             lower += rate(need.piece)
-        held = _unique_bytes(spec, index.by_rank[dst], dtype_bytes)
+        held = _unique_bytes(spec, index.by_rank.get(dst, []), dtype_bytes)
         stats.append(RankStats(dst, mapping[dst], received, local, 0, 0, model_bytes - held, lower - local))
     bound = lower_bound_bytes(spec, train, infer_tp, mapping, dtype_bytes, train_layout, infer_ep)
     stats = [dataclasses.replace(s, bytes_sent=sent[s.rank], bytes_lower_bound=bound[s.rank]) for s in stats]
+    stats += [RankStats(r, None, 0, 0, sent[r], 0, 0, 0) for r in train.ranks if r not in mapping]  # send only
+    stats.sort(key=lambda s: s.rank)
     return ReshardPlan(spec, train, infer_tp, dtype_bytes, mapping, tuple(ops), tuple(stats), model_bytes,
-                       train_layout, infer_ep)
+                       train_layout, infer_ep, infer)
 
 
 def _model_bytes(spec: ModelSpec, dtype_bytes: int) -> int:

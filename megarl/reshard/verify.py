@@ -8,7 +8,8 @@ Data path (per bucket, `execute_reshard(..., verify=True)`, the default; `rollou
   receiver, once every op of the bucket was written and before the sink commits any parameter: `checksum` of
       the destination slice each op wrote (so a later op overwriting an earlier one is caught too) == the
       sender's. A mismatch raises `ReshardVerificationError` naming the vLLM parameter, the HF run, this rank's
-      inference TP rank and global rank, and the source rank; nothing of that bucket is committed.
+      inference TP rank and its rank in the plan (global, or bridge rank across pools), and the source rank;
+      nothing of that bucket is committed.
 In delta mode the sender checksums the whole current piece, so the receiver's patched shard is checked in full.
 
 The checksum is bitwise and independent of memory layout and reduction order (a float sum is not: on CUDA a strided
@@ -110,9 +111,11 @@ def check_written(
     expected: dict[TransferOp, torch.Tensor],
     view_of: Callable[[TransferOp], torch.Tensor],
     rank: int,
-    infer_rank: int,
+    infer_rank: Optional[int],
+    rank_kind: str = "global rank",
 ) -> None:
-    """Compare each op's destination slice with its expected checksum; raise naming the first mismatches."""
+    """Compare each op's destination slice with its expected checksum; raise naming the first mismatches.
+    `rank` is this rank in the plan: a global rank in one world, a bridge rank across pools (`rank_kind`)."""
     if not expected:
         return
     ops = list(expected)
@@ -129,7 +132,7 @@ def check_written(
         for i in bad[:5]
     ]
     raise ReshardVerificationError(
-        f"reshard verification failed on inference TP rank {infer_rank} (global rank {rank}), {len(bad)} piece(s) "
+        f"reshard verification failed on inference TP rank {infer_rank} ({rank_kind} {rank}), {len(bad)} piece(s) "
         f"differ from their source:\n  " + "\n  ".join(lines)
         + "\nThe weights were not committed. This is a reshard bug (layout or transport): please report it with "
         "the model config and the actor/rollout layouts; `rollout.verify_sync: false` skips this check."
