@@ -45,8 +45,25 @@ LAYOUTS = {"ep2": (2, dict(dp=2, ep=2)), "tp2ep2": (4, dict(tp=2, dp=2, ep=2)),
            "tp2ep2etp1": (2, dict(tp=2, ep=2, etp=1))}
 
 
-def _worker(rank, world_size, hf_dir, actor_layout, export_dir):
+def _worker(rank, world_size, hf_dir, layouts, export_root):
+    """One vLLM TP2 engine per world, fed in turn by an actor at each of `layouts` ([(name, topology kwargs)]): each
+    actor's first reshard overwrites every weight the previous actor left in the engine. -> {name: results}."""
     from megarl.checkpoint.hf_io import HFReader
+    from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine
+
+    spec = HFReader(hf_dir).spec
+    engine = VllmRolloutEngine(VllmEngineSettings(
+        model_path=hf_dir, tp=2, dtype="float32", max_model_len=64, max_prompt_tokens=32, load_format="dummy",
+        kv_cache_gib=1.0,
+    ))
+    try:
+        return {name: _one_layout(engine, spec, hf_dir, actor_layout, f"{export_root}/{name}")
+                for name, actor_layout in layouts}
+    finally:
+        engine.close()
+
+
+def _one_layout(engine, spec, hf_dir, actor_layout, export_dir):
     from megarl.engine.megatron_engine import OptimizerSettings
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
@@ -56,13 +73,7 @@ def _worker(rank, world_size, hf_dir, actor_layout, export_dir):
     from megarl.reshard.vllm_sink import VllmShardSink
     from megarl.roles.actor import Actor, PolicyLossSettings
     from megarl.rollout.engine import SamplingSettings
-    from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine
 
-    spec = HFReader(hf_dir).spec
-    engine = VllmRolloutEngine(VllmEngineSettings(
-        model_path=hf_dir, tp=2, dtype="float32", max_model_len=64, max_prompt_tokens=32, load_format="dummy",
-        kv_cache_gib=1.0,
-    ))
     groups = build_role_groups(RoleTopology(**actor_layout))
     actor = Actor(spec, groups, optimizer=OptimizerSettings(lr=5e-2, clip_grad=0.0), hf_dir=hf_dir,
                   loss=PolicyLossSettings(name="ppo"))  # one step from old == new: no clipping
@@ -77,7 +88,7 @@ def _worker(rank, world_size, hf_dir, actor_layout, export_dir):
     after = engine.generate(PROMPTS, settings)
     lp_diff_after, _ = actor_log_prob_gap(actor, after)
     exported = export_actor_hf(actor, export_dir, hf_dir)
-    engine.close()
+    del actor
     return dict(greedy=[s.response_ids for s in greedy], lp_diff=lp_diff, bytes_received=report.bytes_received,
                 after=[s.response_ids for s in after], lp_diff_after=lp_diff_after, exported=exported,
                 bytes_received2=report2.bytes_received,
@@ -86,18 +97,32 @@ def _worker(rank, world_size, hf_dir, actor_layout, export_dir):
                                                             spec.tie_word_embeddings, groups.topology.tp))
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def run(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    """{layout name: (per-rank results, transformers' greedy on the HF dir, transformers' greedy on the exported
+    weights)}. One HF dir for every layout; the 2-rank layouts share one world and one engine (fed in turn), the
+    4-rank layout has its own (until 2026-12-03: one dir, world and engine per layout, ~10 s more)."""
     from megarl.rollout.testing import hf_greedy
     from tests.distributed.harness import tiny_family_dir
 
-    root = tmp_path_factory.mktemp(f"hf_{request.param}")
+    root = tmp_path_factory.mktemp("hf_moe")
     hf_dir = tiny_family_dir(str(root / "qwen3moe"), "qwen3_moe", seed=3, head_dim=32,
                              moe_intermediate_size=EXPERT_WIDTH, init_std=0.15)
-    world, actor_layout = LAYOUTS[request.param]
-    results = run_ranks(world, _worker, hf_dir, actor_layout, str(root / "exported"), timeout_s=900,
-                        env={"VLLM_CPU_KVCACHE_SPACE": "1"})
-    return results, hf_greedy(hf_dir, PROMPTS, MAX_NEW), hf_greedy(results[0]["exported"], PROMPTS, MAX_NEW)
+    expected = hf_greedy(hf_dir, PROMPTS, MAX_NEW)
+    out = {}
+    for world in sorted({w for w, _ in LAYOUTS.values()}):
+        layouts = [(name, layout) for name, (w, layout) in LAYOUTS.items() if w == world]
+        per_rank = run_ranks(world, _worker, hf_dir, layouts, str(root / f"exported{world}"), timeout_s=900,
+                             env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+        for name, _ in layouts:
+            results = [r[name] for r in per_rank]
+            out[name] = (results, expected, hf_greedy(results[0]["exported"], PROMPTS, MAX_NEW))
+    return out
+
+
+@pytest.fixture(params=list(LAYOUTS))
+def run(request, moe_runs):
+    return moe_runs[request.param]
 
 
 def _missing_vocab_rows(vocab: int, actor_tp: int, tp_rank: int) -> int:
