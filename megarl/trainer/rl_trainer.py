@@ -224,16 +224,16 @@ class RLTrainer:
         """One RL step (`step` is 1-based; it also offsets the sampling seed: `rollout.seed + step`).
 
         Data path, all on the controller except the worker calls: next prompt batch from the loader ->
-        `workers.generate` (samples, n per prompt) -> `samples_to_batch` ([B, S] int64 token tensors, B = samples)
+        `rollout.generate` (samples, n per prompt) -> `samples_to_batch` ([B, S] int64 token tensors, B = samples)
         -> rule scores [B] (or the learned reward model's, the rule mean then logged as `reward/rule_mean`; with
         `algorithm.dynamic_sampling`, more rounds of prompts until the groups with unequal scores fill the step:
         `_dynamic_sampling`) ->
         old log-probs [B, S] from the actor (skipped when the update takes them from its own forward:
         `old_log_probs_from_update`) -> reference log-probs and critic values [B, S] when enabled ->
         advantages (and returns) on the controller -> critic update (overlapping the actor's when the critic has
-        its own pool) -> actor update -> reshard into the rollout engine. Returns the step's metrics: rewards,
-        lengths (tokens), per-phase times in seconds (`time/<phase>_s`), tokens/s, the roles' update metrics
-        (`actor/...`, `critic/...`) and the reshard's bytes and time.
+        its own pool) -> actor update -> `rollout.push_weights` (the reshard into the engines). Returns the step's
+        metrics: rewards, lengths (tokens), per-phase times in seconds (`time/<phase>_s`), tokens/s, the roles'
+        update metrics (`actor/...`, `critic/...`) and the reshard's bytes and time.
         """
         t: dict[str, float] = {}
         start = time.perf_counter()
