@@ -4,9 +4,10 @@
             -> mismatch (vLLM vs Megatron log-probs) -> advantages -> critic + actor updates -> reshard into vLLM
             -> metrics
 
-`RLTrainer` talks to a group of `HybridWorker`s through `megarl.controller` (a Ray worker group): each call runs on
-every rank (SPMD) and returns the collected result. Rewards and advantages are computed here, on the controller,
-from plain tensors.
+`RLTrainer` talks to the rollout engines through a `megarl.rollout.service.RolloutService` (`ColocatedRollout`: the
+`HybridWorker` group's engines, weights by local reshard) and to the roles through their worker groups
+(`megarl.controller`: each call runs on every rank (SPMD) and returns the collected result). Rewards and advantages
+are computed here, on the controller, from plain tensors.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from megarl.config.loader import to_dict
 from megarl.config.schema import JobConfig
 from megarl.data.batch import Batch
 from megarl.rollout.engine import SamplingSettings
+from megarl.rollout.service import ColocatedRollout, RolloutService
 from megarl.trainer import checkpointing
 from megarl.trainer.faults import RunAborted
 from megarl.trainer.progress import ConsoleProgress
-from megarl.trainer.samples import chunk_bounds, samples_to_batch
+from megarl.trainer.samples import samples_to_batch
 from megarl.trainer.stop import StopRequest
 from megarl.trainer.tracking import build_sinks
 
@@ -67,14 +69,16 @@ class RLTrainer:
 
     def __init__(self, cfg: JobConfig, workers, loader, encoder, reward_fn, role_groups: Optional[dict] = None,
                  val_records: Optional[list] = None, metrics_path: Optional[str] = None,
-                 stop: Optional[StopRequest] = None) -> None:
+                 stop: Optional[StopRequest] = None, rollout: Optional[RolloutService] = None) -> None:
         """`workers`: the actor pool's group (HybridWorker). `role_groups`: for each enabled reference / critic /
         reward_model, the group that hosts it (`workers` itself when colocated, else its own RoleWorker group).
         `stop`: the controller's SIGTERM/SIGINT handlers (`megarl.trainer.stop`); `fit` ends after the step in
-        flight, checkpointed, once it is requested."""
+        flight, checkpointed, once it is requested. `rollout`: where samples come from and weights go (default
+        `ColocatedRollout(workers)`: the actor pool's engines)."""
         self.stop = stop
         self.cfg = cfg
         self.workers = workers
+        self.rollout = rollout if rollout is not None else ColocatedRollout(workers)
         self.role_groups = dict(role_groups or {})
         self.loader = loader
         self.encoder = encoder
@@ -118,7 +122,7 @@ class RLTrainer:
         starts random). Returns the next step to run."""
         if self.next_step == 0:
             self.next_step = self._resume() + 1
-            self.workers.sync_weights()
+            self.rollout.push_weights(version=self.next_step - 1)
             self.progress = ConsoleProgress(self.cfg.trainer.total_steps, self.next_step, self.cfg.logging.progress,
                                             self.cfg.trainer.log_every)
         return self.next_step
@@ -220,16 +224,16 @@ class RLTrainer:
         """One RL step (`step` is 1-based; it also offsets the sampling seed: `rollout.seed + step`).
 
         Data path, all on the controller except the worker calls: next prompt batch from the loader ->
-        `workers.generate` (samples, n per prompt) -> `samples_to_batch` ([B, S] int64 token tensors, B = samples)
+        `rollout.generate` (samples, n per prompt) -> `samples_to_batch` ([B, S] int64 token tensors, B = samples)
         -> rule scores [B] (or the learned reward model's, the rule mean then logged as `reward/rule_mean`; with
         `algorithm.dynamic_sampling`, more rounds of prompts until the groups with unequal scores fill the step:
         `_dynamic_sampling`) ->
         old log-probs [B, S] from the actor (skipped when the update takes them from its own forward:
         `old_log_probs_from_update`) -> reference log-probs and critic values [B, S] when enabled ->
         advantages (and returns) on the controller -> critic update (overlapping the actor's when the critic has
-        its own pool) -> actor update -> reshard into the rollout engine. Returns the step's metrics: rewards,
-        lengths (tokens), per-phase times in seconds (`time/<phase>_s`), tokens/s, the roles' update metrics
-        (`actor/...`, `critic/...`) and the reshard's bytes and time.
+        its own pool) -> actor update -> `rollout.push_weights` (the reshard into the engines). Returns the step's
+        metrics: rewards, lengths (tokens), per-phase times in seconds (`time/<phase>_s`), tokens/s, the roles'
+        update metrics (`actor/...`, `critic/...`) and the reshard's bytes and time.
         """
         t: dict[str, float] = {}
         start = time.perf_counter()
@@ -280,7 +284,7 @@ class RLTrainer:
                 metrics.update({f"critic/{k}": v for k, v in pending.result().items()})
         self._count_skips(metrics)
         with _timer(t, "sync_weights"):
-            reshard = self.workers.sync_weights()
+            reshard = self.rollout.push_weights(version=step)
         mask = batch.tensors["response_mask"].float()
         lengths = mask.sum(-1)
         tokens = float(batch.tensors["attention_mask"].sum())
@@ -396,17 +400,13 @@ class RLTrainer:
                 )
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingSettings):
-        per_replica = self.workers.generate(prompts, sampling)  # DP_SPLIT: one result per rollout replica, in order
-        samples, dropped = [], []
-        for k, out in enumerate(per_replica):
-            lo, _ = chunk_bounds(len(prompts), len(per_replica), k)  # replica k generated prompts [lo, hi)
-            samples.extend(dataclasses.replace(s, prompt_index=lo + s.prompt_index) for s in out["samples"])
-            dropped.extend(lo + i for i in out["dropped"])
+        """(samples ordered by (prompt_index, sample_index), dropped prompt indices) from the rollout service."""
+        out = self.rollout.generate(prompts, sampling)
+        samples, dropped = list(out), list(out.dropped_prompt_indices)
         if dropped:
             logger.warning("%d prompt(s) longer than rollout.max_prompt_tokens=%d were dropped this step "
                            "(rollout.overlong_prompt=%s)", len(dropped), self.cfg.rollout.max_prompt_tokens,
                            self.cfg.rollout.overlong_prompt)
-        samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
         return samples, dropped
 
     def _scores(self, samples, records, what: str) -> tuple[torch.Tensor, dict[str, float]]:

@@ -20,7 +20,7 @@ import torch
 
 from megarl.controller.dispatch import Dispatch, dispatch
 from megarl.data.batch import Batch
-from megarl.trainer.hybrid_worker import HybridWorker
+from megarl.workers.hybrid import HybridWorker
 
 
 def sft_batch(encoder, records: Sequence, pad_id: Optional[int] = None) -> Batch:
