@@ -29,7 +29,8 @@ one prompt token before it). The keys used by the roles:
     log_probs, old_log_probs, ref_log_probs, entropy, advantages, values, old_values, returns
                     [B, S] float32   token-aligned, 0 where loss_mask is 0
     rollout_log_probs [B, S] float32  the rollout engine's log-probs of the sampled tokens, 0 where loss_mask is 0
-    policy_version  [B, S] int64     weights version that sampled each token, -1 where loss_mask is 0
+    policy_version  [B, S] int64     weights version that sampled each token, -1 where loss_mask is 0 (concatenate
+                                     with ``pad_values={"policy_version": -1}`` to keep padding at -1)
     group_ids       [B] int64        GRPO/RLOO group of each sample (equal ids: the same prompt)
     scores          [B] float32      reward model: scalar read at the last real token (attention_mask)
 
