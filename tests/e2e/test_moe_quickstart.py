@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow
 def test_moe_quickstart_learns_with_expert_parallel_actor(tmp_path, joined_ray_env):
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart_moe.yaml", "trainer.val_every=0",
+         "logging.plots=false",
          f"logging.dir={tmp_path}"],
         cwd=ROOT, env=joined_ray_env, capture_output=True, text=True, timeout=900,
     )

@@ -124,6 +124,7 @@ def test_heterogeneous_placement_critic_on_its_own_pool_and_a_reward_model(tmp_p
     cfg["reward_model"] = {"enabled": True, "pool": "default", "parallel": {"tp": 2},
                            "model": {"arch": cfg["model"]["arch"], "dtype": "fp32"}}
     cfg["trainer"].update(total_steps=3, val_every=0)
+    cfg["logging"]["plots"] = False  # plots are the shared run's to check
     cfg["data"]["train_path"] = os.path.join(ROOT, cfg["data"]["train_path"])
     cfg["data"]["val_path"] = os.path.join(ROOT, cfg["data"]["val_path"])
     cfg["model"]["tokenizer"] = os.path.join(ROOT, cfg["model"]["tokenizer"])

@@ -59,7 +59,8 @@ def _train(run_dir, ckpt, *overrides, env):
     `joined_ray_env`, tests/ray_cluster.py); -> stdout + stderr."""
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart.yaml", "trainer.val_every=0",
-         f"logging.dir={run_dir}", f"checkpoint.dir={ckpt}", f"checkpoint.save_every={QUICKSTART_SAVE_EVERY}",
+         "logging.plots=false", f"logging.dir={run_dir}", f"checkpoint.dir={ckpt}",
+         f"checkpoint.save_every={QUICKSTART_SAVE_EVERY}",
          *overrides],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )

@@ -38,7 +38,7 @@ def bf16_run(tmp_path_factory, joined_ray_env) -> list[dict]:
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart.yaml", "model.dtype=bf16",
          "algorithm.rollout_correction.tis=token", *REINFORCE_PP_ADAPTIVE_KL, "trainer.total_steps=4",
-         "trainer.val_every=0", f"logging.dir={run_dir}"],
+         "trainer.val_every=0", "logging.plots=false", f"logging.dir={run_dir}"],
         cwd=ROOT, env=joined_ray_env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -97,7 +97,8 @@ def test_sigterm_stops_after_the_step_and_the_resumed_run_stops_on_ctrl_c(tmp_pa
     continues at the next step and is stopped by Ctrl-C to its whole process group once it has run a step. (Until
     2026-12-03 the Ctrl-C case was a third run of its own, ~30 s of start-up.)"""
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    args = ["megarl", "train", "yaml_configs/cpu_quickstart.yaml", "trainer.val_every=0", f"logging.dir={run_dir}",
+    args = ["megarl", "train", "yaml_configs/cpu_quickstart.yaml", "trainer.val_every=0", "logging.plots=false",
+            f"logging.dir={run_dir}",
             f"checkpoint.dir={ckpt}", "trainer.total_steps=50"]
     rc, out, secs, procs = _signal_after(args, run_dir, tmp_path / "sigterm.log", 0, signal.SIGTERM, False)
     last, resume = _assert_clean_stop(rc, out, secs, procs, signal.SIGTERM, args, run_dir, ckpt, first=1)
