@@ -1,7 +1,10 @@
 """The pure maths of RL post-training: advantage estimators, policy and value losses, KL estimators and
 controllers, loss aggregation, log-probs and entropy (full-vocabulary and vocab-parallel).
 
-Tensors are [batch, response_len] with a 0/1 ``response_mask`` unless a docstring says otherwise. Advantage
+Tensors are [batch, response_len] with a 0/1 ``response_mask`` unless a docstring says otherwise. That mask is the
+loss mask (the batch's ``loss_mask``, `megarl.data.batch`): 1 on the tokens the policy sampled, 0 on everything else;
+it need not be contiguous (multi-turn rows have 0s for tool tokens between sampled spans), and every function here
+reads only the mask, never a span from the first to the last valid token. Advantage
 estimators, policy losses, KL estimators and aggregation modes are registered by name; look them up with
 ``get_advantage``, ``get_policy_loss``, ``get_kl``, ``get_aggregation`` (unknown names list the valid ones).
 Importing this package registers everything.

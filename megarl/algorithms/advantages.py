@@ -15,10 +15,13 @@ returned so that every estimator has the same output shape.
 
 Conventions: ``token_rewards`` and ``values`` are [batch, response_len] float; ``scores`` is [batch] float (one
 scalar reward per response); ``group_ids`` is [batch] int, equal ids mark responses to the same prompt (any
-ints, any order, not necessarily contiguous); ``response_mask`` is [batch, response_len] 0/1. Everything is
-computed in float32 (or float64 if given) under ``torch.no_grad`` — advantages are targets, not graph nodes.
-Masked positions are *skipped* by the recursions over time: a masked token's reward and value never reach an
-earlier token, and the "next" value after the last valid token is 0, whatever the padding holds.
+ints, any order, not necessarily contiguous); ``response_mask`` is [batch, response_len] 0/1: the **loss mask**
+(the batch's ``loss_mask``, 1 on the tokens the policy sampled), which need not be one contiguous span — in a
+multi-turn row, tool / environment tokens between two sampled spans are 0. Everything is computed in float32 (or
+float64 if given) under ``torch.no_grad`` — advantages are targets, not graph nodes. Masked positions are
+*skipped* by the recursions over time: a masked token's reward and value never reach an earlier token, and the
+"next" value after the last valid token is 0, whatever the padding holds. Across a gap of masked tokens between
+two sampled tokens the recursion continues as if the gap were not there (see ``gae`` for why).
 """
 
 from __future__ import annotations
@@ -89,11 +92,24 @@ def gae(
         delta_t = r_t + gamma * V_next - V_t          (V_next = 0 after the last valid token)
         A_t     = delta_t + gamma * lam * A_next
 
+    where "next" is the next *valid* token t' > t, however many masked tokens lie between t and t'.
+
+    Across masked (context) tokens inside a row — a multi-turn trajectory's tool / environment output between two
+    sampled spans — GAE bootstraps straight through: for the last sampled token t before the gap and the first
+    sampled token t' after it, ``delta_t = r_t + gamma * V_t' - V_t`` and ``A_t = delta_t + gamma * lam * A_t'``,
+    with one factor of gamma (and of gamma * lam) for the whole gap; the gap's rewards and values are ignored.
+    Why: the actions are the sampled tokens only. Context tokens are the environment's response to action t, part of
+    the transition from the state before t to the state before t' (which the policy first sees with the tool output
+    appended, and whose value the critic reads at t'-1: ``V_t'``). So the gap is neither an action (no advantage, no
+    discount step of its own: gamma counts decisions, not the length of a tool's output) nor the end of the episode
+    (no cut to V_next = 0: the trajectory goes on). Rewards placed on masked tokens are dropped (put an environment
+    reward on the last sampled token before it). A single-turn row has no gap, and this is ordinary GAE.
+
     Args:
         token_rewards: [B, T] float, reward per token (typically the score on the last token, minus a KL penalty).
         values: [B, T] float, critic values V(s_t).
-        response_mask: [B, T] 0/1.
-        gamma: discount per token; lam: GAE lambda.
+        response_mask: [B, T] 0/1, the loss mask (may have gaps, see above).
+        gamma: discount per sampled token; lam: GAE lambda.
 
     Returns:
         advantages: [B, T] float32, whitened over valid tokens (masked mean, unbiased masked variance), 0 where
@@ -178,7 +194,8 @@ def reinforce_plus_plus(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the batch's valid tokens.
 
-    ``G_t = r_t + gamma * G_next`` over valid tokens (masked positions skipped, ``G`` = 0 after the last one).
+    ``G_t = r_t + gamma * G_next`` over valid tokens (masked positions skipped, ``G`` = 0 after the last one); across
+    a gap of masked tokens, as in ``gae``: one discount step, the gap's rewards ignored.
 
     Args: token_rewards [B, T] float; response_mask [B, T] 0/1; gamma: discount per token.
     Returns: advantages [B, T] float32 = whiten(G) (0 where masked); returns [B, T] float32 = G (0 where masked).

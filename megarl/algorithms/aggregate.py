@@ -10,7 +10,10 @@ Modes (``aggregate(loss_mat, response_mask, mode)``):
 - ``seq-mean-token-sum-norm``: per sequence, sum over its valid tokens / ``norm_horizon`` (a fixed number of
   tokens, e.g. the maximum response length, as in Dr. GRPO); then mean over sequences. No length bias.
 
-"Sequences" are those with at least one valid token; an all-masked row is not counted. An all-masked input
+"Valid tokens" are those where ``response_mask`` (the loss mask) is 1, wherever they sit: a multi-turn row's tool
+tokens (0) between sampled spans count in no sum and no normaliser, and a sequence's length is its number of
+sampled tokens, not the span from its first to its last one. "Sequences" are those with at least one valid token;
+an all-masked row is not counted. An all-masked input
 gives a loss of 0 (not nan), which still carries a (zero) gradient.
 
 Distributed training. A mini-batch is split into micro-batches and over data-parallel ranks, and the mean of

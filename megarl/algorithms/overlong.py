@@ -39,8 +39,8 @@ def soft_overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int, f
 
 
 def filter_truncated(response_mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
-    """``response_mask`` [B, T] with the rows of truncated responses (``truncated`` [B] bool) zeroed (same dtype):
-    the loss mask of DAPO's overlong filtering."""
+    """``response_mask`` [B, T] (the loss mask, gaps allowed) with the rows of truncated responses (``truncated``
+    [B] bool) zeroed (same dtype): the loss mask of DAPO's overlong filtering."""
     if truncated.dim() != 1 or truncated.shape[0] != response_mask.shape[0]:
         raise ValueError(f"truncated must be [B] = [{response_mask.shape[0]}], got {tuple(truncated.shape)}")
     return response_mask * (~truncated.bool()).to(response_mask.dtype).unsqueeze(-1)

@@ -7,7 +7,8 @@ All are registered (``get_policy_loss("ppo")``, ``"gspo"``, ``"cispo"``) with th
 
 Inputs are [batch, response_len]: ``log_probs`` (float, with grad) are the current policy's log-probs of the
 sampled tokens, ``old_log_probs`` those of the policy that sampled them (no grad needed), ``advantages`` are
-per token, ``response_mask`` is 0/1. ``agg``, ``norm_horizon`` and ``global_normalizer`` are passed to
+per token, ``response_mask`` is the 0/1 loss mask (1 on sampled tokens; may have gaps, see ``megarl.algorithms``:
+every term and metric below is over its 1s only). ``agg``, ``norm_horizon`` and ``global_normalizer`` are passed to
 ``megarl.algorithms.aggregate.aggregate``. ``weights`` ([batch, response_len], detached, or None) multiplies
 each token's loss before aggregation: the rollout-correction importance weights of
 ``megarl.algorithms.rollout_correction`` (None = all 1, the loss unchanged).

@@ -4,7 +4,8 @@ The rollout engine (vLLM) and the trainer (Megatron) evaluate the same weights w
 log-prob vLLM reports for a sampled token differs slightly from the one Megatron computes (CPU quickstart, bf16:
 |d| ~2e-3 nats on average, up to ~0.1; fp32: ~1e-7, up to ~2e-6). Once rollouts come from older weights
 (asynchronous modes) the gap is a real off-policy gap.
-Per response token t of sample i (token-aligned [B, S] tensors, see `megarl.data.batch`; float32)::
+Per sampled token t of sample i (``response_mask``, the loss mask, is 1; context tokens of a multi-turn row
+hold 0 in both log-probs and never count) (token-aligned [B, S] tensors, see `megarl.data.batch`; float32)::
 
     logp_rollout[i, t]   vLLM's raw log-prob of the sampled token (batch key ``rollout_log_probs``)
     logp_actor[i, t]     the OLD-policy log-prob, recomputed by Megatron before the update (``old_log_probs``);

@@ -1,6 +1,6 @@
 """Pre-flight estimate of the static memory per GPU of a colocated hybrid worker (pure: no torch, no CUDA calls).
 
-What one GPU of the actor's pool holds when vLLM starts (the actor is built first, `trainer/hybrid_worker.py`):
+What one GPU of the actor's pool holds when vLLM starts (the actor is built first, `workers/hybrid.py`):
 
   actor params      N / (tp * pp) x dtype bytes               (bf16: 2 B; embedding/output split by TP, layers by PP)
   actor grads       N / (tp * pp) x 4 B                       (megatron DDP, grad_reduce_in_fp32=True: a full fp32

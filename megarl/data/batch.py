@@ -1,27 +1,42 @@
 """The batch protocol: named tensors that share the batch dimension, plus non-tensor metadata.
 
-Every role method takes and returns a `Batch`. Sequence layout (one row per sample, right-padded)::
+Every role method takes and returns a `Batch`. Sequence layout (one row per sample, right-padded); a single-turn
+row, then a multi-turn one (`megarl.data.trajectory`)::
 
-    position t:        0 .. p-1            p .. p+r-1            p+r .. S-1
-    input_ids [B, S]   prompt tokens       response tokens       pad (any id)
-    attention_mask     1                   1                     0          (a prefix of ones, length p+r)
-    response_mask      0                   1                     0
+    position t:        0 .. p-1            p .. n-1                                    n .. S-1
+    input_ids [B, S]   prompt tokens       response tokens                             pad (any id)
+    attention_mask     1                   1                                           0  (a prefix of ones)
+    loss_mask          0                   1                                           0
+    (multi-turn)       0                   1 1 1 (sampled) 0 0 0 (tool) 1 1 (sampled)  0
+
+``loss_mask`` marks the tokens the policy sampled: the ones that are trained and scored. It need not be one
+contiguous span: tokens the policy did not sample (tool / environment output between turns) are 0 and only
+condition what follows. Every loss, advantage, KL, entropy and metric reads this mask, never a span.
 
 Per-token quantities are **token-aligned** [B, S] float32: the value at position t belongs to the token *at*
 position t. A token's log-prob is scored by the logits at t-1 (``log_probs[b, t] = log p(input_ids[b, t] |
 input_ids[b, :t])``), a token's value is the critic's output at t-1 (the state before the token is emitted),
-and both are 0 wherever ``response_mask`` is 0 (so ``response_mask[:, 0]`` must be 0: a response needs at
-least one prompt token before it). The keys used by the roles:
+and both are 0 wherever ``loss_mask`` is 0 (so ``loss_mask[:, 0]`` must be 0: a sampled token needs at least
+one prompt token before it). The keys used by the roles:
 
     input_ids       [B, S] int64     prompt + response tokens, right-padded
-    attention_mask  [B, S] int64/bool  1 on real tokens (prompt or response)
-    response_mask   [B, S] int64/bool  1 on response tokens (the tokens that are trained / scored)
+    attention_mask  [B, S] int64/bool  1 on real tokens (prompt, sampled or context)
+    loss_mask       [B, S] int64/bool  1 on the tokens the policy sampled (trained / scored); 0 on the prompt,
+                                     on context tokens and on padding
+    response_mask   the legacy name of ``loss_mask``, with the same meaning: a batch carries one or the other
+                    (`Batch.with_loss_mask` puts it under ``loss_mask``; the roles accept either). The single-turn
+                    SFT batches and `megarl.trainer.samples.samples_to_batch` still use it.
     log_probs, old_log_probs, ref_log_probs, entropy, advantages, values, old_values, returns
-                    [B, S] float32   token-aligned, 0 where response_mask is 0
+                    [B, S] float32   token-aligned, 0 where loss_mask is 0
+    rollout_log_probs [B, S] float32  the rollout engine's log-probs of the sampled tokens, 0 where loss_mask is 0
+    policy_version  [B, S] int64     weights version that sampled each token, -1 where loss_mask is 0 (concatenate
+                                     with ``pad_values={"policy_version": -1}`` to keep padding at -1)
+    group_ids       [B] int64        GRPO/RLOO group of each sample (equal ids: the same prompt)
     scores          [B] float32      reward model: scalar read at the last real token (attention_mask)
 
-The algorithms in `megarl.algorithms` take [batch, len] tensors with a mask; token-aligned [B, S] tensors with
-``response_mask`` satisfy them directly (masked positions are ignored).
+The algorithms in `megarl.algorithms` take [batch, len] tensors with a mask (their parameter is still named
+``response_mask``: it is the loss mask); token-aligned [B, S] tensors with ``loss_mask`` satisfy them directly
+(masked positions are ignored).
 """
 
 from __future__ import annotations
@@ -65,6 +80,22 @@ class Batch:
         missing = [k for k in keys if k not in self.tensors]
         if missing:
             raise KeyError(f"batch is missing {missing}; it has {sorted(self.tensors)}")
+
+    def with_loss_mask(self) -> "Batch":
+        """This batch with its mask under ``loss_mask``: itself when it has ``loss_mask``; the legacy
+        ``response_mask`` renamed otherwise. Raises KeyError when it has neither, ValueError when it has both and
+        they differ."""
+        if "response_mask" not in self.tensors:
+            self.require("loss_mask")
+            return self
+        legacy = self.tensors["response_mask"]
+        if "loss_mask" in self.tensors:
+            if not torch.equal(self.tensors["loss_mask"].long(), legacy.long()):
+                raise ValueError("batch has both loss_mask and its legacy alias response_mask, and they differ")
+            return self
+        tensors = {k: v for k, v in self.tensors.items() if k != "response_mask"}
+        tensors["loss_mask"] = legacy
+        return Batch(tensors, dict(self.meta))
 
     # -------------------------------------------------------------------------------------------- derive
     def select(self, keys: Iterable[str]) -> "Batch":

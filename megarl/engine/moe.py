@@ -25,7 +25,7 @@ weights are now. The routing each router would have chosen itself is computed be
 fraction of tokens whose expert set differs (`routing_diff_frac`).
 
 Data path of `algorithm.router_replay: rollout`: vLLM captures the experts it chose for every computed token
-(`megarl.rollout.vllm_routing`; `RolloutSample.routed_experts` [p + r - 1, L, k]); `samples_to_batch` lays them out
+(`megarl.rollout.vllm_routing`; `RolloutSample.routed_experts` [p + r - 1, L, k]); `trajectories_to_batch` lays them out
 as `rollout_routed_experts` [B, S, L, k] with `rollout_routing_mask` [B, S] (1 where vLLM routed the token: every
 token but the last sampled one and padding). The old-log-prob forward replays them (`RoutingReplayer` with a mask:
 the unmasked tokens take the router's own choice, computed in a forward pre-hook) and records the experts it used

@@ -1,21 +1,24 @@
 """The actor (policy) and the reference policy.
 
 Actor.compute_log_probs(batch) -> Batch (last pipeline stage; None elsewhere)
-    in:  input_ids [B, S] int64, attention_mask [B, S], response_mask [B, S]
+    in:  input_ids [B, S] int64, attention_mask [B, S], loss_mask [B, S] (or its legacy alias response_mask)
     out: log_probs [B, S] float32, entropy [B, S] float32 — token-aligned (see `megarl.data.batch`), 0 where
-         response_mask is 0. Computed vocab-parallel from each TP rank's logits shard
-         (`vocab_parallel_log_probs`, `entropy_from_vocab_parallel`): full-vocabulary logits are never gathered.
+         loss_mask is 0 (context tokens are fed through the model but not scored). Computed vocab-parallel from
+         each TP rank's logits shard (`vocab_parallel_log_probs`, `entropy_from_vocab_parallel`): full-vocabulary
+         logits are never gathered.
 
 Actor.update(batch) -> dict of floats (every rank)
     PPO-style ('ppo' / 'gspo' / 'cispo' policy loss, with optional entropy bonus and KL-to-reference loss):
-      in: input_ids, attention_mask, response_mask, old_log_probs [B, S], advantages [B, S]
+      in: input_ids, attention_mask, loss_mask (or response_mask), old_log_probs [B, S], advantages [B, S]
           (+ ref_log_probs [B, S] when kl_coef > 0; + rollout_log_probs [B, S] when a rollout correction is on)
       Rollout correction (`megarl.algorithms.rollout_correction`, off by default): per micro-batch, from the
       rollout engine's log-probs and `old_log_probs` (the old policy recomputed by Megatron before this update),
       truncated importance weights multiply each token's policy-gradient loss and masked tokens/sequences leave
       the loss (policy gradient, entropy bonus, KL term and the normaliser alike).
-    SFT warm-up (`loss.name == "sft"`): cross-entropy on response tokens; in: input_ids, attention_mask,
-      response_mask.
+    SFT warm-up (`loss.name == "sft"`): cross-entropy on the loss-mask tokens; in: input_ids, attention_mask,
+      loss_mask (or response_mask).
+    Every per-token term (policy loss, entropy, KL, the metrics and their normalisers) is taken over the tokens
+    where loss_mask is 1, wherever they sit in the row: a multi-turn row's tool tokens (0) never count.
     Mini-batches of `batching.mini_batch_samples` (one optimizer step each) x `batching.epochs`; micro-batches
     per DP rank. The loss is normalised exactly over the whole mini-batch (all micro-batches and DP ranks):
     loss_fn returns the *sum* of per-unit losses (`aggregate(..., global_normalizer=1)`) and the unit count,
@@ -23,7 +26,7 @@ Actor.update(batch) -> dict of floats (every rank)
     Returned metrics: loss, pg_loss, clip_frac, approx_kl, entropy, kl (when used) — token means over the
     update; grad_norm (mean over steps), lr (last), tokens, tokens_per_s, time_s, optimizer_steps; with a rollout
     correction also rollout_tis_weight_mean, rollout_tis_clip_frac (over the tokens in the loss) and
-    rollout_masked_token_frac (response tokens excluded / response tokens).
+    rollout_masked_token_frac (loss-mask tokens excluded by the correction / loss-mask tokens).
 
 Reference: a frozen Actor (no optimizer, no gradients), same or different layout; compute_log_probs only.
 """
@@ -107,7 +110,7 @@ class PolicyLossSettings:
 
 
 _METRICS = ["loss_sum", "units", "tokens_in_loss", "pg_loss_sum", "clip_sum", "approx_kl_sum", "entropy_sum", "kl_sum",
-            "response_tokens", "tis_weight_sum", "tis_clip_sum"]
+            "mask_tokens", "tis_weight_sum", "tis_clip_sum"]
 
 
 class Actor(Role):
@@ -129,7 +132,7 @@ class Actor(Role):
     # ------------------------------------------------------------------------------------------- helpers
     def _token_log_probs(self, logits: torch.Tensor, mb: dict, with_entropy: bool):
         """Token-aligned log-probs (and entropies) [b, s] from this TP rank's logits shard [b, s, V/tp]."""
-        ids, mask = mb["input_ids"], mb["response_mask"]
+        ids, mask = mb["input_ids"], mb["loss_mask"]
         vocab_start, _ = self.engine.vocab_shard()
         tp_group = self.groups.pgs.tp
         shard = logits[:, :-1]
@@ -156,12 +159,13 @@ class Actor(Role):
         the update to replay) and its `meta["moe_rollout_routing_diff_frac"]` is the fraction of those replayed
         (token, layer) choices whose own top-k set differs from vLLM's (every rank; whole role).
         """
-        batch.require("input_ids", "attention_mask", "response_mask")
+        batch = batch.with_loss_mask()
+        batch.require("input_ids", "attention_mask", "loss_mask")
         if replay_rollout is None:
             replay_rollout = self.router_replay == "rollout" and not replay_routing
         if record_routing is None:
             record_routing = self.router_replay == "old"
-        keys = ["input_ids", "attention_mask", "response_mask"]
+        keys = ["input_ids", "attention_mask", "loss_mask"]
         routing = None
         if replay_rollout:
             batch.require("rollout_routed_experts", "rollout_routing_mask")
@@ -200,7 +204,8 @@ class Actor(Role):
         if not self.engine.trainable:
             raise RuntimeError("this actor is frozen (built without optimizer settings)")
         s = self.loss
-        keys = ["input_ids", "attention_mask", "response_mask"]
+        batch = batch.with_loss_mask()
+        keys = ["input_ids", "attention_mask", "loss_mask"]
         fused = s.name != "sft" and "old_log_probs" not in batch.tensors
         measure_mismatch = fused and "rollout_log_probs" in batch.tensors
         if s.name != "sft":
@@ -232,15 +237,15 @@ class Actor(Role):
                 lambda: RoutingRecorder(self.engine, keep_indices=False))
 
         def loss_fn(logits, mb):
-            response_mask = mb["response_mask"]
+            loss_mask = mb["loss_mask"]
             weights = None
-            mask = response_mask
+            mask = loss_mask
             if s.corrects_rollout:  # constants of the update: old (Megatron, pre-update) vs rollout (vLLM) log-probs
                 weights, keep, rc = rollout_correction(
-                    mb["old_log_probs"], mb["rollout_log_probs"], response_mask, tis=s.rollout_tis, c=s.rollout_c,
+                    mb["old_log_probs"], mb["rollout_log_probs"], loss_mask, tis=s.rollout_tis, c=s.rollout_c,
                     mask=s.rollout_mask, mask_c=s.rollout_mask_c,
                 )
-                mask = keep.to(response_mask.dtype)  # masked tokens leave the loss and its normaliser
+                mask = keep.to(loss_mask.dtype)  # masked tokens leave the loss and its normaliser
                 if s.rollout_tis == "off":
                     weights = None
             fmask = mask.float()
@@ -276,14 +281,14 @@ class Actor(Role):
                 "loss_sum": loss_sum.detach(), "units": units.float(), "tokens_in_loss": n_tok,
                 "pg_loss_sum": pg_sum.detach(), "clip_sum": clip, "approx_kl_sum": approx_kl,
                 "entropy_sum": (ent.detach() * fmask).sum(), "kl_sum": kl_sum,
-                "response_tokens": response_mask.float().sum(), "tis_weight_sum": torch.zeros(()),
+                "mask_tokens": loss_mask.float().sum(), "tis_weight_sum": torch.zeros(()),
                 "tis_clip_sum": torch.zeros(()),
             }
             if s.corrects_rollout:
                 metrics["tis_weight_sum"] = rc["tis_weight_mean"] * n_tok
                 metrics["tis_clip_sum"] = rc["tis_clip_frac"] * n_tok
             if measure_mismatch:  # this forward's (pre-step) log-probs are the old policy's
-                sums = mismatch_sums(logp.detach(), mb["rollout_log_probs"], response_mask, c=s.rollout_c)
+                sums = mismatch_sums(logp.detach(), mb["rollout_log_probs"], loss_mask, c=s.rollout_c)
                 metrics.update({f"mismatch_{k}": v for k, v in sums.items()})
             return loss_sum, units, metrics
 
@@ -303,12 +308,12 @@ class Actor(Role):
         kl_sum = totals.pop("kl_sum")
         if s.kl_coef > 0:
             out["kl"] = kl_sum / n_tok
-        response_tokens = max(totals.pop("response_tokens"), 1.0)
+        mask_tokens = max(totals.pop("mask_tokens"), 1.0)
         tis_weight_sum, tis_clip_sum = totals.pop("tis_weight_sum"), totals.pop("tis_clip_sum")
         if s.corrects_rollout:
             out["rollout_tis_weight_mean"] = tis_weight_sum / n_tok
             out["rollout_tis_clip_frac"] = tis_clip_sum / n_tok
-            out["rollout_masked_token_frac"] = 1.0 - tokens_in_loss / response_tokens
+            out["rollout_masked_token_frac"] = 1.0 - tokens_in_loss / mask_tokens
         if measure_mismatch:
             sums = {k[len("mismatch_"):]: totals.pop(k) for k in list(totals) if k.startswith("mismatch_")}
             out.update({f"mismatch_{k}": v for k, v in mismatch_from_sums(sums).items()})

@@ -1,13 +1,13 @@
 """The critic (value model) and the reward model: a GPTModel body with a `ScalarHead` (see `megarl.engine.heads`).
 
 Critic.compute_values(batch) -> Batch (last pipeline stage; None elsewhere)
-    in:  input_ids [B, S] int64, attention_mask [B, S], response_mask [B, S]
+    in:  input_ids [B, S] int64, attention_mask [B, S], loss_mask [B, S] (or its legacy alias response_mask)
     out: values [B, S] float32, token-aligned: values[:, t] = V(state before token t) = head(hidden at t-1),
-         0 where response_mask is 0.
+         0 where loss_mask is 0 (a multi-turn row's tool tokens carry no value: they are not actions).
 Critic.update(batch) -> dict of floats (every rank)
-    in:  input_ids, attention_mask, response_mask, old_values [B, S] (the values the advantages were computed
-         with), returns [B, S]. Clipped value loss (`megarl.algorithms.value_loss`, clip = `value_clip`,
-         0 = unclipped), aggregated with `agg`, normalised exactly over each mini-batch.
+    in:  input_ids, attention_mask, loss_mask (or response_mask), old_values [B, S] (the values the advantages were
+         computed with), returns [B, S]. Clipped value loss (`megarl.algorithms.value_loss`, clip = `value_clip`,
+         0 = unclipped), aggregated with `agg` over the loss-mask tokens, normalised exactly over each mini-batch.
     metrics: value_loss, value_clip_frac, value_mean (token means), grad_norm, lr, tokens, tokens_per_s, ...
 
 RewardModel.score(batch) -> Batch (last pipeline stage; None elsewhere)
@@ -68,22 +68,24 @@ class Critic(ScalarHeadRole):
         self.norm_horizon = norm_horizon
 
     def _values(self, output, mb) -> torch.Tensor:
-        return shift_to_tokens(self._head_out(output)[:, :-1], mb["response_mask"])
+        return shift_to_tokens(self._head_out(output)[:, :-1], mb["loss_mask"])
 
     @torch.no_grad()
     def compute_values(self, batch: Batch, share: bool = False) -> Optional[Batch]:
         """Values [B, S] float32, token-aligned; `share` as in `Role._forward`."""
-        batch.require("input_ids", "attention_mask", "response_mask")
-        return self._forward(batch, ["input_ids", "attention_mask", "response_mask"],
+        batch = batch.with_loss_mask()
+        batch.require("input_ids", "attention_mask", "loss_mask")
+        return self._forward(batch, ["input_ids", "attention_mask", "loss_mask"],
                              lambda out, mb: {"values": self._values(out, mb)}, share=share)
 
     def update(self, batch: Batch) -> dict[str, float]:
-        keys = ["input_ids", "attention_mask", "response_mask", "old_values", "returns"]
+        batch = batch.with_loss_mask()
+        keys = ["input_ids", "attention_mask", "loss_mask", "old_values", "returns"]
         batch.require(*keys)
         clip = self.value_clip if self.value_clip > 0 else float("inf")
 
         def loss_fn(output, mb):
-            mask = mb["response_mask"]
+            mask = mb["loss_mask"]
             values = self._values(output, mb)
             loss_sum, m = value_loss(values, mb["old_values"], mb["returns"], mask, clip=clip, agg=self.agg,
                                      norm_horizon=self.norm_horizon, global_normalizer=1.0)

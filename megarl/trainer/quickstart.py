@@ -93,17 +93,14 @@ def job_config(s: QuickstartSettings, data: dict[str, str]) -> dict:
 
 def greedy_answers(workers, encoder, records, pad_seed: int = 0) -> list[str]:
     """Greedy (temperature 0) decoded responses of the rollout engine to `records`' prompts, in order."""
-    from megarl.controller.dispatch import chunk_bounds
     from megarl.rollout.engine import SamplingSettings
+    from megarl.rollout.service import ColocatedRollout
 
     prompts = [encoder.encode(r.prompt) for r in records]
     sampling = SamplingSettings(samples_per_prompt=1, temperature=0.0, max_new_tokens=4, seed=pad_seed)
-    per_replica = workers.generate(prompts, sampling)
     texts: list[Optional[str]] = [None] * len(prompts)
-    for k, out in enumerate(per_replica):
-        lo, _ = chunk_bounds(len(prompts), len(per_replica), k)
-        for s in out["samples"]:
-            texts[lo + s.prompt_index] = encoder.decode(s.response_ids)
+    for s in ColocatedRollout(workers).generate(prompts, sampling):
+        texts[s.prompt_index] = encoder.decode(s.response_ids)
     return ["" if t is None else t for t in texts]
 
 

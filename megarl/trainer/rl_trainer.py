@@ -4,9 +4,10 @@
             -> mismatch (vLLM vs Megatron log-probs) -> advantages -> critic + actor updates -> reshard into vLLM
             -> metrics
 
-`RLTrainer` talks to a group of `HybridWorker`s through `megarl.controller` (a Ray worker group): each call runs on
-every rank (SPMD) and returns the collected result. Rewards and advantages are computed here, on the controller,
-from plain tensors.
+`RLTrainer` talks to the rollout engines through a `megarl.rollout.service.RolloutService` (`ColocatedRollout`: the
+`HybridWorker` group's engines, weights by local reshard) and to the roles through their worker groups
+(`megarl.controller`: each call runs on every rank (SPMD) and returns the collected result). Rewards and advantages
+are computed here, on the controller, from plain tensors.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ from megarl.algorithms.dynamic_sampling import enough_groups, informative_groups
 from megarl.config.loader import to_dict
 from megarl.config.schema import JobConfig
 from megarl.data.batch import Batch
+from megarl.data.trajectory import trajectories_to_batch
 from megarl.rollout.engine import SamplingSettings
+from megarl.rollout.service import ColocatedRollout, RolloutService
 from megarl.trainer import checkpointing
 from megarl.trainer.faults import RunAborted
 from megarl.trainer.progress import ConsoleProgress
-from megarl.trainer.samples import chunk_bounds, samples_to_batch
+from megarl.trainer.samples import samples_to_trajectories
 from megarl.trainer.stop import StopRequest
 from megarl.trainer.tracking import build_sinks
 
@@ -67,14 +70,16 @@ class RLTrainer:
 
     def __init__(self, cfg: JobConfig, workers, loader, encoder, reward_fn, role_groups: Optional[dict] = None,
                  val_records: Optional[list] = None, metrics_path: Optional[str] = None,
-                 stop: Optional[StopRequest] = None) -> None:
+                 stop: Optional[StopRequest] = None, rollout: Optional[RolloutService] = None) -> None:
         """`workers`: the actor pool's group (HybridWorker). `role_groups`: for each enabled reference / critic /
         reward_model, the group that hosts it (`workers` itself when colocated, else its own RoleWorker group).
         `stop`: the controller's SIGTERM/SIGINT handlers (`megarl.trainer.stop`); `fit` ends after the step in
-        flight, checkpointed, once it is requested."""
+        flight, checkpointed, once it is requested. `rollout`: where samples come from and weights go (default
+        `ColocatedRollout(workers)`: the actor pool's engines)."""
         self.stop = stop
         self.cfg = cfg
         self.workers = workers
+        self.rollout = rollout if rollout is not None else ColocatedRollout(workers)
         self.role_groups = dict(role_groups or {})
         self.loader = loader
         self.encoder = encoder
@@ -118,7 +123,7 @@ class RLTrainer:
         starts random). Returns the next step to run."""
         if self.next_step == 0:
             self.next_step = self._resume() + 1
-            self.workers.sync_weights()
+            self.rollout.push_weights(version=self.next_step - 1)
             self.progress = ConsoleProgress(self.cfg.trainer.total_steps, self.next_step, self.cfg.logging.progress,
                                             self.cfg.trainer.log_every)
         return self.next_step
@@ -220,16 +225,17 @@ class RLTrainer:
         """One RL step (`step` is 1-based; it also offsets the sampling seed: `rollout.seed + step`).
 
         Data path, all on the controller except the worker calls: next prompt batch from the loader ->
-        `workers.generate` (samples, n per prompt) -> `samples_to_batch` ([B, S] int64 token tensors, B = samples)
+        `rollout.generate` (samples, n per prompt) -> trajectories (`megarl.data.trajectory`; weights version
+        step - 1, group = prompt) -> `trajectories_to_batch` ([B, S] token tensors and `loss_mask`, B = samples)
         -> rule scores [B] (or the learned reward model's, the rule mean then logged as `reward/rule_mean`; with
         `algorithm.dynamic_sampling`, more rounds of prompts until the groups with unequal scores fill the step:
         `_dynamic_sampling`) ->
         old log-probs [B, S] from the actor (skipped when the update takes them from its own forward:
         `old_log_probs_from_update`) -> reference log-probs and critic values [B, S] when enabled ->
         advantages (and returns) on the controller -> critic update (overlapping the actor's when the critic has
-        its own pool) -> actor update -> reshard into the rollout engine. Returns the step's metrics: rewards,
-        lengths (tokens), per-phase times in seconds (`time/<phase>_s`), tokens/s, the roles' update metrics
-        (`actor/...`, `critic/...`) and the reshard's bytes and time.
+        its own pool) -> actor update -> `rollout.push_weights` (the reshard into the engines). Returns the step's
+        metrics: rewards, lengths (tokens), per-phase times in seconds (`time/<phase>_s`), tokens/s, the roles'
+        update metrics (`actor/...`, `critic/...`) and the reshard's bytes and time.
         """
         t: dict[str, float] = {}
         start = time.perf_counter()
@@ -238,7 +244,8 @@ class RLTrainer:
         if self.cfg.algorithm.dynamic_sampling.enabled:
             samples, dropped, scores, reward_metrics = self._dynamic_sampling(
                 step, t, (records, samples, dropped, scores, reward_metrics), metrics)
-        batch = samples_to_batch(samples, pad_id=self.encoder.pad_token_id or 0)
+        trajectories = samples_to_trajectories(samples, policy_version=step - 1, uid_prefix=f"{step}/")
+        batch = trajectories_to_batch(trajectories, pad_id=self.encoder.pad_token_id or 0)
         with _timer(t, "reward"):
             metrics.update(reward_metrics)
             if "reward_model" in self.role_groups:  # the learned reward is what is trained on
@@ -265,7 +272,7 @@ class RLTrainer:
                 batch.tensors["old_values"] = critic.compute_values(batch).tensors["values"]
         with _timer(t, "advantages"):
             extra = self._advantages(batch)
-        train_batch = self._filter_overlong(batch, samples, metrics)
+        train_batch = self._filter_overlong(batch, trajectories, metrics)
         pending = None
         if critic is not None and critic is not self.workers:
             pending = critic.update_critic.submit(train_batch)  # its own pool: overlaps the actor update
@@ -280,9 +287,8 @@ class RLTrainer:
                 metrics.update({f"critic/{k}": v for k, v in pending.result().items()})
         self._count_skips(metrics)
         with _timer(t, "sync_weights"):
-            reshard = self.workers.sync_weights()
-        mask = batch.tensors["response_mask"].float()
-        lengths = mask.sum(-1)
+            reshard = self.rollout.push_weights(version=step)
+        lengths = batch.tensors["loss_mask"].float().sum(-1)  # sampled tokens per trajectory
         tokens = float(batch.tensors["attention_mask"].sum())
         step_time = time.perf_counter() - start
         metrics.update({
@@ -363,14 +369,14 @@ class RLTrainer:
         metrics["overlong/penalty_mean"] = float(penalty.mean())
         return penalty
 
-    def _filter_overlong(self, batch: Batch, samples, metrics: dict[str, float]) -> Batch:
-        """The batch the updates train on: with `algorithm.overlong.filter`, truncated samples' response tokens
-        masked out of the loss (`overlong/filtered_samples`); else `batch` itself."""
+    def _filter_overlong(self, batch: Batch, trajectories, metrics: dict[str, float]) -> Batch:
+        """The batch the updates train on: with `algorithm.overlong.filter`, truncated trajectories' (finish_reason
+        'length') sampled tokens masked out of the loss (`overlong/filtered_samples`); else `batch` itself."""
         if not self.cfg.algorithm.overlong.filter:
             return batch
-        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        truncated = torch.tensor([t.finish_reason == "length" for t in trajectories])
         metrics["overlong/filtered_samples"] = float(truncated.sum())
-        return batch.update({"response_mask": filter_truncated(batch.tensors["response_mask"], truncated)})
+        return batch.update({"loss_mask": filter_truncated(batch.tensors["loss_mask"], truncated)})
 
     def _count_skips(self, metrics: dict[str, float]) -> None:
         """`<role>/skipped_streak`: optimizer steps skipped in a row (non-finite loss or gradient norm, see
@@ -396,17 +402,13 @@ class RLTrainer:
                 )
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingSettings):
-        per_replica = self.workers.generate(prompts, sampling)  # DP_SPLIT: one result per rollout replica, in order
-        samples, dropped = [], []
-        for k, out in enumerate(per_replica):
-            lo, _ = chunk_bounds(len(prompts), len(per_replica), k)  # replica k generated prompts [lo, hi)
-            samples.extend(dataclasses.replace(s, prompt_index=lo + s.prompt_index) for s in out["samples"])
-            dropped.extend(lo + i for i in out["dropped"])
+        """(samples ordered by (prompt_index, sample_index), dropped prompt indices) from the rollout service."""
+        out = self.rollout.generate(prompts, sampling)
+        samples, dropped = list(out), list(out.dropped_prompt_indices)
         if dropped:
             logger.warning("%d prompt(s) longer than rollout.max_prompt_tokens=%d were dropped this step "
                            "(rollout.overlong_prompt=%s)", len(dropped), self.cfg.rollout.max_prompt_tokens,
                            self.cfg.rollout.overlong_prompt)
-        samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
         return samples, dropped
 
     def _scores(self, samples, records, what: str) -> tuple[torch.Tensor, dict[str, float]]:
@@ -424,10 +426,10 @@ class RLTrainer:
 
     def _mismatch(self, batch: Batch) -> dict[str, float]:
         """`mismatch/*`: vLLM's log-probs of the sampled tokens (`rollout_log_probs`) against the actor's old-policy
-        log-probs recomputed by Megatron before the update (`old_log_probs`), over the response tokens
+        log-probs recomputed by Megatron before the update (`old_log_probs`), over the sampled tokens (`loss_mask`)
         (`megarl.algorithms.rollout_correction.mismatch_metrics`; its band is algorithm.rollout_correction.c)."""
         t = batch.tensors
-        m = mismatch_metrics(t["old_log_probs"], t["rollout_log_probs"], t["response_mask"],
+        m = mismatch_metrics(t["old_log_probs"], t["rollout_log_probs"], t["loss_mask"],
                              c=self.cfg.algorithm.rollout_correction.c)
         return {f"mismatch/{k}": float(v) for k, v in m.items()}
 
@@ -435,7 +437,7 @@ class RLTrainer:
         """Fill `advantages` (and `returns` with a critic); returns KL metrics when KL is in the reward."""
         algo = self.cfg.algorithm
         tensors = batch.tensors
-        mask = tensors["response_mask"]
+        mask = tensors["loss_mask"]
         metrics: dict[str, float] = {}
         estimator = get_advantage(self.estimator)
         if self.estimator in SCORE_ESTIMATORS:

@@ -139,9 +139,9 @@ class TrainingSession:
         import ray
 
         from megarl.platform.device import device_kind  # torch
-        from megarl.trainer.hybrid_worker import HybridWorker  # torch, megatron-core, vLLM
         from megarl.trainer.rl_trainer import RLTrainer
-        from megarl.trainer.role_worker import RoleWorker  # torch, megatron-core
+        from megarl.workers.hybrid import HybridWorker  # torch, megatron-core, vLLM
+        from megarl.workers.role_host import RoleWorker  # torch, megatron-core
 
         cfg = self.cfg
         if not ray.is_initialized():

@@ -20,11 +20,12 @@ import torch
 
 from megarl.controller.dispatch import Dispatch, dispatch
 from megarl.data.batch import Batch
-from megarl.trainer.hybrid_worker import HybridWorker
+from megarl.workers.hybrid import HybridWorker
 
 
 def sft_batch(encoder, records: Sequence, pad_id: Optional[int] = None) -> Batch:
-    """Right-padded [B, S] rows of prompt ids + answer ids + EOS; `response_mask` marks the answer and EOS.
+    """Right-padded [B, S] rows of prompt ids + answer ids + EOS; `response_mask` (the legacy name of the loss mask,
+    `megarl.data.batch`) marks the answer and EOS.
 
     `encoder`: a `megarl.data.tokenization.PromptEncoder`; `records`: objects with `.prompt` and `.answer`
     (`PromptRecord`) or dicts with those keys. The answer is tokenised without special tokens."""

@@ -31,7 +31,7 @@ def _worker(rank, world_size, run_dir):
     from megarl.config import load_config
     from megarl.rollout.engine import SamplingSettings
     from megarl.trainer.engine_model_dir import engine_model_dir
-    from megarl.trainer.hybrid_worker import HybridWorker
+    from megarl.workers.hybrid import HybridWorker
     from tests.distributed.harness import response_batch
 
     cfg = load_config(os.path.join(ROOT, "yaml_configs", "cpu_quickstart.yaml"), ONE_RANK)

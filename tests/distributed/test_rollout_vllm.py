@@ -182,6 +182,115 @@ def test_sleep_and_wake_are_cpu_noops_logged_once(engine, caplog):
     assert _greedy(engine, PROMPTS[:1])  # still serves
 
 
+# ------------------------------------------------------------------------------------- request-level API (TP1)
+def _run_all(eng, expected: int) -> dict:
+    """poll until `expected` requests finished; request id -> finished output (partials dropped)."""
+    done = {}
+    for _ in range(expected):
+        done.update({o.request_id: o for o in eng.poll(min_finished=1) if o.finished})
+        if len(done) == expected:
+            break
+    assert not eng.in_flight and len(done) == expected, (eng.in_flight, sorted(done))
+    return done
+
+
+def test_requests_with_their_own_settings_match_transformers_and_the_batch_path(engine, models):
+    from megarl.rollout import GenerationRequest
+
+    sampled = SamplingSettings(temperature=1.0, samples_per_prompt=3, max_new_tokens=NEW, seed=11, ignore_eos=True)
+    short = dataclasses.replace(GREEDY, max_new_tokens=3)
+    batch = engine.generate(PROMPTS, sampled)  # the batch path, before any request
+    before = dict(engine.request_counts)
+    reqs = [GenerationRequest(f"greedy-{i}", p, GREEDY, seed_index=i) for i, p in enumerate(PROMPTS)]
+    reqs += [GenerationRequest("sampled-2", PROMPTS[2], sampled, seed_index=2),  # prompt 2's seed in that batch
+             GenerationRequest("sampled-0", PROMPTS[0], sampled, seed_index=0, stream=True),
+             GenerationRequest("short", PROMPTS[1], short)]
+    assert engine.submit(reqs[::-1]) == []  # submission order is not output order
+    partial = []
+    done = {}
+    while engine.in_flight:
+        for o in engine.poll(min_finished=1):
+            (done.__setitem__(o.request_id, o) if o.finished else partial.append(o))
+    assert sorted(done) == sorted(r.request_id for r in reqs)
+    # greedy requests: transformers' greedy decoding of the same HF directory (an independent reference)
+    assert [done[f"greedy-{i}"].completions[0].token_ids for i in range(len(PROMPTS))] == models[2]
+    assert done["short"].completions[0].token_ids == models[2][1][:3]
+    assert all(c.finish_reason == "length" for o in done.values() for c in o.completions)
+    # a request seeded like prompt i of a batch call samples exactly that prompt's samples (tokens and log-probs)
+    for i in (2, 0):
+        want = [(x.response_ids, x.response_log_probs) for x in batch if x.prompt_index == i]
+        got = done[f"sampled-{i}"]
+        assert [(c.token_ids, c.log_probs) for c in got.completions] == want
+        assert [c.sample_index for c in got.completions] == [0, 1, 2]
+        assert got.samples(i) == [x for x in batch if x.prompt_index == i]
+    # the streamed request reported partial outputs: prefixes of its final tokens, a finish reason only on the
+    # samples that reached max_new_tokens (a sample can finish before its siblings report)
+    assert partial and all(o.request_id == "sampled-0" for o in partial)
+    final = {c.sample_index: c.token_ids for c in done["sampled-0"].completions}
+    for o in partial:
+        for c in o.completions:
+            assert 0 < len(c.token_ids) <= NEW and final[c.sample_index][:len(c.token_ids)] == c.token_ids
+            assert (c.finish_reason is None) == (len(c.token_ids) < NEW)
+    assert any(c.finish_reason is None for o in partial for c in o.completions)
+    assert engine.request_counts["submitted"] - before["submitted"] == len(reqs)
+    assert engine.request_counts["finished"] - before["finished"] == len(reqs)
+
+
+def test_abort_removes_a_request_and_counts_it(engine, models):
+    from megarl.rollout import GenerationRequest
+
+    long = dataclasses.replace(GREEDY, max_new_tokens=60)
+    aborted = engine.request_counts["aborted"]
+    engine.submit([GenerationRequest("stays", PROMPTS[0], GREEDY), GenerationRequest("goes", PROMPTS[1], long)])
+    assert engine.step() == []  # non-streamed requests report only when finished
+    assert engine.abort(["goes", "never-submitted"]) == 1
+    assert engine.in_flight == ["stays"]
+    outs = engine.poll(min_finished=5)  # stops once nothing is in flight
+    assert [(o.request_id, o.finished) for o in outs] == [("stays", True)]
+    assert outs[0].completions[0].token_ids == models[2][0]
+    assert engine.request_counts["aborted"] == aborted + 1 and engine.abort(["goes"]) == 0
+    assert not engine.llm.llm_engine.has_unfinished_requests()  # vLLM holds nothing of it either
+    assert _greedy(engine) == models[2]  # the batch path runs again
+
+
+def test_pause_holds_requests_and_resume_releases_them(engine, models):
+    from megarl.rollout import GenerationRequest
+
+    engine.submit([GenerationRequest("held", PROMPTS[3], GREEDY, stream=True)])
+    first = []
+    while not first:
+        first = engine.step()
+    held = len(first[0].completions[0].token_ids)
+    engine.pause()
+    try:
+        assert engine.paused and engine.step() == [] and engine.poll() == []
+        engine.submit([GenerationRequest("queued", PROMPTS[0], GREEDY)])  # submit still queues while paused
+        assert engine.in_flight == ["held", "queued"]
+    finally:
+        engine.resume()
+    (after,) = engine.step()  # nothing ran while paused: the held request continues with its next token
+    assert after.request_id == "held" and len(after.completions[0].token_ids) == held + 1
+    done = _run_all(engine, 2)
+    assert done["held"].completions[0].token_ids == models[2][3]
+    assert done["queued"].completions[0].token_ids == models[2][0]
+
+
+def test_requests_refusals(engine, models):
+    from megarl.rollout import GenerationRequest
+
+    long_prompt = [1] + [4 + i % 200 for i in range(59)]  # 60 tokens > max_prompt_tokens=48 (policy drop)
+    assert engine.submit([GenerationRequest("too-long", long_prompt, GREEDY),
+                          GenerationRequest("fine", PROMPTS[0], GREEDY)]) == ["too-long"]
+    assert engine.in_flight == ["fine"]
+    with pytest.raises(ValueError, match=r"request ids \['fine'\] are repeated or already in flight"):
+        engine.submit([GenerationRequest("fine", PROMPTS[1], GREEDY)])
+    with pytest.raises(RuntimeError, match="1 request\\(s\\) of the request API are in flight"):
+        engine.generate(PROMPTS[:1], GREEDY)
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.sleep()
+    assert _run_all(engine, 1)["fine"].completions[0].token_ids == models[2][0]
+
+
 # ------------------------------------------------------------------------------------------ TP2 and 2 x TP2
 def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_per_replica, load_format: str):
     """load_format "dummy": start from vLLM's random weights and push the real ones as full HF tensors (vLLM
@@ -214,9 +323,30 @@ def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_pe
         info["mismatch"] = "accepted"
     except ValueError as e:
         info["mismatch"] = str(e)
+    info.update(_tp_requests(eng, mine))
     eng.close()
     info["varied"] = lengths[0]
     return info, greedy, [(s.prompt_ids, s.response_ids, s.response_log_probs) for s in sampled], n, greedy_after
+
+
+def _tp_requests(eng, prompts) -> dict:
+    """The request API on a TP replica: the same requests on every rank -> the replica's greedy tokens (after the
+    weight push: `other`'s); requests submitted in another order on rank 1 -> refused on every rank."""
+    from megarl.rollout import GenerationRequest
+
+    reqs = [GenerationRequest(f"r{i}", p, GREEDY, seed_index=i) for i, p in enumerate(prompts)]
+    eng.submit(reqs)
+    done = {}
+    while eng.in_flight:
+        done.update({o.request_id: o.completions[0].token_ids for o in eng.poll() if o.finished})
+    swapped = [GenerationRequest("a", prompts[0], GREEDY), GenerationRequest("b", prompts[-1], GREEDY)]
+    try:
+        eng.submit(swapped[::-1] if eng.tp_rank == 1 else swapped)
+        order = "accepted"
+        eng.abort(["a", "b"])  # same order on every rank: nothing steps, nothing hangs
+    except ValueError as e:
+        order = str(e)
+    return {"requests": [done[r.request_id] for r in reqs], "order": order, "in_flight": eng.in_flight}
 
 
 def test_tp2_two_ranks_dummy_load_then_pushed_weights(models):
@@ -241,6 +371,10 @@ def test_tp2_two_ranks_dummy_load_then_pushed_weights(models):
     assert out[0][2] == out[1][2]  # both TP ranks return the same samples
     for info, *_ in out:
         assert "ranks [1] of the TP replica [0, 1] were given different prompts" in info["mismatch"], info["mismatch"]
+        # the request API on both TP ranks: transformers' greedy tokens; another submission order refused on both
+        assert info["requests"] == ref_other and info["in_flight"] == []
+        assert "submit: ranks [1] of the TP replica [0, 1] made a different request-API call" in info["order"], \
+            info["order"]
 
 
 def test_two_replicas_of_tp2_on_four_ranks(models):
@@ -253,6 +387,8 @@ def test_two_replicas_of_tp2_on_four_ranks(models):
         want = ref[:1] if r == 0 else ref[1:]
         want_after = ref_other[:1] if r == 0 else ref_other[1:]
         assert greedy == want and after == want_after and n == 15
+        assert info["requests"] == want_after and info["in_flight"] == []
+        assert f"submit: ranks [{2 * r + 1}] of the TP replica [{2 * r}, {2 * r + 1}]" in info["order"], info["order"]
         # replica 0 ran 3 decode steps, replica 1 ran 40 in the same call window; greedy prefixes match transformers
         assert len(info["varied"]) == (3 if r == 0 else 40)
         assert info["varied"][:3] == want[0][:3] and (r == 0 or info["varied"][:NEW] == want[0])

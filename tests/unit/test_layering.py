@@ -18,6 +18,8 @@ import is still a dependency). The order, lowest first:
   reshard      actor shards -> rollout engine layout (reads checkpoint's name maps, writes into rollout)
   roles        actor / critic / reference / reward model over the engine
   controller   Ray single controller: pools, worker groups, dispatch
+  workers      what a pool's device slot runs: role and rollout hosts composed into the hybrid / role workers
+               (dispatch-decorated methods over roles, rollout and reshard), below the trainer that drives them
   trainer      the RL loop and its workers
   api          the Python API (`megarl.RLTrainer`): a job from keyword arguments, run by the trainer's session
   cli          `megarl ...`, a thin layer over the API
@@ -33,7 +35,7 @@ import pathlib
 import pytest
 
 LAYERS = ["platform", "parallel", "algorithms", "models", "config", "engine", "checkpoint", "data", "rewards",
-          "rollout", "reshard", "roles", "controller", "trainer", "api", "cli"]
+          "rollout", "reshard", "roles", "controller", "workers", "trainer", "api", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megarl"
 

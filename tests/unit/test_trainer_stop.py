@@ -33,7 +33,7 @@ class _Loop:
                                    logging=SimpleNamespace(progress="lines"))
         self.next_step, self.last_saved = 0, None
         self.stop, self.val_records, self.skip_streak = stop, [], {}
-        self.workers = SimpleNamespace(sync_weights=lambda: None)
+        self.rollout = SimpleNamespace(push_weights=lambda version: None)
         self.during_step, self.during_log = during_step or {}, during_log or {}
         self.ran, self.saved = [], []
 

@@ -1,0 +1,101 @@
+"""What the trainer talks to for rollouts: a `RolloutService`, wherever the engines run.
+
+    service.generate(prompts, sampling) -> RolloutSamples   the synchronous step: n samples per prompt, in order
+    service.push_weights(version)                            the actor's weights after update `version` into the
+                                                             engines (0: the initial weights)
+
+`ColocatedRollout` is today's shape: the engines live in the actor's processes (`megarl.workers.HybridWorker`), the
+step's prompts are split over the engine replicas by the controller (DP_SPLIT by `rollout_replica`) and a weight push
+is the local reshard (`sync_weights`). It adds nothing to the data path: its samples are exactly the workers'.
+
+`RequestRolloutService` adds the request-level calls a rollout pool and the asynchronous schedules need
+(`submit` / `collect` / `pause` / `resume`), over the engines' request API (`megarl.rollout.engine.RolloutEngine`:
+per-request ids, sampling settings and seeds). The colocated service does not offer them: its engines share the
+devices with training and sleep between rollouts.
+
+Nothing here imports vLLM, Ray or the controller: a service holds a worker group and calls its methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, Sequence
+
+from megarl.rollout.engine import GenerationOutput, GenerationRequest, RolloutSamples, SamplingSettings
+
+
+class RolloutService(Protocol):
+    """The rollouts of the synchronous step (see the module docstring)."""
+
+    weight_version: Optional[int]  # the update whose weights the engines hold (0: initial); None before any push
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutSamples:
+        """`sampling.samples_per_prompt` samples for each of `prompts` (token ids), ordered by (prompt_index,
+        sample_index) with prompt indices into `prompts`; the prompts the length policy dropped or truncated in
+        `dropped_prompt_indices` / `truncated_prompt_indices`."""
+        ...
+
+    def push_weights(self, version: int) -> list[dict[str, float]]:
+        """Make the engines hold the actor's current weights, those after update `version`; returns each weight
+        receiver's metrics (bytes, seconds), in rank order."""
+        ...
+
+
+class RequestRolloutService(RolloutService, Protocol):
+    """A service that also takes requests one by one (a rollout pool; the asynchronous schedules). Signatures only:
+    the pool and async issues implement them."""
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> list[str]:
+        """Queue requests (each its own id, prompt ids, sampling settings and seed index) on the engines; returns
+        the ids dropped by the prompt policy."""
+        ...
+
+    def collect(self, n: int, max_staleness: Optional[int] = None) -> list[GenerationOutput]:
+        """Wait for `n` finished requests generated with weights at most `max_staleness` versions behind the
+        newest pushed (None: any); returns them in finishing order."""
+        ...
+
+    def pause(self) -> None:
+        """Hold generation on every engine (requests stay in flight), e.g. around a weight push."""
+        ...
+
+    def resume(self) -> None:
+        """Let the engines generate again."""
+        ...
+
+
+class ColocatedRollout:
+    """`RolloutService` over the actor pool's `HybridWorker` group (see the module docstring).
+
+    `workers`: the group (any object with the group's `generate` and `sync_weights` controller methods)."""
+
+    def __init__(self, workers: Any) -> None:
+        self.workers = workers
+        self.weight_version: Optional[int] = None
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutSamples:
+        """`RolloutService.generate` through the group's DP_SPLIT `generate`: replica k samples the k-th contiguous
+        chunk of `prompts`; its local prompt indices are shifted by the sizes of the chunks before it."""
+        per_replica = self.workers.generate(prompts, sampling)  # one result per rollout replica, in replica order
+        samples, dropped, truncated = [], [], []
+        lo = 0
+        for out in per_replica:
+            samples.extend(_shifted(s, lo) for s in out["samples"])
+            dropped.extend(lo + i for i in out["dropped"])
+            truncated.extend(lo + i for i in out["truncated"])
+            lo += out["prompts"]
+        if lo != len(prompts):
+            raise RuntimeError(f"the rollout replicas report {lo} prompts for the {len(prompts)} sent")
+        samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
+        return RolloutSamples(samples, dropped_prompt_indices=dropped, truncated_prompt_indices=truncated)
+
+    def push_weights(self, version: int) -> list[dict[str, float]]:
+        """The local reshard of every rank (`HybridWorker.sync_weights`); returns each rank's reshard metrics."""
+        metrics = self.workers.sync_weights()
+        self.weight_version = version
+        return metrics
+
+
+def _shifted(sample, offset: int):
+    import dataclasses
+
+    return dataclasses.replace(sample, prompt_index=offset + sample.prompt_index)

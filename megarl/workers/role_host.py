@@ -1,0 +1,219 @@
+"""`RoleHost`: the Megatron roles of one rank and their controller-callable methods, written once; `RoleWorker`: a
+role on a pool of its own.
+
+A host is one rank of a pool's torch.distributed world (its ranks start at 0). It builds the roles it is given from
+the job config at their configured layouts (`megarl.roles.factory.build_role`, HF weights loaded directly), keeps an
+`OffloadPolicy` per role and exposes the role methods the trainer calls: `compute_log_probs` (actor),
+`compute_ref_log_probs` (reference), `compute_values` (critic), `score` (reward model) -- each DP_SPLIT over its
+role's data-parallel ranks -- `update_actor`, `update_critic`, and the checkpoint calls. The same method names on
+every group (a `HybridWorker` hosting the actor and the roles colocated with it, a `RoleWorker` hosting a critic,
+reference or reward model on its own pool), so the trainer addresses a role the same way wherever it is placed; a
+method whose role this host does not hold raises naming the roles it does.
+
+Every method is SPMD: the controller calls it on every rank of the group (`megarl.controller` dispatch), because the
+roles' collectives need all ranks.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from typing import Any, Callable, Optional, Sequence
+
+import torch.distributed as dist
+
+from megarl.config.schema import JobConfig
+from megarl.controller.dispatch import Dispatch, dispatch
+from megarl.data.batch import Batch
+from megarl.workers.offload import OffloadPolicy
+
+logger = logging.getLogger("megarl.workers")
+ROLES = ("actor", "reference", "critic", "reward_model")
+TRAINED = ("actor", "critic")  # the roles with optimizer state: what a checkpoint saves
+
+
+class RoleHost:
+    """The Megatron roles of one rank (see the module docstring). Attributes `actor`, `reference`, `critic`,
+    `reward_model`: the role, or None where this host does not hold it; `offload[name]`: its `OffloadPolicy`
+    (a no-op for an absent role); `events`: ("update", role) and ("offload", role, kinds in host memory) in call
+    order (a `HybridWorker` shares its engine's deque so the step's phases are one sequence)."""
+
+    def __init__(self, cfg: JobConfig, roles: Sequence[str], pool: str) -> None:
+        """Build `roles` (names from ROLES, built in that order: a collective over the pool) of `cfg` on this rank.
+        `pool`: the resource pool this host's group runs on (its RNG states are saved under that name)."""
+        from megarl.roles.factory import build_role  # megatron-core: imported on the workers, not the controller
+
+        unknown = sorted(set(roles) - set(ROLES))
+        if unknown:
+            raise ValueError(f"a RoleHost hosts roles among {ROLES}, not {unknown}")
+        self.cfg = cfg
+        self.pool = pool
+        for name in ROLES:
+            setattr(self, name, build_role(cfg, name, rank_offset=0) if name in roles else None)
+        self.offload = {name: OffloadPolicy(getattr(self, name), cfg.role(name).offload) for name in ROLES}
+        self.events: collections.deque = collections.deque(maxlen=256)
+
+    @property
+    def hosted_roles(self) -> list[str]:
+        return [name for name in ROLES if getattr(self, name) is not None]
+
+    def _role(self, name: str):
+        role = getattr(self, name)
+        if role is None:
+            raise RuntimeError(f"no {name} role in this worker group (pool {self.pool!r} hosts "
+                               f"{', '.join(self.hosted_roles)}); is {name}.enabled true and placed here?")
+        return role
+
+    def _offload(self, role: str, how: Callable[[], int]) -> int:
+        """Run an `OffloadPolicy` method; record ("offload", role, kinds now in host memory) when it moved bytes."""
+        moved = how()
+        if moved:
+            self.events.append(("offload", role, tuple(getattr(self, role).engine.offloaded)))
+        return moved
+
+    def _use(self, role: str, fn: Callable[[Any], Any]) -> Any:
+        """`fn(role)` with the role's state on the device, offloaded again afterwards if its config asks to."""
+        r = self._role(role)
+        self.offload[role].before_use()
+        out = fn(r)
+        self._offload(role, self.offload[role].after_use)
+        return out
+
+    def _use_keep(self, role: str, fn: Callable[[Any], Any]) -> Any:
+        """`fn(role)` with the role's state on the device, left there (its next use this step follows soon: the
+        actor's old log-probs before its update, the critic's values before its update)."""
+        r = self._role(role)
+        self.offload[role].before_use()
+        return fn(r)
+
+    # ------------------------------------------------------------------------------------------- DP replicas
+    def _dp_coord(self, role: str) -> tuple[int, int]:
+        r = self._role(role)
+        return r.dp_rank, r.dp
+
+    def actor_dp(self) -> tuple[int, int]:
+        """(this rank's actor DP rank, actor DP size): the replicas of the actor's DP_SPLIT calls."""
+        return self._dp_coord("actor")
+
+    def reference_dp(self) -> tuple[int, int]:
+        return self._dp_coord("reference")
+
+    def critic_dp(self) -> tuple[int, int]:
+        return self._dp_coord("critic")
+
+    def reward_model_dp(self) -> tuple[int, int]:
+        return self._dp_coord("reward_model")
+
+    # ------------------------------------------------------------------------------------------- role methods
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="actor_dp")
+    def compute_log_probs(self, batch: Batch) -> Optional[Batch]:
+        """`batch`: this actor DP rank's share (cut by the controller; the same on its TP ranks and pipeline stages;
+        input_ids, attention_mask, response_mask [b, S]) -> actor log-probs (and entropy) of its tokens,
+        token-aligned [b, S] float32; None off the last stage. The controller concatenates the shares in order."""
+        return self._use_keep("actor", lambda r: r.compute_log_probs(batch, share=True))
+
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="reference_dp")
+    def compute_ref_log_probs(self, batch: Batch) -> Optional[Batch]:
+        """As `compute_log_probs`, with the reference's DP split: the reference's log_probs [b, S] float32 of each
+        response token (0 elsewhere) on the last stage. The reference is offloaded afterwards per its config."""
+        return self._use("reference", lambda r: r.compute_log_probs(batch, with_entropy=False, share=True))
+
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="critic_dp")
+    def compute_values(self, batch: Batch) -> Optional[Batch]:
+        """This critic DP rank's share -> values [b, S] float32 (token-aligned, 0 outside the response) on the last
+        stage; None elsewhere. The critic stays on the device for its update."""
+        return self._use_keep("critic", lambda r: r.compute_values(batch, share=True))
+
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="reward_model_dp")
+    def score(self, batch: Batch) -> Optional[Batch]:
+        """This reward-model DP rank's share (input_ids, attention_mask [b, S]) -> scores [b] float32 read at each
+        sequence's last real token, on the last stage. Offloaded afterwards per its config."""
+        return self._use("reward_model", lambda r: r.score(batch, share=True))
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """PPO/GSPO update of the actor over mini- and micro-batches (`actor.update`).
+
+        `batch`: the whole step's batch on every rank (each rank takes its DP share inside the role): input_ids,
+        attention_mask, response_mask [B, S] int64; old_log_probs, advantages [B, S] float32; ref_log_probs with
+        KL in the loss; rollout_log_probs with rollout correction. Returns the update's metrics (loss, KL, clip
+        fraction, entropy, grad_norm, lr), identical on every rank. Afterwards the actor's gradients and optimizer
+        state go to host memory when `actor.offload` asks for them: the reshard reads only the parameters.
+        """
+        metrics = self._use_keep("actor", lambda r: r.update(batch))
+        self.events.append(("update", "actor"))
+        self._offload("actor", self.offload["actor"].after_update)
+        return metrics
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Value-loss update of the critic (`critic.update`). `batch` as in `update_actor`, with returns and
+        old_values [B, S] float32 instead of the policy keys -> the update's metrics (value_loss, value_clip_frac,
+        value_mean, grad_norm, lr, tokens, ...), identical on every rank. Offloaded afterwards per `critic.offload`."""
+        return self._use("critic", lambda r: r.update(batch))
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    @dispatch(Dispatch.RANK_ZERO)
+    def save_checkpoint(self, step_dir: str) -> list[str]:
+        """Full-state checkpoints of the trained roles held here under `step_dir` (actor/, critic/: weights,
+        distributed optimizer, LR scheduler, step counter; each atomic) and this process's RNG states (`rng/`).
+        Returns the names saved ([] on a host of frozen roles only, which saves nothing)."""
+        from megarl.checkpoint.dist_ckpt import save_engine_checkpoint
+        from megarl.checkpoint.train_state import save_rng
+
+        trained = [name for name in TRAINED if getattr(self, name) is not None]
+        if not trained:
+            return []
+        # The actor's pool writes the top-level model's HF config and tokenizer files beside its roles' weights (a
+        # colocated critic included); a critic on its own pool builds its config from its spec.
+        hf_dir = self.cfg.model.path if self.actor is not None else None
+        for name in trained:
+            self.offload[name].before_use()
+            save_engine_checkpoint(getattr(self, name).engine, os.path.join(step_dir, name), hf_dir=hf_dir,
+                                   with_optimizer=True)
+        save_rng(step_dir, self.pool, dist.get_rank(), self._rng_layout())
+        return trained
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def load_checkpoint(self, step_dir: str) -> list[str]:
+        """Load the trained roles held here from `step_dir` (any layout they were saved at): weights, and the
+        optimizer, scheduler and step counter when the checkpoint has them (`has_optimizer_state`); RNG states when
+        saved at this layout. Returns the roles loaded, each marked '+optimizer' when its optimizer state was
+        restored ([] on a host of frozen roles only)."""
+        from megarl.checkpoint.dist_ckpt import has_optimizer_state, load_engine_checkpoint
+        from megarl.checkpoint.train_state import load_rng
+
+        trained = [name for name in TRAINED if getattr(self, name) is not None]
+        if not trained:
+            return []
+        loaded = []
+        for name in trained:
+            self.offload[name].before_use()
+            path = os.path.join(step_dir, name)
+            full = has_optimizer_state(path)
+            load_engine_checkpoint(getattr(self, name).engine, path, with_optimizer=full)
+            loaded.append(name + ("+optimizer" if full else ""))
+        status = load_rng(step_dir, self.pool, dist.get_rank(), self._rng_layout())
+        if status != "restored":
+            logger.warning("rank %d RNG states %s", dist.get_rank(), status)
+        return loaded
+
+    def _rng_layout(self) -> str:
+        """The layout an RNG checkpoint is valid for: the world size and each hosted role's topology."""
+        return f"world {dist.get_world_size()}; " + "; ".join(
+            f"{n} {getattr(self, n).groups.topology.describe()}" for n in self.hosted_roles)
+
+
+class RoleWorker(RoleHost):
+    """One rank of a role's own resource pool (HybridFlow's heterogeneous placement): a critic, reference or reward
+    model away from the actor, with its own worker group, torch.distributed world, layout and model size. The
+    controller passes it batches like any other group; calls on different pools can overlap
+    (`group.method.submit(...)`)."""
+
+    def __init__(self, cfg: JobConfig, role: str) -> None:
+        """`cfg`: the whole job config (the role reads `cfg.role(role)`: model, layout, optimizer, offload).
+        `role`: 'critic', 'reference' or 'reward_model'. Collective over the pool: every rank builds its share."""
+        if role not in ("critic", "reference", "reward_model"):
+            raise ValueError(f"RoleWorker hosts critic, reference or reward_model, not {role!r}")
+        super().__init__(cfg, (role,), pool=cfg.role(role).pool)

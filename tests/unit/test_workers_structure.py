@@ -1,0 +1,140 @@
+"""The worker hosts' structure (issue 21, item 1): every role method is written once, in `RoleHost`, and every
+group that hosts roles exposes it under the same name and dispatch mode; `ColocatedRollout` puts the replicas'
+samples back in the caller's prompt order exactly as the trainer did before the service existed.
+
+Read with `ast` from the sources (no torch / megatron import needed) and, for the dispatch marks, from the classes.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pathlib
+
+import pytest
+
+from megarl.controller.dispatch import chunk_bounds, dispatched_methods
+from megarl.rollout.engine import RolloutSample, SamplingSettings
+from megarl.rollout.service import ColocatedRollout
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megarl"
+ROLE_METHODS = ("compute_log_probs", "compute_ref_log_probs", "compute_values", "score", "update_actor",
+                "update_critic", "save_checkpoint", "load_checkpoint")
+ROLLOUT_METHODS = ("generate", "shm_segments")
+
+
+def method_definitions(root: pathlib.Path) -> dict[str, list[str]]:
+    """method name -> ['module:Class', ...] for every method defined in a class under `root`."""
+    out: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        out.setdefault(item.name, []).append(f"{path.relative_to(root.parent)}:{node.name}")
+    return out
+
+
+def test_every_role_and_rollout_method_is_defined_once_across_workers_and_trainer():
+    defs = {}
+    for sub in ("workers", "trainer"):
+        for name, where in method_definitions(PACKAGE / sub).items():
+            defs.setdefault(name, []).extend(where)
+    for name in ROLE_METHODS:
+        assert defs.get(name) == ["workers/role_host.py:RoleHost"], (name, defs.get(name))
+    for name in ROLLOUT_METHODS:
+        assert defs.get(name) == ["workers/rollout_host.py:RolloutHost"], (name, defs.get(name))
+
+
+def test_the_checker_sees_a_copied_method(tmp_path):
+    pkg = tmp_path / "megarl" / "workers"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("class RoleHost:\n    def score(self): ...\n")
+    (pkg / "b.py").write_text("class HybridWorker:\n    def score(self): ...\n")
+    assert sorted(method_definitions(pkg)["score"]) == ["workers/a.py:RoleHost", "workers/b.py:HybridWorker"]
+
+
+def test_role_groups_expose_the_same_methods_with_the_same_dispatch():
+    from megarl.workers.hybrid import HybridWorker
+    from megarl.workers.role_host import RoleHost, RoleWorker
+
+    host = dispatched_methods(RoleHost)
+    for cls in (HybridWorker, RoleWorker):
+        methods = dispatched_methods(cls)
+        for name in ROLE_METHODS:
+            assert methods[name] is host[name], (cls.__name__, name)
+            assert getattr(cls, name) is getattr(RoleHost, name)
+    hybrid = dispatched_methods(HybridWorker)
+    assert {"generate", "sync_weights", "shm_segments", "process_info"} <= set(hybrid)
+    assert not {"generate", "sync_weights"} & set(dispatched_methods(RoleWorker))  # no engine on a role's own pool
+
+
+# ------------------------------------------------------------------------------------------- ColocatedRollout
+def _sample(prompt_index: int, sample_index: int) -> RolloutSample:
+    return RolloutSample(prompt_index, sample_index, [1, prompt_index], [prompt_index, sample_index], [-0.5, -0.25],
+                         "stop")
+
+
+class _FakeGroup:
+    """The DP_SPLIT `generate` of a HybridWorker group with `replicas` replicas, each dropping the chunk-local
+    prompts its `drop` says (two samples per kept prompt)."""
+
+    def __init__(self, replicas: int, drop: dict[int, list[int]]) -> None:
+        self.replicas, self.drop, self.pushed = replicas, drop, 0
+
+    def generate(self, prompts, sampling):
+        out = []
+        for k in range(self.replicas):
+            lo, hi = chunk_bounds(len(prompts), self.replicas, k)
+            dropped = self.drop.get(k, [])
+            samples = [_sample(i, j) for i in range(hi - lo) if i not in dropped
+                       for j in range(sampling.samples_per_prompt)]
+            out.append({"samples": samples[::-1], "dropped": dropped, "truncated": [], "prompts": hi - lo})
+        return out
+
+    def sync_weights(self):
+        self.pushed += 1
+        return [{"reshard/bytes_received": 1.0}] * self.replicas
+
+
+def _trainer_before_the_service(group, prompts, sampling):
+    """`RLTrainer._generate` as it was before `ColocatedRollout` (commit 451d930), for the equality check."""
+    per_replica = group.generate(prompts, sampling)
+    samples, dropped = [], []
+    for k, out in enumerate(per_replica):
+        lo, _ = chunk_bounds(len(prompts), len(per_replica), k)
+        samples.extend(dataclasses.replace(s, prompt_index=lo + s.prompt_index) for s in out["samples"])
+        dropped.extend(lo + i for i in out["dropped"])
+    samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
+    return samples, dropped
+
+
+@pytest.mark.parametrize("replicas,n,drop", [(1, 4, {}), (2, 5, {1: [0]}), (3, 7, {0: [2], 2: [0, 1]}),
+                                             (4, 4, {3: [0]})])
+def test_colocated_generate_equals_the_trainers_former_merge(replicas, n, drop):
+    group = _FakeGroup(replicas, drop)
+    prompts = [[1, i] for i in range(n)]
+    sampling = SamplingSettings(samples_per_prompt=2)
+    out = ColocatedRollout(group).generate(prompts, sampling)
+    samples, dropped = _trainer_before_the_service(group, prompts, sampling)
+    assert list(out) == samples and out.dropped_prompt_indices == dropped
+    assert [(s.prompt_index, s.sample_index) for s in out] == sorted((s.prompt_index, s.sample_index) for s in out)
+
+
+def test_push_weights_is_the_local_reshard_and_records_the_version():
+    group = _FakeGroup(2, {})
+    service = ColocatedRollout(group)
+    assert service.weight_version is None
+    assert service.push_weights(version=0) == [{"reshard/bytes_received": 1.0}] * 2
+    assert group.pushed == 1 and service.weight_version == 0
+
+
+def test_colocated_generate_refuses_replicas_that_lose_prompts():
+    class Short(_FakeGroup):
+        def generate(self, prompts, sampling):
+            out = super().generate(prompts, sampling)
+            out[-1]["prompts"] -= 1
+            return out
+
+    with pytest.raises(RuntimeError, match="report 3 prompts for the 4 sent"):
+        ColocatedRollout(Short(2, {})).generate([[1]] * 4, SamplingSettings())
