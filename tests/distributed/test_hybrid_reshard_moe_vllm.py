@@ -112,6 +112,7 @@ def moe_runs(tmp_path_factory):
     out = {}
     for world in sorted({w for w, _ in LAYOUTS.values()}):
         layouts = [(name, layout) for name, (w, layout) in LAYOUTS.items() if w == world]
+        (root / f"exported{world}").mkdir()
         per_rank = run_ranks(world, _worker, hf_dir, layouts, str(root / f"exported{world}"), timeout_s=900,
                              env={"VLLM_CPU_KVCACHE_SPACE": "1"})
         for name, _ in layouts:
