@@ -8,8 +8,11 @@
 #
 # --address: the head's dashboard (default $RAY_ADDRESS, else http://127.0.0.1:8265, i.e. run on the head node).
 # By default megarl must be installed on every node (launch/install_cpu.sh); --working-dir DIR ships DIR instead.
+# Without --working-dir the job runs in the directory ray_start_head.sh was started from (Ray's processes keep it):
+# CONFIG and the relative paths in it are read there, so start the head from the checkout that holds them.
 # The job's entrypoint runs on the head and is the single controller: it creates the pools and worker groups.
 # --no-wait returns after submission; follow with `ray job logs --follow JOB_ID`, stop with `ray job stop JOB_ID`.
+# Without --no-wait it streams the job's log (the controller's stdout and stderr) and exits 1 if the job failed.
 set -euo pipefail
 RAY="${RAY:-ray}"
 ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
@@ -24,7 +27,7 @@ while [ $# -gt 0 ]; do
     --no-wait) SUBMIT+=(--no-wait); shift ;;
     --submission-id) SUBMIT+=(--submission-id "$2"); shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '/^set -euo/q;2,$p' "$0"; exit 0 ;;
     -*) echo "ray_submit.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
     *) TRAIN+=("$1"); shift ;;
   esac
