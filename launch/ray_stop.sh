@@ -67,6 +67,21 @@ for pid in "${!CMD_OF[@]}"; do
     *"=$DIR/"* | *"=$DIR "* | *" $DIR/"* | *" $DIR "*) ROOTS+=("$pid") ;;
   esac
 done
+# A head node's Ray client server names only the GCS address (`--address=IP:PORT`): it is the head's when this node
+# runs the GCS (`gcs_server --gcs_server_port=PORT --node-ip-address=IP`).
+for pid in "${ROOTS[@]}"; do
+  cmd=" ${CMD_OF[$pid]} "
+  case "$cmd" in
+    *"/gcs_server "*)
+      port="${cmd##* --gcs_server_port=}"; port="${port%% *}"
+      ip="${cmd##* --node-ip-address=}"; ip="${ip%% *}"
+      for other in "${!CMD_OF[@]}"; do
+        case " ${CMD_OF[$other]} " in
+          *" ray.util.client.server "*"--address=$ip:$port "*) [ -z "${SELF[$other]:-}" ] && ROOTS+=("$other") ;;
+        esac
+      done ;;
+  esac
+done
 # ...and every process below them (workers, a job's driver and its children)
 declare -A STOP=()
 for pid in "${ROOTS[@]}"; do STOP[$pid]=1; done
@@ -99,15 +114,28 @@ alive() {
   echo "${n[@]:-}"
 }
 if [ "$FORCE" = 0 ]; then
-  kill -TERM "${PIDS[@]}" 2>/dev/null || true
-  for _ in $(seq $((GRACE * 5))); do
-    [ -z "$(alive "${PIDS[@]}")" ] && break
-    sleep 0.2
+  # The GCS last: a raylet told to stop while the GCS is already gone waits for it and needs SIGKILL after the grace
+  # period (seen with Ray 2.60); `ray stop` has the same race.
+  FIRST=() GCS=()
+  for pid in "${PIDS[@]}"; do
+    case " ${CMD_OF[$pid]}" in *"/gcs_server "*) GCS+=("$pid") ;; *) FIRST+=("$pid") ;; esac
+  done
+  for phase in FIRST GCS; do
+    declare -n group="$phase"
+    [ ${#group[@]} -eq 0 ] && continue
+    kill -TERM "${group[@]}" 2>/dev/null || true
+    for _ in $(seq $((GRACE * 5))); do
+      [ -z "$(alive "${group[@]}")" ] && break
+      sleep 0.2
+    done
   done
 fi
 read -r -a LEFT <<<"$(alive "${PIDS[@]}")"
 if [ ${#LEFT[@]} -gt 0 ]; then
-  [ "$FORCE" = 0 ] && echo "[ray_stop] ${#LEFT[@]} process(es) still running after ${GRACE}s: SIGKILL"
+  if [ "$FORCE" = 0 ]; then
+    echo "[ray_stop] still running after ${GRACE}s, so SIGKILL: $(for pid in "${LEFT[@]}"; do
+      printf '%s ' "$pid:${CMD_OF[$pid]:0:60}"; done)"
+  fi
   kill -KILL "${LEFT[@]}" 2>/dev/null || true
   for _ in $(seq 25); do
     [ -z "$(alive "${LEFT[@]}")" ] && break

@@ -13,6 +13,9 @@
 # The job's entrypoint runs on the head and is the single controller: it creates the pools and worker groups.
 # --no-wait returns after submission; follow with `ray job logs --follow JOB_ID`, stop with `ray job stop JOB_ID`.
 # Without --no-wait it streams the job's log (the controller's stdout and stderr) and exits 1 if the job failed.
+# Ray jobs need ray[default] on the head (the dashboard's job server; launch/install_cpu.sh installs plain ray): the
+# script stops with a message when this install lacks it. Without it, run the controller on the head node:
+#   RAY_ADDRESS=HEAD_IP:PORT megarl train CONFIG [key=value ...]      (what launch/slurm_ray.sbatch does)
 set -euo pipefail
 RAY="${RAY:-ray}"
 ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
@@ -47,4 +50,15 @@ if [ "$DRY" = 1 ]; then
   exit 0
 fi
 command -v "$RAY" >/dev/null || { echo "ray_submit.sh: '$RAY' not found; activate megarl's venv (launch/install_cpu.sh)" >&2; exit 2; }
+# Ray jobs need the dashboard's HTTP server, which a plain `ray` install (what launch/install_cpu.sh installs) does not
+# run: without ray[default] the head's dashboard starts in "minimal" mode and `ray job submit` can only fail with
+# "Failed to connect to Ray". Say so before trying (this install stands for the head's when they were made alike).
+PY="${PYTHON:-python}"
+if MISSING="$("$PY" -c 'import ray._private.utils as u; print(u.get_dashboard_dependency_error() or "")' 2>/dev/null)" \
+   && [ -n "$MISSING" ]; then
+  echo "ray_submit.sh: this Ray install has no job server ($MISSING): install ray[default] on the head" \
+       "(pip install 'ray[default]==2.60.0') and restart it, or run the controller on the head instead:" \
+       "RAY_ADDRESS=HEAD_IP:PORT megarl train ${TRAIN[*]}" >&2
+  exit 2
+fi
 "${CMD[@]}"

@@ -117,35 +117,39 @@ class ScriptCluster:
         return self._script("ray_start_worker.sh", "--address", address or self.gcs_address, *self._node_flags(name),
                             timeout_s=self.start_timeout_s, what=f"worker node {name}")
 
-    # -- Ray's view of the cluster (state API, from a subprocess with the cluster's token) -----------------------
+    # -- Ray's view of the cluster (the GCS, from a driver subprocess with the cluster's token) ---------------------
 
     def _probe(self, code: str, timeout_s: float, what: str) -> dict:
+        """Run `code` (a driver joining the cluster's GCS; the dashboard's HTTP API needs ray[default], which this
+        stack does not install) in a subprocess; the JSON it prints last."""
         try:
             proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=self.env, capture_output=True,
-                                  text=True, timeout=timeout_s + 30)
+                                  text=True, timeout=timeout_s + 60)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{what}: the state-API probe did not return within {timeout_s + 30:.0f} s") from None
+            raise AssertionError(f"{what}: the probe did not return within {timeout_s + 60:.0f} s") from None
         assert proc.returncode == 0, f"{what}: {_tail(proc.stderr)}"
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     def wait_for_nodes(self, n: int, timeout_s: float = 60.0) -> list[dict]:
         """Block until `n` nodes are alive in the cluster (each raylet registered with the head's GCS); their
-        {node_id, is_head, resources}. Raises AssertionError naming the nodes that
-        did not join and the tail of their raylet logs when `timeout_s` passes first."""
+        {node_id, is_head, resources}. Raises AssertionError naming the nodes started, the nodes that joined and
+        the tail of each raylet log when `timeout_s` passes first."""
         code = f"""
 import json, time
-from ray.util.state import list_nodes
-deadline, alive = time.monotonic() + {timeout_s}, []
-while time.monotonic() < deadline:
-    alive = [n for n in list_nodes(address={self.dashboard_address!r}, detail=True) if n.state == "ALIVE"]
-    if len(alive) >= {n}:
+import ray
+ray.init(address={self.gcs_address!r}, log_to_driver=False, logging_level="ERROR")
+deadline = time.monotonic() + {timeout_s}
+while True:
+    alive = [x for x in ray.nodes() if x["Alive"]]
+    if len(alive) >= {n} or time.monotonic() > deadline:
         break
-    time.sleep(1.0)
-print(json.dumps([dict(node_id=n.node_id, is_head=n.is_head_node, resources=n.resources_total) for n in alive]))
+    time.sleep(0.5)
+print(json.dumps([dict(node_id=x["NodeID"], is_head="node:__internal_head__" in x["Resources"],
+                       resources=x["Resources"]) for x in alive]))
 """
         nodes = self._probe(code, timeout_s, f"waiting for {n} alive nodes at {self.gcs_address}")
         if len(nodes) < n:
-            logs = {d: _tail(_read(os.path.join(d, "session_latest", "logs", "raylet.out")), 800)
+            logs = {os.path.basename(d): _tail(_read(os.path.join(d, "session_latest", "logs", "raylet.out")), 400)
                     for d in self.node_dirs}
             raise AssertionError(f"only {len(nodes)} of {n} Ray nodes joined the cluster at {self.gcs_address} within "
                                  f"{timeout_s:.0f} s (alive: {nodes}); nodes started: {self.node_dirs}; raylet.out "
@@ -156,18 +160,37 @@ print(json.dumps([dict(node_id=n.node_id, is_head=n.is_head_node, resources=n.re
         """Every actor of `class_name` the cluster has had, alive or dead: {actor_id, node_id, pid, state}."""
         code = f"""
 import json
-from ray.util.state import list_actors
-got = list_actors(address={self.dashboard_address!r}, filters=[("class_name", "=", {class_name!r})], detail=True,
-                  limit=1000)
-print(json.dumps([dict(actor_id=a.actor_id, node_id=a.node_id, pid=a.pid, state=a.state) for a in got]))
+import ray
+from ray._private.state import actors
+ray.init(address={self.gcs_address!r}, log_to_driver=False, logging_level="ERROR")
+print(json.dumps([dict(actor_id=a["ActorID"], node_id=a["Address"]["NodeID"], pid=a["Pid"], state=a["State"])
+                  for a in actors().values() if a["ActorClassName"] == {class_name!r}]))
 """
         return self._probe(code, 60.0, f"listing the cluster's {class_name} actors")
 
-    # -- jobs -----------------------------------------------------------------------------------------------------
+    def job_server(self) -> bool:
+        """Whether this Ray install runs the dashboard's job server (ray[default]); `ray_submit.sh` needs it."""
+        code = "import json, ray._private.utils as u; print(json.dumps(u.get_dashboard_dependency_error() is None))"
+        return self._probe(code, 30.0, "checking for ray[default]")
+
+    # -- the controller -------------------------------------------------------------------------------------------
+
+    def run_controller(self, *train_args: str, timeout_s: float = 600.0) -> subprocess.CompletedProcess:
+        """`RAY_ADDRESS=GCS megarl train CONFIG [key=value ...]` on the head node, as launch/slurm_ray.sbatch runs
+        the controller: it joins the cluster and places its pools on its nodes. stdout and stderr together."""
+        try:
+            return subprocess.run(["megarl", "train", *train_args], cwd=ROOT,
+                                  env={**self.env, "RAY_ADDRESS": self.gcs_address}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError(f"`megarl train` on the cluster did not end within {timeout_s:.0f} s; log so far: "
+                                 f"{_tail(e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or ''))}"
+                                 ) from None
 
     def submit(self, *train_args: str, submission_id: str, timeout_s: float = 600.0) -> subprocess.CompletedProcess:
         """`bash launch/ray_submit.sh CONFIG [key=value ...] --address DASHBOARD --submission-id ID`, waiting (its
-        default) for the job to end: its stdout streams the job's driver log; exit status 1 if the job failed."""
+        default) for the job to end: its stdout streams the job's driver log; exit status 1 if the job failed, 2 if
+        this install cannot submit jobs."""
         cmd = ["bash", "launch/ray_submit.sh", *train_args, "--address", self.dashboard_address,
                "--submission-id", submission_id]
         try:
