@@ -161,7 +161,9 @@ def test_ray_stop_with_temp_dir_stops_only_that_node_and_what_runs_below_it(tmp_
         r = _sh("launch/ray_stop.sh", "--temp-dir", str(node), "--grace-period", "5")
         assert r.returncode == 0 and "stopped 2 of 2 Ray process(es)" in r.stdout, r.stdout + r.stderr
         assert "SIGKILL" not in r.stdout, r.stdout
-        assert started[0].wait(timeout=10) is not None and not child.is_running()
+        # the child, orphaned, may stay a zombie until its new parent reaps it: it has exited all the same
+        assert started[0].wait(timeout=10) is not None
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
         assert started[1].poll() is None and started[2].poll() is None
         again = _sh("launch/ray_stop.sh", "--temp-dir", str(node))
         assert again.returncode == 0 and "no Ray process" in again.stdout

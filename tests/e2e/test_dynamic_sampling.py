@@ -138,9 +138,10 @@ def test_the_head_made_its_token_where_told_and_left_home_alone(dapo_job):
 
 
 def test_the_cluster_stops_with_the_script_and_leaves_nothing(dapo_job):
-    """`ray_stop.sh --temp-dir` on each node stopped every process of the cluster (psutil finds none carrying its
-    marker) and the cluster's temp dir is gone."""
+    """`ray_stop.sh --temp-dir` on each node (worker, then head) stopped every process of the cluster within its
+    grace period (psutil finds none carrying its marker) and the cluster's temp dir is gone."""
     assert dapo_job["left_after_stop"] == [], f"still running after ray_stop.sh: {dapo_job['left_after_stop']}"
-    assert dapo_job["stop_output"].count("[ray_stop]") >= 2, dapo_job["stop_output"]
+    assert dapo_job["stop_output"].count("[ray_stop] stopped") == 2, dapo_job["stop_output"]
+    assert "SIGKILL" not in dapo_job["stop_output"], dapo_job["stop_output"]  # every process ended on SIGTERM
     assert wait_gone([dapo_job["base"]]) == []
     assert not os.path.exists(dapo_job["base"])
