@@ -9,6 +9,9 @@
 # Token authentication (Ray 2.60): the head's token must be here, as ~/.ray/auth_token (copied from the head),
 # a file named by RAY_AUTH_TOKEN_PATH, or the RAY_AUTH_TOKEN variable; the script stops with a message if none is.
 # A pool of `devices_per_node` slots needs that many GPUs (cuda) or CPUs (cpu, x cpus_per_slot) on each node.
+# Stop with `bash launch/ray_stop.sh` on this node (worker nodes before the head). A second node on a machine that
+# already runs one (see launch/ray_start_head.sh): its own --temp-dir and --dashboard-agent-listen-port, plus
+# --min-worker-port 0 --max-worker-port 0; stop it with `bash launch/ray_stop.sh --temp-dir DIR`.
 set -euo pipefail
 RAY="${RAY:-ray}"
 ADDRESS="${MEGARL_RAY_ADDRESS:-}"
@@ -19,7 +22,7 @@ while [ $# -gt 0 ]; do
     --address) ADDRESS="$2"; shift 2 ;;
     --address=*) ADDRESS="${1#--address=}"; shift ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '/^set -euo/q;2,$p' "$0"; exit 0 ;;
     *) EXTRA+=("$1"); shift ;;
   esac
 done

@@ -8,8 +8,14 @@
 #
 # --address: the head's dashboard (default $RAY_ADDRESS, else http://127.0.0.1:8265, i.e. run on the head node).
 # By default megarl must be installed on every node (launch/install_cpu.sh); --working-dir DIR ships DIR instead.
+# Without --working-dir the job runs in the directory ray_start_head.sh was started from (Ray's processes keep it):
+# CONFIG and the relative paths in it are read there, so start the head from the checkout that holds them.
 # The job's entrypoint runs on the head and is the single controller: it creates the pools and worker groups.
 # --no-wait returns after submission; follow with `ray job logs --follow JOB_ID`, stop with `ray job stop JOB_ID`.
+# Without --no-wait it streams the job's log (the controller's stdout and stderr) and exits 1 if the job failed.
+# Ray jobs need ray[default] on the head (the dashboard's job server; launch/install_cpu.sh installs plain ray): the
+# script stops with a message when this install lacks it. Without it, run the controller on the head node:
+#   RAY_ADDRESS=HEAD_IP:PORT megarl train CONFIG [key=value ...]      (what launch/slurm_ray.sbatch does)
 set -euo pipefail
 RAY="${RAY:-ray}"
 ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
@@ -24,7 +30,7 @@ while [ $# -gt 0 ]; do
     --no-wait) SUBMIT+=(--no-wait); shift ;;
     --submission-id) SUBMIT+=(--submission-id "$2"); shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '/^set -euo/q;2,$p' "$0"; exit 0 ;;
     -*) echo "ray_submit.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
     *) TRAIN+=("$1"); shift ;;
   esac
@@ -44,4 +50,15 @@ if [ "$DRY" = 1 ]; then
   exit 0
 fi
 command -v "$RAY" >/dev/null || { echo "ray_submit.sh: '$RAY' not found; activate megarl's venv (launch/install_cpu.sh)" >&2; exit 2; }
+# Ray jobs need the dashboard's HTTP server, which a plain `ray` install (what launch/install_cpu.sh installs) does not
+# run: without ray[default] the head's dashboard starts in "minimal" mode and `ray job submit` can only fail with
+# "Failed to connect to Ray". Say so before trying (this install stands for the head's when they were made alike).
+PY="${PYTHON:-python}"
+if MISSING="$("$PY" -c 'import ray._private.utils as u; print(u.get_dashboard_dependency_error() or "")' 2>/dev/null)" \
+   && [ -n "$MISSING" ]; then
+  echo "ray_submit.sh: this Ray install has no job server ($MISSING): install ray[default] on the head" \
+       "(pip install 'ray[default]==2.60.0') and restart it, or run the controller on the head instead:" \
+       "RAY_ADDRESS=HEAD_IP:PORT megarl train ${TRAIN[*]}" >&2
+  exit 2
+fi
 "${CMD[@]}"

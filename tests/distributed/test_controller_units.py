@@ -1,5 +1,6 @@
 """The controller's pure parts (dispatch planning and collection, replica maps) and the launch scripts' argument
-handling (--help, --dry-run, missing arguments). No Ray cluster, no processes beyond bash."""
+handling (--help, --dry-run, missing arguments) and ray_stop.sh's choice of processes. No Ray cluster, no processes
+beyond bash and a few `sleep`s. (The scripts starting a real cluster: tests/e2e/test_dynamic_sampling.py.)"""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def _sh(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
 
 
-@pytest.mark.parametrize("script", ["ray_start_head.sh", "ray_start_worker.sh", "ray_submit.sh"])
+@pytest.mark.parametrize("script", ["ray_start_head.sh", "ray_start_worker.sh", "ray_submit.sh", "ray_stop.sh"])
 def test_launch_scripts_have_help(script):
     r = _sh(f"launch/{script}", "--help")
     assert r.returncode == 0 and "launch/" in r.stdout and "ray" in r.stdout
@@ -121,3 +122,53 @@ def test_launch_scripts_dry_run_commands():
     assert missing.returncode == 2 and "--address HEAD_IP:PORT is required" in missing.stderr
     missing = _sh("launch/ray_submit.sh")
     assert missing.returncode == 2 and "CONFIG is required" in missing.stderr
+
+
+def test_ray_stop_without_temp_dir_is_ray_stop_and_checks_its_dir(tmp_path):
+    assert _sh("launch/ray_stop.sh", "--force", "--dry-run").stdout.strip() == "ray stop --force"
+    bad = _sh("launch/ray_stop.sh", "--temp-dir", str(tmp_path / "nope"))
+    assert bad.returncode == 2 and "is not a directory" in bad.stderr
+
+
+def test_ray_stop_with_temp_dir_stops_only_that_node_and_what_runs_below_it(tmp_path):
+    """Stand-ins for two nodes' Ray processes on one machine (command lines naming `--temp-dir=DIR/...` as Ray's do;
+    the first has a child, like a raylet's workers): ray_stop.sh --temp-dir stops the first node and its child, and
+    leaves the other node's process and one naming a directory whose name merely starts the same way running. Its
+    stand-ins are children of this test, so they stay zombies until waited for: ray_stop.sh must count them as gone
+    (within the grace period, without SIGKILL)."""
+    import os
+    import signal
+    import sys
+
+    node, other = tmp_path / "node", tmp_path / "node2"
+    node.mkdir()
+    other.mkdir()
+    code = "import subprocess, sys, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"
+    wait = "import time; time.sleep(60)"
+    started = [subprocess.Popen([sys.executable, "-c", code, f"--temp-dir={node}/session_1"], start_new_session=True),
+               subprocess.Popen([sys.executable, "-c", wait, f"--log-dir={other}/session_2/logs"],
+                                start_new_session=True),
+               subprocess.Popen([sys.executable, "-c", wait, f"--log-dir={node}x"], start_new_session=True)]
+    try:
+        import psutil
+
+        parent = psutil.Process(started[0].pid)
+        for _ in range(100):  # its child sleep has started
+            if parent.children():
+                break
+            psutil.wait_procs([], timeout=0.05)
+        child = parent.children()[0]
+        r = _sh("launch/ray_stop.sh", "--temp-dir", str(node), "--grace-period", "5")
+        assert r.returncode == 0 and "stopped 2 of 2 Ray process(es)" in r.stdout, r.stdout + r.stderr
+        assert "SIGKILL" not in r.stdout, r.stdout
+        # the child, orphaned, may stay a zombie until its new parent reaps it: it has exited all the same
+        assert started[0].wait(timeout=10) is not None
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+        assert started[1].poll() is None and started[2].poll() is None
+        again = _sh("launch/ray_stop.sh", "--temp-dir", str(node))
+        assert again.returncode == 0 and "no Ray process" in again.stdout
+    finally:
+        for p in started:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -206,18 +207,85 @@ def _run_tool(args) -> str:
     return proc.stdout
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _convert_verify_two_nodes(hf_dir, m_dir, json_out, tmp_dir, timeout_s: float = 600.0) -> list[str]:
+    """`launch/convert_verify.sh HF [M]` as two torchrun "nodes" on this machine, as a user starts it on each node:
+    NNODES=2 NODE_RANK=0|1 MASTER_ADDR=127.0.0.1 NPROC_PER_NODE=1 TP=2, both started at once (torchrun's static
+    rendezvous waits for the other). Each node's output; fails naming the node that failed or did not finish (both
+    are then killed with their ranks: each is its own process group)."""
+    import signal
+
+    from tests.subprocess_env import clean_env
+
+    env = clean_env()
+    env.update(PATH=f"{os.path.dirname(sys.executable)}:{env.get('PATH', '')}",  # torchrun/python of this venv
+               NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NPROC_PER_NODE="1", TP="2",
+               JSON_OUT=str(json_out), TMPDIR=str(tmp_dir),  # torchrun's torchelastic_* dirs stay in tmp_dir
+               MEGARL_TEST_CONVERT_VERIFY=str(tmp_dir))  # marks every process of the run (checked after it)
+    cmd = ["bash", os.path.join(REPO, "launch", "convert_verify.sh"), str(hf_dir), *([str(m_dir)] if m_dir else [])]
+    nodes = [subprocess.Popen(cmd, env={**env, "NODE_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True) for r in (0, 1)]
+    outs = [""] * 2
+    try:
+        deadline = time.monotonic() + timeout_s
+        for r, p in enumerate(nodes):
+            try:
+                outs[r] = p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"convert_verify.sh node {r} of 2 (torchrun NODE_RANK={r}) did not finish within "
+                                     f"{timeout_s:.0f} s") from None
+            assert p.returncode == 0, f"convert_verify.sh node {r} of 2 exited {p.returncode}: {outs[r][-2000:]}"
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+    left = _processes_with_env("MEGARL_TEST_CONVERT_VERIFY", str(tmp_dir))
+    assert not left, f"processes of convert_verify.sh still running after both nodes exited: {left}"
+    return outs
+
+
+def _processes_with_env(key: str, value: str) -> list[str]:
+    """'pid name' of every live process whose environment has key=value (started by, or under, a given run)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(key) == value:
+                found.append(f"{p.pid} {p.name()}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
 def test_cli_round_trip_is_bit_exact(hf_dir, tmp_path):
-    """HF -> Megatron -> HF bit-exact; verify.py (its own spawned rank) passes the converted checkpoint with its
-    verdict's numbers in the JSON; no tool prints megatron-core's warnings."""
+    """HF -> Megatron -> HF bit-exact; launch/convert_verify.sh at TP 2 as two torchrun nodes of one rank each (the
+    checkpoint saved by a world of one, loaded across "nodes") passes the converted checkpoint with its verdict's
+    numbers in the JSON; both nodes exit 0, none of their processes is left; no tool prints megatron-core's
+    warnings."""
     from safetensors.torch import load_file
 
     m, h2 = tmp_path / "m", tmp_path / "h2"
     for args in (["hf_to_megatron.py", "--hf-dir", hf_dir, "--out", m],
                  ["megatron_to_hf.py", "--megatron-dir", m, "--out", h2]):
         assert json.loads(_run_tool(args).strip().splitlines()[-1])["out"] == str(args[-1])
-    _run_tool(["verify.py", "--hf-dir", hf_dir, "--megatron-dir", m, "--json", tmp_path / "verify.json"])
+    run_tmp = tmp_path / "torchrun"
+    run_tmp.mkdir()
+    outs = _convert_verify_two_nodes(hf_dir, m, tmp_path / "verify.json", run_tmp)
+    noise = [line for out in outs for line in out.splitlines() if any(n in line for n in VENDOR_NOISE)]
+    assert not noise, f"convert_verify.sh printed {len(noise)} vendor warning lines, e.g. {noise[:2]}"
     v = json.loads((tmp_path / "verify.json").read_text())
     assert v["passed"] and v["source"] == "megatron" and v["argmax_agreement"] == 1.0, v
+    assert (v["tp"], v["pp"], v["dp"]) == (2, 1, 1), v
+    assert json.loads(outs[0][outs[0].index("{"):outs[0].rindex("}") + 1]) == v  # rank 0 (node 0) prints it
     assert 0 < v["noise_floor_max"] and v["tolerance"] == 4 * v["noise_floor_max"], v
     assert v["max_abs_logit_diff"] <= v["tolerance"] and v["mean_abs_logit_diff"] <= v["tolerance_mean"], v
     before = load_file(os.path.join(hf_dir, "model.safetensors"))
