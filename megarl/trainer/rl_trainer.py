@@ -55,6 +55,9 @@ ROUND_SEED_STRIDE = 1_000_003
 # verified against their senders' checksums (0 with rollout.verify_sync=false), and the actor's offloaded bytes.
 RESHARD_METRICS = ("reshard/bytes_received", "reshard/bytes_lower_bound", "reshard/time_s", "reshard/verify_time_s",
                    "reshard/verified_pieces", "reshard/peak_extra_bytes", "offload/actor_bytes")
+# ... and, with engines on a pool of their own (`megarl.rollout.service.PoolRollout`), the sync's figures over both
+# pools: bytes sent per actor rank and received per rollout rank (max, mean, each rank), verified or not.
+POOL_METRICS = "reshard/pool/"
 
 
 @dataclasses.dataclass
@@ -299,7 +302,7 @@ class RLTrainer:
         })
         if reshard:
             first = reshard[0] if isinstance(reshard, list) else reshard
-            metrics.update({k: v for k, v in first.items() if k in RESHARD_METRICS})
+            metrics.update({k: v for k, v in first.items() if k in RESHARD_METRICS or k.startswith(POOL_METRICS)})
         return StepResult(step, metrics)
 
     # --------------------------------------------------------------------------------------------- pieces
