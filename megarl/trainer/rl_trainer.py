@@ -5,7 +5,8 @@
             -> metrics
 
 `RLTrainer` talks to the rollout engines through a `megarl.rollout.service.RolloutService` (`ColocatedRollout`: the
-`HybridWorker` group's engines, weights by local reshard) and to the roles through their worker groups
+`HybridWorker` group's engines, weights by local reshard; `PoolRollout`: engines on a pool of their own, weights
+sent over a bridge) and to the roles through their worker groups
 (`megarl.controller`: each call runs on every rank (SPMD) and returns the collected result). Rewards and advantages
 are computed here, on the controller, from plain tensors.
 """
@@ -69,16 +70,18 @@ class StepResult:
 
 
 class RLTrainer:
-    """Drives `workers` (a `WorkerGroup` of `HybridWorker`) through `cfg.trainer.total_steps` RL steps."""
+    """Drives `workers` (a `WorkerGroup` of `HybridWorker`, or of `ActorWorker` with `rollout.pool`) through
+    `cfg.trainer.total_steps` RL steps."""
 
     def __init__(self, cfg: JobConfig, workers, loader, encoder, reward_fn, role_groups: Optional[dict] = None,
                  val_records: Optional[list] = None, metrics_path: Optional[str] = None,
                  stop: Optional[StopRequest] = None, rollout: Optional[RolloutService] = None) -> None:
-        """`workers`: the actor pool's group (HybridWorker). `role_groups`: for each enabled reference / critic /
-        reward_model, the group that hosts it (`workers` itself when colocated, else its own RoleWorker group).
-        `stop`: the controller's SIGTERM/SIGINT handlers (`megarl.trainer.stop`); `fit` ends after the step in
-        flight, checkpointed, once it is requested. `rollout`: where samples come from and weights go (default
-        `ColocatedRollout(workers)`: the actor pool's engines)."""
+        """`workers`: the actor pool's group (HybridWorker; ActorWorker with rollout.pool). `role_groups`: for each
+        enabled reference / critic / reward_model, the group that hosts it (`workers` itself when colocated, else its
+        own RoleWorker group). `stop`: the controller's SIGTERM/SIGINT handlers (`megarl.trainer.stop`); `fit` ends
+        after the step in flight, checkpointed, once it is requested. `rollout`: where samples come from and weights
+        go (default `ColocatedRollout(workers)`: the actor pool's engines; the session passes a `PoolRollout` with
+        rollout.pool)."""
         self.stop = stop
         self.cfg = cfg
         self.workers = workers

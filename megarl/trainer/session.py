@@ -9,8 +9,10 @@ through this class, so they run the same engine.
 
 Placement: it joins a Ray cluster (`RAY_ADDRESS`, e.g. from `launch/ray_submit.sh`) or starts a local one, places a
 `HybridWorker` on every device slot of the actor's pool (the actor, the vLLM engine and any role configured on the
-same pool) and a `RoleWorker` group on each other pool (a critic, reference or reward model of its own layout). The
-vendor log level (`logging.vendor_level`, `megarl.platform.vendor_logs`) is applied here and in every worker.
+same pool) and a `RoleWorker` group on each other pool (a critic, reference or reward model of its own layout). With
+`rollout.pool` set, an `ActorWorker` group replaces the `HybridWorker` (the roles only), a `RolloutWorker` group runs
+the engines on that pool, and a bridge joins the two (`megarl.controller.bridge`; the trainer gets a `PoolRollout`).
+The vendor log level (`logging.vendor_level`, `megarl.platform.vendor_logs`) is applied here and in every worker.
 """
 
 from __future__ import annotations
