@@ -34,8 +34,8 @@ CONFIG = os.path.join(ROOT, "yaml_configs", "cpu_quickstart_rollout_pool.yaml")
 # The quickstart's 20 steps: ~0.65 s a step here (2 cores, 4 workers), ~40 s the run with its start-up; the rewards
 # of this task only rise after ~10 steps.
 STEPS = 20
-# Greedy is checked after the syncs of steps 10 and 20: at 20 the validation reward saturates (1.0 here), at 10 it
-# does not (0.96 here), so a sync that changes some responses without changing the reward at 20 is still seen.
+# Greedy is checked after the sync of step 10: at 20 the validation reward saturates (1.0 here), at 10 it does not
+# (0.96 here), so a sync that changes some responses changes the reward compared.
 CHECKED = 10
 
 
@@ -49,7 +49,7 @@ def pool_run(tmp_path_factory, joined_ray_env):
     for key in ("train_path", "val_path"):
         cfg["data"][key] = os.path.join(ROOT, cfg["data"][key])
     cfg["model"]["tokenizer"] = os.path.join(ROOT, cfg["model"]["tokenizer"])
-    cfg["checkpoint"] = {"dir": str(tmp / "ckpt"), "save_every": CHECKED}  # the weights of those syncs
+    cfg["checkpoint"] = {"dir": str(tmp / "ckpt"), "save_every": CHECKED}  # the weights of that sync
     cfg["logging"]["plots"] = False  # plots are the shared quickstart run's to check
     config = tmp / "pool.yaml"
     config.write_text(yaml.safe_dump(cfg))
@@ -101,8 +101,10 @@ def test_every_sync_is_verified(pool_run):
         assert r["reshard/verified_pieces"] > 0
 
 
-@pytest.mark.parametrize("step", [CHECKED, STEPS])
-def test_greedy_after_a_sync_equals_transformers_on_the_exported_weights(pool_run, step):
+def test_greedy_after_a_sync_equals_transformers_on_the_exported_weights(pool_run):
+    """At step CHECKED (validation reward 0.96 here, not saturated; step 20's, 1.0, was checked the same way when this
+    was written and dropped from the suite for its ~10 s)."""
+    step = CHECKED
     import torch
     from transformers import AutoModelForCausalLM
 
