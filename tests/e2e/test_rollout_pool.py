@@ -13,7 +13,7 @@ What it is compared with, none of it from the planner or the run's own descripti
   checksum;
 - the rewards rise as the colocated quickstart's do (its golden curve on this host's kernel class): not step for
   step (two TP1 engines sample with other seeds and kernels than one TP2 engine), but by as much;
-- greedy after a sync: the validation at steps 10 and 20 (greedy, through the rollout pool's engines) scores
+- greedy after a sync: the validation at step 10 (greedy, through the rollout pool's engines) scores
   exactly what transformers' greedy decoding of the exported checkpoint of that step scores (the same mean of the
   32 validation prompts' rewards: a check on the responses through their rewards, not on their text).
 """
