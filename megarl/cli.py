@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import megarl
 from megarl.config import ConfigError, JobConfig, dump_yaml, load_config
-from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate
+from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate, rollout_pool_memory
 from megarl.config.placement import device_kind, format_table, placement
 from megarl.config.validate import role_archs
 from megarl.rewards.scoring import RewardError
@@ -115,6 +115,12 @@ def dry_run_report(cfg: JobConfig) -> str:
     from megarl.reshard.rank_order import actor_order_report
 
     actor_topo, order = actor_order_report(cfg)
+    order_title = "actor rank order and reshard bytes (megarl/reshard/rank_order.py)"
+    if cfg.rollout.pool is not None:  # the engines on a pool of their own: the sync over the bridge instead
+        from megarl.reshard.pool_plan import pool_sync_lines
+
+        order_title = f"rollout pool {cfg.rollout.pool!r} and the weight sync (megarl/reshard/pool_plan.py)"
+        order = "\n".join(pool_sync_lines(cfg))
     rows = placement(cfg, layers, kind, {"actor": actor_topo})
     memory = job_memory_estimate(cfg, device_memory_bytes(cfg))
     check_fits(memory)
@@ -123,7 +129,8 @@ def dry_run_report(cfg: JobConfig) -> str:
         + dump_yaml(cfg)
         + "\n# memory per GPU of the actor's pool (static estimate, megarl/config/memory.py)\n"
         + memory.describe()
-        + "\n\n# actor rank order and reshard bytes (megarl/reshard/rank_order.py)\n"
+        + rollout_pool_memory(cfg, memory)
+        + f"\n\n# {order_title}\n"
         + order
         + "\n\n# placement (rollout rows: tp = engine TP rank, dp = engine index)\n"
         + format_table(rows, layers)

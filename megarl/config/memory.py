@@ -125,10 +125,29 @@ def job_memory_estimate(cfg, device_bytes: Optional[int]) -> MemoryEstimate:
             extra_trained += c.megatron_bytes
         else:
             others.append((n_params(archs[name]), model.dtype, p.tp, p.pp))
+    # engines on a pool of their own (rollout.pool): the actor's pool keeps no vLLM share (`rollout_pool_memory`)
+    share = cfg.rollout.gpu_memory_utilization if cfg.rollout.pool is None else 0.0
     est = estimate_memory(n_params(archs["actor"]), dtype=cfg.model.dtype, tp=a.tp, pp=a.pp, dp=a.dp,
-                          gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, other_roles=tuple(others),
+                          gpu_memory_utilization=share, other_roles=tuple(others),
                           device_bytes=device_bytes)
     return dataclasses.replace(est, other_roles_bytes=est.other_roles_bytes + extra_trained)
+
+
+def rollout_pool_memory(cfg, actor_estimate: MemoryEstimate) -> str:
+    """'' when the engines share the actor's pool; else lines for `--dry-run`: the actor's pool without vLLM's share
+    (above) and the rollout pool with it: vLLM's share of each device, of which the engine's weight shard (the model
+    in its dtype / rollout.tp)."""
+    if cfg.rollout.pool is None:
+        return ""
+    n = spec_from_arch(role_archs(cfg)["actor"]).num_params
+    shard = int(n * DTYPE_BYTES[cfg.model.dtype] / cfg.rollout.tp)
+    u, device = cfg.rollout.gpu_memory_utilization, actor_estimate.device_bytes
+    share = (f"{u:.2f} x device memory (device memory unknown)" if device is None
+             else f"{_fmt(int(u * device)).strip()} ({u:.2f} x {device / GB:.2f} GB)")
+    return (f"\n(vLLM: none on the actor's pool; its engines run on pool {cfg.rollout.pool!r})"
+            f"\n\n# memory per GPU of the rollout pool {cfg.rollout.pool!r}\n"
+            f"vLLM              {share}\n"
+            f"  of which weights {_fmt(shard)}  (the model in {cfg.model.dtype} / rollout.tp {cfg.rollout.tp})")
 
 
 def device_memory_bytes(cfg) -> Optional[int]:

@@ -69,7 +69,7 @@ def device_kind(cfg: JobConfig) -> str:
 
 def placement(cfg: JobConfig, num_layers_by_role: dict[str, int], kind: str,
               topologies: Optional[dict[str, RoleTopology]] = None) -> list[RankPlacement]:
-    """Rows for every rank of every enabled role, plus the rollout engines on the actor's pool.
+    """Rows for every rank of every enabled role, plus the rollout engines (on the actor's pool, or `rollout.pool`).
 
     `num_layers_by_role` gives each enabled role's layer count (roles may run different models); `topologies`
     overrides `role_topology` for some roles (the actor in a co-designed rank order).
@@ -95,10 +95,10 @@ def placement(cfg: JobConfig, num_layers_by_role: dict[str, int], kind: str,
             layers = (starts[c.pp], starts[c.pp] + split[c.pp])
             rows.append(RankPlacement(role, c.rank, node, device, c.tp, c.pp, c.dp, c.cp, layers))
 
-    actor_pool = cfg.actor.pool
-    for local in range(pool_size(cfg.resources.pools[actor_pool])):
-        rank = offsets[actor_pool] + local
-        node, device = where(actor_pool, rank)
+    engines_pool = cfg.rollout.pool if cfg.rollout.pool is not None else cfg.actor.pool  # null: the actor's
+    for local in range(pool_size(cfg.resources.pools[engines_pool])):
+        rank = offsets[engines_pool] + local
+        node, device = where(engines_pool, rank)
         engine, tp_rank = divmod(local, cfg.rollout.tp)
         rows.append(RankPlacement("rollout", rank, node, device, tp_rank, 0, engine, 0, None))
     return rows

@@ -284,9 +284,15 @@ DEFAULT_RESHARD_BUCKET_MB = 512
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    """Generation with vLLM on the actor's devices (hybrid engine)."""
+    """Generation with vLLM: on the actor's devices (hybrid engine), or on a pool of their own (`pool`)."""
 
-    tp: int = opt(1, "Tensor-parallel size of each vLLM engine; must divide the actor's device count.", min=1)
+    pool: Optional[str] = opt(
+        None, "Where the engines run: null = on the actor's pool (colocated, the hybrid engine: weights resharded "
+        "in place, the engines sleep during training); a pool name of resources.pools = a pool of their own (the "
+        "actor's shards are sent over a bridge group after every update; that pool hosts no Megatron role)."
+    )
+    tp: int = opt(1, "Tensor-parallel size of each vLLM engine; must divide the device count of the engines' pool "
+                  "(the actor's, or rollout.pool).", min=1)
     ep: bool = opt(
         False, "vLLM expert parallelism for mixture-of-experts models (vLLM `enable_expert_parallel`): each of an "
         "engine's tp ranks holds num_experts/tp whole routed experts (vLLM's linear placement) instead of a 1/tp "

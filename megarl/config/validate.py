@@ -78,6 +78,7 @@ def check_supported(cfg: JobConfig) -> None:
                                                                                 "reinforce_plus_plus_baseline"):
         raise ConfigError(f"algorithm.kl.placement: '{cfg.algorithm.estimator}' advantages use sequence scores and "
                           "ignore token rewards, so a KL penalty in the reward would be dropped; use placement=loss")
+    _check_pool_rollout_supported(cfg)
     separate: dict[str, str] = {}
     for role in SIDE_ROLES:
         r = cfg.role(role)
@@ -86,6 +87,28 @@ def check_supported(cfg: JobConfig) -> None:
                 raise ConfigError(f"{role}.pool: pool {r.pool!r} already hosts the {separate[r.pool]}; a pool away "
                                   "from the actor hosts one role (give each its own pool, or colocate with the actor)")
             separate[r.pool] = role
+
+
+def _check_pool_rollout_supported(cfg: JobConfig) -> None:
+    """What engines on a pool of their own (`rollout.pool`) do not run yet, refused by key."""
+    name = cfg.rollout.pool
+    if name is None:
+        return
+    if cfg.algorithm.router_replay == "rollout":
+        raise ConfigError(f"algorithm.router_replay: 'rollout' with rollout.pool={name!r} is not supported yet (the "
+                          "engines' routed experts are not carried back across pools); use 'old' or 'none', or "
+                          "rollout.pool: null")
+    if cfg.actor.parallel.rank_order != "natural":
+        raise ConfigError(f"actor.parallel.rank_order: {cfg.actor.parallel.rank_order!r} orders the actor's ranks "
+                          f"for engines on its own devices; with rollout.pool={name!r} every engine rank receives "
+                          "its whole shard whatever the order: use 'natural'")
+    if cfg.rollout.ep:
+        raise ConfigError(f"rollout.ep: vLLM expert parallelism with rollout.pool={name!r} is not supported yet "
+                          "(untested across pools); use rollout.ep=false or rollout.pool: null")
+    if cfg.resources.device != "cpu":
+        raise ConfigError(f"rollout.pool: {name!r} with resources.device={cfg.resources.device!r}: the bridge "
+                          "between the pools is gloo over host memory (CPU) only so far; use resources.device=cpu "
+                          "or rollout.pool: null")
 
 
 def validate(cfg: JobConfig) -> JobConfig:
@@ -256,14 +279,41 @@ def _check_sequence_length(cfg: JobConfig, name: str, arch: ArchConfig) -> None:
         )
 
 
+def rollout_pool(cfg: JobConfig) -> str:
+    """The pool the vLLM engines run on: `rollout.pool`, or the actor's (colocated) when it is null."""
+    return cfg.rollout.pool if cfg.rollout.pool is not None else cfg.actor.pool
+
+
+def _check_rollout_pool(cfg: JobConfig) -> None:
+    """`rollout.pool` names a pool of the engines' own: known, not the actor's, hosting no other role."""
+    name, pools = cfg.rollout.pool, cfg.resources.pools
+    if name is None:
+        return
+    if name not in pools:
+        raise ConfigError(f"rollout.pool: unknown pool {name!r}{did_you_mean(name, pools)}; resources.pools has: "
+                          f"{', '.join(pools)} (null = the actor's pool, colocated)")
+    if name == cfg.actor.pool:
+        raise ConfigError(f"rollout.pool: pool {name!r} hosts the actor; a rollout pool is the engines' own (set "
+                          "rollout.pool: null to colocate the engines with the actor, or name another pool)")
+    for role in SIDE_ROLES:
+        if cfg.role(role).enabled and cfg.role(role).pool == name:
+            raise ConfigError(f"rollout.pool: pool {name!r} also hosts the {role} ({role}.pool); a rollout pool "
+                              "hosts the engines only")
+
+
 def _check_rollout(cfg: JobConfig, arch: ArchConfig, actor_parallel) -> None:
     tp = cfg.rollout.tp
-    devices = pool_size(cfg.resources.pools[cfg.actor.pool])
-    if devices % tp != 0:
+    _check_rollout_pool(cfg)
+    pool = rollout_pool(cfg)
+    devices = pool_size(cfg.resources.pools[pool])
+    if devices % tp != 0 and cfg.rollout.pool is None:
         raise ConfigError(
             f"rollout.tp={tp} does not divide the actor's {devices} devices (pool {cfg.actor.pool!r}); "
             "the engines run on the actor's devices"
         )
+    if devices % tp != 0:
+        raise ConfigError(f"rollout.tp={tp} does not divide the {devices} devices of the rollout pool {pool!r} "
+                          "(rollout.pool): the engines fill it with rollout.tp ranks each")
     if arch.num_attention_heads % tp != 0:
         raise ConfigError(f"rollout.tp: num_attention_heads={arch.num_attention_heads} is not divisible by tp={tp}")
     groups = arch.num_query_groups

@@ -258,6 +258,11 @@ class WorkerGroup:
     def __len__(self) -> int:
         return self.world_size
 
+    def rank_address(self, rank: int = 0, timeout_s: float = 60.0) -> tuple[str, int]:
+        """The node IP of `rank` and a TCP port free there right now (a rendezvous another group can reach, e.g.
+        the bridge's store, `megarl.controller.bridge`)."""
+        return self._gather([self._actors[rank].address.remote()], f"address of rank {rank}", timeout_s)[0]
+
     def __repr__(self) -> str:
         return f"WorkerGroup({self.worker_cls.__name__} x {self.world_size} on pool {self.pool.name!r})"
 

@@ -354,6 +354,7 @@ def execute_reshard(
         dtype: the wire dtype; default the sources' dtype of the plan's element size. Required on a rank without
             sources for a 2-byte plan (bf16 or fp16 cannot be told apart from the plan).
     """
+    rank_kind = "global rank" if group is None and rank is None else "bridge rank"  # for verification errors
     rank = bridge_rank(plan, group) if rank is None else rank
     if rank not in plan.ranks:
         raise ValueError(f"rank {rank} is neither a training rank ({plan.train.ranks.start}.."
@@ -405,7 +406,7 @@ def execute_reshard(
             t0 = time.perf_counter()
             sums_pending.wait()
             expected.update(remote_sums)
-            check_written(expected, dest.view, rank, infer_rank, "global rank" if group is None else "bridge rank")
+            check_written(expected, dest.view, rank, infer_rank, rank_kind)
             verified += len(expected)
             verify_s += time.perf_counter() - t0
         dest.flush()

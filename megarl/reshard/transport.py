@@ -130,3 +130,54 @@ class TorchP2PTransport:
 def exchange(transport: Transport, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
     """`post` then `wait`."""
     transport.post(sends, recvs).wait()
+
+
+class _BoundedWorks:
+    """The works of one `GroupTransport.post`; `wait` raises naming the bridge and the peer of the first that fails
+    (gloo bounds each wait by the group's timeout)."""
+
+    def __init__(self, works: list, what: list[str], name: str) -> None:
+        self._works, self._what, self._name = works, what, name
+
+    def wait(self) -> None:
+        for work, what in zip(self._works, self._what):
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise RuntimeError(f"bridge {self._name!r}: {what} failed or timed out: "
+                                   f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        self._works = []
+
+
+class GroupTransport:
+    """`Transport` over a standalone process group (`megarl.controller.bridge.Bridge`: a gloo group built from its
+    own store, not registered with torch.distributed, since a process has one default world and the actor's or the
+    rollout pool's is already it). `Message.peer` is a rank of that group; each message is one `group.send` /
+    `group.recv` (point-to-point, matched in posting order per pair and by tag), every wait bounded by the group's
+    timeout.
+
+    Args:
+        group: the `torch.distributed.ProcessGroup` object (e.g. `ProcessGroupGloo(store, rank, size, timeout)`).
+        rank: this process's rank in it (refused as a peer: nothing is sent to oneself).
+        name: the bridge's name, for errors.
+    """
+
+    def __init__(self, group, rank: int, size: int, name: str = "bridge") -> None:
+        self.group, self.rank, self.size, self.name = group, rank, size, name
+
+    def begin(self) -> None:
+        pass  # gloo connects pairs at construction; nothing is built lazily
+
+    def post(self, sends: Sequence[Message], recvs: Sequence[Message]) -> Pending:
+        works, what = [], []
+        for m, verb in [(m, "send to") for m in sends] + [(m, "receive from") for m in recvs]:
+            if not 0 <= m.peer < self.size or m.peer == self.rank:
+                raise ValueError(f"bridge {self.name!r}: peer {m.peer} is not another of its {self.size} ranks "
+                                 f"(this is bridge rank {self.rank})")
+            call = self.group.send if verb == "send to" else self.group.recv
+            works.append(call([m.tensor], m.peer, m.tag))
+            what.append(f"{verb} bridge rank {m.peer} ({m.tensor.numel() * m.tensor.element_size()} bytes, tag "
+                        f"{m.tag}) on bridge rank {self.rank}")
+        if not works:
+            return _Done()
+        return _BoundedWorks(works, what, self.name)

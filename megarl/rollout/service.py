@@ -75,24 +75,78 @@ class ColocatedRollout:
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutSamples:
         """`RolloutService.generate` through the group's DP_SPLIT `generate`: replica k samples the k-th contiguous
         chunk of `prompts`; its local prompt indices are shifted by the sizes of the chunks before it."""
-        per_replica = self.workers.generate(prompts, sampling)  # one result per rollout replica, in replica order
-        samples, dropped, truncated = [], [], []
-        lo = 0
-        for out in per_replica:
-            samples.extend(_shifted(s, lo) for s in out["samples"])
-            dropped.extend(lo + i for i in out["dropped"])
-            truncated.extend(lo + i for i in out["truncated"])
-            lo += out["prompts"]
-        if lo != len(prompts):
-            raise RuntimeError(f"the rollout replicas report {lo} prompts for the {len(prompts)} sent")
-        samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
-        return RolloutSamples(samples, dropped_prompt_indices=dropped, truncated_prompt_indices=truncated)
+        return _merged(self.workers.generate(prompts, sampling), len(prompts))  # one result per replica
 
     def push_weights(self, version: int) -> list[dict[str, float]]:
         """The local reshard of every rank (`HybridWorker.sync_weights`); returns each rank's reshard metrics."""
         metrics = self.workers.sync_weights()
         self.weight_version = version
         return metrics
+
+
+class PoolRollout:
+    """`RolloutService` over engines on a pool of their own (`rollout.pool`): a `RolloutWorker` group on the rollout
+    pool and the actor pool's `ActorWorker` group, joined by the bridge (`megarl.controller.bridge`).
+
+    generate: DP_SPLIT over the rollout pool's replicas, merged exactly as `ColocatedRollout` merges them.
+    push_weights: every actor rank sends and every rollout rank receives (`ActorWorker.send_weights`,
+        `RolloutWorker.receive_weights`, both submitted before either is waited on: the transfers pair up across
+        the groups); returns [summary] + the actor ranks' metrics + the rollout ranks' metrics, the summary
+        holding what the trainer logs (`reshard/...` of the first rollout rank, the sync's seconds = the slowest
+        rank's) and the pool's figures under `reshard/pool/`: bytes sent max/mean over the actor ranks, received
+        max/mean over the rollout ranks (each rank's too), the rollout ranks' lower bound, and `verified` = 1 when
+        every rollout rank checked every piece the plan routes into it.
+    """
+
+    def __init__(self, actor_workers: Any, rollout_workers: Any) -> None:
+        self.actor_workers = actor_workers
+        self.workers = rollout_workers
+        self.weight_version: Optional[int] = None
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutSamples:
+        """`RolloutService.generate` through the rollout pool's DP_SPLIT `generate` (replica k: the k-th chunk)."""
+        return _merged(self.workers.generate(prompts, sampling), len(prompts))
+
+    def push_weights(self, version: int) -> list[dict[str, float]]:
+        sending = self.actor_workers.send_weights.submit(version)
+        receiving = self.workers.receive_weights.submit(version)
+        sent, received = sending.result(), receiving.result()
+        self.weight_version = version
+        return [pool_sync_summary(sent, received)] + list(sent) + list(received)
+
+
+def pool_sync_summary(sent: list[dict[str, float]], received: list[dict[str, float]]) -> dict[str, float]:
+    """One sync across pools as metrics (see `PoolRollout`): `sent` = the actor ranks' reports in rank order,
+    `received` = the rollout ranks'."""
+    out = {k: v for k, v in received[0].items() if k.startswith("reshard/")}
+    out["reshard/time_s"] = max(m["reshard/time_s"] for m in list(sent) + list(received))
+    out["offload/actor_bytes"] = sent[0].get("offload/actor_bytes", 0.0)
+    s = [m["reshard/bytes_sent"] for m in sent]
+    r = [m["reshard/bytes_received"] for m in received]
+    pool = {"sent_max_bytes": max(s), "sent_mean_bytes": sum(s) / len(s),
+            "received_max_bytes": max(r), "received_mean_bytes": sum(r) / len(r),
+            "lower_bound_bytes": sum(m["reshard/bytes_lower_bound"] for m in received),
+            "verified": float(all(m["reshard/verified_pieces"] == m["reshard/planned_pieces"] > 0 for m in received))}
+    pool.update({f"sent_bytes_rank{i}": v for i, v in enumerate(s)})
+    pool.update({f"received_bytes_rank{i}": v for i, v in enumerate(r)})
+    out.update({f"reshard/pool/{k}": float(v) for k, v in pool.items()})
+    return out
+
+
+def _merged(per_replica: list[dict], n_prompts: int) -> RolloutSamples:
+    """The replicas' results (in replica order; replica k sampled the k-th contiguous chunk) as one `RolloutSamples`:
+    local prompt indices shifted by the sizes of the chunks before them, ordered by (prompt_index, sample_index)."""
+    samples, dropped, truncated = [], [], []
+    lo = 0
+    for out in per_replica:
+        samples.extend(_shifted(s, lo) for s in out["samples"])
+        dropped.extend(lo + i for i in out["dropped"])
+        truncated.extend(lo + i for i in out["truncated"])
+        lo += out["prompts"]
+    if lo != n_prompts:
+        raise RuntimeError(f"the rollout replicas report {lo} prompts for the {n_prompts} sent")
+    samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
+    return RolloutSamples(samples, dropped_prompt_indices=dropped, truncated_prompt_indices=truncated)
 
 
 def _shifted(sample, offset: int):

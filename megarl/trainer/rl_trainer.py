@@ -5,7 +5,8 @@
             -> metrics
 
 `RLTrainer` talks to the rollout engines through a `megarl.rollout.service.RolloutService` (`ColocatedRollout`: the
-`HybridWorker` group's engines, weights by local reshard) and to the roles through their worker groups
+`HybridWorker` group's engines, weights by local reshard; `PoolRollout`: engines on a pool of their own, weights
+sent over a bridge) and to the roles through their worker groups
 (`megarl.controller`: each call runs on every rank (SPMD) and returns the collected result). Rewards and advantages
 are computed here, on the controller, from plain tensors.
 """
@@ -55,6 +56,9 @@ ROUND_SEED_STRIDE = 1_000_003
 # verified against their senders' checksums (0 with rollout.verify_sync=false), and the actor's offloaded bytes.
 RESHARD_METRICS = ("reshard/bytes_received", "reshard/bytes_lower_bound", "reshard/time_s", "reshard/verify_time_s",
                    "reshard/verified_pieces", "reshard/peak_extra_bytes", "offload/actor_bytes")
+# ... and, with engines on a pool of their own (`megarl.rollout.service.PoolRollout`), the sync's figures over both
+# pools: bytes sent per actor rank and received per rollout rank (max, mean, each rank), verified or not.
+POOL_METRICS = "reshard/pool/"
 
 
 @dataclasses.dataclass
@@ -66,16 +70,18 @@ class StepResult:
 
 
 class RLTrainer:
-    """Drives `workers` (a `WorkerGroup` of `HybridWorker`) through `cfg.trainer.total_steps` RL steps."""
+    """Drives `workers` (a `WorkerGroup` of `HybridWorker`, or of `ActorWorker` with `rollout.pool`) through
+    `cfg.trainer.total_steps` RL steps."""
 
     def __init__(self, cfg: JobConfig, workers, loader, encoder, reward_fn, role_groups: Optional[dict] = None,
                  val_records: Optional[list] = None, metrics_path: Optional[str] = None,
                  stop: Optional[StopRequest] = None, rollout: Optional[RolloutService] = None) -> None:
-        """`workers`: the actor pool's group (HybridWorker). `role_groups`: for each enabled reference / critic /
-        reward_model, the group that hosts it (`workers` itself when colocated, else its own RoleWorker group).
-        `stop`: the controller's SIGTERM/SIGINT handlers (`megarl.trainer.stop`); `fit` ends after the step in
-        flight, checkpointed, once it is requested. `rollout`: where samples come from and weights go (default
-        `ColocatedRollout(workers)`: the actor pool's engines)."""
+        """`workers`: the actor pool's group (HybridWorker; ActorWorker with rollout.pool). `role_groups`: for each
+        enabled reference / critic / reward_model, the group that hosts it (`workers` itself when colocated, else its
+        own RoleWorker group). `stop`: the controller's SIGTERM/SIGINT handlers (`megarl.trainer.stop`); `fit` ends
+        after the step in flight, checkpointed, once it is requested. `rollout`: where samples come from and weights
+        go (default `ColocatedRollout(workers)`: the actor pool's engines; the session passes a `PoolRollout` with
+        rollout.pool)."""
         self.stop = stop
         self.cfg = cfg
         self.workers = workers
@@ -299,7 +305,7 @@ class RLTrainer:
         })
         if reshard:
             first = reshard[0] if isinstance(reshard, list) else reshard
-            metrics.update({k: v for k, v in first.items() if k in RESHARD_METRICS})
+            metrics.update({k: v for k, v in first.items() if k in RESHARD_METRICS or k.startswith(POOL_METRICS)})
         return StepResult(step, metrics)
 
     # --------------------------------------------------------------------------------------------- pieces

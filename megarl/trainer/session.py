@@ -9,8 +9,10 @@ through this class, so they run the same engine.
 
 Placement: it joins a Ray cluster (`RAY_ADDRESS`, e.g. from `launch/ray_submit.sh`) or starts a local one, places a
 `HybridWorker` on every device slot of the actor's pool (the actor, the vLLM engine and any role configured on the
-same pool) and a `RoleWorker` group on each other pool (a critic, reference or reward model of its own layout). The
-vendor log level (`logging.vendor_level`, `megarl.platform.vendor_logs`) is applied here and in every worker.
+same pool) and a `RoleWorker` group on each other pool (a critic, reference or reward model of its own layout). With
+`rollout.pool` set, an `ActorWorker` group replaces the `HybridWorker` (the roles only), a `RolloutWorker` group runs
+the engines on that pool, and a bridge joins the two (`megarl.controller.bridge`; the trainer gets a `PoolRollout`).
+The vendor log level (`logging.vendor_level`, `megarl.platform.vendor_logs`) is applied here and in every worker.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Callable, Optional
 from megarl.config import ConfigError
 from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate
 from megarl.config.schema import JobConfig
-from megarl.config.validate import SIDE_ROLES, check_supported
+from megarl.config.validate import SIDE_ROLES, check_supported, rollout_pool
 from megarl.controller.resource_pool import ResourcePool
 from megarl.controller.worker_group import WorkerGroup
 from megarl.data.dataset import PromptDataset, PromptLoader
@@ -67,7 +69,7 @@ def placement_summary(cfg: JobConfig, device: str, threads: int) -> str:
     lines = []
     for name, p in cfg.resources.pools.items():
         roles = [r for r in cfg.enabled_roles() if cfg.role(r).pool == name]
-        if name == cfg.actor.pool:
+        if name == rollout_pool(cfg):
             roles.append("rollout")
         lines.append(f"pool {name}: {p.nodes} node(s) x {p.devices_per_node} {device} worker(s), {threads} thread(s) "
                      f"each: {', '.join(roles) or 'unused'}")
@@ -77,9 +79,17 @@ def placement_summary(cfg: JobConfig, device: str, threads: int) -> str:
                                                                                            else "")
                      + (f" etp {q.etp}" if q.etp is not None and q.etp != q.tp else "")
                      + (f" vpp {q.vpp}" if q.vpp > 1 else ""))
-    devices = cfg.resources.pools[cfg.actor.pool].nodes * cfg.resources.pools[cfg.actor.pool].devices_per_node
-    lines.append(f"  {'rollout':<12} vLLM tp {cfg.rollout.tp} x {devices // cfg.rollout.tp} engine(s), weights "
-                 "resharded from the actor every step")
+    engines = cfg.resources.pools[rollout_pool(cfg)]
+    devices = engines.nodes * engines.devices_per_node
+    if cfg.rollout.pool is None:
+        lines.append(f"  {'rollout':<12} vLLM tp {cfg.rollout.tp} x {devices // cfg.rollout.tp} engine(s), weights "
+                     "resharded from the actor every step")
+    else:
+        lines.append(f"  {'rollout':<12} vLLM tp {cfg.rollout.tp} x {devices // cfg.rollout.tp} engine(s) on pool "
+                     f"{cfg.rollout.pool!r}, weights sent from the actor's pool over the bridge every step")
+        from megarl.reshard.pool_plan import pool_sync_lines
+
+        lines.extend("  " + line for line in pool_sync_lines(cfg))
     d, r = cfg.data, cfg.rollout
     lines.append(f"{cfg.trainer.total_steps} steps of {d.prompts_per_step} prompts x {r.samples_per_prompt} samples, "
                  f"algorithm {cfg.algorithm.name}; run dir {os.path.abspath(cfg.logging.dir)}")
@@ -165,9 +175,14 @@ class TrainingSession:
             p = cfg.resources.pools[name]
             return ResourcePool(name, nodes=p.nodes, devices_per_node=p.devices_per_node, device=device)
 
-        workers = WorkerGroup(make_pool(cfg.actor.pool), HybridWorker, cfg, self.model_dir, env=env)
-        self.groups.append(workers)
-        self.shm_reports = workers.shm_segments()  # removed after the workers are gone, however the run ends
+        rollout = None
+        if cfg.rollout.pool is None:  # the hybrid engine: vLLM in the actor's processes
+            workers = WorkerGroup(make_pool(cfg.actor.pool), HybridWorker, cfg, self.model_dir, env=env)
+            self.groups.append(workers)
+            engines = workers
+        else:  # the engines on a pool of their own, joined to the actor's by the bridge
+            workers, engines, rollout = self._start_pools(make_pool, env, {"OMP_NUM_THREADS": str(threads), **quiet})
+        self.shm_reports = engines.shm_segments()  # removed after the workers are gone, however the run ends
         logger.info("worker processes: %s", ", ".join(f"rank {i} pid {r['pid']}"
                                                       for i, r in enumerate(self.shm_reports)))
         role_groups = {}
@@ -182,8 +197,31 @@ class TrainingSession:
                                                 env={"OMP_NUM_THREADS": str(threads), **quiet})
                 self.groups.append(role_groups[role])
         self.trainer = RLTrainer(cfg, workers, self.loader, self.encoder, self.reward_fn, role_groups=role_groups,
-                                 val_records=self.val, metrics_path=self.metrics_path, stop=self.stop)
+                                 val_records=self.val, metrics_path=self.metrics_path, stop=self.stop,
+                                 rollout=rollout)
         return self.trainer
+
+    def _start_pools(self, make_pool, engine_env: dict, role_env: dict):
+        """`rollout.pool` set: an `ActorWorker` group on the actor's pool (the actor and the roles placed there), a
+        `RolloutWorker` group on the rollout pool, the bridge between them (its store on actor rank 0's node, at a
+        port the controller picks there) -> (actor group, rollout group, `PoolRollout`)."""
+        from megarl.controller.bridge import BridgeSpec
+        from megarl.rollout.service import PoolRollout
+        from megarl.workers.pool_sync import ActorWorker, RolloutWorker
+
+        cfg = self.cfg
+        actors = WorkerGroup(make_pool(cfg.actor.pool), ActorWorker, cfg, env=role_env)
+        self.groups.append(actors)
+        engines = WorkerGroup(make_pool(cfg.rollout.pool), RolloutWorker, cfg, self.model_dir, env=engine_env)
+        self.groups.append(engines)
+        host, port = actors.rank_address(0)
+        spec = BridgeSpec(host, port, train_ranks=actors.world_size, rollout_ranks=engines.world_size)
+        source = actors.sync_source()
+        joining = [actors.connect_bridge.submit(spec), engines.connect_bridge.submit(spec, source)]
+        ranks = [r for call in joining for r in call.result()]
+        logger.info("bridge %r over %s:%d: actor ranks -> bridge %s, rollout ranks -> bridge %s", spec.name, host,
+                    port, ranks[:spec.train_ranks], ranks[spec.train_ranks:])
+        return actors, engines, PoolRollout(actors, engines)
 
     def signals(self):
         """SIGTERM/SIGINT handlers around training (`megarl.trainer.stop`); none off the main thread, where Python

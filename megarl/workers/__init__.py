@@ -6,6 +6,8 @@
   RoleWorker    role_host.py     a RoleHost only: a critic, reference or reward model on a pool of its own
   RolloutHost   rollout_host.py  the vLLM engine, its sleep/wake bookkeeping, `generate`, /dev/shm segments
   HybridWorker  hybrid.py        RoleHost + RolloutHost + the local reshard (the colocated "hybrid engine")
+  ActorWorker   pool_sync.py     RoleHost on the actor's pool when the engines have a pool of their own; sends weights
+  RolloutWorker pool_sync.py     RolloutHost on the rollout pool (`rollout.pool`) + the weight receiver
   OffloadPolicy offload.py       a role's `offload` flags applied between the phases of a step
 
 Names are imported lazily (`from megarl.workers import HybridWorker`): building a worker imports megatron-core and
@@ -17,7 +19,8 @@ from __future__ import annotations
 import importlib
 
 _HOMES = {"RoleHost": "role_host", "RoleWorker": "role_host", "RolloutHost": "rollout_host",
-          "HybridWorker": "hybrid", "OffloadPolicy": "offload"}
+          "HybridWorker": "hybrid", "OffloadPolicy": "offload",
+          "ActorWorker": "pool_sync", "RolloutWorker": "pool_sync"}
 __all__ = sorted(_HOMES)
 
 

@@ -27,7 +27,10 @@ VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 class RolloutHost:
     """One rank's vLLM engine (see the module docstring). `engine`: the `VllmRolloutEngine`; `_awake`: the parts of
-    it that are awake ("weights", "kv_cache"; a new engine: both)."""
+    it that are awake ("weights", "kv_cache"; a new engine: both). `sleeps_between_rollouts`: False on a host whose
+    devices are the engine's alone (a rollout pool), which keeps the engine awake after `generate`."""
+
+    sleeps_between_rollouts = True
 
     def __init__(self, cfg: JobConfig, engine_model_dir: str) -> None:
         """Build this rank's engine of `cfg.rollout` from the HF config and tokenizer in `engine_model_dir`, with
@@ -74,10 +77,8 @@ class RolloutHost:
         try:
             out = self.engine.generate(prompts, sampling)
         finally:
-            # GPU: level 2 drops weights and KV cache without copying the weights to host: the next sync overwrites
-            # every weight anyway (a full reshard; level 1 would copy the model to host and back).
-            self.engine.sleep(level=2)
-            self._awake.clear()
+            if self.sleeps_between_rollouts:
+                self._sleep_after_rollout()
         if self.engine.tp_rank != 0:
             return None
         return {
@@ -86,6 +87,12 @@ class RolloutHost:
             "truncated": list(out.truncated_prompt_indices),
             "prompts": len(prompts),
         }
+
+    def _sleep_after_rollout(self) -> None:
+        # GPU: level 2 drops weights and KV cache without copying the weights to host: the next sync overwrites
+        # every weight anyway (a full reshard; level 1 would copy the model to host and back).
+        self.engine.sleep(level=2)
+        self._awake.clear()
 
     @dispatch(Dispatch.ONE_TO_ALL)
     def shm_segments(self) -> dict[str, object]:

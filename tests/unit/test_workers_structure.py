@@ -138,3 +138,66 @@ def test_colocated_generate_refuses_replicas_that_lose_prompts():
 
     with pytest.raises(RuntimeError, match="report 3 prompts for the 4 sent"):
         ColocatedRollout(Short(2, {})).generate([[1]] * 4, SamplingSettings())
+
+
+# ------------------------------------------------------------------------------------------- PoolRollout
+def test_pool_workers_expose_the_role_and_sync_methods():
+    from megarl.workers.pool_sync import ActorWorker, RolloutWorker
+    from megarl.workers.role_host import RoleHost
+
+    actor, engines = dispatched_methods(ActorWorker), dispatched_methods(RolloutWorker)
+    for name in ROLE_METHODS:
+        assert actor[name] is dispatched_methods(RoleHost)[name]
+    assert {"connect_bridge", "send_weights", "sync_source"} <= set(actor) and "generate" not in actor
+    assert {"connect_bridge", "receive_weights", "generate", "shm_segments"} <= set(engines)
+    assert not set(ROLE_METHODS) & set(engines)
+
+
+class _Call:
+    def __init__(self, log, what, value):
+        self.log, self.what, self.value = log, what, value
+
+    def result(self):
+        self.log.append(("wait", self.what))
+        return self.value
+
+
+class _Method:
+    def __init__(self, log, what, value):
+        self.log, self.what, self.value = log, what, value
+
+    def submit(self, version):
+        self.log.append(("submit", self.what, version))
+        return _Call(self.log, self.what, self.value)
+
+
+def _report(sent, received, verified, planned, lower=0.0):
+    return {"reshard/bytes_sent": sent, "reshard/bytes_received": received, "reshard/bytes_lower_bound": lower,
+            "reshard/time_s": 0.5 + sent / 1e3, "reshard/verified_pieces": verified,
+            "reshard/planned_pieces": planned}
+
+
+def test_pool_push_submits_both_sides_before_waiting_and_summarises_per_rank():
+    from types import SimpleNamespace
+
+    from megarl.rollout.service import PoolRollout
+
+    log = []
+    actors = SimpleNamespace(send_weights=_Method(log, "send", [_report(300, 0, 0, 0), _report(100, 0, 0, 0)]))
+    engines = _FakeGroup(2, {})
+    engines.receive_weights = _Method(log, "receive", [_report(0, 200, 5, 5, 200), _report(0, 200, 5, 5, 200)])
+    service = PoolRollout(actors, engines)
+    out = service.push_weights(version=3)
+    assert log[:2] == [("submit", "send", 3), ("submit", "receive", 3)]  # both in flight before either is waited
+    assert service.weight_version == 3 and len(out) == 1 + 2 + 2
+    s = out[0]
+    assert (s["reshard/pool/sent_max_bytes"], s["reshard/pool/sent_mean_bytes"]) == (300, 200)
+    assert (s["reshard/pool/received_max_bytes"], s["reshard/pool/received_mean_bytes"]) == (200, 200)
+    assert s["reshard/pool/sent_bytes_rank1"] == 100 and s["reshard/pool/received_bytes_rank0"] == 200
+    assert s["reshard/pool/lower_bound_bytes"] == 400 and s["reshard/pool/verified"] == 1.0
+    assert s["reshard/time_s"] == 0.8  # the slowest rank's
+    engines.receive_weights.value = [_report(0, 200, 5, 5), _report(0, 200, 4, 5)]  # one piece unchecked
+    assert service.push_weights(version=4)[0]["reshard/pool/verified"] == 0.0
+    # generate: the replicas' samples merged as the colocated service merges them
+    prompts, sampling = [[1, i] for i in range(5)], SamplingSettings(samples_per_prompt=2)
+    assert list(service.generate(prompts, sampling)) == list(ColocatedRollout(engines).generate(prompts, sampling))
