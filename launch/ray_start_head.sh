@@ -6,7 +6,8 @@
 #   bash launch/ray_start_head.sh --dry-run                # print the command, start nothing
 #
 # Then on every other node:  bash launch/ray_start_worker.sh --address HEAD_IP:PORT
-# and submit a job:          bash launch/ray_submit.sh yaml_configs/<config>.yaml [key=value ...]
+# and run a config:          bash launch/ray_submit.sh --driver --address HEAD_IP:PORT yaml_configs/<config>.yaml
+#                            (the controller in that shell; without --driver, a Ray job: needs ray[default])
 #
 # Ray 2.60 uses token authentication: this script makes sure a token exists and runs with RAY_AUTH_MODE=token. The
 # token is ~/.ray/auth_token (created with `ray get-auth-token --generate` if missing), or the file RAY_AUTH_TOKEN_PATH
@@ -63,4 +64,6 @@ fi
 IP="$NODE_IP"
 [ -n "$IP" ] || IP="$(hostname -I 2>/dev/null | awk '{print $1}')"
 echo "[ray_start_head] workers join with: bash launch/ray_start_worker.sh --address ${IP:-HEAD_IP}:$PORT"
+echo "[ray_start_head] run a config with: bash launch/ray_submit.sh --driver --address ${IP:-HEAD_IP}:$PORT CONFIG" \
+     "[key=value ...] (on any node of the cluster)"
 echo "[ray_start_head] stop with: bash launch/ray_stop.sh${TEMP_DIR:+ --temp-dir $TEMP_DIR} (on each node)"

@@ -124,6 +124,28 @@ def test_launch_scripts_dry_run_commands():
     assert missing.returncode == 2 and "CONFIG is required" in missing.stderr
 
 
+def test_ray_submit_driver_mode_command_and_its_refusals():
+    """`--driver` runs `megarl train` here with RAY_ADDRESS = the head's GCS address (its run on a 2-node cluster:
+    tests/e2e/test_dynamic_sampling.py); what it cannot honour is refused with exit status 2 and a message."""
+    out = _sh("launch/ray_submit.sh", "--driver", "--address", "10.0.0.1:6380", "cfg.yaml", "a.b=2", "--verbose",
+              "--dry-run")
+    assert out.returncode == 0 and out.stdout.strip() == (
+        "RAY_AUTH_MODE=token RAY_ADDRESS=10.0.0.1:6380 megarl train cfg.yaml a.b=2 --verbose")
+    refusals = {
+        ("--driver", "cfg.yaml", "--dry-run"): "--driver needs the head's GCS address",
+        ("--driver", "--address", "http://h:8265", "cfg.yaml", "--dry-run"): "not to a URL like 'http://h:8265'",
+        ("--driver", "--address", "h", "cfg.yaml", "--dry-run"): "'h' is not HEAD_IP:PORT",
+        ("--driver", "--address", "h:1", "--no-wait", "cfg.yaml", "--dry-run"): "--no-wait: only for Ray jobs",
+        ("--driver", "--address", "h:1", "cfg.yaml", "steps", "--dry-run"): "'steps' after CONFIG is not a key=value",
+        ("--driver", "--address", "h:1", "no_such.yaml"): "config 'no_such.yaml' not found",
+        ("cfg.yaml", "--address"): "--address needs a value",
+        ("cfg.yaml", "--bogus"): "unknown option '--bogus'",
+    }
+    for args, message in refusals.items():
+        r = _sh("launch/ray_submit.sh", *args)
+        assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
+
+
 def test_ray_stop_without_temp_dir_is_ray_stop_and_checks_its_dir(tmp_path):
     assert _sh("launch/ray_stop.sh", "--force", "--dry-run").stdout.strip() == "ray stop --force"
     bad = _sh("launch/ray_stop.sh", "--temp-dir", str(tmp_path / "nope"))
