@@ -152,6 +152,9 @@ class _WorkerHost:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def init_world(
         self, master_addr: str, master_port: int, build: tuple[type, tuple, dict], pg_timeout_s: float
     ) -> int:
@@ -262,6 +265,11 @@ class WorkerGroup:
         """The node IP of `rank` and a TCP port free there right now (a rendezvous another group can reach, e.g.
         the bridge's store, `megarl.controller.bridge`)."""
         return self._gather([self._actors[rank].address.remote()], f"address of rank {rank}", timeout_s)[0]
+
+    def pids(self, timeout_s: float = 60.0) -> list[int]:
+        """The worker processes' pids, in rank order (for logs and tools that find the processes, e.g. in Ray's
+        actor table)."""
+        return self._gather([a.pid.remote() for a in self._actors], "pids", timeout_s)
 
     def __repr__(self) -> str:
         return f"WorkerGroup({self.worker_cls.__name__} x {self.world_size} on pool {self.pool.name!r})"

@@ -96,6 +96,11 @@ def placement_summary(cfg: JobConfig, device: str, threads: int) -> str:
     return "\n".join(lines)
 
 
+def _ranks_and_pids(pids: list[int]) -> str:
+    """'rank 0 pid P, rank 1 pid Q, ...' (the log line tools read a group's processes from)."""
+    return ", ".join(f"rank {i} pid {p}" for i, p in enumerate(pids))
+
+
 class TrainingSession:
     """A job's controller side. `reward_fn`: a Python callable `fn(response_text, answer, record) -> float` used
     instead of the one `cfg.reward` names (the API's `reward=`); it runs here, on the controller, and is never sent to
@@ -183,8 +188,12 @@ class TrainingSession:
         else:  # the engines on a pool of their own, joined to the actor's by the bridge
             workers, engines, rollout = self._start_pools(make_pool, env, {"OMP_NUM_THREADS": str(threads), **quiet})
         self.shm_reports = engines.shm_segments()  # removed after the workers are gone, however the run ends
-        logger.info("worker processes: %s", ", ".join(f"rank {i} pid {r['pid']}"
-                                                      for i, r in enumerate(self.shm_reports)))
+        engine_pids = _ranks_and_pids([r["pid"] for r in self.shm_reports])
+        if rollout is None:
+            logger.info("worker processes: %s", engine_pids)
+        else:
+            logger.info("worker processes: actor pool %r: %s; rollout pool %r: %s", cfg.actor.pool,
+                        _ranks_and_pids(workers.pids()), cfg.rollout.pool, engine_pids)
         role_groups = {}
         for role in SIDE_ROLES:
             r = cfg.role(role)

@@ -55,6 +55,7 @@ class ProbeWorker:
             "rank": self.rank, "world": self.world, "local_rank": int(os.environ["LOCAL_RANK"]),
             "backend": dist.get_backend(), "sum": float(t.item()), "tag": self.tag, "scale": self.scale,
             "master": (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]), "env": os.environ.get("MEGARL_TEST_ENV"),
+            "pid": os.getpid(),
         }
 
     @dispatch(ONE_TO_ALL)
@@ -171,6 +172,7 @@ def test_workers_form_one_gloo_world(group):
     assert [i["sum"] for i in infos] == [3.0, 3.0]  # all_reduce of rank+1
     assert all(i["tag"] == "hello" and i["scale"] == 3 and i["env"] == "yes" for i in infos)
     assert infos[0]["master"] == infos[1]["master"] == (group.master_addr, str(group.master_port))
+    assert group.pids() == [i["pid"] for i in infos] and infos[0]["pid"] != infos[1]["pid"] != os.getpid()
 
 
 def test_one_to_all_and_all_to_all(group):
