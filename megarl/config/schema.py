@@ -331,6 +331,15 @@ class RolloutConfig:
         True, "After every reshard, check each received shard piece against its sender's checksum; a mismatch "
         "stops the run naming the parameter and ranks (cost: reshard/verify_time_s)."
     )
+    partial: Literal["finish", "continue"] = opt(
+        "finish", "async: generations in flight at a weight push: finish = they complete on the old weights (the push "
+        "waits for them); continue = generation runs in pieces of partial_chunk_tokens and a push between pieces "
+        "applies at once: each unfinished response continues from the tokens it has (its KV cache recomputed under "
+        "the new weights), every token recording the version that sampled it."
+    )
+    partial_chunk_tokens: int = opt(
+        16, "rollout.partial=continue: new tokens per piece (a push waits at most one piece).", unit="tokens", min=1,
+    )
 
 
 # --------------------------------------------------------------------------------------------------- algorithm
@@ -622,6 +631,25 @@ class TrainerConfig:
     max_skipped_steps: int = opt(
         3, "Stop the run after this many optimizer steps in a row were skipped for a non-finite loss or gradient "
         "norm (actor or critic; each skip is counted in <role>/skipped_steps).", unit="optimizer steps", min=1,
+    )
+    mode: Literal["sync", "one_step_off", "async"] = opt(
+        "sync", "Schedule of rollout against training (docs/async.md): sync = generate, then train on it (on-policy); "
+        "one_step_off = step k+1's rollout runs with the weights before update k while step k trains (one version "
+        "stale, deterministic); async = rollout runs continuously into a bounded buffer (needs rollout.pool), the "
+        "trainer takes batches at most max_staleness versions old. Off-policy modes need "
+        "algorithm.rollout_correction (tis or mask)."
+    )
+    max_staleness: int = opt(
+        1, "async: the most policy versions a trained token may lag the weights being updated (per sample: its "
+        "oldest token). Older batches follow stale_policy.", unit="versions", min=0,
+    )
+    stale_policy: Literal["wait", "drop"] = opt(
+        "wait", "async: wait = rollout does not start a batch that would be too stale when trained (never wasted "
+        "work); drop = rollout runs free and batches beyond max_staleness are dropped, counted (async/dropped_batches)."
+    )
+    sync_every: int = opt(
+        1, "async: push the actor's weights into the engines every this many updates (<= max_staleness + 1).",
+        unit="updates", min=1,
     )
 
 

@@ -476,7 +476,47 @@ def _check_rollout_correction(rc) -> None:
             raise ConfigError(f"{key}.mask_c: the mask band [1/mask_c, mask_c] needs mask_c > 1, got {rc.mask_c}")
 
 
+def _check_schedule(cfg: JobConfig) -> None:
+    """`trainer.mode` and what it needs (docs/async.md): off-policy modes train on tokens sampled by older weights,
+    so they need the rollout correction; async needs engines on their own pool; the partial-rollout options belong
+    to async."""
+    t, r = cfg.trainer, cfg.rollout
+    rc = cfg.algorithm.rollout_correction
+    if t.mode != "sync" and rc.tis == "off" and rc.mask == "off":
+        raise ConfigError(f"trainer.mode={t.mode!r} trains on rollouts sampled by older weights and needs the "
+                          "off-policy correction: set algorithm.rollout_correction.tis (token or sequence) and/or "
+                          "algorithm.rollout_correction.mask (docs/rollout_correction.md)")
+    if t.mode == "async" and r.pool is None:
+        raise ConfigError("trainer.mode='async' runs the engines continuously beside training and needs devices of "
+                          "their own: set rollout.pool to a pool name (or use trainer.mode=one_step_off, which also "
+                          "runs colocated)")
+    if t.mode != "sync" and cfg.algorithm.dynamic_sampling.enabled:
+        raise ConfigError(f"algorithm.dynamic_sampling with trainer.mode={t.mode!r}: extra sampling rounds are "
+                          "drawn inside the synchronous step only; use trainer.mode=sync")
+    if t.mode == "async":
+        if t.sync_every > t.max_staleness + 1:
+            raise ConfigError(f"trainer.sync_every={t.sync_every} with trainer.max_staleness={t.max_staleness}: "
+                              "weights pushed this rarely make every batch staler than the bound; set sync_every <= "
+                              f"{t.max_staleness + 1} or raise max_staleness")
+    else:
+        for key, value, default in (("trainer.max_staleness", t.max_staleness, 1),
+                                    ("trainer.stale_policy", t.stale_policy, "wait"),
+                                    ("trainer.sync_every", t.sync_every, 1)):
+            if value != default:
+                raise ConfigError(f"{key}={value!r} applies to trainer.mode=async only (mode is {t.mode!r}); drop it "
+                                  "or set trainer.mode: async")
+    if r.partial == "continue":
+        if t.mode != "async":
+            raise ConfigError(f"rollout.partial=continue applies to trainer.mode=async (mode is {t.mode!r}): the "
+                              "other modes never push weights during a generation")
+        if r.stop:
+            raise ConfigError("rollout.partial=continue generates in pieces of rollout.partial_chunk_tokens and "
+                              "cannot see a stop string cut across two pieces; drop rollout.stop or use "
+                              "rollout.partial=finish")
+
+
 def _check_trainer(cfg: JobConfig) -> None:
+    _check_schedule(cfg)
     if cfg.trainer.val_every > 0 and cfg.data.val_path is None:
         raise ConfigError(f"trainer.val_every={cfg.trainer.val_every} needs data.val_path (or set val_every=0)")
     if cfg.checkpoint.save_every > 0 and cfg.checkpoint.dir is None:

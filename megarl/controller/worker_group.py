@@ -316,6 +316,16 @@ class WorkerGroup:
         return PendingCall(self, what, spec, refs, replica_of, time.monotonic() + timeout, timeout)
 
     def _replicas(self, what: str, spec: DispatchSpec, timeout: float) -> list[int]:
+        """Each rank's replica for a DP_SPLIT call, asked of the workers once per dispatch spec and kept: a group's
+        layout is fixed, and asking again would queue behind the calls the workers are running (a rollout pool's
+        `generate` while the trainer dispatches the next one)."""
+        cache = self.__dict__.setdefault("_replica_cache", {})
+        key = (spec.group_size, spec.replica_attr, spec.group_size_attr)
+        if key not in cache:
+            cache[key] = self._ask_replicas(what, spec, timeout)
+        return cache[key]
+
+    def _ask_replicas(self, what: str, spec: DispatchSpec, timeout: float) -> list[int]:
         if spec.group_size is not None:
             return replicas_from_group_size(self.world_size, spec.group_size, what)
         if spec.replica_attr is not None:

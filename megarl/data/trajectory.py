@@ -106,11 +106,12 @@ class Trajectory:
 
     # ------------------------------------------------------------------------------------------- builders
     @classmethod
-    def from_rollout_sample(cls, sample: Any, *, policy_version: int, group_uid: Optional[str] = None,
+    def from_rollout_sample(cls, sample: Any, *, policy_version: "int | Sequence[int]", group_uid: Optional[str] = None,
                             uid: Optional[str] = None) -> "Trajectory":
         """A single-turn `megarl.rollout.engine.RolloutSample` (prompt_ids, response_ids, response_log_probs,
         finish_reason, prompt_index, sample_index, routed_experts) as a trajectory: loss_mask 1 on the whole
-        response, every response token sampled by `policy_version`. `group_uid` defaults to the prompt index and
+        response, every response token sampled by `policy_version` (an int), or token t of the response by
+        `policy_version[t]` (a partial rollout continued across weight pushes). `group_uid` defaults to the prompt index and
         `uid` to "<group_uid>/<sample_index>" (unique within one `generate` call; pass step-qualified ids to make them
         unique across calls)."""
         p, r = len(sample.prompt_ids), len(sample.response_ids)
@@ -118,12 +119,16 @@ class Trajectory:
             raise ValueError(f"sample {sample.prompt_index}/{sample.sample_index}: {r} response tokens but "
                              f"{len(sample.response_log_probs)} log-probs")
         group_uid = str(sample.prompt_index) if group_uid is None else group_uid
+        versions = [int(policy_version)] * r if isinstance(policy_version, int) else [int(v) for v in policy_version]
+        if len(versions) != r:
+            raise ValueError(f"sample {sample.prompt_index}/{sample.sample_index}: {r} response tokens but "
+                             f"{len(versions)} policy versions")
         return cls(
             token_ids=list(sample.prompt_ids) + list(sample.response_ids),
             prompt_len=p,
             loss_mask=[0] * p + [1] * r,
             log_probs=[0.0] * p + [float(x) for x in sample.response_log_probs],
-            policy_version=[CONTEXT_VERSION] * p + [int(policy_version)] * r,
+            policy_version=[CONTEXT_VERSION] * p + versions,
             uid=f"{group_uid}/{sample.sample_index}" if uid is None else uid,
             group_uid=group_uid,
             finish_reason=sample.finish_reason,

@@ -37,6 +37,10 @@ class SamplingSettings:
     stop_token_ids: tuple[int, ...] = ()  # extra stop token ids
     seed: Optional[int] = 0
     ignore_eos: bool = False  # benchmarks / tests that need fixed-length responses
+    # Longest prompt of this call (tokens); None = the engine's rollout.max_prompt_tokens. A partial rollout's
+    # continuation (`megarl.trainer.schedule`) passes prompt + the tokens sampled so far as its prompt, and raises
+    # the limit by those tokens (prompt + max_new_tokens still fits the engine's max_model_len).
+    max_prompt_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.samples_per_prompt < 1:
@@ -111,6 +115,7 @@ class RolloutSamples(list):
         super().__init__(samples)
         self.dropped_prompt_indices = list(dropped_prompt_indices)
         self.truncated_prompt_indices = list(truncated_prompt_indices)
+        self.generate_s: Optional[float] = None  # seconds the engines spent on the call, when a service measured it
 
 
 class OverlongPromptError(ValueError):

@@ -3,6 +3,8 @@
     service.generate(prompts, sampling) -> RolloutSamples   the synchronous step: n samples per prompt, in order
     service.push_weights(version)                            the actor's weights after update `version` into the
                                                              engines (0: the initial weights)
+    service.submit_generate(prompts, sampling) -> PendingRollout   `generate` without waiting (the one_step_off and
+                                                             async schedules, `megarl.trainer.schedule`)
 
 `ColocatedRollout` is today's shape: the engines live in the actor's processes (`megarl.workers.HybridWorker`), the
 step's prompts are split over the engine replicas by the controller (DP_SPLIT by `rollout_replica`) and a weight push
@@ -38,6 +40,32 @@ class RolloutService(Protocol):
         """Make the engines hold the actor's current weights, those after update `version`; returns each weight
         receiver's metrics (bytes, seconds), in rank order."""
         ...
+
+
+class PendingRollout:
+    """A `generate` submitted to the engines and not yet waited on (`submit_generate`): the schedules of
+    `megarl.trainer.schedule` run it beside training. `result()` waits (bounded by the worker group's call timeout,
+    naming the call) and returns the merged `RolloutSamples` with `generate_s` = seconds from submit to result."""
+
+    def __init__(self, pending: Any, n_prompts: int) -> None:
+        import time
+
+        self._pending, self._n = pending, n_prompts
+        self._submitted = time.perf_counter()
+        self._result: Optional[RolloutSamples] = None
+        self.generate_s: Optional[float] = None
+
+    def done(self) -> bool:
+        """Whether every engine rank has answered (without waiting)."""
+        return self._result is not None or self._pending.done()
+
+    def result(self) -> RolloutSamples:
+        import time
+
+        if self._result is None:
+            self._result = _merged(self._pending.result(), self._n)
+            self.generate_s = time.perf_counter() - self._submitted
+        return self._result
 
 
 class RequestRolloutService(RolloutService, Protocol):
@@ -77,6 +105,11 @@ class ColocatedRollout:
         chunk of `prompts`; its local prompt indices are shifted by the sizes of the chunks before it."""
         return _merged(self.workers.generate(prompts, sampling), len(prompts))  # one result per replica
 
+    def submit_generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> PendingRollout:
+        """`generate` without waiting: the engines start on it and the caller goes on (one_step_off). The group's
+        next calls (the roles' forwards and updates, on the same processes) queue behind it."""
+        return PendingRollout(self.workers.generate.submit(prompts, sampling), len(prompts))
+
     def push_weights(self, version: int) -> list[dict[str, float]]:
         """The local reshard of every rank (`HybridWorker.sync_weights`); returns each rank's reshard metrics."""
         metrics = self.workers.sync_weights()
@@ -107,6 +140,10 @@ class PoolRollout:
         """`RolloutService.generate` through the rollout pool's DP_SPLIT `generate` (replica k: the k-th chunk)."""
         return _merged(self.workers.generate(prompts, sampling), len(prompts))
 
+    def submit_generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> PendingRollout:
+        """`generate` without waiting: the rollout pool generates while the actor pool trains."""
+        return PendingRollout(self.workers.generate.submit(prompts, sampling), len(prompts))
+
     def push_weights(self, version: int) -> list[dict[str, float]]:
         sending = self.actor_workers.send_weights.submit(version)
         receiving = self.workers.receive_weights.submit(version)
@@ -135,7 +172,8 @@ def pool_sync_summary(sent: list[dict[str, float]], received: list[dict[str, flo
 
 def _merged(per_replica: list[dict], n_prompts: int) -> RolloutSamples:
     """The replicas' results (in replica order; replica k sampled the k-th contiguous chunk) as one `RolloutSamples`:
-    local prompt indices shifted by the sizes of the chunks before them, ordered by (prompt_index, sample_index)."""
+    local prompt indices shifted by the sizes of the chunks before them, ordered by (prompt_index, sample_index);
+    `generate_s` = the slowest replica's seconds in its engine."""
     samples, dropped, truncated = [], [], []
     lo = 0
     for out in per_replica:
@@ -146,7 +184,9 @@ def _merged(per_replica: list[dict], n_prompts: int) -> RolloutSamples:
     if lo != n_prompts:
         raise RuntimeError(f"the rollout replicas report {lo} prompts for the {n_prompts} sent")
     samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
-    return RolloutSamples(samples, dropped_prompt_indices=dropped, truncated_prompt_indices=truncated)
+    out = RolloutSamples(samples, dropped_prompt_indices=dropped, truncated_prompt_indices=truncated)
+    out.generate_s = max((r.get("seconds", 0.0) for r in per_replica), default=0.0)  # the slowest replica's
+    return out
 
 
 def _shifted(sample, offset: int):

@@ -288,10 +288,11 @@ class VllmRolloutEngine(VllmRequestApi):
         if len(self.tp_ranks) > 1:
             self._check_same_requests(prompts, sampling)
         s = self.settings
-        if s.max_prompt_tokens + sampling.max_new_tokens > s.max_model_len:
-            raise ValueError(f"rollout.max_prompt_tokens ({s.max_prompt_tokens}) + rollout.max_new_tokens "
+        max_prompt = s.max_prompt_tokens if sampling.max_prompt_tokens is None else sampling.max_prompt_tokens
+        if max_prompt + sampling.max_new_tokens > s.max_model_len:
+            raise ValueError(f"rollout.max_prompt_tokens ({max_prompt}) + rollout.max_new_tokens "
                              f"({sampling.max_new_tokens}) exceeds the engine's max_model_len ({s.max_model_len})")
-        plan = plan_prompts(prompts, s.max_prompt_tokens, s.overlong_prompt)
+        plan = plan_prompts(prompts, max_prompt, s.overlong_prompt)
         params = [sampling_params(sampling, i) for i in plan.kept_indices]
         capture = s.return_routed_experts
         if capture:

@@ -43,6 +43,7 @@ from megarl.trainer import checkpointing
 from megarl.trainer.faults import RunAborted
 from megarl.trainer.progress import ConsoleProgress
 from megarl.trainer.samples import samples_to_trajectories
+from megarl.trainer.schedule import RolloutBatch, build_schedule
 from megarl.trainer.stop import StopRequest
 from megarl.trainer.tracking import build_sinks
 
@@ -107,6 +108,8 @@ class RLTrainer:
         self.next_step = 0  # 0 until `start`; then the step `run_step` runs next
         self.last_saved: Optional[int] = None  # the last step checkpointed by this process
         self.progress: Optional[ConsoleProgress] = None  # made by `start` (the bar starts at the resumed step)
+        # when rollouts run against training (trainer.mode, `megarl.trainer.schedule`)
+        self.schedule = build_schedule(self)
 
     # --------------------------------------------------------------------------------------------- the loop
     def fit(self) -> list[StepResult]:
@@ -130,12 +133,15 @@ class RLTrainer:
         if self.next_step == 0:
             self.next_step = self._resume() + 1
             self.rollout.push_weights(version=self.next_step - 1)
+            self.schedule.start(self.next_step)
             self.progress = ConsoleProgress(self.cfg.trainer.total_steps, self.next_step, self.cfg.logging.progress,
                                             self.cfg.trainer.log_every)
         return self.next_step
 
     def close(self) -> None:
-        """End the progress bar and flush and close the metric sinks (TensorBoard, W&B). Idempotent."""
+        """Stop the rollout schedule's driver, end the progress bar and flush and close the metric sinks
+        (TensorBoard, W&B). Idempotent."""
+        self.schedule.close()
         if self.progress is not None:
             self.progress.close()
         for sink in self.sinks:
@@ -188,6 +194,7 @@ class RLTrainer:
             logger.info(line)
         loaded = [name for group in self._checkpointed_groups() for name in group.load_checkpoint(path)]
         self.loader.load_state_dict(state["loader"])
+        self.schedule.load_buffer(path)  # the finished rollouts not yet trained on (one_step_off, async)
         self.kl_ctl.value = float(state.get("kl_coef", self.kl_ctl.value))
         self.skip_streak = {k: int(v) for k, v in state.get("skip_streak", {}).items()}
         checkpointing.load_controller_rng(path)
@@ -209,7 +216,13 @@ class RLTrainer:
     def save(self, step: int, root: Optional[str] = None) -> str:
         """Checkpoint everything the next step depends on (see `trainer.checkpointing`) into `root/step_NNNNNN`
         (`root`: default `checkpoint.dir`): the trained roles' full state, every process's RNG states, the loader
-        position, the KL coefficient, the skipped-step streak and the config. Returns the step directory."""
+        position, the KL coefficient, the skipped-step streak, the config and (one_step_off, async) the finished
+        rollout batches not yet trained on, written while the schedule is paused (nothing in flight). Returns the
+        step directory."""
+        with self.schedule.pause():
+            return self._save(step, root)
+
+    def _save(self, step: int, root: Optional[str]) -> str:
         root = root or self.cfg.checkpoint.dir
         path = checkpointing.step_dir(root, step)
         if os.path.exists(path):
@@ -220,6 +233,7 @@ class RLTrainer:
         for group in self._checkpointed_groups():
             group.save_checkpoint(path)
         checkpointing.save_controller_rng(path)
+        self.schedule.save_buffer(path)
         checkpointing.write_state(path, {"step": step, "loader": self.loader.state_dict(),
                                          "kl_coef": self.kl_ctl.value, "skip_streak": dict(self.skip_streak),
                                          "config": checkpointing.config_record(self.cfg)})
@@ -246,14 +260,14 @@ class RLTrainer:
         t: dict[str, float] = {}
         start = time.perf_counter()
         metrics: dict[str, float] = {}
-        records, samples, dropped, scores, reward_metrics = self._rollout_round(step, 0, t)
-        if self.cfg.algorithm.dynamic_sampling.enabled:
-            samples, dropped, scores, reward_metrics = self._dynamic_sampling(
-                step, t, (records, samples, dropped, scores, reward_metrics), metrics)
-        trajectories = samples_to_trajectories(samples, policy_version=step - 1, uid_prefix=f"{step}/")
+        rollout = self.schedule.take(step, t)  # sync: generated and scored now; else generated beside training
+        samples, dropped, scores = rollout.samples, rollout.dropped, rollout.scores
+        metrics.update(rollout.metrics)
+        trajectories = samples_to_trajectories(samples, policy_version=rollout.version, uid_prefix=f"{step}/",
+                                               token_versions=rollout.token_versions)
         batch = trajectories_to_batch(trajectories, pad_id=self.encoder.pad_token_id or 0)
         with _timer(t, "reward"):
-            metrics.update(reward_metrics)
+            metrics.update(rollout.reward_metrics)
             if "reward_model" in self.role_groups:  # the learned reward is what is trained on
                 metrics["reward/rule_mean"] = float(scores.mean())
                 scores = self.role_groups["reward_model"].score(batch).tensors["scores"].float()
@@ -267,7 +281,7 @@ class RLTrainer:
                     batch.tensors["routed_experts"] = old.tensors["routed_experts"]
                 if "moe_rollout_routing_diff_frac" in old.meta:  # rollout: vLLM's experts vs the actor's own
                     metrics["actor/moe_rollout_routing_diff_frac"] = float(old.meta["moe_rollout_routing_diff_frac"])
-            metrics.update(self._mismatch(batch))
+            metrics.update(self._mismatch(batch, trained_version=step - 1))
         if "reference" in self.role_groups:
             with _timer(t, "ref_log_probs"):
                 ref = self.role_groups["reference"].compute_ref_log_probs(batch)
@@ -293,7 +307,7 @@ class RLTrainer:
                 metrics.update({f"critic/{k}": v for k, v in pending.result().items()})
         self._count_skips(metrics)
         with _timer(t, "sync_weights"):
-            reshard = self.rollout.push_weights(version=step)
+            reshard = self.schedule.after_update(step)
         lengths = batch.tensors["loss_mask"].float().sum(-1)  # sampled tokens per trajectory
         tokens = float(batch.tensors["attention_mask"].sum())
         step_time = time.perf_counter() - start
@@ -306,16 +320,48 @@ class RLTrainer:
         if reshard:
             first = reshard[0] if isinstance(reshard, list) else reshard
             metrics.update({k: v for k, v in first.items() if k in RESHARD_METRICS or k.startswith(POOL_METRICS)})
+        metrics.update(self.schedule.step_metrics(rollout, step))
+        if self.schedule.mode != "sync":  # the share of the step the trainer computed (not waiting on rollouts)
+            waited = t.get("rollout_wait", 0.0) + t.get("sync_weights", 0.0)
+            metrics["async/train_busy_frac"] = max(0.0, 1.0 - waited / step_time)
         return StepResult(step, metrics)
 
     # --------------------------------------------------------------------------------------------- pieces
+    def _sync_batch(self, step: int, t: dict[str, float]) -> RolloutBatch:
+        """The synchronous step's rollout (`megarl.trainer.schedule.Schedule`): generated now with the weights of
+        version step - 1, scored, with dynamic sampling's extra rounds when it is on."""
+        metrics: dict[str, float] = {}
+        records, samples, dropped, scores, reward_metrics = self._rollout_round(step, 0, t)
+        if self.cfg.algorithm.dynamic_sampling.enabled:
+            samples, dropped, scores, reward_metrics = self._dynamic_sampling(
+                step, t, (records, samples, dropped, scores, reward_metrics), metrics)
+        return RolloutBatch(step, records, samples, dropped, scores, reward_metrics, version=step - 1,
+                            metrics=metrics)
+
+    def _draw(self, index: int, k: int = 0):
+        """The loader's next prompts for batch `index` (round `k`): (records, prompt token ids, sampling settings
+        with seed `rollout.seed + index`, plus k * ROUND_SEED_STRIDE)."""
+        records = self.loader.next_batch()
+        prompts = [self.encoder.encode(r.prompt) for r in records]
+        sampling = dataclasses.replace(self.sampling, seed=self.sampling.seed + index + k * ROUND_SEED_STRIDE)
+        return records, prompts, sampling
+
+    def _scored_batch(self, index: int, records, out, version: int, token_versions=None,
+                      rollout_s: float = 0.0) -> RolloutBatch:
+        """A generation's `RolloutSamples` (`out`) for `records` as a scored `RolloutBatch` (the one_step_off and
+        async schedules; may run on the rollout driver thread)."""
+        samples, dropped = self._checked(out)
+        started = time.perf_counter()
+        scores, reward_metrics = self._scores(samples, records, f"rollout batch {index}")
+        return RolloutBatch(index, records, samples, dropped, scores, reward_metrics, version=version,
+                            token_versions=token_versions, rollout_s=rollout_s,
+                            reward_s=time.perf_counter() - started)
+
     def _rollout_round(self, step: int, k: int, t: dict[str, float]):
         """Round `k` of step `step`'s generation (k > 0 only with dynamic sampling): the loader's next prompts, their
         samples (sampling seed `rollout.seed + step`, plus k * ROUND_SEED_STRIDE), the prompts dropped before
         generation and the samples' rule scores [B] with the reward metrics."""
-        records = self.loader.next_batch()
-        prompts = [self.encoder.encode(r.prompt) for r in records]
-        sampling = dataclasses.replace(self.sampling, seed=self.sampling.seed + step + k * ROUND_SEED_STRIDE)
+        records, prompts, sampling = self._draw(step, k)
         with _timer(t, "rollout"):
             samples, dropped = self._generate(prompts, sampling)
         with _timer(t, "reward"):
@@ -409,7 +455,10 @@ class RLTrainer:
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingSettings):
         """(samples ordered by (prompt_index, sample_index), dropped prompt indices) from the rollout service."""
-        out = self.rollout.generate(prompts, sampling)
+        return self._checked(self.rollout.generate(prompts, sampling))
+
+    def _checked(self, out):
+        """(samples, dropped prompt indices) of a `RolloutSamples`, warning about dropped prompts."""
         samples, dropped = list(out), list(out.dropped_prompt_indices)
         if dropped:
             logger.warning("%d prompt(s) longer than rollout.max_prompt_tokens=%d were dropped this step "
@@ -430,14 +479,24 @@ class RLTrainer:
         check_failures(scored, r.max_error_fraction, what)
         return torch.tensor(scored.scores, dtype=torch.float32), scored.metrics()
 
-    def _mismatch(self, batch: Batch) -> dict[str, float]:
+    def _mismatch(self, batch: Batch, trained_version: int) -> dict[str, float]:
         """`mismatch/*`: vLLM's log-probs of the sampled tokens (`rollout_log_probs`) against the actor's old-policy
         log-probs recomputed by Megatron before the update (`old_log_probs`), over the sampled tokens (`loss_mask`)
-        (`megarl.algorithms.rollout_correction.mismatch_metrics`; its band is algorithm.rollout_correction.c)."""
+        (`megarl.algorithms.rollout_correction.mismatch_metrics`; its band is algorithm.rollout_correction.c).
+        When the batch mixes policy versions (asynchronous modes), also `mismatch/lag<d>/*` over the tokens sampled
+        d versions before `trained_version` (the weights the old log-probs come from)."""
         t = batch.tensors
-        m = mismatch_metrics(t["old_log_probs"], t["rollout_log_probs"], t["loss_mask"],
-                             c=self.cfg.algorithm.rollout_correction.c)
-        return {f"mismatch/{k}": float(v) for k, v in m.items()}
+        c = self.cfg.algorithm.rollout_correction.c
+        m = mismatch_metrics(t["old_log_probs"], t["rollout_log_probs"], t["loss_mask"], c=c)
+        out = {f"mismatch/{k}": float(v) for k, v in m.items()}
+        mask = t["loss_mask"].bool()
+        versions = t["policy_version"][mask].unique().tolist()
+        if len(versions) > 1:
+            for v in versions:
+                part = (t["loss_mask"].bool() & (t["policy_version"] == v)).to(t["loss_mask"].dtype)
+                lag = mismatch_metrics(t["old_log_probs"], t["rollout_log_probs"], part, c=c)
+                out.update({f"mismatch/lag{trained_version - int(v)}/{k}": float(x) for k, x in lag.items()})
+        return out
 
     def _advantages(self, batch: Batch) -> dict[str, float]:
         """Fill `advantages` (and `returns` with a critic); returns KL metrics when KL is in the reward."""
@@ -474,7 +533,8 @@ class RLTrainer:
         """Greedy (rollout.val_temperature) responses to the validation prompts; mean reward."""
         prompts = [self.encoder.encode(r.prompt) for r in self.val_records]
         sampling = SamplingSettings.from_config(self.cfg.rollout, validation=True)
-        samples, _ = self._generate(prompts, sampling)
+        with self.schedule.exclusive():  # in async mode the engines are shared with the rollout driver
+            samples, _ = self._generate(prompts, sampling)
         scores, reward_metrics = self._scores(samples, self.val_records, "validation")
         return {"val/reward_mean": float(scores.mean()) if len(scores) else float("nan"),
                 "val/reward_errors": reward_metrics["reward/errors"]}

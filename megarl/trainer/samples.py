@@ -12,7 +12,7 @@ elsewhere. When the engine captured routing (`algorithm.router_replay: rollout`)
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from megarl.controller.dispatch import chunk_bounds  # noqa: F401  (how a step's prompts are shared among replicas)
 from megarl.data.batch import Batch
@@ -21,16 +21,21 @@ from megarl.rollout.engine import RolloutSample
 
 
 def samples_to_trajectories(samples: Sequence[RolloutSample], policy_version: int = 0,
-                            uid_prefix: str = "") -> list[Trajectory]:
-    """`Trajectory.from_rollout_sample` of each sample, in order; group uid "<uid_prefix><prompt_index>". Raises
-    ValueError on an empty list or an empty prompt (naming the sample)."""
+                            uid_prefix: str = "",
+                            token_versions: Optional[Sequence[Sequence[int]]] = None) -> list[Trajectory]:
+    """`Trajectory.from_rollout_sample` of each sample, in order; group uid "<uid_prefix><prompt_index>". Every
+    response token has `policy_version`, or, with `token_versions`, token t of sample i has token_versions[i][t]
+    (partial rollouts). Raises ValueError on an empty list or an empty prompt (naming the sample)."""
     if not samples:
         raise ValueError("no rollout samples to train on (were all prompts dropped as overlong?)")
     for i, s in enumerate(samples):
         if not s.prompt_ids:
             raise ValueError(f"sample {i} has an empty prompt: a response needs at least one prompt token")
-    return [Trajectory.from_rollout_sample(s, policy_version=policy_version, group_uid=f"{uid_prefix}{s.prompt_index}")
-            for s in samples]
+    if token_versions is not None and len(token_versions) != len(samples):
+        raise ValueError(f"{len(samples)} samples but {len(token_versions)} per-token version lists")
+    return [Trajectory.from_rollout_sample(
+        s, policy_version=policy_version if token_versions is None else token_versions[i],
+        group_uid=f"{uid_prefix}{s.prompt_index}") for i, s in enumerate(samples)]
 
 
 def samples_to_batch(samples: Sequence[RolloutSample], pad_id: int = 0, policy_version: int = 0) -> Batch:

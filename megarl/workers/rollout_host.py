@@ -16,6 +16,7 @@ dropped, freeing the devices for training); the weight source wakes the weights 
 from __future__ import annotations
 
 import os
+import time
 from typing import Optional
 
 from megarl.config.schema import JobConfig
@@ -68,12 +69,14 @@ class RolloutHost:
 
         Returns, on the first rank of each replica (None on the others): {"samples": [RolloutSample with
         prompt_index local to the chunk], "dropped": [local prompt indices], "truncated": [...], "prompts": the
-        chunk's number of prompts}; the caller adds the chunk's offset (`megarl.rollout.service.ColocatedRollout`).
+        chunk's number of prompts, "seconds": the engine's wall time on it}; the caller adds the chunk's offset
+        (`megarl.rollout.service.ColocatedRollout`).
         GPU: the engine is woken for the rollout and put back to sleep after it, freeing memory for training.
         """
         if "weights" not in self._awake and self.engine.sleep_discards_weights:
             self._refill_weights()  # a rollout without a sync since the last one (validation): the weights were dropped
         self._wake(("weights", "kv_cache"))
+        started = time.perf_counter()
         try:
             out = self.engine.generate(prompts, sampling)
         finally:
@@ -86,6 +89,7 @@ class RolloutHost:
             "dropped": list(out.dropped_prompt_indices),
             "truncated": list(out.truncated_prompt_indices),
             "prompts": len(prompts),
+            "seconds": time.perf_counter() - started,
         }
 
     def _sleep_after_rollout(self) -> None:

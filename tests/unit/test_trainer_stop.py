@@ -34,6 +34,7 @@ class _Loop:
         self.next_step, self.last_saved = 0, None
         self.stop, self.val_records, self.skip_streak = stop, [], {}
         self.rollout = SimpleNamespace(push_weights=lambda version: None)
+        self.schedule = SimpleNamespace(start=lambda next_step: None)  # trainer.mode=sync: nothing beside the steps
         self.during_step, self.during_log = during_step or {}, during_log or {}
         self.ran, self.saved = [], []
 

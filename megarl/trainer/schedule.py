@@ -1,0 +1,551 @@
+"""When rollouts run against training: the schedules of `trainer.mode` behind one interface (docs/async.md).
+
+The trainer's step body (scoring, advantages, updates) is written once (`RLTrainer.step`); a schedule only decides
+where its `RolloutBatch` comes from and when the actor's weights go into the engines:
+
+    batch = schedule.take(step, timers)      # the rollout batch step `step` trains on
+    ... old / reference log-probs, advantages, updates (weights version step - 1 -> step) ...
+    reshard = schedule.after_update(step)    # the weight push (or nothing), its metrics
+    metrics |= schedule.step_metrics(batch, step)
+
+- `Schedule` (sync): generate step k's batch with the weights of version k - 1, train, push version k. Today's
+  loop, call for call (the golden curve holds).
+- `OneStepOffSchedule`: step k+1's batch is submitted to the engines (still holding version k - 1) before step k
+  trains; after update k the trainer waits for it, then pushes version k. Every batch but the first is one version
+  stale; deterministic for a seed (the generation of batch k+1 always sees version k - 1), and the finished next
+  batch is part of a checkpoint, so a resumed run repeats the uninterrupted one exactly. Colocated, the engines share
+  the actor's processes: the generation queues with the forwards there and only the controller's own work (rewards,
+  advantages) overlaps it; on a rollout pool, generation overlaps the whole training step.
+- `AsyncSchedule` (needs rollout.pool): a driver thread on the controller generates batch after batch into a
+  bounded buffer; the trainer takes the oldest batch whose oldest token is at most `trainer.max_staleness`
+  versions behind the weights it updates (per sample). `stale_policy: wait` keeps the driver from starting a batch
+  that would be too stale when trained (so nothing is wasted); `drop` lets it run ahead and drops (counts) what
+  became too stale. Weights are pushed every `trainer.sync_every` updates. `rollout.partial`: `finish` = a push
+  waits for the batch in flight (it completes on the old weights); `continue` = batches are generated in pieces of
+  `rollout.partial_chunk_tokens` tokens, a push lands between two pieces, and each unfinished response continues
+  from the tokens it has (a new request whose prompt is prompt + tokens so far: its KV cache is recomputed under the
+  new weights, vLLM's prefix cache cannot hold KV of older weights), every token recording the version that sampled
+  it.
+
+The engines are used by one caller at a time: the driver thread and the trainer (a push, a validation) take turns
+through `exclusive()`; the trainer's turn comes before the driver's next batch or piece. Every wait is bounded
+(`wait_timeout_s`) and names what it waited for; an error on the driver thread is raised in the trainer's next call.
+
+Checkpoints: `pause()` holds the driver between batches (the batch in flight is finished first, so nothing is in
+flight at a save) and `save_buffer` writes the finished batches not yet trained on into the step directory
+(`rollout_buffer.pt`); `load_buffer` puts them back on resume and counts them (`async/restored_batches`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger("megarl.trainer")
+
+BUFFER_FILE = "rollout_buffer.pt"
+# Sampling-seed offset of piece p of a partial rollout (continue): seed + index + p * this.
+PIECE_SEED_STRIDE = 7_000_001
+# Bound on every wait of a schedule (a batch, the engines' turn, the driver's pause), seconds.
+WAIT_TIMEOUT_S = 1800.0
+
+
+class _Stopped(Exception):
+    """The schedule was closed while its driver was between two pieces of a partial rollout."""
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """One step's rollouts, scored (what `RLTrainer.step` trains on).
+
+    index: the batch's number (1-based; the step it was drawn for, or the driver's count in async mode); its
+        sampling seed is rollout.seed + index.
+    records: the prompts' dataset records (prompts_per_step); samples: `RolloutSample`s ordered by (prompt_index,
+        sample_index); dropped: prompt indices the prompt-length policy dropped; scores: [len(samples)] float32 rule
+        scores; reward_metrics: `reward/errors|timeouts|error_frac`.
+    version: the weights version that sampled it (the oldest, for a partial rollout).
+    token_versions: None (every response token has `version`), or per sample the version of each response token.
+    metrics: the batch's own metrics (dynamic sampling's counts). rollout_s / reward_s: seconds generating (the
+        engines' wall time) and scoring.
+    """
+
+    index: int
+    records: list
+    samples: list
+    dropped: list
+    scores: torch.Tensor
+    reward_metrics: dict
+    version: int
+    token_versions: Optional[list] = None
+    metrics: dict = dataclasses.field(default_factory=dict)
+    rollout_s: float = 0.0
+    reward_s: float = 0.0
+
+    def lags(self, trained_version: int) -> list[int]:
+        """Per sample: how many versions its oldest token lags `trained_version` (the weights the update starts
+        from)."""
+        if self.token_versions is None:
+            return [trained_version - self.version] * len(self.samples)
+        return [trained_version - (min(v) if v else self.version) for v in self.token_versions]
+
+    def token_lags(self, trained_version: int) -> dict[int, int]:
+        """{lag: number of response tokens sampled that many versions before `trained_version`}."""
+        out: collections.Counter = collections.Counter()
+        for i, s in enumerate(self.samples):
+            if self.token_versions is None:
+                out[trained_version - self.version] += len(s.response_ids)
+            else:
+                out.update(trained_version - v for v in self.token_versions[i])
+        return dict(out)
+
+
+def wait_for(cond: threading.Condition, ready, what: str, timeout_s: float) -> None:
+    """Wait on `cond` (held by the caller) until `ready()`; raise TimeoutError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {what}; the rollout schedule is stuck (see the worker "
+                               "logs for a dead or hung engine)")
+        cond.wait(min(left, 1.0))
+
+
+class Schedule:
+    """trainer.mode=sync: generate, train, push (see the module docstring). Also the base of the other schedules.
+
+    `trainer`: the `RLTrainer`; a schedule uses its rollout service (`trainer.rollout`) and its `_draw` (the next
+    prompts and sampling settings), `_scored_batch` (samples -> `RolloutBatch`) and `_sync_batch` (the synchronous
+    step's rollout, dynamic sampling included)."""
+
+    mode = "sync"
+
+    def __init__(self, trainer: Any, wait_timeout_s: float = WAIT_TIMEOUT_S) -> None:
+        self.trainer = trainer
+        self.rollout = trainer.rollout
+        self.wait_timeout_s = wait_timeout_s
+
+    # the interface -------------------------------------------------------------------------------------------
+    def start(self, next_step: int) -> None:
+        """Called once after the initial push (engines at version next_step - 1)."""
+
+    def take(self, step: int, t: dict[str, float]) -> RolloutBatch:
+        """The batch step `step` trains on; `t` collects the step's phase seconds (`time/<phase>_s`)."""
+        return self.trainer._sync_batch(step, t)
+
+    def after_update(self, step: int) -> list[dict[str, float]]:
+        """After update `step` (weights now version `step`): push them (or not); the push's metrics (or [])."""
+        return self.rollout.push_weights(version=step)
+
+    def step_metrics(self, batch: RolloutBatch, step: int) -> dict[str, float]:
+        """Metrics of the schedule for the step (sync: none, the step's metrics stay exactly today's)."""
+        return {}
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """The engines for the trainer alone (nothing else generates in sync mode)."""
+        yield
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Nothing in flight while a checkpoint is written (always true in sync mode)."""
+        yield
+
+    def save_buffer(self, path: str) -> None:
+        """Write the finished batches not yet trained on into checkpoint directory `path` (none in sync mode)."""
+
+    def load_buffer(self, path: str) -> None:
+        """Restore what `save_buffer` wrote into `path` (a checkpoint without it restores nothing)."""
+
+    def close(self) -> None:
+        """Stop what runs beside training (idempotent)."""
+
+    # shared pieces -------------------------------------------------------------------------------------------
+    def _staleness_metrics(self, batch: RolloutBatch, step: int) -> dict[str, float]:
+        """`async/staleness_mean|max` (versions, per sample: its oldest token), `async/lag_frac/<d>` (fraction of
+        response tokens sampled d versions before the weights updated at `step`), `async/version` (the batch's)."""
+        lags = batch.lags(step - 1)
+        tokens = batch.token_lags(step - 1)
+        total = sum(tokens.values()) or 1
+        out = {"async/staleness_mean": sum(lags) / max(len(lags), 1),
+               "async/staleness_max": float(max(lags, default=0)),
+               "async/version": float(batch.version), "async/rollout_s": batch.rollout_s}
+        out.update({f"async/lag_frac/{d}": n / total for d, n in sorted(tokens.items())})
+        return out
+
+    def _write(self, path: str, batches: list[RolloutBatch], state: dict) -> None:
+        tmp = os.path.join(path, BUFFER_FILE + ".tmp")
+        torch.save({"batches": batches, "state": state}, tmp)
+        os.replace(tmp, os.path.join(path, BUFFER_FILE))
+
+    @staticmethod
+    def _read(path: str) -> Optional[dict]:
+        file = os.path.join(path, BUFFER_FILE)
+        if not os.path.exists(file):
+            return None
+        return torch.load(file, weights_only=False)
+
+
+class OneStepOffSchedule(Schedule):
+    """trainer.mode=one_step_off (see the module docstring): `pending` is the next step's batch, submitted before
+    this step trains."""
+
+    mode = "one_step_off"
+
+    def __init__(self, trainer: Any, wait_timeout_s: float = WAIT_TIMEOUT_S) -> None:
+        super().__init__(trainer, wait_timeout_s)
+        self.pending: Optional[tuple] = None  # (index, records, PendingRollout, version) in flight
+        self.ready: Optional[RolloutBatch] = None  # the next batch, finished (after the update, or restored)
+        self.restored = 0
+
+    def take(self, step: int, t: dict[str, float]) -> RolloutBatch:
+        started = time.perf_counter()
+        if self.ready is not None and self.ready.index == step:
+            batch, self.ready = self.ready, None
+        elif self.pending is not None and self.pending[0] == step:
+            batch = self._finish()
+        else:  # the first step (or after a resume without a saved batch): nothing was generated ahead
+            index, records, pending, version = self._submit(step)
+            self.pending = (index, records, pending, version)
+            batch = self._finish()
+        t["rollout_wait"] = time.perf_counter() - started
+        if step < self.trainer.cfg.trainer.total_steps:  # the next step's batch, on the weights this step trains
+            self.pending = self._submit(step + 1)
+        return batch
+
+    def after_update(self, step: int) -> list[dict[str, float]]:
+        if self.pending is not None:  # it must finish on version step - 1 before version `step` goes in
+            self.ready = self._finish()
+        return self.rollout.push_weights(version=step)
+
+    def step_metrics(self, batch: RolloutBatch, step: int) -> dict[str, float]:
+        """The staleness figures, and `async/rollout_busy_frac`: the engines' seconds on the batch generated
+        during this step (the next one) over the step's wall time."""
+        now = time.perf_counter()
+        wall, self.mark = max(now - self.mark, 1e-9), now
+        busy = self.ready.rollout_s if self.ready is not None else 0.0
+        return {**self._staleness_metrics(batch, step), "async/restored_batches": float(self.restored),
+                "async/rollout_busy_frac": min(busy / wall, 1.0)}
+
+    def start(self, next_step: int) -> None:
+        self.mark = time.perf_counter()
+
+    def save_buffer(self, path: str) -> None:
+        self._write(path, [self.ready] if self.ready is not None else [], {"mode": self.mode})
+
+    def load_buffer(self, path: str) -> None:
+        saved = self._read(path)
+        if saved and saved["batches"]:
+            self.ready = saved["batches"][0]
+            self.restored = len(saved["batches"])
+            logger.info("one_step_off: restored the next step's finished batch (index %d, version %d) from %s",
+                        self.ready.index, self.ready.version, path)
+
+    def _submit(self, index: int) -> tuple:
+        records, prompts, sampling = self.trainer._draw(index)
+        version = self.rollout.weight_version
+        return index, records, self.rollout.submit_generate(prompts, sampling), version
+
+    def _finish(self) -> RolloutBatch:
+        index, records, pending, version = self.pending
+        self.pending = None
+        out = pending.result()
+        return self.trainer._scored_batch(index, records, out, version, rollout_s=out.generate_s or 0.0)
+
+
+class AsyncSchedule(Schedule):
+    """trainer.mode=async (see the module docstring). State shared with the driver thread is guarded by `cond`:
+    `buffer` (finished batches, oldest first), `engine_version`, `push_wanted` / `engine_busy` (turns on the
+    engines), `paused`, `error` (the driver's exception, raised in the trainer)."""
+
+    mode = "async"
+
+    def __init__(self, trainer: Any, wait_timeout_s: float = WAIT_TIMEOUT_S) -> None:
+        super().__init__(trainer, wait_timeout_s)
+        cfg = trainer.cfg
+        self.max_staleness = cfg.trainer.max_staleness
+        self.stale_policy = cfg.trainer.stale_policy
+        self.sync_every = cfg.trainer.sync_every
+        self.partial = cfg.rollout.partial
+        self.chunk = cfg.rollout.partial_chunk_tokens
+        self.capacity = self.max_staleness + 1  # batches; also the most 'wait' lets the driver run ahead
+        self.cond = threading.Condition()
+        self.buffer: collections.deque = collections.deque()
+        self.next_index = 1  # the driver's next batch
+        self.trained_upto = 0  # updates done by the trainer (the weights it holds: version trained_upto)
+        self.engine_version = 0
+        self.push_wanted = False
+        self.engine_busy = False
+        self.in_batch = False  # the driver is between drawing a batch and buffering it
+        self.paused = False
+        self.stopping = False
+        self.error: Optional[BaseException] = None
+        self.thread: Optional[threading.Thread] = None
+        self.counts = collections.Counter()  # dropped_batches/samples, restored_batches, pieces, continued
+        self.busy_s = 0.0  # the engines' generating seconds since the last step's metrics
+        self.mark = time.perf_counter()
+
+    # trainer side ---------------------------------------------------------------------------------------------
+    def start(self, next_step: int) -> None:
+        with self.cond:
+            self.trained_upto = next_step - 1
+            self.engine_version = self.rollout.weight_version or 0
+            if self.next_index < next_step:
+                self.next_index = next_step
+        self.thread = threading.Thread(target=self._drive, name="megarl-rollout-driver", daemon=True)
+        self.thread.start()
+        self.mark = time.perf_counter()
+
+    def take(self, step: int, t: dict[str, float]) -> RolloutBatch:
+        started = time.perf_counter()
+        trained = step - 1  # the version the update starts from
+        with self.cond:
+            while True:
+                wait_for(self.cond, lambda: self.buffer or self.error is not None,
+                         f"a rollout batch for step {step} (buffer empty)", self.wait_timeout_s)
+                self._raise()
+                batch = self.buffer.popleft()
+                self.cond.notify_all()
+                if max(batch.lags(trained)) <= self.max_staleness:
+                    break
+                self.counts["dropped_batches"] += 1
+                self.counts["dropped_samples"] += len(batch.samples)
+                logger.info("step %d: dropped rollout batch %d (version %d, oldest token %d versions behind; "
+                            "trainer.max_staleness=%d)", step, batch.index, batch.version, max(batch.lags(trained)),
+                            self.max_staleness)
+            self.buffered_at_take = len(self.buffer)
+        t["rollout_wait"] = time.perf_counter() - started
+        return batch
+
+    def after_update(self, step: int) -> list[dict[str, float]]:
+        with self.cond:
+            self.trained_upto = step
+            self.cond.notify_all()
+        if step % self.sync_every:
+            return []
+        with self.exclusive():
+            out = self.rollout.push_weights(version=step)
+            with self.cond:
+                self.engine_version = step
+                self.cond.notify_all()
+        return out
+
+    def step_metrics(self, batch: RolloutBatch, step: int) -> dict[str, float]:
+        now = time.perf_counter()
+        with self.cond:
+            busy, self.busy_s = self.busy_s, 0.0
+            counts = dict(self.counts)
+            version = self.engine_version
+        wall = max(now - self.mark, 1e-9)
+        self.mark = now
+        out = self._staleness_metrics(batch, step)
+        out.update({"async/buffer_batches": float(getattr(self, "buffered_at_take", 0)),
+                    "async/engine_version": float(version), "async/rollout_busy_frac": min(busy / wall, 1.0)})
+        for key in ("dropped_batches", "dropped_samples", "restored_batches", "pieces", "continued_samples"):
+            out[f"async/{key}"] = float(counts.get(key, 0))
+        return out
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """The engines for the trainer: waits for the batch (finish) or piece (continue) in flight; the driver
+        starts nothing until the trainer is done."""
+        with self.cond:
+            self.push_wanted = True
+            try:
+                wait_for(self.cond, lambda: not self.engine_busy or self.error is not None,
+                         "the engines to finish the rollout in flight", self.wait_timeout_s)
+                self._raise()
+            except BaseException:
+                self.push_wanted = False
+                raise
+            self.engine_busy = True
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.engine_busy = False
+                self.push_wanted = False
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Hold the driver between batches (the one in flight finishes and is buffered first)."""
+        with self.cond:
+            self.paused = True
+            self.cond.notify_all()
+            wait_for(self.cond, lambda: not self.in_batch or self.error is not None,
+                     "the rollout in flight to finish before the checkpoint", self.wait_timeout_s)
+            self._raise()
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.paused = False
+                self.cond.notify_all()
+
+    def save_buffer(self, path: str) -> None:
+        with self.cond:
+            batches = list(self.buffer)
+            state = {"mode": self.mode, "next_index": self.next_index, "counts": dict(self.counts)}
+        self._write(path, batches, state)
+
+    def load_buffer(self, path: str) -> None:
+        saved = self._read(path)
+        if not saved:
+            return
+        with self.cond:
+            self.buffer.extend(saved["batches"])
+            self.next_index = int(saved["state"].get("next_index", self.next_index))
+            self.counts.update({k: v for k, v in saved["state"].get("counts", {}).items() if k != "restored_batches"})
+            self.counts["restored_batches"] += len(saved["batches"])
+        logger.info("async: restored %d finished rollout batch(es) (indices %s) from %s; the driver continues at "
+                    "batch %d", len(saved["batches"]), [b.index for b in saved["batches"]], path, self.next_index)
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        if self.thread is not None:
+            self.thread.join(timeout=self.wait_timeout_s)
+            if self.thread.is_alive():
+                logger.warning("the rollout driver thread did not stop within %.0f s", self.wait_timeout_s)
+            self.thread = None
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the rollout driver thread failed: {self.error!r}") from self.error
+
+    # driver side ----------------------------------------------------------------------------------------------
+    def _may_start(self, index: int) -> bool:
+        """Whether batch `index` may start now: not paused, no push waiting, buffer not full and, with 'wait', the
+        batch (trained at step `index` at the earliest, on version index - 1) would be within the bound."""
+        if self.paused or self.push_wanted or self.engine_busy:
+            return False
+        if len(self.buffer) >= self.capacity:
+            return False
+        if self.stale_policy == "wait" and (index - 1) - self.engine_version > self.max_staleness:
+            return False
+        return True
+
+    def _turn(self, ready) -> bool:
+        """Wait (holding `cond`) for the engines' turn under `ready`; False when stopping."""
+        while not self.stopping and not ready():
+            self.cond.wait(1.0)
+        if self.stopping:
+            return False
+        self.engine_busy = True
+        return True
+
+    def _drive(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    index = self.next_index
+                    if not self._turn(lambda i=index: self._may_start(i)):
+                        return
+                    self.next_index += 1
+                    self.in_batch = True
+                    version = self.engine_version
+                records, prompts, sampling = self.trainer._draw(index)
+                try:
+                    if self.partial == "continue":
+                        out, token_versions, version = self._generate_in_pieces(prompts, sampling, version)
+                    else:
+                        started = time.perf_counter()
+                        out, token_versions = self.rollout.generate(prompts, sampling), None
+                        with self.cond:
+                            self.busy_s += time.perf_counter() - started
+                finally:
+                    with self.cond:
+                        self.engine_busy = False
+                        self.cond.notify_all()
+                batch = self.trainer._scored_batch(index, records, out, version, token_versions=token_versions,
+                                                   rollout_s=out.generate_s or 0.0)
+                with self.cond:
+                    self.buffer.append(batch)
+                    self.in_batch = False
+                    self.cond.notify_all()
+        except _Stopped:
+            return
+        except BaseException as e:  # raised in the trainer's next take / push
+            logger.exception("the rollout driver thread failed")
+            with self.cond:
+                self.error = e
+                self.engine_busy = self.in_batch = False
+                self.cond.notify_all()
+
+    def _generate_in_pieces(self, prompts: list[list[int]], sampling: Any, version: int):
+        """rollout.partial=continue: the batch in pieces of `chunk` new tokens (the driver holds the engines'
+        turn on entry and between pieces gives it to a waiting push). Returns (RolloutSamples of whole responses,
+        per-sample per-token versions, the oldest version)."""
+        from megarl.rollout.engine import RolloutSample, RolloutSamples
+
+        total = sampling.max_new_tokens
+        first = dataclasses.replace(sampling, max_new_tokens=min(self.chunk, total))
+        started = time.perf_counter()
+        out = self.rollout.generate(prompts, first)
+        self._piece_done(started)
+        state = {(s.prompt_index, s.sample_index): [s, list(s.response_ids), list(s.response_log_probs),
+                                                    [version] * len(s.response_ids), s.finish_reason]
+                 for s in out}
+        piece = 1
+        while True:
+            todo = [k for k, v in state.items() if v[4] == "length" and len(v[1]) < total]
+            if not todo:
+                break
+            with self.cond:  # hand the engines to a waiting push, then take them back
+                self.engine_busy = False
+                self.cond.notify_all()
+                if not self._turn(lambda: not self.push_wanted and not self.engine_busy):
+                    raise _Stopped()  # closed inside a partial rollout: the batch is not needed
+                piece_version = self.engine_version
+            longest = max(len(state[k][1]) for k in todo)
+            cont = dataclasses.replace(
+                sampling, samples_per_prompt=1, max_new_tokens=min(self.chunk, total - longest),
+                seed=None if sampling.seed is None else sampling.seed + piece * PIECE_SEED_STRIDE,
+                max_prompt_tokens=max(len(state[k][0].prompt_ids) + len(state[k][1]) for k in todo))
+            started = time.perf_counter()
+            more = self.rollout.generate([list(state[k][0].prompt_ids) + state[k][1] for k in todo], cont)
+            self._piece_done(started)
+            with self.cond:
+                self.counts["continued_samples"] += len(todo)
+            by_prompt = {s.prompt_index: s for s in more}
+            for i, k in enumerate(todo):
+                s = by_prompt[i]
+                st = state[k]
+                st[1].extend(s.response_ids)
+                st[2].extend(s.response_log_probs)
+                st[3].extend([piece_version] * len(s.response_ids))
+                st[4] = s.finish_reason
+            piece += 1
+        samples, versions = [], []
+        for k in sorted(state):
+            s, ids, lps, vs, reason = state[k]
+            samples.append(RolloutSample(s.prompt_index, s.sample_index, list(s.prompt_ids), ids, lps, reason,
+                                         s.routed_experts))
+            versions.append(vs)
+        result = RolloutSamples(samples, dropped_prompt_indices=out.dropped_prompt_indices,
+                                truncated_prompt_indices=out.truncated_prompt_indices)
+        result.generate_s = None
+        oldest = min((min(v) for v in versions if v), default=version)
+        return result, versions, oldest
+
+    def _piece_done(self, started: float) -> None:
+        with self.cond:
+            self.busy_s += time.perf_counter() - started
+            self.counts["pieces"] += 1
+
+
+SCHEDULES = {"sync": Schedule, "one_step_off": OneStepOffSchedule, "async": AsyncSchedule}
+
+
+def build_schedule(trainer: Any) -> Schedule:
+    """The schedule of `trainer.cfg.trainer.mode`."""
+    return SCHEDULES[trainer.cfg.trainer.mode](trainer)

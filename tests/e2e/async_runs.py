@@ -1,0 +1,92 @@
+"""Driver of `tests/e2e/test_async_modes.py`: several training runs of the rollout-pool quickstart (actor TP2 on 2
+processes, two vLLM TP1 engines on 2 more) in ONE `TrainingSession`, so the four workers and their engines start
+once (~30 s here) instead of once per run.
+
+Every run starts from the same state: the session's step-0 checkpoint (weights, Adam moments, every RNG, the
+loader) is copied into the run's checkpoint directory and resumed with `checkpoint.allow_config_change` (the runs
+differ in trainer.mode and its options, nothing else); a run resumed from another run's checkpoint is its
+continuation. Each run gets its own `RLTrainer` over the session's worker groups and rollout service.
+
+    python tests/e2e/async_runs.py OUT_DIR          # writes OUT_DIR/<run>/metrics.jsonl and OUT_DIR/runs.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+CONFIG = os.path.join(ROOT, "yaml_configs", "cpu_quickstart_rollout_pool.yaml")
+TIS = ["algorithm.rollout_correction.tis=token"]
+
+# name -> (overrides, steps, resumed from (run, step) or None, checkpoint every)
+RUNS = {
+    "one_step_off": (["trainer.mode=one_step_off", *TIS], 20, None, 10),
+    "one_step_off_resumed": (["trainer.mode=one_step_off", *TIS], 20, ("one_step_off", 10), 0),
+    "async1": (["trainer.mode=async", "trainer.max_staleness=1", *TIS], 20, None, 0),
+    "async4": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 30, None, 10),
+    "async4_resumed": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 30, ("async4", 20), 0),
+    # pieces of 2 tokens over full-length responses (ignore_eos): generating a batch takes longer than a training
+    # step, so the pushes land inside generations and responses mix two versions
+    "continue": (["trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=continue",
+                  "rollout.partial_chunk_tokens=2", "rollout.ignore_eos=true", *TIS], 8, None, 0),
+}
+
+
+def main(out: str) -> None:
+    import yaml
+
+    from megarl.config.loader import parse_config
+    from megarl.config.validate import validate
+    from megarl.trainer import checkpointing
+    from megarl.trainer.rl_trainer import RLTrainer
+    from megarl.trainer.session import TrainingSession
+
+    data = yaml.safe_load(open(CONFIG))
+    for key in ("train_path", "val_path"):
+        data["data"][key] = os.path.join(ROOT, data["data"][key])
+    data["model"]["tokenizer"] = os.path.join(ROOT, data["model"]["tokenizer"])
+    data["logging"].update(dir=os.path.join(out, "session"), plots=False, progress="lines")
+    data["trainer"].update(val_every=0)
+    base = validate(parse_config(data, ["trainer.mode=one_step_off", *TIS]))
+    session = TrainingSession(base)
+    report = {}
+    try:
+        started = time.monotonic()
+        first = session.start()
+        start_s = time.monotonic() - started
+        step0 = first.save(0, root=os.path.join(out, "step0"))  # the common starting state of every run
+        for name, (overrides, steps, resumed_from, save_every) in RUNS.items():
+            run_dir = os.path.join(out, name)
+            ckpt = os.path.join(run_dir, "ckpt")
+            source = step0 if resumed_from is None else checkpointing.step_dir(
+                os.path.join(out, resumed_from[0], "ckpt"), resumed_from[1])
+            shutil.copytree(source, os.path.join(ckpt, os.path.basename(source)))
+            cfg = validate(parse_config(data, [*overrides, f"trainer.total_steps={steps}", f"checkpoint.dir={ckpt}",
+                                               "checkpoint.resume=true", "checkpoint.allow_config_change=true",
+                                               f"checkpoint.save_every={save_every}", "checkpoint.keep_last=0"]))
+            cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, dir=run_dir))
+            trainer = RLTrainer(cfg, first.workers, first.loader, first.encoder, first.reward_fn,
+                                role_groups=first.role_groups, metrics_path=os.path.join(run_dir, "metrics.jsonl"),
+                                rollout=first.rollout)
+            t0 = time.monotonic()
+            try:
+                trainer.fit()
+            finally:
+                trainer.close()
+            report[name] = {"seconds": time.monotonic() - t0, "steps": steps, "resumed_from": resumed_from}
+            print(f"[async_runs] {name}: {time.monotonic() - t0:.1f} s", flush=True)
+        report["_session"] = {"start_s": start_s}
+    finally:
+        session.close()
+    with open(os.path.join(out, "runs.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
