@@ -170,13 +170,15 @@ class Schedule:
     # shared pieces -------------------------------------------------------------------------------------------
     def _staleness_metrics(self, batch: RolloutBatch, step: int) -> dict[str, float]:
         """`async/staleness_mean|max` (versions, per sample: its oldest token), `async/lag_frac/<d>` (fraction of
-        response tokens sampled d versions before the weights updated at `step`), `async/version` (the batch's)."""
+        response tokens sampled d versions before the weights updated at `step`), `async/version` and
+        `async/batch_index` (the batch's)."""
         lags = batch.lags(step - 1)
         tokens = batch.token_lags(step - 1)
         total = sum(tokens.values()) or 1
         out = {"async/staleness_mean": sum(lags) / max(len(lags), 1),
                "async/staleness_max": float(max(lags, default=0)),
-               "async/version": float(batch.version), "async/rollout_s": batch.rollout_s}
+               "async/version": float(batch.version), "async/batch_index": float(batch.index),
+               "async/rollout_s": batch.rollout_s}
         out.update({f"async/lag_frac/{d}": n / total for d, n in sorted(tokens.items())})
         return out
 

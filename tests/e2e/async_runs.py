@@ -26,16 +26,38 @@ TIS = ["algorithm.rollout_correction.tis=token"]
 
 # name -> (overrides, steps, resumed from (run, step) or None, checkpoint every)
 RUNS = {
-    "one_step_off": (["trainer.mode=one_step_off", *TIS], 20, None, 10),
-    "one_step_off_resumed": (["trainer.mode=one_step_off", *TIS], 20, ("one_step_off", 10), 0),
+    "one_step_off": (["trainer.mode=one_step_off", *TIS], 20, None, 15),
+    "one_step_off_resumed": (["trainer.mode=one_step_off", *TIS], 20, ("one_step_off", 15), 0),
     "async1": (["trainer.mode=async", "trainer.max_staleness=1", *TIS], 20, None, 0),
-    "async4": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 30, None, 10),
-    "async4_resumed": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 30, ("async4", 20), 0),
-    # pieces of 2 tokens over full-length responses (ignore_eos): generating a batch takes longer than a training
-    # step, so the pushes land inside generations and responses mix two versions
+    "async4": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 30, None, 25),
+    "async4_resumed": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 30, ("async4", 25), 0),
+    # pieces of 2 tokens over full-length responses (ignore_eos), each continuation piece held PIECE_DELAY_S longer
+    # (`SlowPieces`): generating a batch (16 pieces, > 2 s) takes longer than a training step (< 1.5 s here), so
+    # every push lands inside a generation and responses mix two versions
     "continue": (["trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=continue",
-                  "rollout.partial_chunk_tokens=2", "rollout.ignore_eos=true", *TIS], 8, None, 0),
+                  "rollout.partial_chunk_tokens=2", "rollout.ignore_eos=true", *TIS], 5, None, 0),
 }
+
+
+PIECE_DELAY_S = 0.15
+
+
+class SlowPieces:
+    """The session's rollout service, each continuation piece of a partial rollout (a call with max_prompt_tokens
+    set) followed by PIECE_DELAY_S of sleep: an engine slower than the trainer, as a long generation makes it (the
+    tiny model here generates a batch faster than the trainer trains on it). Everything else is the service's."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+
+    def __getattr__(self, name):
+        return getattr(self.service, name)
+
+    def generate(self, prompts, sampling):
+        out = self.service.generate(prompts, sampling)
+        if sampling.max_prompt_tokens is not None:
+            time.sleep(PIECE_DELAY_S)
+        return out
 
 
 def main(out: str) -> None:
@@ -73,7 +95,7 @@ def main(out: str) -> None:
             cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, dir=run_dir))
             trainer = RLTrainer(cfg, first.workers, first.loader, first.encoder, first.reward_fn,
                                 role_groups=first.role_groups, metrics_path=os.path.join(run_dir, "metrics.jsonl"),
-                                rollout=first.rollout)
+                                rollout=SlowPieces(first.rollout) if name == "continue" else first.rollout)
             t0 = time.monotonic()
             try:
                 trainer.fit()

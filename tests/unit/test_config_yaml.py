@@ -114,3 +114,40 @@ def test_trainer_refuses_what_it_would_otherwise_ignore(overrides, message, caps
     # ... so `megarl train --dry-run` refuses it too, exit status 2, before anything starts
     assert main(["train", str(REPO / "yaml_configs" / "cpu_quickstart.yaml"), *overrides, "--dry-run"]) == 2
     assert message in capsys.readouterr().err
+
+
+TIS = "algorithm.rollout_correction.tis=token"
+
+
+@pytest.mark.parametrize("config,overrides,message", [
+    ("cpu_quickstart.yaml", ["trainer.mode=one_step_off"], "trainer.mode='one_step_off' trains on rollouts sampled "
+     "by older weights and needs the off-policy correction: set algorithm.rollout_correction.tis"),
+    ("cpu_quickstart.yaml", ["trainer.mode=async", TIS], "trainer.mode='async' runs the engines continuously beside "
+     "training and needs devices of their own: set rollout.pool"),
+    ("cpu_quickstart_rollout_pool.yaml", ["trainer.mode=async", TIS, "trainer.max_staleness=1",
+                                          "trainer.sync_every=3"], "trainer.sync_every=3 with trainer.max_staleness=1"),
+    ("cpu_quickstart.yaml", ["trainer.max_staleness=3"], "trainer.max_staleness=3 applies to trainer.mode=async only"),
+    ("cpu_quickstart_rollout_pool.yaml", ["trainer.mode=one_step_off", TIS, "rollout.partial=continue"],
+     "rollout.partial=continue applies to trainer.mode=async"),
+    ("cpu_quickstart_rollout_pool.yaml", ["trainer.mode=async", TIS, "rollout.partial=continue", "rollout.stop=[x]"],
+     "rollout.partial=continue generates in pieces"),
+    ("cpu_quickstart.yaml", ["trainer.mode=one_step_off", TIS, "algorithm.dynamic_sampling.enabled=true",
+                             "rollout.samples_per_prompt=4"], "algorithm.dynamic_sampling with trainer.mode="),
+])
+def test_schedule_options_are_refused_by_key_where_they_cannot_work(config, overrides, message):
+    from megarl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(REPO / "yaml_configs" / config, overrides)
+
+
+@pytest.mark.parametrize("config,overrides", [
+    ("cpu_quickstart.yaml", ["trainer.mode=one_step_off", TIS]),  # colocated one_step_off
+    ("cpu_quickstart_rollout_pool.yaml", ["trainer.mode=one_step_off", "algorithm.rollout_correction.mask=token"]),
+    ("cpu_quickstart_rollout_pool.yaml", ["trainer.mode=async", TIS, "trainer.max_staleness=4",
+                                          "trainer.sync_every=5", "trainer.stale_policy=drop",
+                                          "rollout.partial=continue"]),
+])
+def test_schedule_options_accepted_where_they_work(config, overrides):
+    cfg = load_config(REPO / "yaml_configs" / config, overrides)
+    assert cfg.trainer.mode == overrides[0].split("=")[1]

@@ -1,0 +1,130 @@
+"""trainer.mode one_step_off and async with real engines: the rollout-pool quickstart (actor TP2 on 2 processes, two
+vLLM TP1 engines on 2 more, `yaml_configs/cpu_quickstart_rollout_pool.yaml`) and the colocated quickstart (2
+processes) in one_step_off.
+
+The pool runs share one `TrainingSession` (`tests/e2e/async_runs.py`): its four workers and engines start once
+(~30 s here) and each run starts from the same step-0 checkpoint, so the module costs one start-up plus the runs'
+85 steps (~0.7 s each on this 2-core machine; the partial-rollout run's 5 steps ~3 s each) plus the colocated CLI
+run (~38 s): about 2.5 minutes. It cannot be
+cheaper without dropping a mode the issue asks to see learn: the rewards of this task only rise after ~10 steps,
+and max_staleness 4 needs 30.
+
+What each check compares with, not from the schedules' own description:
+- learning: the reward of the last 5 steps vs the first 5, the bar of the synchronous tests (+0.2);
+- one_step_off resume: the run resumed from its step-15 checkpoint against the uninterrupted run, every metric but
+  times (losses, grad norms, rewards, mismatch) and the final weights, bit for bit;
+- async resume: the batches in the step-25 checkpoint's buffer file (read here with torch.load) are the ones the
+  resumed run trains first, and over both runs every batch number 1..30 is trained exactly once (nothing lost,
+  nothing counted twice);
+- partial rollouts: tokens of one response sampled by two versions; for the tokens of each version the engine's
+  log-probs against Megatron's recomputation with the weights being updated: tokens of those very weights agree to
+  float noise, tokens of the version before differ by a real KL: the log-probs of each part are the engine's that
+  sampled it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.e2e.conftest import ROOT
+
+# what a resumed run may log differently: wall times (seconds, "_s") and rates, and the resume's own counts
+NOT_REPEATED = ("time/", "per_s", "busy_frac", "async/restored_batches", "async/buffer")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, joined_ray_env):
+    out = tmp_path_factory.mktemp("async_runs")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "e2e", "async_runs.py"), str(out)], cwd=ROOT,
+                          env=joined_ray_env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    report = json.load(open(out / "runs.json"))
+    rows = {name: [json.loads(line) for line in open(out / name / "metrics.jsonl")] for name in report
+            if not name.startswith("_")}
+    print({k: round(v["seconds"], 1) for k, v in report.items() if "seconds" in v}, report["_session"])
+    return {"out": out, "rows": rows}
+
+
+def _rewards(rows) -> tuple[float, float]:
+    r = [row["reward/mean"] for row in rows]
+    return sum(r[:5]) / 5, sum(r[-5:]) / 5
+
+
+@pytest.mark.parametrize("run,bound", [("one_step_off", 1), ("async1", 1), ("async4", 4)])
+def test_the_quickstart_learns_off_policy_within_the_staleness_bound(runs, run, bound):
+    rows = runs["rows"][run]
+    first, last = _rewards(rows)
+    print(f"{run}: first 5 steps {first:.3f}, last 5 {last:.3f}")
+    assert last > first + 0.2, [round(r["reward/mean"], 3) for r in rows]
+    for row in rows:
+        lags = {int(k.rsplit("/", 1)[1]): v for k, v in row.items() if k.startswith("async/lag_frac/")}
+        assert abs(sum(lags.values()) - 1) < 1e-9 and max(lags) <= bound and row["async/staleness_max"] <= bound
+        assert row["async/version"] == row["step"] - 1 - max(lags)
+    assert max(row["async/staleness_max"] for row in rows) == bound  # the rollout ran ahead as far as allowed
+
+
+def test_one_step_off_resume_repeats_the_uninterrupted_run_bit_for_bit(runs):
+    from tests.distributed.harness import read_dcp
+
+    full = {r["step"]: r for r in runs["rows"]["one_step_off"]}
+    resumed = runs["rows"]["one_step_off_resumed"]
+    assert [r["step"] for r in resumed] == list(range(16, 21))
+    assert resumed[0]["async/restored_batches"] == 1  # step 16's batch came from the checkpoint, generated on v14
+    for row in resumed:
+        for key, value in row.items():
+            if not key.endswith("_s") and not any(part in key for part in NOT_REPEATED):
+                assert full[row["step"]][key] == value, (row["step"], key)
+    a = read_dcp(os.path.join(runs["out"], "one_step_off", "ckpt", "step_000020", "actor"))
+    b = read_dcp(os.path.join(runs["out"], "one_step_off_resumed", "ckpt", "step_000020", "actor"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_async_resume_trains_every_finished_batch_once(runs):
+    saved = torch.load(os.path.join(runs["out"], "async4", "ckpt", "step_000025", "rollout_buffer.pt"),
+                       weights_only=False)
+    in_buffer = [b.index for b in saved["batches"]]
+    assert len(in_buffer) == 5  # the driver had filled the buffer to max_staleness + 1; nothing was in flight
+    first = [r for r in runs["rows"]["async4"] if r["step"] <= 25]
+    resumed = runs["rows"]["async4_resumed"]
+    assert [r["step"] for r in resumed] == list(range(26, 31))
+    assert [int(r["async/batch_index"]) for r in resumed[:5]] == in_buffer
+    assert resumed[0]["async/restored_batches"] == 5
+    trained = [int(r["async/batch_index"]) for r in first + resumed]
+    assert sorted(trained) == list(range(1, 31))  # none lost, none trained twice
+    for r in resumed:  # the bound holds after the resume too (the engines got version 25 at the start)
+        assert r["async/staleness_max"] <= 4 and r["async/engine_version"] >= 25
+
+
+def test_partial_rollouts_carry_both_versions_with_each_parts_engine_log_probs(runs):
+    rows = runs["rows"]["continue"]
+    mixed = [r for r in rows if "mismatch/lag0/kl" in r and "mismatch/lag1/kl" in r]
+    assert mixed, [{k: v for k, v in r.items() if "lag" in k} for r in rows]
+    assert rows[-1]["async/continued_samples"] > 0
+    for r in mixed:
+        assert 0 < r["async/lag_frac/0"] < 1 and r["async/staleness_max"] <= 1
+        # version step-1's tokens: the engine held the weights Megatron recomputes with (float noise only); the
+        # older version's tokens: one real update apart
+        assert r["mismatch/lag0/kl"] < r["mismatch/lag1/kl"] / 10, r
+    print("partial rollouts: lag0 vs lag1 KL", [(r["mismatch/lag0/kl"], r["mismatch/lag1/kl"]) for r in mixed])
+
+
+def test_colocated_one_step_off_learns(tmp_path, joined_ray_env):
+    """The hybrid engine (2 processes, engines in the actor's) in one_step_off: the next batch's generation is queued
+    on the same processes before this step's forwards, so only the controller's own work overlaps it on CPU."""
+    config = os.path.join(ROOT, "yaml_configs", "cpu_quickstart.yaml")
+    proc = subprocess.run([sys.executable, "-m", "megarl", "train", config, "trainer.mode=one_step_off",
+                           "algorithm.rollout_correction.tis=token", "trainer.val_every=0", "logging.plots=false",
+                           f"logging.dir={tmp_path / 'run'}", "checkpoint.dir=null"], cwd=ROOT, env=joined_ray_env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    first, last = _rewards(rows)
+    print(f"colocated one_step_off: first 5 steps {first:.3f}, last 5 {last:.3f}")
+    assert last > first + 0.2
+    assert [r["async/staleness_max"] for r in rows] == [0.0] + [1.0] * (len(rows) - 1)
