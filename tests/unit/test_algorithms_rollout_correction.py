@@ -210,3 +210,24 @@ def test_gspo_loss_weights_scale_each_tokens_loss():
     loss, _ = gspo_policy_loss(lp, old, adv, mask, weights=torch.tensor([[1.0, 0.5, 0.0]]))
     # seq-mean-token-mean: (-2*1 - 2*0.5 - 0) / 3 over the one sequence
     assert loss.item() == approx(-1.0)
+
+
+def test_decoupled_ppo_loss_by_hand():
+    """Decoupled PPO (Hilton et al. 2022; AReaL): the ratio is clipped against the proximal policy (the old
+    log-probs the trainer recomputes with the weights it updates) and each token is weighted by the truncated
+    importance ratio proximal / behaviour (the stale rollout's own log-probs), tis=token, c=2. Numbers by hand:
+
+        token  pi    prox  behaviour  r = pi/prox  clipped (0.8, 1.28)  w = min(prox/behav, 2)  -w * min(r, clip)
+        1      0.5   0.4   0.2        1.25         1.25                 2.0                     -2.5
+        2      0.3   0.2   0.25       1.5          1.28                 0.8                     -1.024
+        3      0.1   0.2   0.05       0.5          0.8 (min: 0.5)       2.0 (4 capped)          -1.0
+    advantages 1; token-mean: -4.524 / 3 = -1.508."""
+    def logs(*p):
+        return torch.tensor([[math.log(x) for x in p]])
+
+    pi, prox, behaviour = logs(0.5, 0.3, 0.1), logs(0.4, 0.2, 0.2), logs(0.2, 0.25, 0.05)
+    mask = torch.ones(1, 3)
+    weights, keep, _ = rollout_correction(prox, behaviour, mask, tis="token", c=2.0)
+    assert torch.allclose(weights, torch.tensor([[2.0, 0.8, 2.0]]))
+    loss, _ = policy_loss(pi, prox, torch.ones(1, 3), keep.float(), clip_low=0.2, clip_high=0.28, weights=weights)
+    assert loss.item() == pytest.approx(-4.524 / 3, abs=1e-6)
