@@ -113,6 +113,7 @@ def dry_run_report(cfg: JobConfig) -> str:
     layers = {role: arch.num_layers for role, arch in role_archs(cfg).items()}
     kind = device_kind(cfg)
     from megarl.reshard.rank_order import actor_order_report
+    from megarl.trainer.schedule import describe_schedule
 
     actor_topo, order = actor_order_report(cfg)
     order_title = "actor rank order and reshard bytes (megarl/reshard/rank_order.py)"
@@ -132,6 +133,8 @@ def dry_run_report(cfg: JobConfig) -> str:
         + rollout_pool_memory(cfg, memory)
         + f"\n\n# {order_title}\n"
         + order
+        + "\n\n# schedule (trainer.mode, docs/async.md)\n"
+        + describe_schedule(cfg)
         + "\n\n# placement (rollout rows: tp = engine TP rank, dp = engine index)\n"
         + format_table(rows, layers)
         + "\n"

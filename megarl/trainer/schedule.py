@@ -548,6 +548,25 @@ class AsyncSchedule(Schedule):
 SCHEDULES = {"sync": Schedule, "one_step_off": OneStepOffSchedule, "async": AsyncSchedule}
 
 
+def describe_schedule(cfg: Any) -> str:
+    """What `trainer.mode` and its options do for this config, for `megarl train --dry-run`."""
+    t, r = cfg.trainer, cfg.rollout
+    if t.mode == "sync":
+        return "sync: each step generates its batch with the weights of the previous update (on-policy)"
+    where = f"on rollout pool {r.pool!r}" if r.pool else "in the actor's processes (colocated)"
+    rc = cfg.algorithm.rollout_correction
+    correction = f"off-policy correction: tis={rc.tis}, mask={rc.mask} (c={rc.c})"
+    if t.mode == "one_step_off":
+        return (f"one_step_off: step k+1's batch is generated {where} on the weights before update k while step k "
+                f"trains (staleness 1); {correction}")
+    partial = (f"rollout.partial=continue: generation in pieces of {r.partial_chunk_tokens} tokens, a push lands "
+               "between pieces" if r.partial == "continue" else "rollout.partial=finish: a push waits for the batch "
+               "in flight")
+    return (f"async: a driver generates {where} into a buffer of at most {t.max_staleness + 1} batches; trained "
+            f"tokens at most {t.max_staleness} version(s) old (stale_policy={t.stale_policy}); weights pushed every "
+            f"{t.sync_every} update(s); {partial}; {correction}")
+
+
 def build_schedule(trainer: Any) -> Schedule:
     """The schedule of `trainer.cfg.trainer.mode`."""
     return SCHEDULES[trainer.cfg.trainer.mode](trainer)

@@ -1,13 +1,14 @@
-"""Driver of `tests/e2e/test_async_modes.py`: several training runs of the rollout-pool quickstart (actor TP2 on 2
-processes, two vLLM TP1 engines on 2 more) in ONE `TrainingSession`, so the four workers and their engines start
-once (~30 s here) instead of once per run.
+"""Driver of the `pool_runs` fixture (`tests/e2e/conftest.py`: `tests/e2e/test_rollout_pool.py` and
+`tests/e2e/test_async_modes.py`): several training runs of the rollout-pool quickstart (actor TP2 on 2 processes, two
+vLLM TP1 engines on 2 more) in ONE `TrainingSession`, so the four workers and their engines start once (~30 s here)
+instead of once per run.
 
 Every run starts from the same state: the session's step-0 checkpoint (weights, Adam moments, every RNG, the
 loader) is copied into the run's checkpoint directory and resumed with `checkpoint.allow_config_change` (the runs
 differ in trainer.mode and its options, nothing else); a run resumed from another run's checkpoint is its
 continuation. Each run gets its own `RLTrainer` over the session's worker groups and rollout service.
 
-    python tests/e2e/async_runs.py OUT_DIR          # writes OUT_DIR/<run>/metrics.jsonl and OUT_DIR/runs.json
+    python tests/e2e/async_runs.py OUT_DIR   # OUT_DIR/<run>/metrics.jsonl, <run>/ckpt, runs.json, config.json
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ TIS = ["algorithm.rollout_correction.tis=token"]
 
 # name -> (overrides, steps, resumed from (run, step) or None, checkpoint every)
 RUNS = {
+    # the synchronous run test_rollout_pool.py checks (bytes, verification, greedy after the step-10 sync: the
+    # validation at step 10 and that step's checkpoint)
+    "sync": (["trainer.mode=sync", "trainer.val_every=10"], 20, None, 10),
     "one_step_off": (["trainer.mode=one_step_off", *TIS], 20, None, 15),
     "one_step_off_resumed": (["trainer.mode=one_step_off", *TIS], 20, ("one_step_off", 15), 0),
     "async1": (["trainer.mode=async", "trainer.max_staleness=1", *TIS], 20, None, 0),
@@ -94,7 +98,8 @@ def main(out: str) -> None:
                                                f"checkpoint.save_every={save_every}", "checkpoint.keep_last=0"]))
             cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, dir=run_dir))
             trainer = RLTrainer(cfg, first.workers, first.loader, first.encoder, first.reward_fn,
-                                role_groups=first.role_groups, metrics_path=os.path.join(run_dir, "metrics.jsonl"),
+                                role_groups=first.role_groups, val_records=first.val_records,
+                                metrics_path=os.path.join(run_dir, "metrics.jsonl"),
                                 rollout=SlowPieces(first.rollout) if name == "continue" else first.rollout)
             t0 = time.monotonic()
             try:
@@ -108,6 +113,8 @@ def main(out: str) -> None:
         session.close()
     with open(os.path.join(out, "runs.json"), "w") as f:
         json.dump(report, f, indent=1)
+    with open(os.path.join(out, "config.json"), "w") as f:  # the config the runs share (before their overrides)
+        json.dump(data, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -52,3 +52,18 @@ def quickstart_run(tmp_path_factory) -> QuickstartRun:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     shm_new = set(os.listdir("/dev/shm")) - shm_before
     return QuickstartRun(read_rows(run_dir), proc, run_dir, ckpt, shm_new)
+
+
+@pytest.fixture(scope="session")
+def pool_runs(tmp_path_factory, joined_ray_env) -> dict:
+    """The rollout-pool quickstart's runs in one session (`tests/e2e/async_runs.py`: sync, one_step_off, async, their
+    resumes, partial rollouts): {"out": its directory, "rows": {run: metrics rows}, "cfg": the shared config}."""
+    out = tmp_path_factory.mktemp("pool_runs")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "e2e", "async_runs.py"), str(out)], cwd=ROOT,
+                          env=joined_ray_env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    report = json.load(open(out / "runs.json"))
+    rows = {name: read_rows(out / name) for name in report if not name.startswith("_")}
+    print("pool runs (s):", {k: round(v["seconds"], 1) for k, v in report.items() if "seconds" in v},
+          report["_session"])
+    return {"out": out, "rows": rows, "cfg": json.load(open(out / "config.json"))}

@@ -2,10 +2,10 @@
 vLLM TP1 engines on 2 more, `yaml_configs/cpu_quickstart_rollout_pool.yaml`) and the colocated quickstart (2
 processes) in one_step_off.
 
-The pool runs share one `TrainingSession` (`tests/e2e/async_runs.py`): its four workers and engines start once
-(~30 s here) and each run starts from the same step-0 checkpoint, so the module costs one start-up plus the runs'
-85 steps (~0.7 s each on this 2-core machine; the partial-rollout run's 5 steps ~3 s each) plus the colocated CLI
-run (~38 s): about 2.5 minutes. It cannot be
+The pool runs share one `TrainingSession` with the synchronous run of `tests/e2e/test_rollout_pool.py` (the
+`pool_runs` fixture, `tests/e2e/async_runs.py`): its four workers and engines start once (~30 s here) and each run
+starts from the same step-0 checkpoint, so this module costs the runs' 85 steps (~0.7 s each on this 2-core machine;
+the partial-rollout run's 5 steps ~3 s each) plus the colocated CLI run (~38 s): about 2 minutes. It cannot be
 cheaper without dropping a mode the issue asks to see learn: the rewards of this task only rise after ~10 steps,
 and max_staleness 4 needs 30.
 
@@ -39,16 +39,8 @@ NOT_REPEATED = ("time/", "per_s", "busy_frac", "async/restored_batches", "async/
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, joined_ray_env):
-    out = tmp_path_factory.mktemp("async_runs")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "e2e", "async_runs.py"), str(out)], cwd=ROOT,
-                          env=joined_ray_env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    report = json.load(open(out / "runs.json"))
-    rows = {name: [json.loads(line) for line in open(out / name / "metrics.jsonl")] for name in report
-            if not name.startswith("_")}
-    print({k: round(v["seconds"], 1) for k, v in report.items() if "seconds" in v}, report["_session"])
-    return {"out": out, "rows": rows}
+def runs(pool_runs):
+    return pool_runs
 
 
 def _rewards(rows) -> tuple[float, float]:

@@ -1,6 +1,8 @@
-"""The rollout engines on a pool of their own: `megarl train yaml_configs/cpu_quickstart_rollout_pool.yaml` (actor
-TP2 + reference on pool "train", two vLLM TP1 engines on pool "rollout", a gloo bridge between them), a few steps,
-joined to the suite's shared Ray cluster (`joined_ray_env`).
+"""The rollout engines on a pool of their own: `yaml_configs/cpu_quickstart_rollout_pool.yaml` (actor TP2 +
+reference on pool "train", two vLLM TP1 engines on pool "rollout", a gloo bridge between them), its 20 steps in
+sync mode, run in the session the asynchronous modes' runs share (`pool_runs`, `tests/e2e/async_runs.py`: the
+workers start once for all of them), joined to the suite's shared Ray cluster. `megarl train` with this config is
+what `tests/e2e/test_dynamic_sampling.py` runs through the launch scripts.
 
 What it is compared with, none of it from the planner or the run's own description:
 - every rollout rank receives, at every sync, exactly its shard: a TP1 engine holds the whole model, so the bytes of
@@ -24,7 +26,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -40,27 +41,10 @@ CHECKED = 10
 
 
 @pytest.fixture(scope="module")
-def pool_run(tmp_path_factory, joined_ray_env):
-    import yaml
-
-    tmp = tmp_path_factory.mktemp("rollout_pool")
-    cfg = yaml.safe_load(open(CONFIG))
-    cfg["trainer"].update(total_steps=STEPS, val_every=CHECKED)  # greedy validation after those syncs
-    for key in ("train_path", "val_path"):
-        cfg["data"][key] = os.path.join(ROOT, cfg["data"][key])
-    cfg["model"]["tokenizer"] = os.path.join(ROOT, cfg["model"]["tokenizer"])
-    cfg["checkpoint"] = {"dir": str(tmp / "ckpt"), "save_every": CHECKED}  # the weights of that sync
-    cfg["logging"]["plots"] = False  # plots are the shared quickstart run's to check
-    config = tmp / "pool.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "megarl", "train", str(config), f"logging.dir={tmp / 'run'}"],
-                          cwd=ROOT, env=joined_ray_env, capture_output=True, text=True, timeout=900)
-    seconds = time.monotonic() - start
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rows = [json.loads(line) for line in open(tmp / "run" / "metrics.jsonl")]
-    print(f"rollout-pool run: {STEPS} steps in {seconds:.1f} s")
-    return {"proc": proc, "rows": rows, "cfg": cfg, "tmp": tmp}
+def pool_run(pool_runs):
+    """The synchronous run of the shared rollout-pool session (`pool_runs`, `tests/e2e/async_runs.py`: STEPS steps,
+    greedy validation and a checkpoint at step CHECKED)."""
+    return {"rows": pool_runs["rows"]["sync"], "cfg": pool_runs["cfg"], "tmp": pool_runs["out"] / "sync"}
 
 
 def _model_bytes(arch: dict) -> tuple[int, int]:
