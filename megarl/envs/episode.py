@@ -313,3 +313,24 @@ def verify_trajectory(t: Trajectory, turns: Sequence[tuple]) -> None:
     if sum(t.loss_mask) != sampled:
         raise EpisodeError(f"trajectory {t.uid}: {sum(t.loss_mask)} tokens in the loss mask but the engine sampled "
                            f"{sampled}: context tokens would be trained on")
+
+
+def runner_from_config(cfg: Any, encoder: Any, reward_fn: Any) -> EpisodeRunner:
+    """The `EpisodeRunner` of a job config with `rollout.env` set: the environment factory (`megarl.envs.registry`),
+    the tool-call parser (`rollout.tool_parser`), the limits (`rollout.max_turns`, `max_tokens_per_turn`,
+    `max_new_tokens`, the engine's context = max_prompt_tokens + max_new_tokens) and the chat template of
+    `data.chat_template` (the tokenizer's, or a Jinja string). Refuses a template that rewrites earlier turns unless
+    rollout.on_template_mismatch=mask."""
+    from megarl.envs.registry import build_env_factory
+    from megarl.envs.tool_calls import get_parser
+
+    r = cfg.rollout
+    limits = EpisodeLimits(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn or r.max_new_tokens,
+                           max_new_tokens=r.max_new_tokens, max_model_len=r.max_prompt_tokens + r.max_new_tokens)
+    template = encoder.chat_template if getattr(encoder, "mode", "hf") == "jinja" else None
+    factory = build_env_factory(r.env, reward_fn)
+    runner = EpisodeRunner(encoder.tokenizer, factory, get_parser(r.tool_parser), limits, chat_template=template,
+                           on_template_mismatch=r.on_template_mismatch)
+    if r.on_template_mismatch == "error":
+        ChatRenderer(encoder.tokenizer, None, template).check_prefix_stable()
+    return runner

@@ -71,7 +71,7 @@ class ScriptedRollout:
 
 
 class FakeTrainer:
-    """What a schedule uses of `RLTrainer`: cfg, rollout, `_draw`, `_scored_batch`, `_sync_batch`."""
+    """What a schedule uses of `RLTrainer`: cfg, rollout, episodes, `_draw`, `_scored_batch`, `_sync_batch`."""
 
     def __init__(self, rollout, mode="sync", total=10, max_staleness=1, stale_policy="wait", sync_every=1,
                  partial="finish", chunk=2) -> None:
@@ -80,6 +80,7 @@ class FakeTrainer:
                                           stale_policy=stale_policy, sync_every=sync_every),
             rollout=types.SimpleNamespace(partial=partial, partial_chunk_tokens=chunk))
         self.rollout = rollout
+        self.episodes = None  # single-turn
         self.drawn: list[int] = []
 
     def _draw(self, index, k=0):
