@@ -24,6 +24,10 @@ Checks (on by default, no peer does them by default):
   trajectory's prefix, the ids it produced follow them exactly with loss_mask 1 and the engine's log-probs, and
   nothing else is trained on; a mismatch raises `EpisodeError` naming the trajectory and turn.
 
+Metrics (`multi_turn/...`): turns_mean, tool_calls_per_episode, tool_errors, parse_errors, truncated_frac,
+template_mismatch, tool_use_frac (episodes that wrote a tool call), tool_success_frac (episodes whose every tool call
+parsed and ran without an error, at least one).
+
 Limits: `max_turns`; `max_tokens_per_turn`; `max_new_tokens` = generated tokens over the whole episode (what the
 overlong limits count); the context (`max_model_len`): an episode whose next request would not fit ends with
 finish_reason "length". Tool-output length is the tool set's (`megarl.envs.tools`). Truncations are counted.
@@ -165,7 +169,7 @@ class EpisodeRunner:
         episodes = [_Episode(f"{uid_prefix}{i}/{k}", f"{uid_prefix}{i}", r, self.env_factory(r))
                     for i, r in enumerate(records) for k in range(n)]
         counts = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "truncated": 0, "template_mismatch": 0,
-                  "turns": 0, "episodes_calling_tools": 0}
+                  "turns": 0}
         renderers = {}
         try:
             firsts = await asyncio.gather(*(e.env.reset(e.record) for e in episodes))
@@ -174,13 +178,12 @@ class EpisodeRunner:
                     self.tokenizer, e.env.tools(), self.chat_template))
                 e.messages = list(messages)
                 e.builder = TrajectoryBuilder(renderer.prompt(e.messages), uid=e.uid, group_uid=e.group_uid)
-            called = set()
+            called: dict[str, int] = {}  # episode -> tool calls that ran (>0) or failed to (<0 once any did)
             for turn in range(self.limits.max_turns):
                 live = [e for e in episodes if not e.done]
                 if not live:
                     break
                 await self._turn(live, turn, generate, sampling, version, renderers, counts, called)
-            counts["episodes_calling_tools"] = len(called)
         finally:
             await asyncio.gather(*(e.env.close() for e in episodes), return_exceptions=True)
         trajectories = []
@@ -199,7 +202,8 @@ class EpisodeRunner:
                    "multi_turn/parse_errors": float(counts["parse_errors"]),
                    "multi_turn/truncated_frac": counts["truncated"] / total,
                    "multi_turn/template_mismatch": float(counts["template_mismatch"]),
-                   "multi_turn/tool_use_frac": counts["episodes_calling_tools"] / total}
+                   "multi_turn/tool_use_frac": len(called) / total,
+                   "multi_turn/tool_success_frac": sum(1 for v in called.values() if v > 0) / total}
         return EpisodeResult(trajectories, [e.reward for e in episodes], metrics, [e.turns for e in episodes])
 
     async def _turn(self, live, turn, generate, sampling, version, renderers, counts, called) -> None:
@@ -235,8 +239,8 @@ class EpisodeRunner:
                 text = self.tokenizer.decode(x.response_ids, skip_special_tokens=False)
                 calls, errors = self.parser(text)
                 counts["parse_errors"] += len(errors)
-                if calls:
-                    called.add(e.uid)
+                if calls or errors:
+                    called.setdefault(e.uid, 0)
                 steps.append((e, x, ModelTurn(turn, text, tuple(x.response_ids), tuple(calls), tuple(errors),
                                               x.finish_reason)))
             results = await asyncio.gather(*(e.env.step(mt) for e, _, mt in steps), return_exceptions=True)
@@ -244,8 +248,11 @@ class EpisodeRunner:
                 if isinstance(step, BaseException):
                     raise EpisodeError(f"episode {e.uid}, turn {turn}: the environment failed: {step!r}") from step
                 e.reward += float(step.reward)
-                counts["tool_calls"] += int(step.info.get("tool_calls", 0))
-                counts["tool_errors"] += int(step.info.get("tool_errors", 0))
+                ran, failed = int(step.info.get("tool_calls", 0)), int(step.info.get("tool_errors", 0))
+                counts["tool_calls"] += ran
+                counts["tool_errors"] += failed
+                if e.uid in called and called[e.uid] >= 0:
+                    called[e.uid] = -1 if failed or mt.parse_errors else called[e.uid] + ran
                 if step.done:
                     e.done, e.finish = True, x.finish_reason
                     continue

@@ -127,6 +127,7 @@ def test_two_turn_episode_is_the_templates_rendering_token_for_token_with_the_po
             [-(j + 1) / 100 for j in range(len(sampled[0]))] + [-(j + 1) / 100 for j in range(len(sampled[1]))]
     assert [t.group_uid for t in result.trajectories] == ["s1/0", "s1/0", "s1/1", "s1/1"]
     assert result.metrics["multi_turn/turns_mean"] == 2 and result.metrics["multi_turn/tool_use_frac"] == 1
+    assert result.metrics["multi_turn/tool_success_frac"] == 1
     assert len(policy.calls) == 2  # one engine call per turn, all episodes batched
 
 
@@ -200,3 +201,4 @@ def test_a_malformed_tool_call_is_an_observation_and_counted():
     t = result.trajectories[0]
     assert "Error: malformed tool call" in TOK.decode(t.token_ids, skip_special_tokens=False)
     assert result.metrics["multi_turn/parse_errors"] == 1 and result.metrics["multi_turn/tool_errors"] == 1
+    assert result.metrics["multi_turn/tool_use_frac"] == 1 and result.metrics["multi_turn/tool_success_frac"] == 0
