@@ -11,6 +11,10 @@ from __future__ import annotations
 import ast
 import math
 import operator
+from typing import Optional
+
+from megarl.envs.registry import register_env
+from megarl.envs.tool_env import ToolEnvironment
 
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 1000
@@ -111,3 +115,18 @@ def calculator(expression: str) -> str:
         return format_number(evaluate(expression))
     except CalculatorError as e:
         return f"Error: {e}"
+
+
+CALCULATOR_SYSTEM_PROMPT = ("You can call the calculator tool to evaluate arithmetic. When you know the answer, reply "
+                            "without a tool call and end with '#### <number>'.")
+
+
+@register_env("calculator")
+def calculator_env(reward_fn="gsm8k", system_prompt: Optional[str] = CALCULATOR_SYSTEM_PROMPT,
+                   max_tool_calls_per_turn: int = 8, max_output_chars: int = 1000,
+                   tool_timeout_s: float = 5.0) -> ToolEnvironment:
+    """One episode with the calculator tool; the final answer is scored by `reward_fn` (a reward function or a
+    registered name; default gsm8k: the number after '####')."""
+    return ToolEnvironment([calculator], reward_fn, system_prompt=system_prompt,
+                           max_tool_calls_per_turn=max_tool_calls_per_turn, max_output_chars=max_output_chars,
+                           tool_timeout_s=tool_timeout_s)
