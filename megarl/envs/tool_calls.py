@@ -63,16 +63,12 @@ HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
 
 
-def _hermes_call(body: str, number: int) -> tuple[ToolCall | None, str | None]:
-    """One `<tool_call>` body -> (call, None) or (None, error). `number` is 1-based, for the message."""
+_DECODER = json.JSONDecoder()
+
+
+def _hermes_object(obj: object, body: str, number: int) -> tuple[ToolCall | None, str | None]:
+    """A decoded `<tool_call>` body -> (call, None) or (None, error). `number` is 1-based, for the message."""
     where = f"tool call {number}"
-    body = body.strip()
-    try:
-        obj, end = json.JSONDecoder().raw_decode(body)
-    except json.JSONDecodeError as e:
-        return None, f"{where}: invalid JSON ({e.msg} at char {e.pos}): {_snippet(body)}"
-    if body[end:].strip():
-        return None, f"{where}: unexpected text after the JSON object: {_snippet(body[end:])}"
     if not isinstance(obj, dict):
         return None, f"{where}: expected a JSON object with \"name\" and \"arguments\", got {type(obj).__name__}"
     name = obj.get("name")
@@ -92,35 +88,55 @@ def _hermes_call(body: str, number: int) -> tuple[ToolCall | None, str | None]:
     return ToolCall(name=name.strip(), arguments=arguments, id=f"call_{number - 1}"), None
 
 
+def _hermes_block(text: str, body_start: int, number: int) -> tuple[ToolCall | None, str | None, int]:
+    """The block whose body starts at `body_start` -> (call, error, where to scan on)."""
+    # a JSON value followed by the closing tag: decoding first lets a string argument contain "</tool_call>"
+    i = len(text) - len(text[body_start:].lstrip())
+    try:
+        obj, end = _DECODER.raw_decode(text, i)
+    except json.JSONDecodeError:
+        end = -1
+    if end >= 0:
+        after = len(text) - len(text[end:].lstrip())
+        if text.startswith(HERMES_CLOSE, after):
+            call, error = _hermes_object(obj, text[i:end], number)
+            return call, error, after + len(HERMES_CLOSE)
+    # otherwise the block is what lies between the tags, and the error says what is wrong with it
+    close = text.find(HERMES_CLOSE, body_start)
+    next_open = text.find(HERMES_OPEN, body_start)
+    if close < 0 or 0 <= next_open < close:
+        stop = next_open if next_open >= 0 else len(text)
+        return None, (f"tool call {number}: unterminated {HERMES_OPEN} (no {HERMES_CLOSE}): "
+                      f"{_snippet(text[body_start:stop])}"), stop
+    body = text[body_start:close].strip()
+    where = f"tool call {number}"
+    try:
+        obj, end = _DECODER.raw_decode(body)
+    except json.JSONDecodeError as e:
+        return None, f"{where}: invalid JSON ({e.msg} at char {e.pos}): {_snippet(body)}", close + len(HERMES_CLOSE)
+    if body[end:].strip():
+        return None, f"{where}: unexpected text after the JSON object: {_snippet(body[end:])}", \
+            close + len(HERMES_CLOSE)
+    call, error = _hermes_object(obj, body, number)
+    return call, error, close + len(HERMES_CLOSE)
+
+
 @register_parser("hermes")
 def parse_hermes(text: str) -> ParseResult:
     """`<tool_call>{json}</tool_call>` blocks in `text`, in order. An opening tag with no closing tag before the
-    next opening tag (or the end of the text) is an 'unterminated' error; a stray closing tag is ignored."""
+    next opening tag (or the end of the text) is an 'unterminated' error; a stray closing tag is ignored. The
+    ids are `call_<i>` for the i-th block (0-based, malformed blocks counted)."""
     calls: list[ToolCall] = []
     errors: list[str] = []
     pos = 0
     number = 0
-    while True:
-        start = text.find(HERMES_OPEN, pos)
-        if start < 0:
-            break
+    while (start := text.find(HERMES_OPEN, pos)) >= 0:
         number += 1
-        body_start = start + len(HERMES_OPEN)
-        close = text.find(HERMES_CLOSE, body_start)
-        next_open = text.find(HERMES_OPEN, body_start)
-        if close < 0 or 0 <= next_open < close:
-            stop = next_open if next_open >= 0 else len(text)
-            errors.append(f"tool call {number}: unterminated {HERMES_OPEN} (no {HERMES_CLOSE}): "
-                          f"{_snippet(text[body_start:stop])}")
-            pos = stop
-            continue
-        call, error = _hermes_call(text[body_start:close], number)
+        call, error, pos = _hermes_block(text, start + len(HERMES_OPEN), number)
         if call is not None:
-            # ids count every call of the turn, failed ones included, so call_<i> is the i-th block
             calls.append(call)
         else:
             errors.append(error)
-        pos = close + len(HERMES_CLOSE)
     return calls, errors
 
 
