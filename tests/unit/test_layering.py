@@ -14,6 +14,8 @@ import is still a dependency). The order, lowest first:
   checkpoint   HF <-> Megatron, distributed checkpoints of an engine
   data         datasets, tokenization, the batch protocol, micro-batching
   rewards      rule rewards and user reward functions: they score decoded samples (data), nothing above
+  envs         multi-turn environments, tools and tool-call parsers: an episode's final answer is scored by a
+               reward function (rewards); the rollout loop drives them, so they sit below rollout
   rollout      the rollout engine protocol and vLLM
   reshard      actor shards -> rollout engine layout (reads checkpoint's name maps, writes into rollout)
   roles        actor / critic / reference / reward model over the engine
@@ -35,7 +37,7 @@ import pathlib
 import pytest
 
 LAYERS = ["platform", "parallel", "algorithms", "models", "config", "engine", "checkpoint", "data", "rewards",
-          "rollout", "reshard", "roles", "controller", "workers", "trainer", "api", "cli"]
+          "envs", "rollout", "reshard", "roles", "controller", "workers", "trainer", "api", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megarl"
 

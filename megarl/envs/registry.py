@@ -1,0 +1,119 @@
+"""The environment registry: `rollout.env` names a registered environment or a user file's factory.
+
+An environment *factory* is `fn(**options) -> Environment`, called once per episode (an environment holds one
+episode's state). `build_env_factory(spec, options)` resolves the spec once and returns the zero-argument callable
+the rollout calls per episode:
+
+    "calculator"                    a registered name (`register_env`; built-ins: calculator, search)
+    "path/to/my_env.py:make_env"    `make_env` in a user Python file (imported once, like `reward.file`)
+
+Errors are `ConfigError`s naming `rollout.env`, the spec and, for a file, the file and the factory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import sys
+from typing import Any, Callable, Mapping, Optional
+
+from megarl.config.errors import ConfigError, did_you_mean
+from megarl.envs.base import Environment
+
+EnvFactory = Callable[..., Environment]
+
+_REGISTRY: dict[str, EnvFactory] = {}
+KEY = "rollout.env"
+
+
+def register_env(name: str, *, override: bool = False) -> Callable[[EnvFactory], EnvFactory]:
+    """Decorator: register the factory `fn(**options) -> Environment` under `name`. A taken name is an error
+    unless `override=True`."""
+
+    def deco(fn: EnvFactory) -> EnvFactory:
+        if not callable(fn):
+            raise TypeError(f"environment {name!r}: {fn!r} is not callable")
+        if ":" in name or name.endswith(".py"):
+            raise ValueError(f"environment name {name!r} must not contain ':' or end in '.py' (file specs do)")
+        if name in _REGISTRY and not override and _REGISTRY[name] is not fn:
+            raise ValueError(f"environment {name!r} is already registered (pass override=True to replace it)")
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def get_env(name: str) -> EnvFactory:
+    """The factory registered as `name`; a ConfigError naming `rollout.env` lists the names."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"{KEY}: unknown environment {name!r}{did_you_mean(name, _REGISTRY)}; registered: "
+                          f"{sorted(_REGISTRY)}; or give a user factory as 'path/to/file.py:function'") from None
+
+
+def list_envs() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def load_env_file(path: str, function_name: str) -> EnvFactory:
+    """Import `path` as a module and return its `function_name` (the `reward.file` pattern of
+    `megarl.rewards.user`). Errors name `rollout.env`, the file and the function."""
+    where = f"{KEY}={path}:{function_name}"
+    if not os.path.isfile(path):
+        raise ConfigError(f"{where}: file {path!r} does not exist")
+    if not path.endswith(".py"):
+        raise ConfigError(f"{where}: {path!r} must be a Python file (.py)")
+    module_name = f"megarl_user_env_{abs(hash(os.path.abspath(path)))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{where}: cannot import {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses / pickling inside the user file need the module registered
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(module_name, None)
+        raise ConfigError(f"{where}: {path!r} failed to import: {type(e).__name__}: {e}") from e
+    if not hasattr(module, function_name):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ConfigError(f"{where}: {path!r} defines no {function_name!r}{did_you_mean(function_name, public)}; "
+                          f"its callables: {public}")
+    fn = getattr(module, function_name)
+    if not callable(fn):
+        raise ConfigError(f"{where}: {function_name!r} is not callable (it is a {type(fn).__name__})")
+    return fn
+
+
+def resolve_env(spec: str) -> EnvFactory:
+    """The factory `spec` names: 'name' (registered) or 'path/to/file.py:function'."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"{KEY} must be a registered environment name or 'path/to/file.py:function', got {spec!r}")
+    if ":" in spec or spec.endswith(".py"):
+        path, sep, function_name = spec.rpartition(":")
+        if not sep or not path or not function_name or not path.endswith(".py"):
+            raise ConfigError(f"{KEY}={spec!r}: a user environment is 'path/to/file.py:function' (the factory "
+                              f"returning one episode's Environment)")
+        return load_env_file(path, function_name)
+    return get_env(spec)
+
+
+def build_env_factory(spec: str, options: Optional[Mapping[str, Any]] = None) -> Callable[[], Environment]:
+    """The per-episode constructor for `rollout.env=spec`: `factory()` returns a new Environment, built as
+    `fn(**options)`. The options are checked against `fn`'s signature here, before any episode starts."""
+    fn = resolve_env(spec)
+    options = dict(options or {})
+    try:
+        inspect.signature(fn).bind(**options)
+    except TypeError as e:
+        raise ConfigError(f"{KEY}={spec!r}: options {sorted(options)} do not fit the factory's signature "
+                          f"{fn.__name__}{inspect.signature(fn)}: {e}") from None
+    except ValueError:  # no signature (a builtin): let the call decide
+        pass
+
+    def factory() -> Environment:
+        return fn(**options)
+
+    factory.spec = spec  # type: ignore[attr-defined]  (for logs and error messages)
+    return factory
