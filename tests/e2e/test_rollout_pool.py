@@ -29,7 +29,6 @@ import time
 import pytest
 
 from tests.e2e.conftest import ROOT
-from tests.e2e.pool_checks import greedy_validation_reward
 
 CONFIG = os.path.join(ROOT, "yaml_configs", "cpu_quickstart_rollout_pool.yaml")
 # The quickstart's 20 steps: ~0.65 s a step here (2 cores, 4 workers), ~40 s the run with its start-up; the rewards
@@ -106,9 +105,32 @@ def test_greedy_after_a_sync_equals_transformers_on_the_exported_weights(pool_ru
     """At step CHECKED (validation reward 0.96 here, not saturated; step 20's, 1.0, was checked the same way when this
     was written and dropped from the suite for its ~10 s)."""
     step = CHECKED
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megarl.data.tokenization import PromptEncoder
+    from megarl.rewards import token_fraction
+
+    tmp, cfg = pool_run["tmp"], pool_run["cfg"]
     row = pool_run["rows"][step - 1]
     assert row["step"] == step and "val/reward_mean" in row
-    expected = greedy_validation_reward(pool_run["tmp"] / "ckpt" / f"step_{step:06d}", pool_run["cfg"])
+    step_dir = tmp / "ckpt" / f"step_{step:06d}"
+    hf_dir = tmp / f"hf_{step}"
+    proc = subprocess.run([sys.executable, "-m", "megarl", "export", str(step_dir), "--out", str(hf_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    encoder = PromptEncoder(cfg["model"]["tokenizer"], cfg["data"]["chat_template"])
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    eos = encoder.eos_token_id
+    scores = []
+    for line in open(cfg["data"]["val_path"]):
+        record = json.loads(line)
+        ids = torch.tensor([encoder.encode(record["prompt"])])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=cfg["rollout"]["max_new_tokens"], do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos)
+        scores.append(token_fraction(encoder.decode(out[0, ids.shape[1]:].tolist()), record["answer"], record))
+    expected = float(torch.tensor(scores, dtype=torch.float32).mean())
     assert abs(row["val/reward_mean"] - expected) <= 1e-6, (step, row["val/reward_mean"], expected)
 
 
