@@ -499,9 +499,9 @@ def _route_pool(index: _Index, infer_ranks, mapping: dict[int, int], needs: dict
     filled the holders up to one level (`_water_level`, holders already above it get nothing); each run, coarsest
     rows first (largest first among equals), goes whole to the holder with the most room under T, or, where it
     fits whole nowhere, is cut into the holders' room (whole rows), what is left to the least-loaded holder. The
-    finest runs (1-D norms) come last and fill the gaps the cuts left, so within a group whose holders start at or
-    below T the largest sender ends within about one row of the finest run of T: for a group of
-    replicas holding everything alike, the minimum of the largest sender at that granularity."""
+    finest runs (1-D norms) come last and fill the gaps the cuts left, so a holder ends within about one row of the
+    finest run of T. On every layout of tests/unit/test_reshard_disaggregated.py the busiest sender then sends
+    exactly the least any plan can (max over sets S of training ranks of the bytes only S holds, / |S|)."""
     load: dict[int, int] = defaultdict(int)
     out: dict[tuple[int, int], list[tuple[int, Placement, int, int, int]]] = defaultdict(list)
     groups: dict[tuple[int, ...], list[tuple]] = defaultdict(list)

@@ -210,9 +210,9 @@ def test_every_inference_rank_gets_exactly_its_shard_from_holders(tp, pp, dp, ep
 @pytest.mark.parametrize("tp,pp,dp,infer_tp,replicas", [(1, 1, 2, 1, 2), (1, 1, 4, 2, 4), (2, 2, 2, 2, 4),
                                                         (1, 2, 4, 1, 4), (2, 1, 4, 4, 2)])
 def test_senders_are_balanced_across_replicas(tp, pp, dp, infer_tp, replicas):
-    # Every byte is held by dp replicas; the planner assigns each needed run to the least-loaded holder, so
-    # (list scheduling) within a pipeline stage and TP rank no replica sends more than the others' mean plus the
-    # largest single run, bounded by a whole embed_tokens / lm_head (V*H elements).
+    # Every byte is held by dp replicas; the planner levels the runs they share between them, so within a pipeline
+    # stage and TP rank no replica sends more than the others' mean plus the largest single run, bounded by a whole
+    # embed_tokens / lm_head (V*H elements) -- a loose bound; the exact one is the next test's.
     train = RoleTopology(tp=tp, pp=pp, dp=dp)
     plan = plan_reshard(SPEC, train, InferLayout(infer_tp, replicas, rank_offset=train.world_size), dtype_bytes=BF16)
     sent = {s.rank: s.bytes_sent for s in plan.stats if s.rank in train.ranks}
