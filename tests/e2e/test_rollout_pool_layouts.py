@@ -29,8 +29,9 @@ counted here from transformers' own parameter shapes of the config's architectur
 - greedy after a sync: the engine's greedy texts for the first GREEDY_PROMPTS validation prompts, after step 2's
   sync, equal transformers' greedy decoding of the exported weights, prompt for prompt.
 
-Cost (2-core machine, measured when written): ~61 s for the module on the shared cluster -- the driver 56.5 s (its
-imports ~5 s, moe_ep2 ~28 s, dense_pp2 23.6 s), the checks ~4 s -- over the 45 s asked. It cannot be much cheaper
+Cost (2-core machine shared with other tests, measured when written): 61-71 s for the module on the shared cluster --
+the driver 56.5 s / 64.1 s in two runs (its imports ~5 s, moe_ep2 28-35 s, dense_pp2 24-27 s), the checks ~4 s --
+over the 45 s asked. It cannot be much cheaper
 while it trains two real jobs: each starts 4 worker processes (2 Megatron ranks, a 2-rank vLLM engine, the bridge) in
 ~15 s, its first rollout warms vLLM's kernels (~3 s, ~6 s with fused MoE), and the export reads a Megatron
 checkpoint (~3.5 s to save); the 2 steps themselves take ~1 s. One driver for both jobs already saves the second
