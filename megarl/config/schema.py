@@ -337,6 +337,10 @@ class RolloutConfig:
         "(one response per prompt). Needs data.chat_template hf or a Jinja template (the observations are rendered "
         "by it)."
     )
+    env_options: dict[str, Any] = opt(
+        factory=dict, help="Multi-turn: keyword arguments of the environment's factory (e.g. system_prompt: null, "
+        "max_output_chars: 200); reward_fn defaults to the job's reward.function."
+    )
     max_turns: int = opt(4, "Multi-turn: model turns per episode.", unit="turns", min=1)
     max_tokens_per_turn: Optional[int] = opt(
         None, "Multi-turn: new tokens per model turn; null = max_new_tokens (which bounds the whole episode's "

@@ -236,7 +236,9 @@ class EpisodeRunner:
                 e.generated += len(x.response_ids)
                 e.turn = turn + 1
                 counts["turns"] += 1
-                text = self.tokenizer.decode(x.response_ids, skip_special_tokens=False)
+                ids = list(x.response_ids)
+                body = ids[:-1] if ids and ids[-1] in self._end_ids() else ids  # the end-of-turn token left out
+                text = self.tokenizer.decode(body, skip_special_tokens=False)
                 calls, errors = self.parser(text)
                 counts["parse_errors"] += len(errors)
                 if calls or errors:
@@ -335,9 +337,9 @@ def runner_from_config(cfg: Any, encoder: Any, reward_fn: Any) -> EpisodeRunner:
     limits = EpisodeLimits(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn or r.max_new_tokens,
                            max_new_tokens=r.max_new_tokens, max_model_len=r.max_prompt_tokens + r.max_new_tokens)
     template = encoder.chat_template if getattr(encoder, "mode", "hf") == "jinja" else None
-    factory = build_env_factory(r.env, reward_fn)
-    runner = EpisodeRunner(encoder.tokenizer, factory, get_parser(r.tool_parser), limits, chat_template=template,
-                           on_template_mismatch=r.on_template_mismatch)
+    factory = build_env_factory(r.env, {"reward_fn": reward_fn, **dict(r.env_options)})
+    runner = EpisodeRunner(encoder.tokenizer, lambda record: factory(), get_parser(r.tool_parser), limits,
+                           chat_template=template, on_template_mismatch=r.on_template_mismatch)
     if r.on_template_mismatch == "error":
         ChatRenderer(encoder.tokenizer, None, template).check_prefix_stable()
     return runner

@@ -53,8 +53,8 @@ class CalcEnv:
         if turn.tool_calls:
             a, b = (int(x) for x in turn.tool_calls[0]["arguments"]["expression"].split("*"))
             return EnvStep(({"role": "tool", "name": "calculator", "content": str(a * b)},), info={"tool_calls": 1})
-        text = turn.text.replace("<|im_end|>", "")
-        return EnvStep(reward=float(text == self.record.answer), done=True)
+        assert "<|im_end|>" not in turn.text  # the end-of-turn token is not part of the text read
+        return EnvStep(reward=float(turn.text == self.record.answer), done=True)
 
     async def close(self):
         pass
