@@ -529,9 +529,6 @@ def _check_multi_turn(cfg: JobConfig) -> None:
     if cfg.trainer.mode == "one_step_off":
         raise ConfigError("rollout.env with trainer.mode=one_step_off is not supported yet (episodes take one engine "
                           "call per turn); use trainer.mode=sync, or async with rollout.pool")
-    if r.partial == "continue":
-        raise ConfigError("rollout.env with rollout.partial=continue is not supported yet: a push waits for the "
-                          "episodes' batch in flight (rollout.partial=finish)")
     if cfg.reward_model.enabled:
         raise ConfigError("rollout.env with reward_model.enabled: the episode's reward comes from its environment")
     if r.max_tokens_per_turn is not None and r.max_tokens_per_turn > r.max_new_tokens:

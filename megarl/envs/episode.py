@@ -159,10 +159,12 @@ class EpisodeRunner:
         self.tokenizer, self.env_factory, self.parser, self.limits = tokenizer, env_factory, parser, limits
         self.chat_template, self.on_template_mismatch, self.verify = chat_template, on_template_mismatch, verify
 
-    def run(self, records: Sequence[Any], n: int, generate: Callable, sampling: Any, policy_version: int,
-            uid_prefix: str = "") -> EpisodeResult:
+    def run(self, records: Sequence[Any], n: int, generate: Callable, sampling: Any,
+            policy_version: "int | Callable[[], int]", uid_prefix: str = "") -> EpisodeResult:
         """`n` episodes per record; `generate(prompts, sampling) -> RolloutSamples` is the rollout service's (one
-        call per turn); `sampling` its settings (samples_per_prompt and max_new_tokens are set per turn here)."""
+        call per turn); `sampling` its settings (samples_per_prompt and max_new_tokens are set per turn here).
+        `policy_version`: the engines' weights version, or a function read after each turn's generation (weights
+        pushed between turns: an episode's turns then carry the versions that sampled them)."""
         return asyncio.run(self._run(records, n, generate, sampling, policy_version, uid_prefix))
 
     async def _run(self, records, n, generate, sampling, version, uid_prefix) -> EpisodeResult:
@@ -224,6 +226,7 @@ class EpisodeRunner:
                 max_prompt_tokens=max(len(p) for p in prompts),
                 seed=None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE)
             out = generate(prompts, s)
+            sampled_by = version() if callable(version) else version
             by_index = {x.prompt_index: x for x in out}
             if len(by_index) != len(group):
                 raise EpisodeError(f"turn {turn}: the engine returned {len(by_index)} samples for {len(group)} "
@@ -232,7 +235,7 @@ class EpisodeRunner:
             for i, e in enumerate(group):
                 x = by_index[i]
                 e.turns.append((prompts[i], list(x.response_ids), list(x.response_log_probs)))
-                e.builder.sampled(x.response_ids, x.response_log_probs, version)
+                e.builder.sampled(x.response_ids, x.response_log_probs, sampled_by)
                 e.generated += len(x.response_ids)
                 e.turn = turn + 1
                 counts["turns"] += 1

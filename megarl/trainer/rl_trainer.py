@@ -367,13 +367,15 @@ class RLTrainer:
                             token_versions=token_versions, rollout_s=rollout_s,
                             reward_s=time.perf_counter() - started)
 
-    def _episode_batch(self, index: int, records, sampling: SamplingSettings, version: int, generate) -> RolloutBatch:
+    def _episode_batch(self, index: int, records, sampling: SamplingSettings, version, generate) -> RolloutBatch:
         """rollout.samples_per_prompt multi-turn episodes per record (`megarl.envs.episode.EpisodeRunner`, one
         `generate` call per turn), every trajectory verified against the engine's tokens; scores = the episodes'
         summed rewards (their environments call the reward function)."""
         started = time.perf_counter()
         result = self.episodes.run(records, self.cfg.rollout.samples_per_prompt, generate, sampling, version,
                                    uid_prefix=f"{index}/")
+        if callable(version):  # weights pushed between turns: the batch's version is its oldest token's
+            version = min((v for t in result.trajectories for v in t.policy_version if v >= 0), default=version())
         scores = torch.tensor(result.scores, dtype=torch.float32)
         reward_metrics = {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/error_frac": 0.0}
         return RolloutBatch(index, list(records), [], [], scores, reward_metrics, version=version,

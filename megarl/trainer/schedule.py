@@ -469,7 +469,12 @@ class AsyncSchedule(Schedule):
                 try:
                     if self.trainer.episodes is not None:  # multi-turn: one engine call per turn, then the batch
                         started = time.perf_counter()
-                        batch = self.trainer._episode_batch(index, records, sampling, version, self.rollout.generate)
+                        if self.partial == "continue":  # a push may land between two turns of the episodes
+                            batch = self.trainer._episode_batch(index, records, sampling,
+                                                                lambda: self.engine_version, self._turn_generate)
+                        else:
+                            batch = self.trainer._episode_batch(index, records, sampling, version,
+                                                                self.rollout.generate)
                         with self.cond:
                             self.busy_s += time.perf_counter() - started
                             self.buffer.append(batch)
@@ -557,6 +562,17 @@ class AsyncSchedule(Schedule):
         result.generate_s = None
         oldest = min((min(v) for v in versions if v), default=version)
         return result, versions, oldest
+
+    def _turn_generate(self, prompts: list[list[int]], sampling: Any):
+        """A turn of multi-turn episodes with rollout.partial=continue: a waiting push gets the engines first (the
+        driver holds them on entry), so an episode's next turn may be sampled by newer weights than its last."""
+        with self.cond:
+            self.engine_busy = False
+            self.cond.notify_all()
+            if not self._turn(lambda: not self.push_wanted and not self.engine_busy):
+                raise _Stopped()
+            self.counts["pieces"] += 1
+        return self.rollout.generate(prompts, sampling)
 
     def _piece_done(self, started: float) -> None:
         with self.cond:

@@ -35,7 +35,7 @@ class ToolQuickstartSettings:
     n_val: int = 64
     sft_batch: int = 32
     sft_lr: float = 2e-3
-    sft_steps: int = 120
+    sft_steps: int = 300
     grpo_steps: int = 60
     seed: int = 0
     vendor_level: str = "error"
