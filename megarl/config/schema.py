@@ -357,8 +357,8 @@ class RolloutConfig:
         "finish", "async: generations in flight at a weight push: finish = they complete on the old weights (the push "
         "waits for them); continue = generation runs in pieces of partial_chunk_tokens and a push between pieces "
         "applies at once: each unfinished response continues from the tokens it has (its KV cache recomputed under "
-        "the new weights), every token recording the version that sampled it. Multi-turn episodes (rollout.env): a push "
-        "lands between two turns."
+        "the new weights), every token recording the version that sampled it. Multi-turn episodes (rollout.env): a "
+        "push lands between two turns."
     )
     partial_chunk_tokens: int = opt(
         16, "rollout.partial=continue: new tokens per piece (a push waits at most one piece).", unit="tokens", min=1,
