@@ -276,7 +276,7 @@ class EpisodeTrainer(FakeTrainer):
 
     def _episode_batch(self, index, records, sampling, version, generate):
         turns = []
-        for turn in range(2):
+        for _ in range(2):
             out = generate([[1, 2, 3]], dataclasses.replace(sampling, max_new_tokens=2))
             turns.append((list(out), version() if callable(version) else version))
         samples = [RolloutSample(0, 0, [1, 2, 3], [t for out, _ in turns for t in out[0].response_ids],
