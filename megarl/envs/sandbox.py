@@ -69,9 +69,13 @@ from typing import Optional, Sequence
 
 logger = logging.getLogger("megarl.envs")
 
-# Namespaces of each run (see the module docstring): user (-U, uid 0 inside mapped to the worker's uid), network,
-# mount, PID (-f: unshare forks, the shell is PID 1), UTS and IPC.
-DEFAULT_UNSHARE = ("unshare", "-U", "-r", "-n", "-m", "-p", "-f", "-u", "-i")
+# Namespaces of each run (see the module docstring): network, mount, PID (-f: unshare forks, the shell is PID 1), UTS
+# and IPC; plus, for an unprivileged worker, a user namespace (-U -r: uid 0 inside = the worker's uid outside).
+ROOT_UNSHARE = ("unshare", "-n", "-m", "-p", "-f", "-u", "-i")
+USER_UNSHARE = ("unshare", "-U", "-r", "-n", "-m", "-p", "-f", "-u", "-i")
+# A root worker runs each sandbox as its own unprivileged uid (RLIMIT_NPROC counts per uid and never binds uid 0):
+# FIRST_UID + (pid % 1000) * 1000 + (run % 1000), uids no account uses.
+FIRST_UID = 200_000
 SANDBOX_DIR = "/sandbox"  # the run's directory, as the child sees it
 _READ_CHUNK = 1 << 16
 
@@ -156,9 +160,12 @@ def _readonly_dirs(python: str) -> list[str]:
 
 def _layout_script(python: str, limits: SandboxLimits) -> str:
     """The shell run as the namespace's PID 1: the new root ($1/root, a tmpfs), pivot_root, then the limited
-    Python. $1: the run's host temporary directory, holding main.py and the empty mount point `root`."""
+    Python. $1: the run's host temporary directory, holding main.py and the empty mount point `root`; $2: the uid
+    to run the code as ("": stay uid 0 of the user namespace)."""
     q = shlex.quote
-    lines = ["set -e", 'T="$1"', 'R="$T/root"', "mount -t tmpfs -o size=1m,mode=755 sandbox-root \"$R\""]
+    lines = ["set -e", 'T="$1"', 'R="$T/root"', 'IDS=""', 'OWNER=""',
+             'if [ -n "$2" ]; then IDS="--reuid=$2 --regid=$2 --clear-groups"; OWNER=",uid=$2,gid=$2"; fi',
+             'mount -t tmpfs -o size=1m,mode=755 sandbox-root "$R"']
     for d in _readonly_dirs(python):
         lines += [f'mkdir -p "$R"{q(d)}', f'mount --rbind {q(d)} "$R"{q(d)}',
                   f'mount -o remount,bind,ro,nosuid,nodev "$R"{q(d)}']
@@ -172,13 +179,13 @@ def _layout_script(python: str, limits: SandboxLimits) -> str:
     for dev in ("null", "zero", "random", "urandom"):
         lines += [f'touch "$R/dev/{dev}"', f'mount --bind /dev/{dev} "$R/dev/{dev}"']
     lines += [
-        f'mount -t tmpfs -o size={limits.disk_mb}m,mode=777,nosuid,nodev sandbox "$R"{SANDBOX_DIR}',
-        f'cp "$T/main.py" "$R"{SANDBOX_DIR}/main.py',
+        f'mount -t tmpfs -o size={limits.disk_mb}m,mode=700,nosuid,nodev$OWNER sandbox "$R"{SANDBOX_DIR}',
+        f'cp "$T/main.py" "$R"{SANDBOX_DIR}/main.py', f'[ -z "$2" ] || chown "$2:$2" "$R"{SANDBOX_DIR}/main.py',
         'cd "$R"', "pivot_root . .old", "mount -t proc -o ro,nosuid,nodev,noexec proc /proc",
-        "umount -l /.old", "rmdir /.old", f"cd {SANDBOX_DIR}",
+        "umount -l /.old", "rmdir /.old", f"cd {SANDBOX_DIR}", "unset OLDPWD",
         # Not exec: the shell stays PID 1, so the Python gets SIGXCPU (PID 1 ignores it) and, when the Python
         # exits, PID 1 exits and the kernel kills whatever the code left running.
-        "setpriv --no-new-privs --inh-caps=-all --bounding-set=-all "
+        "setpriv $IDS --no-new-privs --inh-caps=-all --bounding-set=-all "
         f"timeout -s KILL {int(limits.wall_seconds) + 2} " + _prlimit(limits) + f" {q(python)} -I main.py",
     ]
     return "\n".join(lines)
@@ -223,16 +230,18 @@ class PythonSandbox:
     """Runs Python code in a fresh, isolated process tree (module docstring: what is and is not isolated).
 
     python: the interpreter (default: this one; its installation and venv are mounted read-only). unshare_cmd: the
-    namespace prefix (default `DEFAULT_UNSHARE`); probed once here with a trivial run - if it fails, or the child
-    sees a network interface other than `lo`, construction raises `SandboxUnavailable` unless
-    `limits.allow_network` (then runs are not isolated: `self.isolated` is False)."""
+    namespace prefix (default `ROOT_UNSHARE` as root, else `USER_UNSHARE`); probed once here with a trivial run:
+    if it fails, or the child sees a network interface other than `lo`, construction raises `SandboxUnavailable`
+    unless `limits.allow_network` (then runs are not isolated: `self.isolated` is False)."""
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(), python: Optional[str] = None,
                  unshare_cmd: Optional[Sequence[str]] = None) -> None:
         self.limits = limits
         self.python = python or sys.executable
-        self.unshare_cmd = list(unshare_cmd or DEFAULT_UNSHARE)
+        self.as_root = os.geteuid() == 0
+        self.unshare_cmd = list(unshare_cmd or (ROOT_UNSHARE if self.as_root else USER_UNSHARE))
         self.isolated = True
+        self._runs = 0
         self._script = _layout_script(self.python, limits)
         failure = self._probe()
         if failure is not None:
@@ -269,8 +278,10 @@ class PythonSandbox:
                 f.write(code)
             if self.isolated:
                 os.mkdir(os.path.join(tmp, "root"))
-                argv = [*self.unshare_cmd, "sh", "-c", self._script, "sh", tmp]
-                env, cwd, preexec = _child_env(SANDBOX_DIR), tmp, None
+                self._runs += 1
+                uid = str(FIRST_UID + (os.getpid() % 1000) * 1000 + self._runs % 1000) if self.as_root else ""
+                argv = [*self.unshare_cmd, "sh", "-c", self._script, "sh", tmp, uid]
+                env, cwd = _child_env(SANDBOX_DIR), tmp
             else:
                 argv = ["sh", "-c", _prlimit(self.limits) + ' "$@"', "sh", self.python, "-I", "main.py"]
                 env, cwd = _child_env(tmp), tmp
@@ -290,21 +301,43 @@ class PythonSandbox:
             await asyncio.wait_for(asyncio.shield(io), timeout=limits.wall_seconds)
         except asyncio.TimeoutError:
             timed_out = True
-        finally:  # timeout, or the episode cancelled: the whole group goes (the PID namespace takes the rest)
+        finally:  # timeout, or the episode cancelled: the whole tree goes
             if proc.returncode is None or timed_out:
-                _kill_group(proc.pid)
+                await _kill_tree(proc)
             await io
         stdout, stderr = capture.text("stdout"), capture.text("stderr")
+        if timed_out:  # unshare's own complaint when its child is SIGKILLed: not the code's output
+            stderr = "".join(line for line in stderr.splitlines(keepends=True) if not line.startswith("unshare: "))
         exit_code = None if timed_out else proc.returncode
         error = _classify(exit_code, stderr, timed_out, capture.truncated, limits)
         return SandboxResult(ok=error is None, stdout=stdout, stderr=stderr, exit_code=exit_code, error=error,
                              seconds=time.monotonic() - start, truncated=capture.truncated)
 
 
-def _kill_group(pgid: int) -> None:
+async def _kill_tree(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL the namespace's PID 1 (unshare's child): the kernel kills everything in the PID namespace and unshare,
+    its parent, reaps it, so no orphan is left to the host's init; then the whole process group (unshare, or, not
+    isolated, the code's processes)."""
+    if proc.returncode is None:
+        try:
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            children = []
+        for child in children:
+            _kill(os.kill, child)
+        if children:
+            try:
+                await asyncio.wait_for(asyncio.shield(proc.wait()), timeout=2.0)
+            except asyncio.TimeoutError:
+                pass
+    _kill(os.killpg, proc.pid)
+
+
+def _kill(kill, pid: int) -> None:
     try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
+        kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
         pass
 
 
