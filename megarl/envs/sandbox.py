@@ -6,15 +6,16 @@
 
 Each run starts a fresh process tree from nothing the worker holds:
 
-    unshare -U -r -n -m -p -f -u -i            new user, network, mount, PID, UTS and IPC namespaces
+    unshare -n -m -p -f -u -i                  network, mount, PID, UTS and IPC namespaces; an unprivileged worker
+                                               adds -U -r (a user namespace, uid 0 inside = the worker's uid)
       sh -c <layout>                           PID 1 of the namespace: builds the file system, then
-        setpriv (no capabilities, no_new_privs)
+        setpriv (worker is root: --reuid/--regid to the run's own unprivileged uid; no capabilities, no_new_privs)
           timeout -s KILL <wall + 2>           a wall-clock backstop that outlives the worker
             prlimit (cpu, as, nproc, fsize, nofile, core)
               python -I /sandbox/main.py        isolated mode, scrubbed environment, stdin /dev/null
 
-What is isolated, as measured on this machine (kernel 6.18, util-linux 2.38, running as root; the same command
-works unprivileged where the kernel allows user namespaces):
+What is isolated, as measured on this machine (kernel 6.18, util-linux 2.38, worker running as root; the
+unprivileged variant measured too, as uid 65534 with /usr/bin/python3):
 - network: an empty network namespace (only a down `lo`): connect() to 127.0.0.1 or anywhere fails with
   "Network is unreachable"; abstract Unix sockets are per namespace too. The probe at construction checks that the
   child sees no interface but `lo`; if the namespaces cannot be created, construction raises `SandboxUnavailable`
@@ -22,34 +23,38 @@ works unprivileged where the kernel allows user namespaces):
 - file system: the child's root is a fresh tmpfs (pivot_root, the old root unmounted), holding only read-only bind
   mounts of /usr, the Python installation (`sys.base_prefix`) and its virtual environment (`sys.prefix`),
   /etc/ld.so.cache (read-only), /dev/{null,zero,random,urandom}, a read-only /proc of its own PID namespace, and
-  /sandbox: a fresh tmpfs of `disk_mb` (cwd, HOME, TMPDIR), gone when the run ends. /etc/passwd, the worker's
-  files, its temporary directories, /root, /work, /tmp of the host: not there (FileNotFoundError).
+  /sandbox: a fresh tmpfs of `disk_mb`, mode 700 (cwd, HOME, TMPDIR), gone when the run ends. /etc/passwd, the
+  worker's files, its temporary directories, /root, /work, the host's /tmp: not there (FileNotFoundError).
 - processes: a PID namespace; the child sees only its own tree, can signal nothing outside it, and when the
-  namespace's PID 1 exits (or is killed: timeout, worker kill) the kernel kills every process left in it, even
-  ones that called setsid() - no stray processes, no zombies.
-- privileges: inside, the child is uid 0 of its own user namespace, with every capability dropped (bounding set
-  empty, no_new_privs), so it cannot mount, chroot, or raise limits. Caveat: running the worker as root, the
-  namespace's uid 0 IS the host's root for file ownership; this is why everything visible is mounted read-only
-  (EROFS) except /sandbox and /dev/null-like devices, and /proc is read-only (no /proc/sys writes).
-- limits (prlimit, inside the user namespace): RLIMIT_CPU (SIGXCPU at `cpu_seconds`, SIGKILL one second later),
-  RLIMIT_AS (`memory_mb` of address space per process: allocations raise MemoryError), RLIMIT_NPROC
-  (`max_processes`: counted per user namespace since Linux 5.14, so a fork bomb hits EAGAIN at the limit inside
-  the sandbox without touching the worker's own count, even as root - measured), RLIMIT_FSIZE (`file_mb`: writes
-  beyond raise OSError EFBIG), RLIMIT_NOFILE, RLIMIT_CORE=0; `wall_seconds` from the worker (the process group
-  killed with SIGKILL) and from `timeout` inside; stdout+stderr captured up to `output_bytes` in total, the rest
-  read and discarded so the child never blocks on a full pipe.
+  namespace's PID 1 exits (the code finished, or it was killed: timeout, cancellation) the kernel kills every
+  process left in it, even ones that called setsid(): no stray processes, no zombies.
+- privileges: a root worker runs the code as a uid of its own (`FIRST_UID` + ..., no account, owns nothing but
+  /sandbox), with no capabilities (bounding set empty, no_new_privs). An unprivileged worker runs it as uid 0 of a
+  user namespace (the worker's uid outside), also with every capability dropped. Either way it cannot mount,
+  chroot, raise limits or write anything visible but /sandbox.
+- limits (prlimit): RLIMIT_CPU (SIGXCPU at `cpu_seconds`, SIGKILL one second later), RLIMIT_AS (`memory_mb` of
+  address space per process: allocations raise MemoryError), RLIMIT_NPROC (`max_processes`: a fork bomb gets EAGAIN
+  at the limit. Measured: the kernel never applies RLIMIT_NPROC to uid 0 of the host (`unshare -U -r` run by root
+  maps to it, and forked 100 children under a limit of 32), hence the run's own uid as root; unprivileged, the
+  count is per user namespace (Linux >= 5.14), so the worker's own processes do not count), RLIMIT_FSIZE
+  (`file_mb`: larger writes raise OSError EFBIG), RLIMIT_NOFILE, RLIMIT_CORE=0; `wall_seconds` enforced from the
+  worker (SIGKILL to the namespace's PID 1, then to the process group) and by `timeout` inside; stdout+stderr
+  captured up to `output_bytes` in total, the rest read and discarded so the child never blocks on a full pipe.
 
 What is NOT isolated:
-- memory is per process (RLIMIT_AS), not per sandbox: `max_processes` x `memory_mb` is the bound (no cgroup is
-  used: cgroup v1 here, not delegated to unprivileged users); CPU is per process likewise.
-- /usr and the Python installation are readable (everything installed in the venv is importable, ctypes included:
-  the isolation is the kernel's, not an audit hook's, so ctypes does not bypass it).
-- the kernel itself: the sandbox relies on user namespaces, whose kernel attack surface is larger than a seccomp
-  filter's; no seccomp filter is installed.
-- an exit status above 128 is read as "killed by signal status-128" (a program calling sys.exit(137) is reported
-  as killed by signal 9).
-- `allow_network=True` when the namespaces are unavailable: a plain subprocess with the same rlimits, its own
-  temporary directory and scrubbed environment, but with the host's network, file system and process table.
+- memory and CPU are per process (RLIMIT_AS, RLIMIT_CPU), not per sandbox: `max_processes` x `memory_mb` bounds
+  the memory (no cgroup is used: cgroup v1 here, not delegated).
+- /usr and the Python installation are readable (everything installed in the venv is importable, ctypes
+  included: the isolation is the kernel's, not an audit hook's, so ctypes does not bypass it).
+- the kernel: no seccomp filter; the sandbox relies on namespaces (and, unprivileged, user namespaces, whose
+  kernel attack surface is larger).
+- as root, runs share RLIMIT_NPROC with any other process of the same uid: uids repeat after 1000 runs of one
+  worker, or across workers whose pids agree modulo 1000 (then two concurrent runs share one `max_processes`).
+- an exit status above 128 is read as "killed by signal status-128" (sys.exit(137) reads as killed by signal 9).
+- if the worker itself is SIGKILLed mid-run, the code runs on until `timeout` (wall + 2 s) or its CPU limit.
+- `allow_network=True` when the namespaces are unavailable: a plain subprocess with the same rlimits (RLIMIT_NPROC
+  inert for root), its own temporary directory and a scrubbed environment, but the host's network, file system and
+  process table.
 """
 
 from __future__ import annotations

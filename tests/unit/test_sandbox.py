@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from megarl.envs.sandbox import PythonSandbox, PythonTool, SandboxLimits, SandboxUnavailable
+from megarl.envs.sandbox import FIRST_UID, PythonSandbox, PythonTool, SandboxLimits, SandboxUnavailable
 
 psutil = pytest.importorskip("psutil")
 
@@ -33,6 +33,9 @@ def unharmed():
     while (kids := psutil.Process().children(recursive=True)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert kids == [], [(k.pid, k.name(), k.status()) for k in kids]
+    ours = range(FIRST_UID + (os.getpid() % 1000) * 1000, FIRST_UID + (os.getpid() % 1000 + 1) * 1000)
+    escaped = [p.info for p in psutil.process_iter(["pid", "uids", "status"]) if p.info["uids"].real in ours]
+    assert escaped == []  # nothing run as a sandbox uid of this process survives (e.g. after setsid())
     pid = os.fork()
     if pid == 0:
         os._exit(7)
