@@ -210,7 +210,7 @@ def _child_env(home: str) -> dict:
             "MKL_NUM_THREADS": "1"}
 
 
-def _classify(exit_code: Optional[int], stderr: str, timed_out: bool, truncated: bool, limits: SandboxLimits):
+def _classify(exit_code: Optional[int], stderr: str, timed_out: bool, truncated: bool) -> Optional[str]:
     if timed_out:
         return "timeout"
     if exit_code == 128 + signal.SIGXCPU or exit_code == -signal.SIGXCPU:
@@ -314,7 +314,7 @@ class PythonSandbox:
         if timed_out:  # unshare's own complaint when its child is SIGKILLed: not the code's output
             stderr = "".join(line for line in stderr.splitlines(keepends=True) if not line.startswith("unshare: "))
         exit_code = None if timed_out else proc.returncode
-        error = _classify(exit_code, stderr, timed_out, capture.truncated, limits)
+        error = _classify(exit_code, stderr, timed_out, capture.truncated)
         return SandboxResult(ok=error is None, stdout=stdout, stderr=stderr, exit_code=exit_code, error=error,
                              seconds=time.monotonic() - start, truncated=capture.truncated)
 
