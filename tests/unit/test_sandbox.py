@@ -171,3 +171,33 @@ def test_tool_reports_errors_as_text_and_counts_them(sandbox):
     assert (c["calls"], c["ok"], c["errors"], c["process_limits"], c["memory_limits"], c["truncations"],
             c["exit_errors"]) == (5, 1, 4, 1, 1, 1, 1)
     assert tool.schema()["function"]["name"] == "python"
+
+
+def test_the_python_environment_runs_a_models_tool_call_in_the_sandbox():
+    """`rollout.env: python`: a Hermes tool call parsed from a model turn runs in the sandbox and its output is the
+    tool message; a hostile call is an error message and counted, and the episode goes on."""
+    import asyncio
+
+    from megarl.data.dataset import PromptRecord
+    from megarl.envs import ModelTurn, build_env_factory, get_parser
+
+    env = build_env_factory("python", {"reward_fn": "exact_match", "wall_seconds": 3.0, "cpu_seconds": 2})()
+    parse = get_parser("hermes")
+
+    async def episode():
+        await env.reset(PromptRecord(0, "6*7=", "42", {}))
+        text = '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'
+        calls, errors = parse(text)
+        first = await env.step(ModelTurn(0, text, (), tuple(calls), tuple(errors)))
+        text = '<tool_call>{"name": "python", "arguments": {"code": "while True: pass"}}</tool_call>'
+        calls, errors = parse(text)
+        second = await env.step(ModelTurn(1, text, (), tuple(calls), tuple(errors)))
+        last = await env.step(ModelTurn(2, "42", ()))
+        return first, second, last
+
+    first, second, last = asyncio.run(episode())
+    assert first.observations[0]["content"] == "42\n" and first.observations[0]["name"] == "python"
+    assert second.observations[0]["content"].startswith("Error:") and not second.done
+    assert last.done and last.reward == 1.0
+    counters = env.toolset.counters()
+    assert counters["python/calls"] == 2 and counters["python/errors"] == 1, counters
