@@ -149,15 +149,18 @@ class EpisodeRunner:
 
     tokenizer: a HF tokenizer with the chat template (or pass `chat_template`). env_factory(record) -> a new
     `Environment` per episode. parser(text) -> (tool calls, errors) (`megarl.envs.tool_calls`). limits:
-    `EpisodeLimits`. on_template_mismatch: "error" | "mask". verify: check every trajectory (`verify_trajectory`)."""
+    `EpisodeLimits`. on_template_mismatch: "error" | "mask". verify: check every trajectory (`verify_trajectory`).
+    min_requests: the fewest requests an engine call may carry (the number of engine replicas: each needs one);
+    a turn with fewer live episodes is padded with copies whose samples are dropped."""
 
     def __init__(self, tokenizer: Any, env_factory: Callable[[Any], Any], parser: Callable[[str], tuple],
                  limits: EpisodeLimits, chat_template: Optional[str] = None, on_template_mismatch: str = "error",
-                 verify: bool = True) -> None:
+                 verify: bool = True, min_requests: int = 1) -> None:
         if on_template_mismatch not in ("error", "mask"):
             raise ValueError(f"on_template_mismatch must be 'error' or 'mask', got {on_template_mismatch!r}")
         self.tokenizer, self.env_factory, self.parser, self.limits = tokenizer, env_factory, parser, limits
         self.chat_template, self.on_template_mismatch, self.verify = chat_template, on_template_mismatch, verify
+        self.min_requests = min_requests
 
     def run(self, records: Sequence[Any], n: int, generate: Callable, sampling: Any,
             policy_version: "int | Callable[[], int]", uid_prefix: str = "") -> EpisodeResult:
@@ -210,7 +213,7 @@ class EpisodeRunner:
 
     async def _turn(self, live, turn, generate, sampling, version, renderers, counts, called) -> None:
         lim = self.limits
-        budgets = {}
+        group, budget = [], {}
         for e in live:
             left = min(lim.max_tokens_per_turn, lim.max_new_tokens - e.generated,
                        lim.max_model_len - len(e.builder.token_ids))
@@ -218,22 +221,32 @@ class EpisodeRunner:
                 e.done, e.finish = True, "length"
                 counts["truncated"] += 1
             else:
-                budgets.setdefault(left, []).append(e)
-        for max_tokens, group in budgets.items():
+                group.append(e)
+                budget[e.uid] = left
+        if group:
+            # one call for the turn: the longest budget for all, each episode's sample cut to its own (the tokens
+            # after the cut were never part of it: as if the engine had stopped there, finish_reason 'length')
             prompts = [list(e.builder.token_ids) for e in group]
+            # at least `min_requests` requests (the engine replicas each need one): padded with copies, dropped
+            padded = prompts + [prompts[0]] * max(0, self.min_requests - len(prompts))
             s = dataclasses.replace(
-                sampling, samples_per_prompt=1, max_new_tokens=max_tokens,
+                sampling, samples_per_prompt=1, max_new_tokens=max(budget.values()),
                 max_prompt_tokens=max(len(p) for p in prompts),
                 seed=None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE)
-            out = generate(prompts, s)
+            out = generate(padded, s)
             sampled_by = version() if callable(version) else version
-            by_index = {x.prompt_index: x for x in out}
+            by_index = {x.prompt_index: x for x in out if x.prompt_index < len(group)}
             if len(by_index) != len(group):
                 raise EpisodeError(f"turn {turn}: the engine returned {len(by_index)} samples for {len(group)} "
                                    "episodes (a prompt dropped as overlong?)")
             steps = []
             for i, e in enumerate(group):
                 x = by_index[i]
+                if len(x.response_ids) > budget[e.uid]:
+                    cut = budget[e.uid]
+                    x = dataclasses.replace(x, response_ids=list(x.response_ids)[:cut],
+                                            response_log_probs=list(x.response_log_probs)[:cut],
+                                            finish_reason="length")
                 e.turns.append((prompts[i], list(x.response_ids), list(x.response_log_probs)))
                 e.builder.sampled(x.response_ids, x.response_log_probs, sampled_by)
                 e.generated += len(x.response_ids)
@@ -341,8 +354,11 @@ def runner_from_config(cfg: Any, encoder: Any, reward_fn: Any) -> EpisodeRunner:
                            max_new_tokens=r.max_new_tokens, max_model_len=r.max_prompt_tokens + r.max_new_tokens)
     template = encoder.chat_template if getattr(encoder, "mode", "hf") == "jinja" else None
     factory = build_env_factory(r.env, {"reward_fn": reward_fn, **dict(r.env_options)})
+    pool = cfg.resources.pools[r.pool if r.pool is not None else cfg.actor.pool]
+    replicas = max(1, pool.nodes * pool.devices_per_node // r.tp)
     runner = EpisodeRunner(encoder.tokenizer, lambda record: factory(), get_parser(r.tool_parser), limits,
-                           chat_template=template, on_template_mismatch=r.on_template_mismatch)
+                           chat_template=template, on_template_mismatch=r.on_template_mismatch,
+                           min_requests=replicas)
     if r.on_template_mismatch == "error":
         ChatRenderer(encoder.tokenizer, None, template).check_prefix_stable()
     return runner

@@ -202,3 +202,20 @@ def test_a_malformed_tool_call_is_an_observation_and_counted():
     assert "Error: malformed tool call" in TOK.decode(t.token_ids, skip_special_tokens=False)
     assert result.metrics["multi_turn/parse_errors"] == 1 and result.metrics["multi_turn/tool_errors"] == 1
     assert result.metrics["multi_turn/tool_use_frac"] == 1 and result.metrics["multi_turn/tool_success_frac"] == 0
+
+
+def test_a_turn_with_fewer_episodes_than_engine_replicas_is_padded_and_budgets_cut_each_sample():
+    policy = ScriptedPolicy()
+    limits = EpisodeLimits(max_turns=3, max_tokens_per_turn=128, max_new_tokens=256, max_model_len=1024)
+    result = runner(limits=limits, min_requests=4).run(RECORDS[:1], 1, policy, SamplingSettings(seed=3), 0)
+    assert [len(prompts) for prompts, _ in policy.calls] == [4, 4]  # 1 episode + 3 copies, each turn
+    assert len(result.trajectories) == 1 and result.scores == [1.0]
+    # one call per turn with the longest budget; an episode with less left has its sample cut to it
+    call = len(TOK('<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>',
+                   add_special_tokens=False)["input_ids"]) + 1
+    tight = EpisodeLimits(max_turns=3, max_tokens_per_turn=128, max_new_tokens=call + 2, max_model_len=1024)
+    policy = ScriptedPolicy()
+    result = runner(limits=tight).run(RECORDS[:1], 1, policy, SamplingSettings(seed=3), 0)
+    t = result.trajectories[0]  # the answer turn ("408" + end token) cut to the 2 tokens left
+    assert sum(t.loss_mask) == call + 2 and t.finish_reason == "length" and result.scores == [0.0]
+    assert policy.calls[1][1].max_new_tokens == 2
