@@ -156,3 +156,28 @@ def test_schedule_options_are_refused_by_key_where_they_cannot_work(config, over
 def test_schedule_options_accepted_where_they_work(config, overrides):
     cfg = load_config(REPO / "yaml_configs" / config, overrides)
     assert cfg.trainer.mode == overrides[0].split("=")[1]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout.env=calculator"], "rollout.env='calculator' renders tool results and observations with the chat "
+     "template: set data.chat_template"),
+    (["rollout.env=calculator", "data.chat_template=hf", "trainer.mode=one_step_off", TIS],
+     "rollout.env with trainer.mode=one_step_off is not supported yet"),
+    (["rollout.env=calculator", "data.chat_template=hf", "rollout.max_tokens_per_turn=64",
+      "rollout.max_new_tokens=32"], "rollout.max_tokens_per_turn=64 exceeds rollout.max_new_tokens=32"),
+])
+def test_multi_turn_options_are_refused_by_key_where_they_cannot_work(overrides, message):
+    from megarl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(REPO / "yaml_configs" / "cpu_quickstart.yaml", overrides)
+
+
+def test_an_unknown_environment_is_refused_naming_the_key_and_the_choices():
+    from megarl.config import ConfigError
+    from megarl.envs import build_env_factory
+
+    with pytest.raises(ConfigError, match=r"rollout\.env.*calculater.*calculator"):
+        build_env_factory("calculater")
+    with pytest.raises(ConfigError, match=r"rollout\.env=.*nowhere\.py:make.*does not exist"):
+        build_env_factory("nowhere.py:make")
