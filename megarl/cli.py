@@ -207,9 +207,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "export":
             return _export(args)
         if args.command == "quickstart":
-            from megarl.trainer.quickstart import run_quickstart, settings_from_args
+            from megarl.trainer.quickstart import run_from_args
 
-            run_quickstart(settings_from_args(args))
+            run_from_args(args)
             return EXIT_OK
         if args.command == "plot":
             return _plot(args)

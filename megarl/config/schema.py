@@ -331,11 +331,34 @@ class RolloutConfig:
         True, "After every reshard, check each received shard piece against its sender's checksum; a mismatch "
         "stops the run naming the parameter and ranks (cost: reshard/verify_time_s)."
     )
+    env: Optional[str] = opt(
+        None, "Multi-turn, tool-using rollouts (docs/multi_turn.md): an environment registered in megarl.envs (e.g. "
+        "calculator) or 'path/to/file.py:factory' (factory(record, reward_fn) -> Environment); null = single-turn "
+        "(one response per prompt). Needs data.chat_template hf or a Jinja template (the observations are rendered "
+        "by it)."
+    )
+    env_options: dict[str, Any] = opt(
+        factory=dict, help="Multi-turn: keyword arguments of the environment's factory (e.g. system_prompt: null, "
+        "max_output_chars: 200); reward_fn defaults to the job's reward.function."
+    )
+    max_turns: int = opt(4, "Multi-turn: model turns per episode.", unit="turns", min=1)
+    max_tokens_per_turn: Optional[int] = opt(
+        None, "Multi-turn: new tokens per model turn; null = max_new_tokens (which bounds the whole episode's "
+        "generated tokens).", unit="tokens", min=1,
+    )
+    tool_parser: str = opt("hermes", "Multi-turn: how tool calls are read from a model turn (megarl.envs.tool_calls: "
+                           "hermes = <tool_call>{json}</tool_call>, Qwen's and Hermes' format).")
+    on_template_mismatch: Literal["error", "mask"] = opt(
+        "error", "Multi-turn: when the chat template does not render the conversation as the tokens held (it "
+        "rewrites earlier turns, or a sampled turn does not re-encode to itself): error = stop naming the episode "
+        "and turn; mask = train that episode on nothing, counted in multi_turn/template_mismatch."
+    )
     partial: Literal["finish", "continue"] = opt(
         "finish", "async: generations in flight at a weight push: finish = they complete on the old weights (the push "
         "waits for them); continue = generation runs in pieces of partial_chunk_tokens and a push between pieces "
         "applies at once: each unfinished response continues from the tokens it has (its KV cache recomputed under "
-        "the new weights), every token recording the version that sampled it."
+        "the new weights), every token recording the version that sampled it. Multi-turn episodes (rollout.env): a "
+        "push lands between two turns."
     )
     partial_chunk_tokens: int = opt(
         16, "rollout.partial=continue: new tokens per piece (a push waits at most one piece).", unit="tokens", min=1,

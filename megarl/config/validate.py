@@ -515,8 +515,30 @@ def _check_schedule(cfg: JobConfig) -> None:
                               "rollout.partial=finish")
 
 
+def _check_multi_turn(cfg: JobConfig) -> None:
+    """`rollout.env` (multi-turn episodes) and what it cannot be combined with yet."""
+    r = cfg.rollout
+    if r.env is None:
+        return
+    if cfg.data.chat_template in ("none",) or (cfg.data.chat_template and "{prompt}" in cfg.data.chat_template
+                                               and "{%" not in cfg.data.chat_template):
+        raise ConfigError(f"rollout.env={r.env!r} renders tool results and observations with the chat template: set "
+                          "data.chat_template to hf (the tokenizer's) or a Jinja template")
+    if cfg.algorithm.dynamic_sampling.enabled:
+        raise ConfigError("algorithm.dynamic_sampling with rollout.env: extra sampling rounds are single-turn only")
+    if cfg.trainer.mode == "one_step_off":
+        raise ConfigError("rollout.env with trainer.mode=one_step_off is not supported yet (episodes take one engine "
+                          "call per turn); use trainer.mode=sync, or async with rollout.pool")
+    if cfg.reward_model.enabled:
+        raise ConfigError("rollout.env with reward_model.enabled: the episode's reward comes from its environment")
+    if r.max_tokens_per_turn is not None and r.max_tokens_per_turn > r.max_new_tokens:
+        raise ConfigError(f"rollout.max_tokens_per_turn={r.max_tokens_per_turn} exceeds rollout.max_new_tokens="
+                          f"{r.max_new_tokens} (the episode's budget)")
+
+
 def _check_trainer(cfg: JobConfig) -> None:
     _check_schedule(cfg)
+    _check_multi_turn(cfg)
     if cfg.trainer.val_every > 0 and cfg.data.val_path is None:
         raise ConfigError(f"trainer.val_every={cfg.trainer.val_every} needs data.val_path (or set val_every=0)")
     if cfg.checkpoint.save_every > 0 and cfg.checkpoint.dir is None:

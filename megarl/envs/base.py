@@ -36,7 +36,8 @@ class ToolCall:
 class ModelTurn:
     """What the policy produced in one turn of an episode.
 
-    index: 0-based turn number. text: the sampled tokens decoded (special tokens kept). token_ids: the sampled ids,
+    index: 0-based turn number. text: the sampled tokens decoded (special tokens kept, the end-of-turn token that
+    stopped the turn left out). token_ids: the sampled ids (that token included),
     exactly as the engine produced them. tool_calls: the calls parsed from `text`; parse_errors: one message per
     malformed call (the environment shows it to the model as an observation, never raises). finish_reason: the
     engine's ('stop' | 'length')."""

@@ -17,11 +17,14 @@ bytes it needs minus bytes of (its Megatron holdings intersected with its needs)
 so "received == bound" is a real check of the plan; the plan's own figure (needed minus what it copied locally)
 is reported beside it, with what a naive "gather the full model on every rank" moves.
 
-Across pools the choice among holders is the whole routing: every training rank that holds a needed run is a
-candidate (the DP replicas; the TP ranks for replicated norms), and the least-loaded one sends it, so the bytes each
-training rank sends stay within one run of each other among ranks holding the same data (`PlanTraffic` reports max
-and mean); a pipeline stage sends what only it holds. No rank gathers a full tensor: a sender sends slices of its
-own shards. The fan-out alternatives (gather then broadcast; one engine then broadcast) are costed in `fanout`.
+Across pools (no rank both trains and infers) the choice among holders is the whole routing (`_route_pool`): a run
+only one training rank holds is that rank's to send (a pipeline stage's layers, an EP rank's experts, a TP rank's
+half); the runs several ranks hold (the DP / EP replicas of dense weights; the TP ranks' replicated norms) are then
+levelled over their holders, cut into whole rows where needed, so that the busiest sender sends the least any plan
+can: max over sets S of training ranks of (bytes only S holds) / |S| (`PlanTraffic` reports max and mean;
+tests/unit/test_reshard_disaggregated.py checks the bound). The colocated plan keeps its run-by-run routing.
+No rank gathers a full tensor: a sender sends slices of its own shards. The fan-out alternatives (gather then
+broadcast; one engine then broadcast) are costed in `fanout`.
 
 Rank mapping: inference replicas are blocks of `infer_tp` consecutive bridge ranks (how vLLM's external launcher
 forms its TP groups). Within each block the planner can choose which rank plays which inference TP rank;
@@ -334,10 +337,17 @@ def _plan_cached(_key: str, spec: ModelSpec, train: RoleTopology, infer: InferLa
     sent: dict[int, int] = defaultdict(int)
     ops: list[TransferOp] = []
     stats: list[RankStats] = []
+    # across pools (no rank both trains and infers) every needed byte is sent, the senders levelled plan-wide
+    pooled = _route_pool(index, infer.ranks, mapping, needs, rate) if set(infer.ranks).isdisjoint(train.ranks) else None
     for dst in infer.ranks:
         received = local = lower = 0
-        for need in needs[mapping[dst]]:
-            if keep_ops:
+        for k, need in enumerate(needs[mapping[dst]]):
+            if pooled is not None:
+                runs = pooled[(dst, k)]
+                if keep_ops:
+                    ops.extend(_ops_from_runs(dst, need, runs))
+                routed = [(src, nbytes) for src, _, _, _, nbytes in runs]
+            elif keep_ops:
                 new_ops = _route(spec, index, dst, need, sent, dtype_bytes, prefer_local, rate)
                 ops.extend(new_ops)
                 routed = [(op.src, op.nbytes) for op in new_ops]
@@ -455,10 +465,16 @@ def _route(spec: ModelSpec, index: _Index, dst: int, need: Placement, sent: dict
 
     `sent` (bytes already assigned to each source) is read for balancing; the caller updates it.
     """
+    return _ops_from_runs(dst, need, _route_runs(index, dst, need.piece, sent, rate or _ByteRate(spec, dtype_bytes),
+                                                 prefer_local))
+
+
+def _ops_from_runs(dst: int, need: Placement, runs) -> list[TransferOp]:
+    """Ops writing `need` on `dst` from `runs` ((src, src placement, lo, hi, nbytes), ascending lo), one op per
+    contiguous run from one source."""
     piece = need.piece
     ops: list[TransferOp] = []
-    for src, src_p, lo, hi, nbytes in _route_runs(index, dst, piece, sent, rate or _ByteRate(spec, dtype_bytes),
-                                                  prefer_local):
+    for src, src_p, lo, hi, nbytes in runs:
         op = TransferOp(
             src=src, dst=dst, piece=Piece(piece.hf_name, piece.dim, lo, hi),
             src_param=src_p.param, src_offset=src_p.offset + (lo - src_p.piece.start),
@@ -470,6 +486,87 @@ def _route(spec: ModelSpec, index: _Index, dst: int, need: Placement, sent: dict
                                      nbytes=prev.nbytes + nbytes)
         ops.append(op)
     return ops
+
+
+def _route_pool(index: _Index, infer_ranks, mapping: dict[int, int], needs: dict[int, list[Placement]],
+                rate: "_ByteRate") -> dict[tuple[int, int], list[tuple[int, Placement, int, int, int]]]:
+    """Sources of every need of every inference rank when no inference rank trains (a rollout pool): {(dst, index of
+    the need in `needs[mapping[dst]]`): runs (src, src placement, lo, hi, nbytes), ascending lo}.
+
+    Each needed run is cut at every holder boundary. A run with one holder is that holder's to send (forced). The
+    others are then levelled over their holders, group by group (a group = the runs with the same set of holders,
+    fewest holders first): the group's water level T is the load every holder would reach if the group's bytes
+    filled the holders up to one level (`_water_level`, holders already above it get nothing); each run, coarsest
+    rows first (largest first among equals), goes whole to the holder with the most room under T, or, where it
+    fits whole nowhere, is cut into the holders' room (whole rows), what is left to the least-loaded holder. The
+    finest runs (1-D norms) come last and fill the gaps the cuts left, so a holder ends within about one row of the
+    finest run of T. On every layout of tests/unit/test_reshard_disaggregated.py the busiest sender then sends
+    exactly the least any plan can (max over sets S of training ranks of the bytes only S holds, / |S|)."""
+    load: dict[int, int] = defaultdict(int)
+    out: dict[tuple[int, int], list[tuple[int, Placement, int, int, int]]] = defaultdict(list)
+    groups: dict[tuple[int, ...], list[tuple]] = defaultdict(list)
+    order = 0
+    for dst in infer_ranks:
+        for k, need in enumerate(needs[mapping[dst]]):
+            piece = need.piece
+            holders = [(r, p) for r, p, d, s, e in index.runs[piece.hf_name]
+                       if d == piece.dim and s < piece.stop and piece.start < e]
+            cuts = {piece.start, piece.stop}
+            for _, p in holders:
+                cuts.update(c for c in (p.piece.start, p.piece.stop) if piece.start < c < piece.stop)
+            bounds = sorted(cuts)
+            for lo, hi in zip(bounds, bounds[1:]):
+                candidates = {}
+                for r, p in holders:  # one placement per rank (the first, as `_route_runs` would take it)
+                    if p.piece.start <= lo and hi <= p.piece.stop and r not in candidates:
+                        candidates[r] = p
+                if not candidates:
+                    raise ValueError(f"no training rank holds {Piece(piece.hf_name, piece.dim, lo, hi)} (needed by "
+                                     f"rank {dst})")
+                per_index = rate(Piece(piece.hf_name, piece.dim, 0, 1))
+                if len(candidates) == 1:
+                    (src, src_p), = candidates.items()
+                    out[(dst, k)].append((src, src_p, lo, hi, per_index * (hi - lo)))
+                    load[src] += per_index * (hi - lo)
+                else:
+                    groups[tuple(sorted(candidates))].append((-per_index, -per_index * (hi - lo), order, dst, k, lo,
+                                                              hi, candidates))
+                    order += 1
+    for holders in sorted(groups, key=lambda h: (len(h), h)):
+        runs = sorted(groups[holders], key=lambda run: run[:3])
+        level = _water_level([load[r] for r in holders], -sum(run[1] for run in runs))
+        for neg_rate, _, _, dst, k, lo, hi, candidates in runs:
+            per_index, nbytes = -neg_rate, -neg_rate * (hi - lo)
+            room = sorted(holders, key=lambda r: (-(level - load[r]), r))
+            if nbytes <= level - load[room[0]]:
+                parts = [(room[0], lo, hi)]
+            else:  # fits whole nowhere: whole rows into each holder's room, the rest to the least-loaded
+                parts, at = [], lo
+                for r in room:
+                    n = min(hi - at, max(0, int((level - load[r]) // per_index)))
+                    if n:
+                        parts.append((r, at, at + n))
+                        at += n
+                if at < hi:
+                    parts.append((min(holders, key=lambda r: (load[r] + sum(
+                        (b - a) * per_index for q, a, b in parts if q == r), r)), at, hi))
+            for src, a, b in parts:
+                out[(dst, k)].append((src, candidates[src], a, b, per_index * (b - a)))
+                load[src] += per_index * (b - a)
+    for runs in out.values():
+        runs.sort(key=lambda run: run[2])
+    return out
+
+
+def _water_level(loads: list[int], extra: int) -> float:
+    """The level T with sum(max(0, T - load)) == extra: where `extra` bytes poured over senders already holding
+    `loads` bring the lowest of them (each sender above T keeps its load)."""
+    ordered = sorted(loads)
+    for k in range(1, len(ordered) + 1):
+        level = (sum(ordered[:k]) + extra) / k
+        if k == len(ordered) or level <= ordered[k]:
+            return level
+    raise AssertionError("unreachable")
 
 
 def _contiguous(a: TransferOp, b: TransferOp) -> bool:

@@ -2,8 +2,9 @@
 
 Bridge ranks: the actor's ranks 0..T-1 (its pool's world, natural order), then the rollout pool's T..T+R-1
 (`megarl.controller.bridge`). The plan is `plan_reshard(spec, actor topology, InferLayout.pool(R, rollout.tp,
-rank_offset=T))`: every rollout rank holds nothing and receives its whole vLLM shard, each needed run sent by the
-least-loaded actor rank holding it. The workers build the same plan (`megarl.workers.pool_sync`); `--dry-run` and
+rank_offset=T))`: every rollout rank holds nothing and receives its whole vLLM shard; what only one actor rank holds
+it sends, what several hold is levelled between them so the busiest actor rank sends the least any plan can
+(`planner._route_pool`). The workers build the same plan (`megarl.workers.pool_sync`); `--dry-run` and
 the start-up summary print its traffic (`pool_sync_lines`).
 """
 

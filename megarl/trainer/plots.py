@@ -26,6 +26,8 @@ PANELS = (
     ("entropy", "Policy entropy", "entropy (nats / token)", ("actor/entropy",)),
     ("response_length", "Response length", "tokens", ("response_length/mean",)),
     ("clip_fraction", "Clip fraction", "fraction of tokens clipped", ("actor/clip_frac",)),
+    ("tool_use", "Tool use (multi-turn)", "fraction of episodes",
+     ("multi_turn/tool_success_frac", "multi_turn/tool_use_frac", "multi_turn/truncated_frac")),
 )
 SUMMARY_KEYS = ("reward/mean", "val/reward_mean", "actor/kl", "actor/approx_kl", "actor/entropy",
                 "response_length/mean", "actor/clip_frac", "actor/grad_norm", "time/step_s")

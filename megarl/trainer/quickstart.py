@@ -298,7 +298,12 @@ def run_quickstart(s: QuickstartSettings) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `megarl quickstart` options (defaults: `QuickstartSettings`)."""
     d = QuickstartSettings()
-    p.add_argument("--out", default=d.out, help="output directory (default: %(default)s)")
+    p.add_argument("--task", choices=("addition", "tools"), default="addition",
+                   help="addition (default): two-digit addition, one response per prompt; tools: two-digit "
+                   "multiplication answered through the calculator tool in multi-turn episodes "
+                   "(megarl/trainer/tool_quickstart.py, yaml_configs/cpu_tools_quickstart.yaml)")
+    p.add_argument("--out", default=None, help=f"output directory (default: {d.out}, or runs/tool_quickstart with "
+                   "--task tools)")
     p.add_argument("--sft-steps", type=int, default=d.sft_steps,
                    help="SFT warm-up steps (%(default)s; fixed, so the warm-up ends at the same step on any machine)")
     p.add_argument("--sft-eval-every", type=int, default=d.sft_eval_every,
@@ -316,8 +321,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="show vLLM / Ray / megatron-core messages")
 
 
+def run_from_args(args: argparse.Namespace) -> dict:
+    """`megarl quickstart` with its parsed options: the addition task, or (--task tools) the tool-use one."""
+    if getattr(args, "task", "addition") == "tools":
+        from megarl.trainer.tool_quickstart import ToolQuickstartSettings, run_tool_quickstart
+
+        d = ToolQuickstartSettings()
+        sft = args.sft_steps if args.sft_steps != QuickstartSettings.sft_steps else d.sft_steps
+        grpo = args.grpo_steps if args.grpo_steps != QuickstartSettings.grpo_steps else d.grpo_steps
+        return run_tool_quickstart(ToolQuickstartSettings(
+            out=args.out or d.out, sft_steps=sft, grpo_steps=grpo, seed=args.seed,
+            vendor_level="info" if args.verbose else d.vendor_level))
+    return run_quickstart(settings_from_args(args))
+
+
 def settings_from_args(args: argparse.Namespace) -> QuickstartSettings:
-    return QuickstartSettings(out=args.out, sft_steps=args.sft_steps, sft_eval_every=args.sft_eval_every,
+    return QuickstartSettings(out=args.out or QuickstartSettings.out, sft_steps=args.sft_steps,
+                              sft_eval_every=args.sft_eval_every,
                               sft_target=args.sft_target, grpo_steps=args.grpo_steps, val_every=args.val_every,
                               seed=args.seed,
                               vendor_level="info" if args.verbose else QuickstartSettings.vendor_level)
@@ -326,7 +346,7 @@ def settings_from_args(args: argparse.Namespace) -> QuickstartSettings:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="megarl quickstart", description=__doc__.splitlines()[0])
     add_arguments(p)
-    run_quickstart(settings_from_args(p.parse_args(argv)))
+    run_from_args(p.parse_args(argv))
     return 0
 
 

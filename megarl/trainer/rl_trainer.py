@@ -108,6 +108,12 @@ class RLTrainer:
         self.next_step = 0  # 0 until `start`; then the step `run_step` runs next
         self.last_saved: Optional[int] = None  # the last step checkpointed by this process
         self.progress: Optional[ConsoleProgress] = None  # made by `start` (the bar starts at the resumed step)
+        # multi-turn episodes (rollout.env, `megarl.envs.episode`); None: one response per prompt
+        self.episodes = None
+        if cfg.rollout.env is not None:
+            from megarl.envs.episode import runner_from_config
+
+            self.episodes = runner_from_config(cfg, encoder, reward_fn)
         # when rollouts run against training (trainer.mode, `megarl.trainer.schedule`)
         self.schedule = build_schedule(self)
 
@@ -263,15 +269,15 @@ class RLTrainer:
         rollout = self.schedule.take(step, t)  # sync: generated and scored now; else generated beside training
         samples, dropped, scores = rollout.samples, rollout.dropped, rollout.scores
         metrics.update(rollout.metrics)
-        trajectories = samples_to_trajectories(samples, policy_version=rollout.version, uid_prefix=f"{step}/",
-                                               token_versions=rollout.token_versions)
+        trajectories = rollout.trajectories if rollout.trajectories is not None else samples_to_trajectories(
+            samples, policy_version=rollout.version, uid_prefix=f"{step}/", token_versions=rollout.token_versions)
         batch = trajectories_to_batch(trajectories, pad_id=self.encoder.pad_token_id or 0)
         with _timer(t, "reward"):
             metrics.update(rollout.reward_metrics)
             if "reward_model" in self.role_groups:  # the learned reward is what is trained on
                 metrics["reward/rule_mean"] = float(scores.mean())
                 scores = self.role_groups["reward_model"].score(batch).tensors["scores"].float()
-            scores = scores + self._overlong_penalty(samples, metrics)
+            scores = scores + self._overlong_penalty(trajectories, metrics)
         batch.tensors["scores"] = scores
         if not self.old_log_probs_from_update:  # else the update's own forward gives them (and the mismatch)
             with _timer(t, "old_log_probs"):
@@ -313,7 +319,7 @@ class RLTrainer:
         step_time = time.perf_counter() - start
         metrics.update({
             "reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min()),
-            "response_length/mean": float(lengths.mean()), "samples": float(len(samples)),
+            "response_length/mean": float(lengths.mean()), "samples": float(len(trajectories)),
             "prompts_dropped": float(len(dropped)), "tokens": tokens, "tokens_per_s": tokens / step_time,
             "time/step_s": step_time, **{f"time/{k}_s": v for k, v in t.items()}, **extra,
         })
@@ -329,7 +335,11 @@ class RLTrainer:
     # --------------------------------------------------------------------------------------------- pieces
     def _sync_batch(self, step: int, t: dict[str, float]) -> RolloutBatch:
         """The synchronous step's rollout (`megarl.trainer.schedule.Schedule`): generated now with the weights of
-        version step - 1, scored, with dynamic sampling's extra rounds when it is on."""
+        version step - 1, scored, with dynamic sampling's extra rounds when it is on (or multi-turn episodes)."""
+        if self.episodes is not None:
+            records, _, sampling = self._draw(step)
+            with _timer(t, "rollout"):
+                return self._episode_batch(step, records, sampling, step - 1, self.rollout.generate)
         metrics: dict[str, float] = {}
         records, samples, dropped, scores, reward_metrics = self._rollout_round(step, 0, t)
         if self.cfg.algorithm.dynamic_sampling.enabled:
@@ -356,6 +366,21 @@ class RLTrainer:
         return RolloutBatch(index, records, samples, dropped, scores, reward_metrics, version=version,
                             token_versions=token_versions, rollout_s=rollout_s,
                             reward_s=time.perf_counter() - started)
+
+    def _episode_batch(self, index: int, records, sampling: SamplingSettings, version, generate) -> RolloutBatch:
+        """rollout.samples_per_prompt multi-turn episodes per record (`megarl.envs.episode.EpisodeRunner`, one
+        `generate` call per turn), every trajectory verified against the engine's tokens; scores = the episodes'
+        summed rewards (their environments call the reward function)."""
+        started = time.perf_counter()
+        result = self.episodes.run(records, self.cfg.rollout.samples_per_prompt, generate, sampling, version,
+                                   uid_prefix=f"{index}/")
+        if callable(version):  # weights pushed between turns: the batch's version is its oldest token's
+            version = min((v for t in result.trajectories for v in t.policy_version if v >= 0), default=version())
+        scores = torch.tensor(result.scores, dtype=torch.float32)
+        reward_metrics = {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/error_frac": 0.0}
+        return RolloutBatch(index, list(records), [], [], scores, reward_metrics, version=version,
+                            metrics=dict(result.metrics), rollout_s=time.perf_counter() - started,
+                            trajectories=result.trajectories)
 
     def _rollout_round(self, step: int, k: int, t: dict[str, float]):
         """Round `k` of step `step`'s generation (k > 0 only with dynamic sampling): the loader's next prompts, their
@@ -408,14 +433,17 @@ class RLTrainer:
         return samples, dropped, torch.tensor(scores, dtype=torch.float32), reward_metrics
 
     def _overlong_penalty(self, samples, metrics: dict[str, float]) -> torch.Tensor:
-        """[B] float32 DAPO soft overlong penalty of each sample (0 when `algorithm.overlong.soft_cache_tokens` is
-        null); logs `overlong/truncated_frac` (finish_reason 'length') and, when on, `overlong/penalty_mean`."""
+        """[B] float32 DAPO soft overlong penalty of each sample or trajectory (0 when
+        `algorithm.overlong.soft_cache_tokens` is null), on its generated tokens (a trajectory's loss-mask count:
+        all its turns); logs `overlong/truncated_frac` (finish_reason 'length') and, when on,
+        `overlong/penalty_mean`."""
         truncated = [s.finish_reason == "length" for s in samples]
         metrics["overlong/truncated_frac"] = sum(truncated) / max(len(samples), 1)
         o = self.cfg.algorithm.overlong
         if o.soft_cache_tokens is None:
             return torch.zeros(len(samples), dtype=torch.float32)
-        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        lengths = torch.tensor([sum(s.loss_mask) if hasattr(s, "loss_mask") else len(s.response_ids)
+                                for s in samples])
         penalty = soft_overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, o.soft_cache_tokens,
                                         o.penalty_factor)
         metrics["overlong/penalty_mean"] = float(penalty.mean())

@@ -73,6 +73,8 @@ class RolloutBatch:
         scores; reward_metrics: `reward/errors|timeouts|error_frac`.
     version: the weights version that sampled it (the oldest, for a partial rollout).
     token_versions: None (every response token has `version`), or per sample the version of each response token.
+    trajectories: with rollout.env, the episodes' `Trajectory`s (`samples` is then empty; `lags` read their
+        per-token versions).
     metrics: the batch's own metrics (dynamic sampling's counts). rollout_s / reward_s: seconds generating (the
         engines' wall time) and scoring.
     """
@@ -88,10 +90,14 @@ class RolloutBatch:
     metrics: dict = dataclasses.field(default_factory=dict)
     rollout_s: float = 0.0
     reward_s: float = 0.0
+    trajectories: Optional[list] = None  # multi-turn episodes (rollout.env): the trajectories themselves
 
     def lags(self, trained_version: int) -> list[int]:
         """Per sample: how many versions its oldest token lags `trained_version` (the weights the update starts
         from)."""
+        if self.trajectories is not None:
+            return [trained_version - min((v for v in t.policy_version if v >= 0), default=self.version)
+                    for t in self.trajectories]
         if self.token_versions is None:
             return [trained_version - self.version] * len(self.samples)
         return [trained_version - (min(v) if v else self.version) for v in self.token_versions]
@@ -99,6 +105,10 @@ class RolloutBatch:
     def token_lags(self, trained_version: int) -> dict[int, int]:
         """{lag: number of response tokens sampled that many versions before `trained_version`}."""
         out: collections.Counter = collections.Counter()
+        if self.trajectories is not None:
+            for t in self.trajectories:
+                out.update(trained_version - v for v in t.policy_version if v >= 0)
+            return dict(out)
         for i, s in enumerate(self.samples):
             if self.token_versions is None:
                 out[trained_version - self.version] += len(s.response_ids)
@@ -457,6 +467,20 @@ class AsyncSchedule(Schedule):
                     version = self.engine_version
                 records, prompts, sampling = self.trainer._draw(index)
                 try:
+                    if self.trainer.episodes is not None:  # multi-turn: one engine call per turn, then the batch
+                        started = time.perf_counter()
+                        if self.partial == "continue":  # a push may land between two turns of the episodes
+                            batch = self.trainer._episode_batch(index, records, sampling,
+                                                                lambda: self.engine_version, self._turn_generate)
+                        else:
+                            batch = self.trainer._episode_batch(index, records, sampling, version,
+                                                                self.rollout.generate)
+                        with self.cond:
+                            self.busy_s += time.perf_counter() - started
+                            self.buffer.append(batch)
+                            self.in_batch = False
+                            self.cond.notify_all()
+                        continue
                     if self.partial == "continue":
                         out, token_versions, version = self._generate_in_pieces(prompts, sampling, version)
                     else:
@@ -538,6 +562,17 @@ class AsyncSchedule(Schedule):
         result.generate_s = None
         oldest = min((min(v) for v in versions if v), default=version)
         return result, versions, oldest
+
+    def _turn_generate(self, prompts: list[list[int]], sampling: Any):
+        """A turn of multi-turn episodes with rollout.partial=continue: a waiting push gets the engines first (the
+        driver holds them on entry), so an episode's next turn may be sampled by newer weights than its last."""
+        with self.cond:
+            self.engine_busy = False
+            self.cond.notify_all()
+            if not self._turn(lambda: not self.push_wanted and not self.engine_busy):
+                raise _Stopped()
+            self.counts["pieces"] += 1
+        return self.rollout.generate(prompts, sampling)
 
     def _piece_done(self, started: float) -> None:
         with self.cond:

@@ -49,6 +49,11 @@ HF_CONFIGS = {
         "rms_norm_eps": 1e-05,
         "tie_word_embeddings": False,
     },
+    # the tool-use quickstart's model (megarl/data/tool_task.py: MODEL_SHAPE, 256 embedding rows)
+    "sft_model": {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,
+                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                  "vocab_size": 256, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+                  "tie_word_embeddings": False, "torch_dtype": "float32"},
 }
 
 

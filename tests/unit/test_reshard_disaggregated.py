@@ -170,13 +170,12 @@ def test_moe_ep2_actor_into_one_tp2_engine():
     by = {s.rank: s for s in plan.stats}
     assert by[2].bytes_received == (4 * dense_per_layer + per_rank_experts + 2 * 160 * h + h) * BF16 == 241280
     assert by[3].bytes_received == (4 * dense_per_layer + per_rank_experts + 2 * 140 * h + h) * BF16 == 236160
-    # each training rank must send its two experts' halves to both inference ranks; the dense rest is balanced
+    # each training rank must send its two experts' halves to both inference ranks (the same bytes on both); the
+    # dense rest, held by both, is levelled between them: each sends half of everything
     forced = 4 * 2 * 2 * expert_half * BF16
     total = by[2].bytes_received + by[3].bytes_received
     assert min(by[0].bytes_sent, by[1].bytes_sent) >= forced
-    assert by[0].bytes_sent + by[1].bytes_sent == total
-    largest_piece = 160 * h * BF16  # the largest single needed run (embed_tokens' TP2 half)
-    assert max(by[0].bytes_sent, by[1].bytes_sent) <= total / 2 + largest_piece
+    assert by[0].bytes_sent == by[1].bytes_sent == total // 2
 
 
 # (tp, pp, dp, ep, infer_tp, replicas): dense and MoE, the rollout pool after the training ranks
@@ -211,9 +210,9 @@ def test_every_inference_rank_gets_exactly_its_shard_from_holders(tp, pp, dp, ep
 @pytest.mark.parametrize("tp,pp,dp,infer_tp,replicas", [(1, 1, 2, 1, 2), (1, 1, 4, 2, 4), (2, 2, 2, 2, 4),
                                                         (1, 2, 4, 1, 4), (2, 1, 4, 4, 2)])
 def test_senders_are_balanced_across_replicas(tp, pp, dp, infer_tp, replicas):
-    # Every byte is held by dp replicas; the planner assigns each needed run to the least-loaded holder, so
-    # (list scheduling) within a pipeline stage and TP rank no replica sends more than the others' mean plus the
-    # largest single run, bounded by a whole embed_tokens / lm_head (V*H elements).
+    # Every byte is held by dp replicas; the planner levels the runs they share between them, so within a pipeline
+    # stage and TP rank no replica sends more than the others' mean plus the largest single run, bounded by a whole
+    # embed_tokens / lm_head (V*H elements) -- a loose bound; the exact one is the next test's.
     train = RoleTopology(tp=tp, pp=pp, dp=dp)
     plan = plan_reshard(SPEC, train, InferLayout(infer_tp, replicas, rank_offset=train.world_size), dtype_bytes=BF16)
     sent = {s.rank: s.bytes_sent for s in plan.stats if s.rank in train.ranks}
@@ -228,6 +227,35 @@ def test_senders_are_balanced_across_replicas(tp, pp, dp, infer_tp, replicas):
     traffic = plan.traffic()
     assert traffic.mean_sent * len(sent) == replicas * shards
     assert traffic.max_received == max(s.bytes_received for s in plan.stats)
+
+
+def _min_max_sent(spec, train: RoleTopology, ep: int, infer_tp: int, replicas: int) -> float:
+    """The least bytes the busiest training rank can send, any plan: max over sets S of training ranks of (bytes of
+    the needed elements held only inside S) / |S| (the work S alone can do, shared at best evenly; with runs that
+    can be cut anywhere this bound is reached, by max-flow min-cut). From the independent element masks."""
+    import itertools
+
+    held = {r: _held(spec, train.tp, train.pp, train.dp, ep, None, 1, None, None, r) for r in train.ranks}
+    needs = [_needed(spec, infer_tp, j, False) for j in range(infer_tp)]
+    holders = torch.cat([sum(held[r][n].long() << r for r in train.ranks).flatten() for n in needs[0]])
+    counts = torch.cat([(sum(need[n].long() for need in needs) * replicas).flatten() for n in needs[0]])
+    best = 0.0
+    for k in range(1, train.world_size + 1):
+        for subset in itertools.combinations(train.ranks, k):
+            inside = sum(1 << r for r in subset)
+            best = max(best, int(counts[(holders & ~inside) == 0].sum()) * BF16 / k)
+    return best
+
+
+@pytest.mark.parametrize("tp,pp,dp,ep,infer_tp,replicas", DISAGG + [(1, 1, 4, 1, 2, 4), (1, 2, 4, 1, 1, 4),
+                                                                    (2, 1, 4, 1, 4, 2)])
+def test_the_busiest_sender_sends_the_least_any_plan_can(tp, pp, dp, ep, infer_tp, replicas):
+    # Measured before the pool router levelled the shared runs (least-loaded holder, run by run, in need order):
+    # up to 28 KB above this minimum (pp2 dp4 into four TP1 engines), EP2 into one TP2 engine 6.7 KB above.
+    spec = QWEN3_MOE if ep > 1 else SPEC
+    train = RoleTopology(tp=tp, pp=pp, dp=dp, ep=ep)
+    plan = plan_reshard(spec, train, InferLayout(infer_tp, replicas, rank_offset=train.world_size), dtype_bytes=BF16)
+    assert plan.traffic().max_sent == _min_max_sent(spec, train, ep, infer_tp, replicas)
 
 
 def test_lower_bound_of_a_rank_holding_nothing_is_its_whole_shard():

@@ -71,7 +71,7 @@ class ScriptedRollout:
 
 
 class FakeTrainer:
-    """What a schedule uses of `RLTrainer`: cfg, rollout, `_draw`, `_scored_batch`, `_sync_batch`."""
+    """What a schedule uses of `RLTrainer`: cfg, rollout, episodes, `_draw`, `_scored_batch`, `_sync_batch`."""
 
     def __init__(self, rollout, mode="sync", total=10, max_staleness=1, stale_policy="wait", sync_every=1,
                  partial="finish", chunk=2) -> None:
@@ -80,6 +80,7 @@ class FakeTrainer:
                                           stale_policy=stale_policy, sync_every=sync_every),
             rollout=types.SimpleNamespace(partial=partial, partial_chunk_tokens=chunk))
         self.rollout = rollout
+        self.episodes = None  # single-turn
         self.drawn: list[int] = []
 
     def _draw(self, index, k=0):
@@ -263,3 +264,37 @@ def test_rollout_batch_lags_are_per_sample_oldest_token():
                      token_versions=[[3, 4, 5], [5, 5, 5]])
     assert b.lags(5) == [2, 0]
     assert b.token_lags(5) == {2: 1, 1: 1, 0: 4}
+
+
+class EpisodeTrainer(FakeTrainer):
+    """A trainer with multi-turn episodes: each batch is two turns of generation (what `RLTrainer._episode_batch`
+    does through `EpisodeRunner`), the version read after each turn."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.episodes = object()  # not None: the schedule asks for episode batches
+
+    def _episode_batch(self, index, records, sampling, version, generate):
+        turns = []
+        for _ in range(2):
+            out = generate([[1, 2, 3]], dataclasses.replace(sampling, max_new_tokens=2))
+            turns.append((list(out), version() if callable(version) else version))
+        samples = [RolloutSample(0, 0, [1, 2, 3], [t for out, _ in turns for t in out[0].response_ids],
+                                 [lp for out, _ in turns for lp in out[0].response_log_probs], "stop")]
+        versions = [[v] * len(out[0].response_ids) for out, v in turns]
+        return RolloutBatch(index, records, samples, [], torch.zeros(1), {}, version=min(v for _, v in turns),
+                            token_versions=[versions[0] + versions[1]])
+
+
+@pytest.mark.parametrize("partial", ["finish", "continue"])
+def test_async_episodes_take_pushes_between_turns_only_with_partial_continue(partial):
+    rollout = ScriptedRollout(gen_s=0.05)  # asserts that a push never overlaps a generation
+    trainer = EpisodeTrainer(rollout, "async", total=8, max_staleness=2, partial=partial)
+    taken = run(AsyncSchedule(trainer), trainer, range(1, 9), train_s=0.03)
+    mixed = 0
+    for step, b, _ in taken:
+        (s,), (vs,) = b.samples, b.token_versions
+        assert vs == [t - 100 for t in s.response_ids]  # each turn's recorded version sampled it
+        assert max(b.lags(step - 1)) <= 2
+        mixed += len(set(vs)) > 1
+    assert (mixed > 0) == (partial == "continue")

@@ -1,0 +1,102 @@
+"""The tool-use quickstart's task: two-digit multiplication, which a ~0.3M-parameter model cannot do alone but can
+through the calculator tool (`megarl quickstart --task tools`, `megarl.trainer.tool_quickstart`).
+
+Task. Every pair (a, b) with 10 <= a, b <= 99, shuffled with a fixed seed; the first `n_val` are held out. A record
+is {"prompt": "37*48=", "answer": "1776"}. The reward (`exact_match`) is 1 when the final answer equals the product.
+
+An episode (the `calculator` environment, `megarl.envs`; rendered by the ChatML template of
+`megarl.data.chat_chars`):
+
+    user       37*48=
+    assistant  <tool_call>{"name": "calculator", "arguments": {"expression": "37*48"}}</tool_call>
+    tool       1776
+    assistant  1776
+
+`demonstration` builds that conversation as a trajectory (the SFT warm-up's data): the two assistant turns are the
+loss mask, the rest is context, laid out token for token as the episode loop lays out a sampled one.
+
+    python -m megarl.data.tool_task OUT_DIR        # writes OUT_DIR/{train,val}.jsonl, OUT_DIR/init_model/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+
+from megarl.data.arithmetic import MODEL_VOCAB
+
+LOW, HIGH = 10, 99
+# 2 layers, hidden 128 as the addition quickstart, with positions for a whole episode (~170 tokens).
+MODEL_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+
+
+def tool_call_text(expression: str) -> str:
+    """The assistant turn that calls the calculator (Hermes format, what `megarl.envs.tool_calls` parses)."""
+    return '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % expression
+
+
+def problems(seed: int = 0) -> list[dict]:
+    pairs = [(a, b) for a in range(LOW, HIGH + 1) for b in range(LOW, HIGH + 1)]
+    random.Random(seed).shuffle(pairs)
+    return [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a, b in pairs]
+
+
+def demonstration(tokenizer, record, tools, uid: str = "demo"):
+    """The calculator episode of `record` (module docstring) as a `Trajectory` whose loss mask covers the two
+    assistant turns, each ending with the end-of-turn token."""
+    from megarl.data.trajectory import TrajectoryBuilder
+    from megarl.envs.episode import ChatRenderer
+
+    prompt = record.prompt if hasattr(record, "prompt") else record["prompt"]
+    answer = record.answer if hasattr(record, "answer") else record["answer"]
+    renderer = ChatRenderer(tokenizer, tools)
+    user = [{"role": "user", "content": prompt}]
+    call = tool_call_text(prompt.rstrip("="))
+    eos = tokenizer.eos_token_id
+    call_ids = tokenizer(call, add_special_tokens=False)["input_ids"] + [eos]
+    conversation = user + [{"role": "assistant", "content": call}]
+    observation = renderer.observation(conversation, [{"role": "tool", "name": "calculator", "content": answer}], eos)
+    answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
+    return (TrajectoryBuilder(renderer.prompt(user), uid=uid, group_uid=uid)
+            .sampled(call_ids, [0.0] * len(call_ids), 0).context(observation)
+            .sampled(answer_ids, [0.0] * len(answer_ids), 0).build("stop"))
+
+
+def build_init_model(out_dir: str, seed: int = 0) -> str:
+    """A random HF Llama of `MODEL_SHAPE` with the chat tokenizer, in `out_dir`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megarl.data.chat_chars import build_chat_char_tokenizer
+
+    tok = build_chat_char_tokenizer(out_dir)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=MODEL_VOCAB, tie_word_embeddings=False, bos_token_id=None,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, rms_norm_eps=1e-5,
+                         **MODEL_SHAPE)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def build_tool_task(out_dir: str, n_val: int = 200, seed: int = 0) -> dict[str, str]:
+    """Write train.jsonl, val.jsonl and init_model/ under `out_dir`; return their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    records = problems(seed)
+    paths = {"train": os.path.join(out_dir, "train.jsonl"), "val": os.path.join(out_dir, "val.jsonl")}
+    for split, rows in (("val", records[:n_val]), ("train", records[n_val:])):
+        with open(paths[split], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    paths["model"] = build_init_model(os.path.join(out_dir, "init_model"), seed)
+    return paths
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out_dir")
+    p.add_argument("--n-val", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    print(build_tool_task(a.out_dir, a.n_val, a.seed))

@@ -1,0 +1,94 @@
+"""Driver of `tests/e2e/test_multi_turn.py`: multi-turn episodes with real engines, in one session of 4 worker
+processes (actor TP2 on pool "train", two vLLM TP1 engines on pool "rollout"): the tool task's random model
+(`megarl.data.tool_task`, the character-level ChatML tokenizer) and the echo environment (`tests/e2e/echo_env.py`:
+every episode takes 3 turns whatever is sampled).
+
+Runs (each from the session's step-0 checkpoint): "sync" (2 steps) and "async" (trainer.mode=async, max_staleness 1,
+rollout.partial=continue: weight pushes land between turns; 5 steps). Each engine call of the async run is held
+TURN_DELAY_S longer (`SlowTurns`): the tiny model samples a batch's turns faster than the trainer trains, and pushes
+land inside an episode only when generating takes longer than a training step, as it does with real models.
+
+    python tests/e2e/multi_turn_runs.py OUT_DIR     # OUT_DIR/<run>/metrics.jsonl, runs.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+CONFIG = os.path.join(ROOT, "yaml_configs", "cpu_tools_quickstart.yaml")
+ECHO = os.path.join(ROOT, "tests", "e2e", "echo_env.py") + ":echo_env"
+TURN_DELAY_S = 0.3
+RUNS = {"sync": (["trainer.mode=sync"], 2),
+        "async": (["trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=continue",
+                   "algorithm.rollout_correction.tis=token"], 5)}
+
+
+class SlowTurns:
+    """The rollout service with every `generate` held TURN_DELAY_S longer (see the module docstring)."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+
+    def __getattr__(self, name):
+        return getattr(self.service, name)
+
+    def generate(self, prompts, sampling):
+        out = self.service.generate(prompts, sampling)
+        time.sleep(TURN_DELAY_S)
+        return out
+
+
+def main(out: str) -> None:
+    import yaml
+
+    from megarl.config.loader import apply_overrides, parse_config
+    from megarl.config.validate import validate
+    from megarl.data.tool_task import build_tool_task
+    from megarl.trainer.rl_trainer import RLTrainer
+    from megarl.trainer.session import TrainingSession
+
+    data = build_tool_task(os.path.join(out, "data"), n_val=16)
+    raw = apply_overrides(yaml.safe_load(open(CONFIG)), [
+        f"model.path={data['model']}", f"data.train_path={data['train']}", f"data.val_path={data['val']}",
+        f"logging.dir={os.path.join(out, 'session')}", "logging.plots=false", "logging.progress=lines",
+        "resources.pools={train: {nodes: 1, devices_per_node: 2}, rollout: {nodes: 1, devices_per_node: 2}}",
+        "actor.pool=train", "rollout.pool=rollout", "trainer.val_every=0", "data.prompts_per_step=8",
+        "actor.mini_batch_prompts=8", f"rollout.env={ECHO}", "rollout.env_options={turns: 3}", "rollout.max_turns=3",
+        "rollout.max_tokens_per_turn=8", "rollout.max_new_tokens=32", "rollout.max_prompt_tokens=160"])
+    session = TrainingSession(validate(parse_config(raw, ["trainer.mode=sync"])))
+    report = {}
+    try:
+        first = session.start()
+        step0 = first.save(0, root=os.path.join(out, "step0"))
+        for name, (overrides, steps) in RUNS.items():
+            run_dir = os.path.join(out, name)
+            ckpt = os.path.join(run_dir, "ckpt")
+            shutil.copytree(step0, os.path.join(ckpt, os.path.basename(step0)))
+            cfg = validate(parse_config(raw, [*overrides, f"trainer.total_steps={steps}", f"checkpoint.dir={ckpt}",
+                                              "checkpoint.resume=true", "checkpoint.allow_config_change=true"]))
+            cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, dir=run_dir))
+            rollout = SlowTurns(first.rollout) if name == "async" else first.rollout
+            trainer = RLTrainer(cfg, first.workers, first.loader, first.encoder, first.reward_fn,
+                                role_groups=first.role_groups, metrics_path=os.path.join(run_dir, "metrics.jsonl"),
+                                rollout=rollout)
+            t0 = time.monotonic()
+            try:
+                trainer.fit()
+            finally:
+                trainer.close()
+            report[name] = {"seconds": time.monotonic() - t0}
+    finally:
+        session.close()
+    with open(os.path.join(out, "runs.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,55 @@
+"""Multi-turn episodes with real engines (`tests/e2e/multi_turn_runs.py`: 4 worker processes, vLLM TP1 engines on a
+rollout pool, the tool task's random model and character-level ChatML tokenizer, the echo environment from a user
+file). One session of ~30 s start-up, then 7 steps; it cannot share the quickstart pool session (that tokenizer has
+no chat template to render observations with).
+
+Every trajectory of every step is verified against the engine's tokens inside the run (`verify_trajectory`, on by
+default: the run would stop otherwise), so a passing run is itself the token-exactness check with real engines.
+What the tests add, each from the engines' own numbers:
+- every episode took its 3 turns (the observations were rendered and fed back), or was cut by the limits, counted;
+- in async mode with rollout.partial=continue, weights were pushed inside episodes: one batch holds turns sampled by
+  two versions, and for each version's tokens the engine's log-probs against Megatron's recomputation with the
+  weights being updated: float noise for the current version's, a real KL for the older one's -- so each turn's
+  log-probs are those of the engine that sampled it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.conftest import ROOT, read_rows
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, joined_ray_env):
+    out = tmp_path_factory.mktemp("multi_turn")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "e2e", "multi_turn_runs.py"), str(out)],
+                          cwd=ROOT, env=joined_ray_env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    print("multi-turn runs (s):", json.load(open(out / "runs.json")))
+    return {name: read_rows(out / name) for name in ("sync", "async")}
+
+
+@pytest.mark.parametrize("run", ["sync", "async"])
+def test_episodes_take_their_turns(runs, run):
+    for row in runs[run]:
+        # 3 turns unless the budget (32 generated tokens, 8 per turn) or a masked retokenization ended one early
+        ended_early = row["multi_turn/truncated_frac"] + row["multi_turn/template_mismatch"] / row["samples"]
+        assert row["multi_turn/turns_mean"] >= 3 * (1 - ended_early) - 1e-9, row
+        assert row["multi_turn/turns_mean"] > 1.5
+        assert row["response_length/mean"] > 8  # tokens sampled over several turns, more than one turn's limit
+
+
+def test_async_pushes_land_between_turns_and_each_turn_keeps_its_engines_log_probs(runs):
+    rows = runs["async"]
+    mixed = [r for r in rows if "mismatch/lag0/kl" in r and "mismatch/lag1/kl" in r]
+    assert mixed, [{k: v for k, v in r.items() if "lag" in k} for r in rows]
+    for r in mixed:
+        assert r["async/staleness_max"] <= 1
+        assert r["mismatch/lag0/kl"] < r["mismatch/lag1/kl"] / 10, r
+    print("lag0 vs lag1 KL:", [(r["mismatch/lag0/kl"], r["mismatch/lag1/kl"]) for r in mixed])

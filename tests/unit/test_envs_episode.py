@@ -1,0 +1,221 @@
+"""Multi-turn episodes (`megarl.envs.episode`): masks, token exactness against transformers' own rendering of the
+final conversation, the separator after each end-of-turn token, verification failing on an injected
+retokenization, templates that rewrite earlier turns, limits.
+
+The engine is scripted (what a policy that has learned to call the calculator would sample; the real engine runs in
+tests/e2e/test_multi_turn.py); the tokenizer, its chat template and the rendering are transformers' own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from megarl.data.chat_chars import build_chat_char_tokenizer
+from megarl.data.dataset import PromptRecord
+from megarl.envs.base import EnvStep, EpisodeError
+from megarl.envs.episode import ChatRenderer, EpisodeLimits, EpisodeRunner, TemplateMismatch, verify_trajectory
+from megarl.rollout.engine import RolloutSample, RolloutSamples, SamplingSettings
+
+TOK = build_chat_char_tokenizer()
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+
+
+def parse(text: str):
+    calls, errors = [], []
+    for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.S):
+        try:
+            calls.append(json.loads(body))
+        except json.JSONDecodeError as e:
+            errors.append(f"malformed tool call: {e}")
+    return calls, errors
+
+
+class CalcEnv:
+    """Reset: the question; a turn with tool calls gets the product as a tool message; a turn without ends the
+    episode, reward 1 when it is the product."""
+
+    def __init__(self, record):
+        self.record = record
+
+    async def reset(self, record):
+        return [{"role": "user", "content": record.prompt}]
+
+    def tools(self):
+        return TOOLS
+
+    async def step(self, turn):
+        if turn.parse_errors:
+            return EnvStep(({"role": "tool", "name": "calculator", "content": "Error: " + turn.parse_errors[0]},),
+                           info={"tool_errors": 1})
+        if turn.tool_calls:
+            a, b = (int(x) for x in turn.tool_calls[0]["arguments"]["expression"].split("*"))
+            return EnvStep(({"role": "tool", "name": "calculator", "content": str(a * b)},), info={"tool_calls": 1})
+        assert "<|im_end|>" not in turn.text  # the end-of-turn token is not part of the text read
+        return EnvStep(reward=float(turn.text == self.record.answer), done=True)
+
+    async def close(self):
+        pass
+
+
+class ScriptedPolicy:
+    """generate(prompts, sampling): the first turn calls the calculator (or writes `first` when given), a turn after
+    a tool result answers with it; every turn ends with <|im_end|>; log-prob of token j is -(j + 1) / 100."""
+
+    def __init__(self, first=None, answer_suffix=""):
+        self.first, self.answer_suffix, self.calls = first, answer_suffix, []
+
+    def __call__(self, prompts, sampling: SamplingSettings):
+        self.calls.append((prompts, sampling))
+        out = []
+        for i, p in enumerate(prompts):
+            text = TOK.decode(p, skip_special_tokens=False)
+            question = re.search(r"user\n(\d+)\*(\d+)=", text)
+            results = re.findall(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", text)
+            if results:
+                reply = results[-1] + self.answer_suffix
+            else:
+                reply = self.first or ('<tool_call>{"name": "calculator", "arguments": {"expression": "%s*%s"}}'
+                                       '</tool_call>' % question.groups())
+            ids = TOK(reply, add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
+            ids = ids[:sampling.max_new_tokens]
+            reason = "stop" if ids[-1] == TOK.eos_token_id else "length"
+            out.append(RolloutSample(i, 0, list(p), ids, [-(j + 1) / 100 for j in range(len(ids))], reason))
+        return RolloutSamples(out)
+
+
+LIMITS = EpisodeLimits(max_turns=3, max_tokens_per_turn=128, max_new_tokens=256, max_model_len=1024)
+
+
+def runner(limits=LIMITS, **kw):
+    return EpisodeRunner(TOK, CalcEnv, parse, limits, **kw)
+
+
+RECORDS = [PromptRecord(0, "12*34=", "408", {}), PromptRecord(1, "7*8=", "56", {})]
+
+
+def run(r, policy, records=RECORDS, n=2):
+    return r.run(records, n, policy, SamplingSettings(seed=3), policy_version=5, uid_prefix="s1/")
+
+
+def test_two_turn_episode_is_the_templates_rendering_token_for_token_with_the_policys_tokens_masked_in():
+    policy = ScriptedPolicy()
+    result = run(runner(), policy)
+    assert result.scores == [1.0, 1.0, 1.0, 1.0]
+    for t, record in zip(result.trajectories, [r for r in RECORDS for _ in range(2)]):
+        a, b = record.prompt[:-1].split("*")
+        call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s*%s"}}</tool_call>' % (a, b)
+        conversation = [{"role": "user", "content": record.prompt}, {"role": "assistant", "content": call},
+                        {"role": "tool", "name": "calculator", "content": record.answer},
+                        {"role": "assistant", "content": record.answer}]
+        text = TOK.apply_chat_template(conversation, tools=TOOLS, tokenize=False)
+        assert text.endswith("<|im_end|>\n")  # the template's separator after the last turn, never sampled
+        expected = TOK(text[:-1], add_special_tokens=False)["input_ids"]
+        assert t.token_ids == expected
+        # loss mask: 1 exactly on the two sampled turns (content + <|im_end|>), 0 on the separator and the tool turn
+        sampled = [TOK(call, add_special_tokens=False)["input_ids"] + [2],
+                   TOK(record.answer, add_special_tokens=False)["input_ids"] + [2]]
+        masked = [tok for tok, m in zip(t.token_ids, t.loss_mask) if m]
+        assert masked == sampled[0] + sampled[1]
+        first_end = t.token_ids.index(2, t.prompt_len)  # the first sampled turn's <|im_end|>
+        assert t.loss_mask[first_end] == 1 and t.token_ids[first_end + 1] == TOK.convert_tokens_to_ids("\n")
+        assert t.loss_mask[first_end + 1] == 0  # the separator is context (verl PR #6921's lost token)
+        assert {v for v, m in zip(t.policy_version, t.loss_mask) if m} == {5}
+        assert [lp for lp, m in zip(t.log_probs, t.loss_mask) if m] == \
+            [-(j + 1) / 100 for j in range(len(sampled[0]))] + [-(j + 1) / 100 for j in range(len(sampled[1]))]
+    assert [t.group_uid for t in result.trajectories] == ["s1/0", "s1/0", "s1/1", "s1/1"]
+    assert result.metrics["multi_turn/turns_mean"] == 2 and result.metrics["multi_turn/tool_use_frac"] == 1
+    assert result.metrics["multi_turn/tool_success_frac"] == 1
+    assert len(policy.calls) == 2  # one engine call per turn, all episodes batched
+
+
+def test_an_injected_retokenization_is_caught_naming_the_trajectory_and_turn(monkeypatch):
+    import megarl.envs.episode as episode
+
+    class Retokenizing(episode.TrajectoryBuilder):
+        def sampled(self, ids, log_probs, policy_version):  # decode and re-encode, dropping the special end token
+            again = TOK(TOK.decode(ids, skip_special_tokens=True), add_special_tokens=False)["input_ids"]
+            return super().sampled(again, list(log_probs)[:len(again)], policy_version)
+
+    monkeypatch.setattr(episode, "TrajectoryBuilder", Retokenizing)
+    with pytest.raises(EpisodeError, match=r"episode s1/0/0, turn 0"):
+        run(runner(), ScriptedPolicy())
+    with pytest.raises(EpisodeError, match=r"trajectory s1/0/0, turn 0"):
+        run(runner(limits=EpisodeLimits(max_turns=1, max_tokens_per_turn=128, max_new_tokens=256,
+                                        max_model_len=1024)), ScriptedPolicy())
+
+
+def test_verify_trajectory_checks_the_engines_tokens_and_the_mask():
+    result = run(runner(), ScriptedPolicy())
+    t, turns = result.trajectories[0], result.turns[0]
+    verify_trajectory(t, turns)
+    given, produced, lps = turns[1]
+    with pytest.raises(EpisodeError, match="turn 1: the tokens the engine was given"):
+        verify_trajectory(t, turns[:1] + [(given[:-1] + [given[-1] + 1], produced, lps)])
+    with pytest.raises(EpisodeError, match="turn 1: the rollout log-probs"):
+        verify_trajectory(t, turns[:1] + [(given, produced, [x + 1 for x in lps])])
+    import dataclasses
+
+    separator = t.token_ids.index(2, t.prompt_len) + 1  # the "\n" after the first sampled turn: context
+    leaky = dataclasses.replace(t, loss_mask=[1 if i == separator else m for i, m in enumerate(t.loss_mask)],
+                                log_probs=[-1.0 if i == separator else x for i, x in enumerate(t.log_probs)],
+                                policy_version=[5 if i == separator else v for i, v in enumerate(t.policy_version)])
+    with pytest.raises(EpisodeError, match="context tokens would be trained on"):
+        verify_trajectory(leaky, turns)
+
+
+THINK_DROPPING = ("{%- for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                  "{%- if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
+                  "{%- else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+                  "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_or_masked_and_counted():
+    with pytest.raises(TemplateMismatch, match="not prefix-stable"):
+        ChatRenderer(TOK, TOOLS, THINK_DROPPING).check_prefix_stable()
+    ChatRenderer(TOK, TOOLS).check_prefix_stable()  # the shipped template only appends
+    policy = ScriptedPolicy(first='<think>hm</think><tool_call>{"name": "calculator", "arguments": '
+                                  '{"expression": "12*34"}}</tool_call>')
+    with pytest.raises(TemplateMismatch, match="episode s1/0/0, turn 0"):
+        run(runner(chat_template=THINK_DROPPING), policy, RECORDS[:1])
+    result = run(runner(chat_template=THINK_DROPPING, on_template_mismatch="mask"), policy, RECORDS[:1])
+    assert result.metrics["multi_turn/template_mismatch"] == 2
+    assert all(sum(t.loss_mask) == 0 for t in result.trajectories)
+
+
+def test_limits_end_episodes_and_are_counted():
+    tight = EpisodeLimits(max_turns=1, max_tokens_per_turn=128, max_new_tokens=256, max_model_len=1024)
+    result = run(runner(limits=tight), ScriptedPolicy())  # the answer turn never comes
+    assert all(t.finish_reason == "length" for t in result.trajectories)
+    assert result.metrics["multi_turn/truncated_frac"] == 1.0 and result.scores == [0.0] * 4
+    short = EpisodeLimits(max_turns=3, max_tokens_per_turn=10, max_new_tokens=256, max_model_len=1024)
+    result = run(runner(limits=short), ScriptedPolicy())  # the tool call is cut at 10 tokens
+    assert all(sum(t.loss_mask) == 10 and t.finish_reason == "length" for t in result.trajectories)
+
+
+def test_a_malformed_tool_call_is_an_observation_and_counted():
+    policy = ScriptedPolicy(first="<tool_call>{not json</tool_call>", answer_suffix="")
+    result = run(runner(), policy, RECORDS[:1], n=1)
+    t = result.trajectories[0]
+    assert "Error: malformed tool call" in TOK.decode(t.token_ids, skip_special_tokens=False)
+    assert result.metrics["multi_turn/parse_errors"] == 1 and result.metrics["multi_turn/tool_errors"] == 1
+    assert result.metrics["multi_turn/tool_use_frac"] == 1 and result.metrics["multi_turn/tool_success_frac"] == 0
+
+
+def test_a_turn_with_fewer_episodes_than_engine_replicas_is_padded_and_budgets_cut_each_sample():
+    policy = ScriptedPolicy()
+    limits = EpisodeLimits(max_turns=3, max_tokens_per_turn=128, max_new_tokens=256, max_model_len=1024)
+    result = runner(limits=limits, min_requests=4).run(RECORDS[:1], 1, policy, SamplingSettings(seed=3), 0)
+    assert [len(prompts) for prompts, _ in policy.calls] == [4, 4]  # 1 episode + 3 copies, each turn
+    assert len(result.trajectories) == 1 and result.scores == [1.0]
+    # one call per turn with the longest budget; an episode with less left has its sample cut to it
+    call = len(TOK('<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>',
+                   add_special_tokens=False)["input_ids"]) + 1
+    tight = EpisodeLimits(max_turns=3, max_tokens_per_turn=128, max_new_tokens=call + 2, max_model_len=1024)
+    policy = ScriptedPolicy()
+    result = runner(limits=tight).run(RECORDS[:1], 1, policy, SamplingSettings(seed=3), 0)
+    t = result.trajectories[0]  # the answer turn ("408" + end token) cut to the 2 tokens left
+    assert sum(t.loss_mask) == call + 2 and t.finish_reason == "length" and result.scores == [0.0]
+    assert policy.calls[1][1].max_new_tokens == 2
