@@ -12,8 +12,7 @@ An episode (the `calculator` environment, `megarl.envs`; rendered by the ChatML 
     tool       1776
     assistant  1776
 
-`demonstration` builds that conversation as a trajectory (the SFT warm-up's data): the two assistant turns are the
-loss mask, the rest is context, laid out token for token as the episode loop lays out a sampled one.
+`megarl.trainer.tool_quickstart.demonstration` builds that conversation as a trajectory (the SFT warm-up's data).
 
     python -m megarl.data.tool_task OUT_DIR        # writes OUT_DIR/{train,val}.jsonl, OUT_DIR/init_model/
 """
@@ -42,27 +41,6 @@ def problems(seed: int = 0) -> list[dict]:
     pairs = [(a, b) for a in range(LOW, HIGH + 1) for b in range(LOW, HIGH + 1)]
     random.Random(seed).shuffle(pairs)
     return [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a, b in pairs]
-
-
-def demonstration(tokenizer, record, tools, uid: str = "demo"):
-    """The calculator episode of `record` (module docstring) as a `Trajectory` whose loss mask covers the two
-    assistant turns, each ending with the end-of-turn token."""
-    from megarl.data.trajectory import TrajectoryBuilder
-    from megarl.envs.episode import ChatRenderer
-
-    prompt = record.prompt if hasattr(record, "prompt") else record["prompt"]
-    answer = record.answer if hasattr(record, "answer") else record["answer"]
-    renderer = ChatRenderer(tokenizer, tools)
-    user = [{"role": "user", "content": prompt}]
-    call = tool_call_text(prompt.rstrip("="))
-    eos = tokenizer.eos_token_id
-    call_ids = tokenizer(call, add_special_tokens=False)["input_ids"] + [eos]
-    conversation = user + [{"role": "assistant", "content": call}]
-    observation = renderer.observation(conversation, [{"role": "tool", "name": "calculator", "content": answer}], eos)
-    answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
-    return (TrajectoryBuilder(renderer.prompt(user), uid=uid, group_uid=uid)
-            .sampled(call_ids, [0.0] * len(call_ids), 0).context(observation)
-            .sampled(answer_ids, [0.0] * len(answer_ids), 0).build("stop"))
 
 
 def build_init_model(out_dir: str, seed: int = 0) -> str:

@@ -41,6 +41,28 @@ class ToolQuickstartSettings:
     vendor_level: str = "error"
 
 
+def demonstration(tokenizer, record, tools, uid: str = "demo"):
+    """The calculator episode of `record` (module docstring) as a `Trajectory` whose loss mask covers the two
+    assistant turns, each ending with the end-of-turn token."""
+    from megarl.data.tool_task import tool_call_text
+    from megarl.data.trajectory import TrajectoryBuilder
+    from megarl.envs.episode import ChatRenderer
+
+    prompt = record.prompt if hasattr(record, "prompt") else record["prompt"]
+    answer = record.answer if hasattr(record, "answer") else record["answer"]
+    renderer = ChatRenderer(tokenizer, tools)
+    user = [{"role": "user", "content": prompt}]
+    call = tool_call_text(prompt.rstrip("="))
+    eos = tokenizer.eos_token_id
+    call_ids = tokenizer(call, add_special_tokens=False)["input_ids"] + [eos]
+    conversation = user + [{"role": "assistant", "content": call}]
+    observation = renderer.observation(conversation, [{"role": "tool", "name": "calculator", "content": answer}], eos)
+    answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
+    return (TrajectoryBuilder(renderer.prompt(user), uid=uid, group_uid=uid)
+            .sampled(call_ids, [0.0] * len(call_ids), 0).context(observation)
+            .sampled(answer_ids, [0.0] * len(answer_ids), 0).build("stop"))
+
+
 def greedy_episodes(runner, workers, records, version: int) -> dict:
     """Greedy episodes of every record through the workers' engines: {"accuracy", "tool_success_frac", ...}."""
     from megarl.rollout.engine import SamplingSettings
@@ -65,7 +87,7 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
     from megarl.controller.worker_group import WorkerGroup
     from megarl.data.dataset import PromptDataset, PromptLoader
     from megarl.data.tokenization import PromptEncoder
-    from megarl.data.tool_task import build_tool_task, demonstration
+    from megarl.data.tool_task import build_tool_task
     from megarl.data.trajectory import trajectories_to_batch
     from megarl.envs.episode import runner_from_config
     from megarl.platform.device import device_kind
