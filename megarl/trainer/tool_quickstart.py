@@ -5,7 +5,7 @@ Stages (like the addition quickstart, `megarl.trainer.quickstart`; times in OUT/
   1. data   `megarl.data.tool_task`: 8100 problems "a*b=", `n_val` held out; the character-level ChatML tokenizer
             (`megarl.data.chat_chars`) and a random HF Llama -> OUT/data/.
   2. setup  a local Ray cluster, 2 worker processes (Megatron actor TP2 + a vLLM TP1 engine each, the reshard).
-  3. sft    `sft_steps` steps of cross-entropy on demonstration episodes (`tool_task.demonstration`: the tool call
+  3. sft    `sft_steps` steps of cross-entropy on demonstration episodes (`demonstration`: the tool call
             and the final answer are the loss mask, the tool's output is context), short on purpose: it teaches the
             format, not yet reliably.
   4. grpo   the job of `yaml_configs/cpu_tools_quickstart.yaml` (paths set to OUT): multi-turn episodes with the
