@@ -47,6 +47,8 @@ logger = logging.getLogger("megarl.envs")
 
 # Sampling-seed offset of turn t of an episode batch: seed + t * this.
 TURN_SEED_STRIDE = 9_000_011
+# ... and of call k within a turn (the turn's episodes split into calls that fit the engine's length).
+CALL_SEED_STRIDE = 7_919
 
 
 class TemplateMismatch(EpisodeError):
@@ -144,6 +146,21 @@ class _Episode:
     turns: list = dataclasses.field(default_factory=list)
 
 
+def _calls(group: list, budget: dict, max_model_len: int) -> list[list]:
+    """The live episodes of a turn as few engine calls as fit: a call takes its longest budget and its longest
+    prompt, so together they must fit `max_model_len` (each episode's own prompt + budget always does). Largest
+    budgets first; an episode whose prompt would not fit beside the call's budget starts the next call."""
+    calls: list[list] = []
+    for e in sorted(group, key=lambda e: -budget[e.uid]):
+        if calls:
+            top = budget[calls[-1][0].uid]
+            if max(len(x.builder.token_ids) for x in calls[-1] + [e]) + top <= max_model_len:
+                calls[-1].append(e)
+                continue
+        calls.append([e])
+    return calls
+
+
 class EpisodeRunner:
     """Runs batches of episodes against an engine (module docstring).
 
@@ -223,16 +240,21 @@ class EpisodeRunner:
             else:
                 group.append(e)
                 budget[e.uid] = left
+        for k, calls in enumerate(_calls(group, budget, lim.max_model_len)):
+            await self._call(calls, budget, turn, k, generate, sampling, version, renderers, counts, called)
+
+    async def _call(self, group, budget, turn, k, generate, sampling, version, renderers, counts, called) -> None:
+        """One engine call for `group` (episodes whose requests fit the engine's length together, `_calls`):
+        the longest budget for all, each sample cut to its episode's own (the tokens after the cut were never part
+        of it: as if the engine had stopped there, finish_reason 'length'), then the environments' steps."""
         if group:
-            # one call for the turn: the longest budget for all, each episode's sample cut to its own (the tokens
-            # after the cut were never part of it: as if the engine had stopped there, finish_reason 'length')
             prompts = [list(e.builder.token_ids) for e in group]
             # at least `min_requests` requests (the engine replicas each need one): padded with copies, dropped
             padded = prompts + [prompts[0]] * max(0, self.min_requests - len(prompts))
             s = dataclasses.replace(
-                sampling, samples_per_prompt=1, max_new_tokens=max(budget.values()),
+                sampling, samples_per_prompt=1, max_new_tokens=max(budget[e.uid] for e in group),
                 max_prompt_tokens=max(len(p) for p in prompts),
-                seed=None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE)
+                seed=None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE + k * CALL_SEED_STRIDE)
             out = generate(padded, s)
             sampled_by = version() if callable(version) else version
             by_index = {x.prompt_index: x for x in out if x.prompt_index < len(group)}

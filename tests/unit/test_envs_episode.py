@@ -219,3 +219,22 @@ def test_a_turn_with_fewer_episodes_than_engine_replicas_is_padded_and_budgets_c
     t = result.trajectories[0]  # the answer turn ("408" + end token) cut to the 2 tokens left
     assert sum(t.loss_mask) == call + 2 and t.finish_reason == "length" and result.scores == [0.0]
     assert policy.calls[1][1].max_new_tokens == 2
+
+
+def test_a_turns_calls_each_fit_the_engines_length():
+    """`_calls`: every call's longest prompt + its largest budget fits max_model_len (what the engine checks), and
+    episodes share calls where they can."""
+    import types
+
+    from megarl.envs.episode import _calls
+
+    def ep(uid, n):
+        return types.SimpleNamespace(uid=uid, builder=types.SimpleNamespace(token_ids=[0] * n))
+
+    group = [ep("a", 100), ep("b", 150), ep("c", 40), ep("d", 120)]
+    budget = {"a": 60, "b": 30, "c": 60, "d": 20}  # each prompt + its own budget <= 192
+    calls = _calls(group, budget, 192)
+    for call in calls:
+        assert max(len(e.builder.token_ids) for e in call) + max(budget[e.uid] for e in call) <= 192
+    assert sorted(e.uid for call in calls for e in call) == ["a", "b", "c", "d"]
+    assert [[e.uid for e in call] for call in calls] == [["a", "c"], ["b", "d"]]
