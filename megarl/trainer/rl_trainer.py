@@ -558,9 +558,18 @@ class RLTrainer:
         return metrics
 
     def validate(self) -> dict[str, float]:
-        """Greedy (rollout.val_temperature) responses to the validation prompts; mean reward."""
-        prompts = [self.encoder.encode(r.prompt) for r in self.val_records]
+        """Greedy (rollout.val_temperature) responses to the validation prompts (or one episode each, with
+        rollout.env); mean reward."""
         sampling = SamplingSettings.from_config(self.cfg.rollout, validation=True)
+        if self.episodes is not None:  # one greedy episode per validation record
+            with self.schedule.exclusive():
+                result = self.episodes.run(self.val_records, 1, self.rollout.generate, sampling,
+                                           self.rollout.weight_version or 0, uid_prefix="val/")
+            out = {"val/reward_mean": sum(result.scores) / max(len(result.scores), 1), "val/reward_errors": 0.0}
+            out.update({f"val/{k.split('/', 1)[1]}": v for k, v in result.metrics.items()
+                        if k in ("multi_turn/tool_success_frac", "multi_turn/turns_mean")})
+            return out
+        prompts = [self.encoder.encode(r.prompt) for r in self.val_records]
         with self.schedule.exclusive():  # in async mode the engines are shared with the rollout driver
             samples, _ = self._generate(prompts, sampling)
         scores, reward_metrics = self._scores(samples, self.val_records, "validation")
