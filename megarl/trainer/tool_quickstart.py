@@ -35,8 +35,8 @@ class ToolQuickstartSettings:
     n_val: int = 64
     sft_batch: int = 32
     sft_lr: float = 2e-3
-    sft_steps: int = 200
-    grpo_steps: int = 80
+    sft_steps: int = 300
+    grpo_steps: int = 60
     seed: int = 0
     vendor_level: str = "error"
 
