@@ -8,6 +8,9 @@ Data path of a role call (the same on every rank of the role, called collectivel
   sample order -> (full-batch calls only) all-gathered over the DP group. Forward-only results are returned on every
   rank of the last pipeline stage (identical on its TP ranks) and None on the other stages; training metrics on
   every rank.
+An update (`_train`) goes mini-batch by mini-batch, one optimizer step each: the controller's DP_SPLIT_MINI_BATCHES
+gives each DP rank its part of every mini-batch, concatenated, with the layout in `meta` (`share=True`; or every rank
+gets the full batch and cuts the same parts itself), both by the rule of `megarl.data.mini_batches`.
 """
 
 from __future__ import annotations
