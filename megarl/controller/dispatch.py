@@ -102,8 +102,8 @@ def dispatch(
     if not isinstance(mode, Dispatch):
         raise TypeError(f"dispatch mode must be a megarl.controller.Dispatch, got {mode!r}")
     if mode not in DP_MODES and (group_size or group_size_attr or replica_attr):
-        raise TypeError(f"group_size/group_size_attr/replica_attr only apply to {[m.name for m in DP_MODES]}, "
-                        f"not {mode.name}")
+        raise TypeError(f"group_size/group_size_attr/replica_attr only apply to "
+                        f"{' and '.join(m.name for m in DP_MODES)}, not {mode.name}")
     if (mode is Dispatch.DP_SPLIT_MINI_BATCHES) != (mini_batch_attr is not None):
         raise TypeError(f"mini_batch_attr is required by DP_SPLIT_MINI_BATCHES and only applies to it ({mode.name})")
     if group_size is not None and group_size < 1:
