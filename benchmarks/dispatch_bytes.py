@@ -1,6 +1,7 @@
 """Bytes each rank deserialises per RL step from the controller's calls: the old full broadcast (ONE_TO_ALL /
-LAST_STAGE_FIRST_RESULT: every rank receives the whole prompt list and the whole batch) against the DP split
-(DP_SPLIT: a rank receives only its replica's chunk). Pure: no Ray, no processes.
+LAST_STAGE_FIRST_RESULT / RANK_ZERO: every rank receives the whole prompt list and the whole batch) against the DP
+split (DP_SPLIT, and DP_SPLIT_MINI_BATCHES for the update: a rank receives only its replica's part). Pure: no Ray, no
+processes.
 
     python benchmarks/dispatch_bytes.py [--json FILE]
 
@@ -9,8 +10,11 @@ for both specs and measured as `len(pickle.dumps(call))` -- what Ray serialises 
 travel as pickle-5 buffers of the same size). Layouts (rank order as megatron's tp-cp-ep-dp-pp, as
 `megarl.parallel.topology`): actor/reference replica of rank r = (r // tp) % dp; rollout replica = r // rollout_tp.
 Calls of one GRPO step as `RLTrainer.step` makes them: generate(prompts, sampling), compute_log_probs(batch),
-compute_ref_log_probs(batch + scores + old_log_probs). update_actor stays RANK_ZERO (full batch to every rank: its
-mini-batches are global, so it is not split) and is reported unchanged. Before, `generate` also broadcast the
+compute_ref_log_probs(batch + scores + old_log_probs), update_actor(that + ref_log_probs + advantages + returns):
+RANK_ZERO before (the whole batch to every rank, each cutting its part of every mini-batch), DP_SPLIT_MINI_BATCHES
+after (a replica receives its part of every mini-batch of `mini_batch_prompts * samples_per_prompt` samples, plus
+its layout in `meta`; `megarl.data.mini_batches`). update_critic is cut the same way (not in these GRPO layouts).
+Before, `generate` also broadcast the
 replica's prompts again inside its TP group (`rollout/vllm_adapter.py`: the non-first TP ranks deserialised the
 chunk a second time); that is counted in generate's "before" and replaced by an 8-byte digest all-gather (a tensor,
 nothing deserialised). Also reported: the result bytes the old path all-gathered over DP on every last-stage rank.
@@ -31,7 +35,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megarl.controller.dispatch import (  # noqa: E402
+    DP_MODES,
     DP_SPLIT,
+    DP_SPLIT_MINI_BATCHES,
     LAST_STAGE_FIRST_RESULT,
     ONE_TO_ALL,
     RANK_ZERO,
@@ -53,6 +59,7 @@ class Layout:
     samples_per_prompt: int
     prompt_tokens: int
     seq_len: int
+    mini_batch_prompts: int
 
     @property
     def world(self) -> int:
@@ -60,11 +67,14 @@ class Layout:
 
 
 LAYOUTS = [
-    Layout("64-rank simulated: actor/ref TP8 PP2 DP4, rollout TP8; 256 prompts x 8 samples x 1024 tokens",
-           tp=8, pp=2, dp=4, rollout_tp=8, prompts=256, samples_per_prompt=8, prompt_tokens=256, seq_len=1024),
+    Layout("64-rank simulated: actor/ref TP8 PP2 DP4, rollout TP8; 256 prompts x 8 samples x 1024 tokens, "
+           "mini-batches of 64 prompts",
+           tp=8, pp=2, dp=4, rollout_tp=8, prompts=256, samples_per_prompt=8, prompt_tokens=256, seq_len=1024,
+           mini_batch_prompts=64),
     Layout("2-rank quickstart (yaml_configs/cpu_quickstart.yaml): actor/ref TP2 DP1, rollout TP2; 8 prompts x 4 "
-           "samples, prompts <= 64 tokens, sequences <= 64 + 32 tokens (its shape limits)",
-           tp=2, pp=1, dp=1, rollout_tp=2, prompts=8, samples_per_prompt=4, prompt_tokens=64, seq_len=96),
+           "samples, mini-batches of 4 prompts, prompts <= 64 tokens, sequences <= 64 + 32 tokens (its shape limits)",
+           tp=2, pp=1, dp=1, rollout_tp=2, prompts=8, samples_per_prompt=4, prompt_tokens=64, seq_len=96,
+           mini_batch_prompts=4),
 ]
 
 
@@ -78,46 +88,52 @@ def step_inputs(lay: Layout):
         "group_ids": torch.arange(B) // lay.samples_per_prompt,
     })
     ref_batch = Batch({**batch.tensors, "scores": torch.rand(B, generator=g), "old_log_probs": torch.rand(B, S)})
-    return prompts, SamplingSettings(samples_per_prompt=lay.samples_per_prompt), batch, ref_batch
+    update_batch = ref_batch.update({k: torch.rand(B, S, generator=g)
+                                     for k in ("ref_log_probs", "advantages", "returns")})
+    return prompts, SamplingSettings(samples_per_prompt=lay.samples_per_prompt), batch, ref_batch, update_batch
 
 
-def per_rank_bytes(spec: DispatchSpec, args: tuple, world: int, replica_of) -> list[int]:
-    calls = plan_calls(spec, args, {}, world, replica_of if spec.mode is DP_SPLIT else None)
+def per_rank_bytes(spec: DispatchSpec, args: tuple, world: int, replica_of, mini_batch_samples=None) -> list[int]:
+    calls = plan_calls(spec, args, {}, world, replica_of if spec.mode in DP_MODES else None,
+                       mini_batch_samples=mini_batch_samples)
     sizes: dict[int, int] = {}
     return [sizes.setdefault(id(c), len(pickle.dumps(c, protocol=5))) for c in calls]
 
 
 def measure(lay: Layout) -> dict:
-    prompts, sampling, batch, ref_batch = step_inputs(lay)
+    prompts, sampling, batch, ref_batch, update_batch = step_inputs(lay)
     ranks = range(lay.world)
     role_replica = [(r // lay.tp) % lay.dp for r in ranks]
     rollout_replica = [r // lay.rollout_tp for r in ranks]
-    calls = [  # (method, old spec, args, replicas)
-        ("generate", ONE_TO_ALL, (prompts, sampling), rollout_replica),
-        ("compute_log_probs", LAST_STAGE_FIRST_RESULT, (batch,), role_replica),
-        ("compute_ref_log_probs", LAST_STAGE_FIRST_RESULT, (ref_batch,), role_replica),
+    split = DispatchSpec(DP_SPLIT)
+    cut = DispatchSpec(DP_SPLIT_MINI_BATCHES, mini_batch_attr="actor_mini_batch_samples")
+    calls = [  # (method, old spec, new spec, args, replicas)
+        ("generate", ONE_TO_ALL, split, (prompts, sampling), rollout_replica),
+        ("compute_log_probs", LAST_STAGE_FIRST_RESULT, split, (batch,), role_replica),
+        ("compute_ref_log_probs", LAST_STAGE_FIRST_RESULT, split, (ref_batch,), role_replica),
+        ("update_actor", RANK_ZERO, cut, (update_batch,), role_replica),
     ]
+    mini = lay.mini_batch_prompts * lay.samples_per_prompt
     rows, before, after = [], [0] * lay.world, [0] * lay.world
     chunk = prompts[: -(-lay.prompts // (lay.world // lay.rollout_tp))]
     tp_bcast = len(pickle.dumps([chunk, sampling])) if lay.rollout_tp > 1 else 0
-    for name, old_mode, args, replica_of in calls:
+    for name, old_mode, new_spec, args, replica_of in calls:
         b = per_rank_bytes(DispatchSpec(old_mode), args, lay.world, replica_of)
         if name == "generate":  # the old second broadcast inside the TP replica, received by its non-first ranks
             b = [x + (tp_bcast if r % lay.rollout_tp else 0) for r, x in zip(ranks, b)]
-        a = per_rank_bytes(DispatchSpec(DP_SPLIT), args, lay.world, replica_of)
+        a = per_rank_bytes(new_spec, args, lay.world, replica_of, mini)
         before = [x + y for x, y in zip(before, b)]
         after = [x + y for x, y in zip(after, a)]
         rows.append({"call": name, "before_max_rank_bytes": max(b), "after_max_rank_bytes": max(a),
                      "before_total_bytes": sum(b), "after_total_bytes": sum(a)})
-    upd = per_rank_bytes(DispatchSpec(RANK_ZERO), (ref_batch,), lay.world, None)
     B, S = len(batch), lay.seq_len
     # old: every last-stage rank all-gathered the other DP ranks' results: log_probs + entropy, then log_probs (fp32)
     gathered = (lay.dp - 1) * (B // lay.dp) * S * 4 * (2 + 1) if lay.dp > 1 else 0
     return {
-        "layout": lay.name, "world_size": lay.world, "samples": B, "seq_len": S, "calls": rows,
+        "layout": lay.name, "world_size": lay.world, "samples": B, "seq_len": S, "mini_batch_samples": mini,
+        "calls": rows,
         "step_before_max_rank_bytes": max(before), "step_after_max_rank_bytes": max(after),
         "step_before_total_bytes": sum(before), "step_after_total_bytes": sum(after),
-        "update_actor_per_rank_bytes_unchanged": upd[0],
         "old_dp_allgather_bytes_per_last_stage_rank": gathered,
         "old_in_engine_tp_broadcast_bytes_per_non_first_tp_rank": tp_bcast,
     }
@@ -143,12 +159,12 @@ def main() -> None:
             print(f"  {c['call']:24s} per rank (max) {mib(c['before_max_rank_bytes'])} -> "
                   f"{mib(c['after_max_rank_bytes'])}   all ranks {mib(c['before_total_bytes'])} -> "
                   f"{mib(c['after_total_bytes'])}")
-        print(f"  step (3 calls)           per rank (max) {mib(r['step_before_max_rank_bytes'])} -> "
+        print(f"  step (4 calls)           per rank (max) {mib(r['step_before_max_rank_bytes'])} -> "
               f"{mib(r['step_after_max_rank_bytes'])}   all ranks {mib(r['step_before_total_bytes'])} -> "
               f"{mib(r['step_after_total_bytes'])}")
-        print(f"  unchanged: update_actor {mib(r['update_actor_per_rank_bytes_unchanged'])} per rank; removed: "
-              f"in-engine TP broadcast {mib(r['old_in_engine_tp_broadcast_bytes_per_non_first_tp_rank'])} per "
-              f"non-first TP rank (in generate's before), DP all-gather "
+        print(f"  removed: in-engine TP broadcast "
+              f"{mib(r['old_in_engine_tp_broadcast_bytes_per_non_first_tp_rank'])} per non-first TP rank (in "
+              f"generate's before), DP all-gather "
               f"{mib(r['old_dp_allgather_bytes_per_last_stage_rank'])} per last-stage rank")
     if args.json:
         with open(args.json, "w") as f:

@@ -10,6 +10,7 @@ torch.distributed world) and dispatch modes declared on worker methods.
 from megarl.controller.dispatch import (
     ALL_TO_ALL,
     DP_SPLIT,
+    DP_SPLIT_MINI_BATCHES,
     LAST_STAGE_FIRST_RESULT,
     ONE_TO_ALL,
     RANK_ZERO,
@@ -23,6 +24,7 @@ from megarl.controller.worker_group import CallTimeout, PendingCall, WorkerError
 __all__ = [
     "ALL_TO_ALL",
     "DP_SPLIT",
+    "DP_SPLIT_MINI_BATCHES",
     "LAST_STAGE_FIRST_RESULT",
     "ONE_TO_ALL",
     "RANK_ZERO",

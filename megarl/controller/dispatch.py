@@ -20,13 +20,21 @@ Modes (`Dispatch`):
                            replicas' results are concatenated in replica order (lists/tuples -> list, tensors ->
                            torch.cat on dim 0, Batch -> Batch.concat); results of other types come back as a list
                            with one entry per replica.
+  DP_SPLIT_MINI_BATCHES    an update's batch (the first positional argument, a `megarl.data.Batch`) cut the way the
+                           role trains on it (`megarl.data.mini_batches`): consecutive mini-batches of the role's
+                           `mini_batch_samples` (asked of rank 0 through `dispatch(..., mini_batch_attr="name")`),
+                           each cut into n_replicas equal contiguous shares; every rank of replica k gets its share of
+                           every mini-batch, concatenated in mini-batch order, with the layout in
+                           `meta[SHARE_META]` (what the role needs to re-cut the same mini-batches). Replicas as for
+                           DP_SPLIT; the other arguments go to every rank unchanged; returns rank 0's result (an
+                           update's metrics, identical on every rank).
 
 Replicas for DP_SPLIT: replica of rank r = r // group_size, where group_size (the ranks of one model replica,
 tp*cp for pp=1) is taken from, in order: `dispatch(..., group_size=N)`; the worker attribute (or zero-argument
 method) named by `dispatch(..., group_size_attr="name")`; the worker attribute `dp_group_size`. This matches
 megatron's rank order only when pp == 1 (dp varies faster than pp, see megarl.parallel.topology); for pp > 1 give
 `replica_attr="name"`: a worker attribute/method returning (replica index, number of replicas) of its rank, e.g.
-(groups.coord.dp, topo.dp), which is asked of every rank.
+(groups.coord.dp, topo.dp), which is asked of every rank. DP_SPLIT_MINI_BATCHES finds its replicas the same way.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 from typing import Any, Callable, Optional, Sequence
+
+from megarl.data.mini_batches import SHARE_META, share_layout
 
 DISPATCH_ATTR = "__megarl_dispatch__"
 DEFAULT_GROUP_SIZE_ATTR = "dp_group_size"
@@ -45,6 +55,7 @@ class Dispatch(enum.Enum):
     RANK_ZERO = "rank_zero"
     LAST_STAGE_FIRST_RESULT = "last_stage_first_result"
     DP_SPLIT = "dp_split"
+    DP_SPLIT_MINI_BATCHES = "dp_split_mini_batches"
 
 
 ONE_TO_ALL = Dispatch.ONE_TO_ALL
@@ -52,6 +63,8 @@ ALL_TO_ALL = Dispatch.ALL_TO_ALL
 RANK_ZERO = Dispatch.RANK_ZERO
 LAST_STAGE_FIRST_RESULT = Dispatch.LAST_STAGE_FIRST_RESULT
 DP_SPLIT = Dispatch.DP_SPLIT
+DP_SPLIT_MINI_BATCHES = Dispatch.DP_SPLIT_MINI_BATCHES
+DP_MODES = (DP_SPLIT, DP_SPLIT_MINI_BATCHES)  # the modes that cut data per replica
 
 
 class DispatchError(ValueError):
@@ -67,6 +80,7 @@ class DispatchSpec:
     group_size_attr: Optional[str] = None
     replica_attr: Optional[str] = None
     timeout_s: Optional[float] = None
+    mini_batch_attr: Optional[str] = None
 
 
 def dispatch(
@@ -76,19 +90,25 @@ def dispatch(
     group_size_attr: Optional[str] = None,
     replica_attr: Optional[str] = None,
     timeout_s: Optional[float] = None,
+    mini_batch_attr: Optional[str] = None,
 ) -> Callable[[Callable], Callable]:
     """Mark a worker method as callable from the controller with distribution `mode` (see the module docstring).
 
-    `timeout_s` overrides the worker group's call timeout for this method. The method itself is unchanged: on the
-    worker it is an ordinary method; only `WorkerGroup` reads the mark.
+    `timeout_s` overrides the worker group's call timeout for this method. `mini_batch_attr` (DP_SPLIT_MINI_BATCHES
+    only, and required there): the worker attribute (or zero-argument method) holding the role's global mini-batch
+    size in samples (None = the whole batch). The method itself is unchanged: on the worker it is an ordinary
+    method; only `WorkerGroup` reads the mark.
     """
     if not isinstance(mode, Dispatch):
         raise TypeError(f"dispatch mode must be a megarl.controller.Dispatch, got {mode!r}")
-    if mode is not Dispatch.DP_SPLIT and (group_size or group_size_attr or replica_attr):
-        raise TypeError(f"group_size/group_size_attr/replica_attr only apply to DP_SPLIT, not {mode.name}")
+    if mode not in DP_MODES and (group_size or group_size_attr or replica_attr):
+        raise TypeError(f"group_size/group_size_attr/replica_attr only apply to "
+                        f"{' and '.join(m.name for m in DP_MODES)}, not {mode.name}")
+    if (mode is Dispatch.DP_SPLIT_MINI_BATCHES) != (mini_batch_attr is not None):
+        raise TypeError(f"mini_batch_attr is required by DP_SPLIT_MINI_BATCHES and only applies to it ({mode.name})")
     if group_size is not None and group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    spec = DispatchSpec(mode, group_size, group_size_attr, replica_attr, timeout_s)
+    spec = DispatchSpec(mode, group_size, group_size_attr, replica_attr, timeout_s, mini_batch_attr)
 
     def mark(fn: Callable) -> Callable:
         setattr(fn, DISPATCH_ATTR, spec)
@@ -174,6 +194,27 @@ def split_contiguous(x: Any, n: int, method: str = "?") -> list[Any]:
     return [x[lo:hi] for lo, hi in bounds]
 
 
+def split_mini_batches(x: Any, n: int, mini_batch_samples: Optional[int], method: str = "?") -> list[Any]:
+    """Cut an update's `Batch` for `n` replicas (`megarl.data.mini_batches`): replica k's piece is its share of
+    every mini-batch of `mini_batch_samples` (None = one mini-batch), concatenated in mini-batch order, a compact
+    copy, with its `ShareLayout` in `meta[SHARE_META]`."""
+    import torch
+
+    if not _is_batch(x):
+        raise DispatchError(f"{method}: DP_SPLIT_MINI_BATCHES cuts a Batch (its first positional argument); got "
+                            f"{type(x).__name__}")
+    try:
+        layouts = [share_layout(len(x), mini_batch_samples, n, k) for k in range(n)]
+    except ValueError as e:
+        raise DispatchError(f"{method}: {e}") from None
+    out = []
+    for lay in layouts:
+        part = x.index(torch.cat([torch.arange(lo, hi) for lo, hi in lay.rows]))  # indexing copies: a compact share
+        part.meta[SHARE_META] = lay.to_meta()
+        out.append(part)
+    return out
+
+
 def concat_results(parts: list[Any]) -> Any:
     """Concatenate per-replica results in order (see the module docstring for the types)."""
     import torch
@@ -201,8 +242,10 @@ def plan_calls(
     world_size: int,
     replica_of: Optional[list[int]] = None,
     method: str = "?",
+    mini_batch_samples: Optional[int] = None,
 ) -> list[tuple[tuple, dict]]:
-    """The (args, kwargs) each rank receives. `replica_of` (rank -> replica) is needed for DP_SPLIT only."""
+    """The (args, kwargs) each rank receives. `replica_of` (rank -> replica) is needed for the DP modes only;
+    `mini_batch_samples` (the role's, None = the whole batch) for DP_SPLIT_MINI_BATCHES only."""
     mode = spec.mode
     if mode in (Dispatch.ONE_TO_ALL, Dispatch.RANK_ZERO, Dispatch.LAST_STAGE_FIRST_RESULT):
         return [(args, kwargs)] * world_size
@@ -215,12 +258,16 @@ def plan_calls(
                     f"{where} has {got}"
                 )
         return [(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(world_size)]
-    if mode is Dispatch.DP_SPLIT:
+    if mode in DP_MODES:
         if not args:
-            raise DispatchError(f"{method}: DP_SPLIT needs the data to split as the first positional argument")
+            raise DispatchError(f"{method}: {mode.name} needs the data to split as the first positional argument")
         if replica_of is None or len(replica_of) != world_size:
-            raise DispatchError(f"{method}: DP_SPLIT needs the replica of each of the {world_size} ranks")
-        chunks = split_contiguous(args[0], max(replica_of) + 1, method)
+            raise DispatchError(f"{method}: {mode.name} needs the replica of each of the {world_size} ranks")
+        n = max(replica_of) + 1
+        if mode is Dispatch.DP_SPLIT:
+            chunks = split_contiguous(args[0], n, method)
+        else:
+            chunks = split_mini_batches(args[0], n, mini_batch_samples, method)
         per_replica = [((chunk,) + tuple(args[1:]), kwargs) for chunk in chunks]  # ranks of a replica share one
         return [per_replica[replica_of[r]] for r in range(world_size)]
     raise DispatchError(f"{method}: unknown dispatch mode {mode!r}")
@@ -231,7 +278,7 @@ def collect(spec: DispatchSpec, results: list[Any], replica_of: Optional[list[in
     mode = spec.mode
     if mode in (Dispatch.ONE_TO_ALL, Dispatch.ALL_TO_ALL):
         return list(results)
-    if mode is Dispatch.RANK_ZERO:
+    if mode in (Dispatch.RANK_ZERO, Dispatch.DP_SPLIT_MINI_BATCHES):
         return results[0]
     if mode is Dispatch.LAST_STAGE_FIRST_RESULT:
         return next((r for r in results if r is not None), None)

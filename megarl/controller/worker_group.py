@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from megarl.controller.dispatch import (
     DEFAULT_GROUP_SIZE_ATTR,
+    DP_MODES,
     Dispatch,
     DispatchSpec,
     collect,
@@ -305,8 +306,9 @@ class WorkerGroup:
 
         what = f"{self.worker_cls.__name__}.{name}"
         timeout = spec.timeout_s if spec.timeout_s is not None else self.call_timeout_s
-        replica_of = self._replicas(what, spec, timeout) if spec.mode is Dispatch.DP_SPLIT else None
-        calls = plan_calls(spec, args, kwargs, self.world_size, replica_of, what)
+        replica_of = self._replicas(what, spec, timeout) if spec.mode in DP_MODES else None
+        mini = self._mini_batch_samples(what, spec, timeout) if spec.mode is Dispatch.DP_SPLIT_MINI_BATCHES else None
+        calls = plan_calls(spec, args, kwargs, self.world_size, replica_of, what, mini_batch_samples=mini)
         put: dict[int, Any] = {}  # one ray.put per distinct argument set
         refs = []
         for actor, c in zip(self._actors, calls):
@@ -324,6 +326,16 @@ class WorkerGroup:
         if key not in cache:
             cache[key] = self._ask_replicas(what, spec, timeout)
         return cache[key]
+
+    def _mini_batch_samples(self, what: str, spec: DispatchSpec, timeout: float) -> Optional[int]:
+        """The role's global mini-batch size for a DP_SPLIT_MINI_BATCHES call (`spec.mini_batch_attr` of rank 0),
+        asked once per attribute and kept, as `_replicas` (the role's batching is fixed by its config)."""
+        cache = self.__dict__.setdefault("_mini_batch_cache", {})
+        if spec.mini_batch_attr not in cache:
+            size = self._gather([self._actors[0].attr.remote(spec.mini_batch_attr)],
+                                f"{what} (mini-batch size from worker attribute {spec.mini_batch_attr!r})", timeout)[0]
+            cache[spec.mini_batch_attr] = None if size is None else int(size)
+        return cache[spec.mini_batch_attr]
 
     def _ask_replicas(self, what: str, spec: DispatchSpec, timeout: float) -> list[int]:
         if spec.group_size is not None:

@@ -191,8 +191,11 @@ class Actor(Role):
                 out.meta["moe_rollout_routing_diff_frac"] = frac
         return out
 
-    def update(self, batch: Batch) -> dict[str, float]:
+    def update(self, batch: Batch, share: bool = False) -> dict[str, float]:
         """One PPO (or SFT) update over `batch`; returns metrics (same on every rank).
+
+        share=False: `batch` is the whole batch, on every rank; share=True: this DP rank's part of every
+        mini-batch, as the controller cut it (`Dispatch.DP_SPLIT_MINI_BATCHES`; `Role._train`).
 
         Old-policy log-probs: `batch["old_log_probs"]` [B, S] when given (a separate forward before the update).
         Without them the update takes them from its own forward, detached (`old = logp.detach()`: the ratio is 1
@@ -212,7 +215,7 @@ class Actor(Role):
             keys += ["advantages"] if fused else ["old_log_probs", "advantages"]
             policy_loss = get_policy_loss(s.name)
         if fused:
-            steps = len(self._mini_batches(batch)) * self.batching.epochs
+            steps = len(self._share_layout(batch, share).rows) * self.batching.epochs
             if steps != 1 or s.corrects_rollout:
                 raise ValueError(
                     f"batch has no old_log_probs: the update can take them from its own forward only for one "
@@ -294,7 +297,7 @@ class Actor(Role):
 
         metric_keys = _METRICS + ([f"mismatch_{k}" for k in (*MISMATCH_SUM_KEYS, *MISMATCH_MAX_KEYS)]
                                   if measure_mismatch else [])
-        totals = self._train(batch, keys, loss_fn, metric_keys, routing_factory=routing_factory)
+        totals = self._train(batch, keys, loss_fn, metric_keys, routing_factory=routing_factory, share=share)
         tokens_in_loss = totals.pop("tokens_in_loss")
         n_tok = max(tokens_in_loss, 1.0)
         units = max(totals.pop("units"), 1.0)
@@ -336,5 +339,5 @@ class Reference(Actor):
             raise ValueError("the reference policy is frozen: do not pass optimizer settings")
         super().__init__(*args, **kwargs)
 
-    def update(self, batch: Batch) -> dict[str, float]:  # pragma: no cover - guard
+    def update(self, batch: Batch, share: bool = False) -> dict[str, float]:  # pragma: no cover - guard
         raise RuntimeError("the reference policy is frozen")

@@ -8,6 +8,9 @@ Data path of a role call (the same on every rank of the role, called collectivel
   sample order -> (full-batch calls only) all-gathered over the DP group. Forward-only results are returned on every
   rank of the last pipeline stage (identical on its TP ranks) and None on the other stages; training metrics on
   every rank.
+An update (`_train`) goes mini-batch by mini-batch, one optimizer step each: the controller's DP_SPLIT_MINI_BATCHES
+gives each DP rank its part of every mini-batch, concatenated, with the layout in `meta` (`share=True`; or every rank
+gets the full batch and cuts the same parts itself), both by the rule of `megarl.data.mini_batches`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.distributed as dist
 from megarl.checkpoint.engine_io import load_hf_into_engine
 from megarl.data.batch import Batch
 from megarl.data.micro_batching import make_micro_batches, plan_micro_batches, restore_order
+from megarl.data.mini_batches import SHARE_META, ShareLayout, share_layout
 from megarl.engine import MegatronEngine, OptimizerSettings
 from megarl.engine.moe import MoeSettings
 from megarl.models.spec import ModelSpec
@@ -203,17 +207,36 @@ class Role:
             out.update(zip(names, t.cpu().tolist()))
         return out
 
-    def _mini_batches(self, batch: Batch) -> list[Batch]:
-        size = self.batching.mini_batch_samples or len(batch)
-        if len(batch) % size != 0:
-            raise ValueError(f"batch of {len(batch)} samples is not a multiple of mini_batch_samples={size}")
-        if size % self.dp != 0:
-            raise ValueError(f"mini-batch of {size} samples does not split over dp={self.dp} data-parallel ranks")
-        return batch.split(size)
+    def _share_layout(self, batch: Batch, share: bool) -> ShareLayout:
+        """This DP rank's mini-batch layout of an update (`megarl.data.mini_batches`). share=False: `batch` is the
+        whole batch, its layout is computed here; share=True: `batch` is this rank's share, cut by the controller
+        (`Dispatch.DP_SPLIT_MINI_BATCHES`), whose layout it carries in `meta[SHARE_META]` and which must be the one
+        this role would cut (its DP rank, DP size and mini-batch size, and the share's length)."""
+        if not share:
+            return share_layout(len(batch), self.batching.mini_batch_samples, self.dp, self.dp_rank)
+        if SHARE_META not in batch.meta:
+            raise ValueError(f"share=True needs the batch's DP share layout in meta[{SHARE_META!r}] (the controller's "
+                             "DP_SPLIT_MINI_BATCHES cut, megarl.controller.dispatch.split_mini_batches)")
+        got = ShareLayout.from_meta(batch.meta[SHARE_META])
+        want = share_layout(got.samples, self.batching.mini_batch_samples, self.dp, self.dp_rank)
+        if got != want or len(batch) != len(want):
+            raise ValueError(f"DP rank {self.dp_rank} received a share of {len(batch)} rows cut as {got}; this role "
+                             f"trains on {len(want)} rows cut as {want}")
+        return want
+
+    def _mini_batch_shares(self, batch: Batch, share: bool) -> list[Batch]:
+        """This DP rank's part of each mini-batch, in training order (`_share_layout`)."""
+        layout = self._share_layout(batch, share)
+        return [batch.slice(lo, hi) for lo, hi in (layout.local_bounds if share else layout.rows)]
 
     def _train(self, batch: Batch, keys: list[str], loss_fn: Callable, metric_keys: list[str],
-               routing_factory: Optional[Callable] = None) -> dict[str, float]:
+               routing_factory: Optional[Callable] = None, share: bool = False) -> dict[str, float]:
         """Mini-batch / micro-batch loop with one optimizer step per mini-batch; returns summed metrics.
+
+        share=False: `batch` is the whole batch (every rank gets it) and each rank cuts its part of every mini-batch;
+        share=True: `batch` is already this DP rank's part of every mini-batch, concatenated (the controller's
+        `Dispatch.DP_SPLIT_MINI_BATCHES`). Either way the rank trains on the same rows in the same order
+        (`megarl.data.mini_batches`, the one rule both follow), so the two give the same update.
 
         `loss_fn(output, mb) -> (loss_sum, units, metric sums)` as `MegatronEngine.run` expects. Metrics named
         `*_max` are combined by maximum (over micro-batches and ranks), the others summed. A mini-batch whose loss
@@ -225,15 +248,16 @@ class Role:
         """
         batch = batch.select(keys)
         loss_keys = list(metric_keys)
-        metric_keys = [*loss_keys, "padded_tokens"]  # micro-batch positions computed, padding included
+        # real tokens trained on, and micro-batch positions computed (padding included), over all DP ranks
+        metric_keys = [*loss_keys, "tokens", "padded_tokens"]
         totals = {k: 0.0 for k in metric_keys}
         steps = []
         self.last_routing: list = []
         start = time.perf_counter()
+        parts = self._mini_batch_shares(batch, share)
         for _ in range(self.batching.epochs):
-            for mini in self._mini_batches(batch):
-                share = mini.chunk_by_dp(self.dp_rank, self.dp)
-                mbs = [mb.to(compute_device()) for mb in make_micro_batches(share, self._plan(share))]
+            for part in parts:
+                mbs = [mb.to(compute_device()) for mb in make_micro_batches(part, self._plan(part))]
                 routing = routing_factory() if routing_factory is not None else None
                 if routing is not None:
                     self.last_routing.append(routing)
@@ -241,6 +265,7 @@ class Role:
                 loss_finite = all(math.isfinite(float(m["loss_sum"])) for m in out if "loss_sum" in m)
                 steps.append(self.engine.step(loss_finite=loss_finite))
                 if self.groups.is_last_stage:  # counted once per DP rank (the reduction sums the last stage's)
+                    totals["tokens"] += float(part.lengths().sum())
                     totals["padded_tokens"] += float(sum(mb.tensors["input_ids"].numel() for mb in mbs))
                 for m in out:
                     for k in loss_keys:
@@ -255,8 +280,7 @@ class Role:
         reduced["skipped_steps"] = float(applied.count(False))
         reduced["skipped_trailing"] = float(len(applied) - (max(i for i, a in enumerate(applied) if a) + 1)
                                             if any(applied) else len(applied))
-        tokens = float(batch.lengths().sum()) * self.batching.epochs
-        reduced["tokens"] = tokens
+        tokens = reduced["tokens"]
         # padding share of what the micro-batches computed (padded, not packed: megarl.data.micro_batching)
         reduced["padding_frac"] = 1.0 - tokens / reduced["padded_tokens"] if reduced["padded_tokens"] else 0.0
         reduced["tokens_per_s"] = tokens / elapsed

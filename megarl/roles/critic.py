@@ -78,7 +78,9 @@ class Critic(ScalarHeadRole):
         return self._forward(batch, ["input_ids", "attention_mask", "loss_mask"],
                              lambda out, mb: {"values": self._values(out, mb)}, share=share)
 
-    def update(self, batch: Batch) -> dict[str, float]:
+    def update(self, batch: Batch, share: bool = False) -> dict[str, float]:
+        """Value-loss update over `batch` (the whole batch, or with share=True this DP rank's part of every
+        mini-batch: `Role._train`); returns metrics (same on every rank)."""
         batch = batch.with_loss_mask()
         keys = ["input_ids", "attention_mask", "loss_mask", "old_values", "returns"]
         batch.require(*keys)
@@ -96,7 +98,8 @@ class Critic(ScalarHeadRole):
                 "clip_sum": m["value_clip_frac"] * n_tok, "value_sum": m["value_mean"] * n_tok,
             }
 
-        totals = self._train(batch, keys, loss_fn, ["loss_sum", "units", "tokens_in_loss", "clip_sum", "value_sum"])
+        totals = self._train(batch, keys, loss_fn, ["loss_sum", "units", "tokens_in_loss", "clip_sum", "value_sum"],
+                             share=share)
         n_tok = max(totals.pop("tokens_in_loss"), 1.0)
         out = {
             "value_loss": totals.pop("loss_sum") / max(totals.pop("units"), 1.0),

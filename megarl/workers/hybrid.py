@@ -6,8 +6,9 @@ rollout TP, planned once) that is the engine's only weight source.
 One instance per rank of the actor's pool, all in one torch.distributed world; every method is SPMD. Data path of
 one RL step (controller view, `megarl.trainer.rl_trainer` through `megarl.rollout.service.ColocatedRollout`):
   prompts -> `generate` (DP_SPLIT: a replica receives its chunk) -> rewards (controller) -> Batch -> `compute_log_probs`
-  (+ `compute_ref_log_probs`, `compute_values`) -> advantages (controller) -> `update_critic`, `update_actor`
-  -> `sync_weights` (reshard into vLLM for the next rollout).
+  (+ `compute_ref_log_probs`, `compute_values`; DP_SPLIT) -> advantages (controller) -> `update_critic`,
+  `update_actor` (DP_SPLIT_MINI_BATCHES: a replica receives its part of every mini-batch) -> `sync_weights`
+  (reshard into vLLM for the next rollout).
 """
 
 from __future__ import annotations

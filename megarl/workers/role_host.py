@@ -5,7 +5,8 @@ A host is one rank of a pool's torch.distributed world (its ranks start at 0). I
 the job config at their configured layouts (`megarl.roles.factory.build_role`, HF weights loaded directly), keeps an
 `OffloadPolicy` per role and exposes the role methods the trainer calls: `compute_log_probs` (actor),
 `compute_ref_log_probs` (reference), `compute_values` (critic), `score` (reward model) -- each DP_SPLIT over its
-role's data-parallel ranks -- `update_actor`, `update_critic`, and the checkpoint calls. The same method names on
+role's data-parallel ranks -- `update_actor`, `update_critic` -- each DP_SPLIT_MINI_BATCHES: a DP rank receives its
+part of every mini-batch -- and the checkpoint calls. The same method names on
 every group (a `HybridWorker` hosting the actor and the roles colocated with it, a `RoleWorker` hosting a critic,
 reference or reward model on its own pool), so the trainer addresses a role the same way wherever it is placed; a
 method whose role this host does not hold raises naming the roles it does.
@@ -105,6 +106,14 @@ class RoleHost:
     def reward_model_dp(self) -> tuple[int, int]:
         return self._dp_coord("reward_model")
 
+    def actor_mini_batch_samples(self) -> Optional[int]:
+        """The actor's global mini-batch size in samples (None = the whole batch): how the controller cuts
+        `update_actor`'s batch (DP_SPLIT_MINI_BATCHES)."""
+        return self._role("actor").batching.mini_batch_samples
+
+    def critic_mini_batch_samples(self) -> Optional[int]:
+        return self._role("critic").batching.mini_batch_samples
+
     # ------------------------------------------------------------------------------------------- role methods
     @dispatch(Dispatch.DP_SPLIT, replica_attr="actor_dp")
     def compute_log_probs(self, batch: Batch) -> Optional[Batch]:
@@ -131,27 +140,30 @@ class RoleHost:
         sequence's last real token, on the last stage. Offloaded afterwards per its config."""
         return self._use("reward_model", lambda r: r.score(batch, share=True))
 
-    @dispatch(Dispatch.RANK_ZERO)
+    @dispatch(Dispatch.DP_SPLIT_MINI_BATCHES, replica_attr="actor_dp", mini_batch_attr="actor_mini_batch_samples")
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO/GSPO update of the actor over mini- and micro-batches (`actor.update`).
 
-        `batch`: the whole step's batch on every rank (each rank takes its DP share inside the role): input_ids,
-        attention_mask, response_mask [B, S] int64; old_log_probs, advantages [B, S] float32; ref_log_probs with
-        KL in the loss; rollout_log_probs with rollout correction. Returns the update's metrics (loss, KL, clip
-        fraction, entropy, grad_norm, lr), identical on every rank. Afterwards the actor's gradients and optimizer
-        state go to host memory when `actor.offload` asks for them: the reshard reads only the parameters.
+        `batch`: this actor DP rank's part of every mini-batch of the step's batch, concatenated in mini-batch
+        order, with its layout in `meta` (cut by the controller, `megarl.data.mini_batches`; the same on its TP
+        ranks and pipeline stages): input_ids, attention_mask, loss_mask (or response_mask) [b, S] int64;
+        old_log_probs, advantages [b, S] float32; ref_log_probs with KL in the loss; rollout_log_probs with rollout
+        correction. Returns the update's metrics over the whole batch (loss, KL, clip fraction, entropy, grad_norm,
+        lr), identical on every rank. Afterwards the actor's gradients and optimizer state go to host memory when
+        `actor.offload` asks for them: the reshard reads only the parameters.
         """
-        metrics = self._use_keep("actor", lambda r: r.update(batch))
+        metrics = self._use_keep("actor", lambda r: r.update(batch, share=True))
         self.events.append(("update", "actor"))
         self._offload("actor", self.offload["actor"].after_update)
         return metrics
 
-    @dispatch(Dispatch.RANK_ZERO)
+    @dispatch(Dispatch.DP_SPLIT_MINI_BATCHES, replica_attr="critic_dp", mini_batch_attr="critic_mini_batch_samples")
     def update_critic(self, batch: Batch) -> dict[str, float]:
-        """Value-loss update of the critic (`critic.update`). `batch` as in `update_actor`, with returns and
-        old_values [B, S] float32 instead of the policy keys -> the update's metrics (value_loss, value_clip_frac,
-        value_mean, grad_norm, lr, tokens, ...), identical on every rank. Offloaded afterwards per `critic.offload`."""
-        return self._use("critic", lambda r: r.update(batch))
+        """Value-loss update of the critic (`critic.update`). `batch` as in `update_actor` (cut for the critic's DP
+        ranks and mini-batches), with returns and old_values [b, S] float32 instead of the policy keys -> the
+        update's metrics (value_loss, value_clip_frac, value_mean, grad_norm, lr, tokens, ...), identical on every
+        rank. Offloaded afterwards per `critic.offload`."""
+        return self._use("critic", lambda r: r.update(batch, share=True))
 
     # ------------------------------------------------------------------------------------------- checkpoints
     @dispatch(Dispatch.RANK_ZERO)

@@ -29,6 +29,7 @@ def _worker(rank, world_size, run_dir):
     import torch
 
     from megarl.config import load_config
+    from megarl.controller.dispatch import split_mini_batches
     from megarl.rollout.engine import SamplingSettings
     from megarl.trainer.engine_model_dir import engine_model_dir
     from megarl.workers.hybrid import HybridWorker
@@ -48,7 +49,7 @@ def _worker(rank, world_size, run_dir):
         batch.tensors["advantages"] = torch.ones(shape)
         batch.tensors["ref_log_probs"] = torch.zeros(shape)
         batch.tensors["rollout_log_probs"] = torch.zeros(shape)
-        worker.update_actor(batch)
+        worker.update_actor(split_mini_batches(batch, 1, None)[0])  # the controller's cut for one DP rank
         worker.sync_weights()
     worker.generate([[5, 6, 7]], sampling)
     return list(worker.engine.events)

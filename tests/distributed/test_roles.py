@@ -87,6 +87,39 @@ def _actor_run(role, batch):
             "last_stage": role.groups.is_last_stage, "share": _np(share), "dp_rank": role.dp_rank}
 
 
+def _dp2_mini_batch_updates(spec, groups, hf_dir, batch, before) -> dict:
+    """DP=2, two mini-batches of 2 samples, 2 epochs, three times from the same HF weights: on the controller's cut
+    (`Dispatch.DP_SPLIT_MINI_BATCHES`: this rank's part of every mini-batch, `share=True`), on the whole batch on
+    every rank (the RANK_ZERO path `update_actor` had before), and as one update call per mini-batch with the rows
+    worked out by hand (mini-batch j = rows 2j, 2j+1; each call cuts its 2 rows over the 2 DP ranks, rank k
+    training on row 2j+k). Returns each one's weights and metrics, and which rows of `batch` the cut gave us."""
+    from megarl.controller.dispatch import DP_SPLIT_MINI_BATCHES, DispatchSpec, plan_calls
+    from megarl.roles import Actor, BatchingSettings, OptimizerSettings
+
+    opt = OptimizerSettings(lr=1e-2, clip_grad=ACTOR_CLIP)
+    adv = torch.tensor(ADVANTAGE).unsqueeze(1) * batch["response_mask"]
+    full = batch.update({"old_log_probs": torch.from_numpy(before["log_probs"]), "advantages": adv})
+
+    def fresh(batching):
+        return Actor(spec, groups, optimizer=opt, batching=batching, hf_dir=hf_dir)
+
+    two_minis = BatchingSettings(micro_batch_samples=1, mini_batch_samples=2, epochs=2)
+    cut = DispatchSpec(DP_SPLIT_MINI_BATCHES, mini_batch_attr="actor_mini_batch_samples")
+    piece = plan_calls(cut, (full,), {}, 2, [0, 1], mini_batch_samples=2)[groups.coord.dp][0][0]
+    rows = [next(i for i in range(B) if torch.equal(batch["input_ids"][i], r)) for r in piece["input_ids"]]
+    out = {"dp_rank": groups.coord.dp, "rows": rows}
+    split = fresh(two_minis)
+    out["split"] = {"metrics": split.update(piece, share=True), "weights": _hf_weights(split)}
+    whole = fresh(two_minis)
+    out["whole"] = {"metrics": whole.update(full), "weights": _hf_weights(whole)}
+    by_call = fresh(BatchingSettings(micro_batch_samples=1))
+    for _epoch in range(2):
+        for j in range(2):
+            by_call.update(full.index([2 * j, 2 * j + 1]))
+    out["by_call"] = {"weights": _hf_weights(by_call)}
+    return out
+
+
 def _worker(rank: int, world: int, hf_dir: str, hf_rm_dir: str, ckpt_dir: str):
     from megarl.checkpoint.dist_ckpt import load_engine_checkpoint, save_engine_checkpoint
     from megarl.models.spec import ModelSpec
@@ -133,6 +166,8 @@ def _worker(rank: int, world: int, hf_dir: str, hf_rm_dir: str, ckpt_dir: str):
     fused("tp2_fused", RoleTopology(tp=2), BatchingSettings(micro_batch_tokens=24))
     fused("pp2_fused", RoleTopology(pp=2, rank_offset=2), BatchingSettings(micro_batch_samples=2))
     dp2 = actor("dp2", RoleTopology(dp=2), BatchingSettings(micro_batch_tokens=20))
+    if dp2 is not None:
+        res["dp2_mini_batches"] = _dp2_mini_batch_updates(spec, dp2.groups, hf_dir, batch, res["dp2"]["before"])
     base = actor("tp1pp1", RoleTopology(rank_offset=2), BatchingSettings(micro_batch_samples=1))
     ref_groups = build_role_groups(RoleTopology(rank_offset=3))
     if ref_groups.is_member:
@@ -420,6 +455,29 @@ def test_padding_of_the_micro_batches_is_measured(runs):
     assert tp2["padded_tokens"] == 49 and tp2["padding_frac"] == 0.0
     pp2 = _last_stage(runs, "pp2")[0]["metrics"]
     assert pp2["padded_tokens"] == 52 and pp2["padding_frac"] == pytest.approx(3 / 52)
+
+
+def test_dp2_update_on_the_controllers_mini_batch_cut_equals_the_whole_batch_update(runs):
+    """`update_actor`'s data plane (DP_SPLIT_MINI_BATCHES): with 2 mini-batches of 2 samples over DP=2, rank k
+    receives rows k and 2+k only (worked out by hand: its part of mini-batch {0, 1}, then of {2, 3}); training on
+    them (2 epochs, 4 optimizer steps) gives bit for bit the weights and metrics of the update on the whole batch on
+    every rank (the RANK_ZERO path before) and the weights of one update call per hand-cut mini-batch."""
+    outs = runs["roles"]["dp2_mini_batches"]
+    assert sorted(o["dp_rank"] for o in outs) == [0, 1]
+    for o in outs:
+        k = o["dp_rank"]
+        assert o["rows"] == [k, 2 + k]
+        split, whole = o["split"], o["whole"]
+        for path in ("whole", "by_call"):
+            for name, w in o[path]["weights"].items():
+                assert np.array_equal(split["weights"][name], w, equal_nan=True), (path, name)
+        assert split["metrics"]["optimizer_steps"] == 4
+        assert split["metrics"]["tokens"] == 2 * (sum(PROMPT) + sum(RESPONSE))  # all DP ranks, both epochs
+        timing = {"time_s", "tokens_per_s"}
+        assert {k: v for k, v in split["metrics"].items() if k not in timing} == {
+            k: v for k, v in whole["metrics"].items() if k not in timing}
+    assert not np.array_equal(outs[0]["split"]["weights"]["lm_head.weight"],
+                              runs["initial"]["lm_head.weight"])  # the update moved the weights
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
