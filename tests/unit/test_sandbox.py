@@ -27,10 +27,13 @@ def sandbox():
 
 @pytest.fixture(autouse=True)
 def unharmed():
-    """After each test: no child of ours left (zombie or not), we can still fork, and nothing else changed."""
+    """After each test: no child of ours left that the test started (zombie or not; children other tests of the
+    session left, e.g. a multiprocessing resource tracker, are not ours to judge), we can still fork."""
+    before = {k.pid for k in psutil.Process().children(recursive=True)}
     yield
     deadline = time.monotonic() + 2.0
-    while (kids := psutil.Process().children(recursive=True)) and time.monotonic() < deadline:
+    while (kids := [k for k in psutil.Process().children(recursive=True) if k.pid not in before]) \
+            and time.monotonic() < deadline:
         time.sleep(0.05)
     assert kids == [], [(k.pid, k.name(), k.status()) for k in kids]
     ours = range(FIRST_UID + (os.getpid() % 1000) * 1000, FIRST_UID + (os.getpid() % 1000 + 1) * 1000)
