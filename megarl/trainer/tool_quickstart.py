@@ -6,8 +6,9 @@ Stages (like the addition quickstart, `megarl.trainer.quickstart`; times in OUT/
             (`megarl.data.chat_chars`) and a random HF Llama -> OUT/data/.
   2. setup  a local Ray cluster, 2 worker processes (Megatron actor TP2 + a vLLM TP1 engine each, the reshard).
   3. sft    `sft_steps` steps of cross-entropy on demonstration episodes (`demonstration`: the tool call
-            and the final answer are the loss mask, the tool's output is context), short on purpose: it teaches the
-            format, not yet reliably.
+            and the final answer are the loss mask, the tool's output is context); `direct_fraction` of them answer
+            at once without the tool, so the warmed-up model calls it on only part of the problems and GRPO has to
+            learn that calling it pays.
   4. grpo   the job of `yaml_configs/cpu_tools_quickstart.yaml` (paths set to OUT): multi-turn episodes with the
             calculator environment (`rollout.env`), exact-match reward on the final turn, GRPO over the episodes of
             one problem; metrics in OUT/metrics.jsonl, plots in OUT/plots (reward and tool use).
@@ -35,15 +36,19 @@ class ToolQuickstartSettings:
     n_val: int = 64
     sft_batch: int = 32
     sft_lr: float = 2e-3
-    sft_steps: int = 300
+    sft_steps: int = 400
+    # demonstrations that answer at once, without the tool: the warmed-up model then calls the tool on about this
+    # fraction fewer problems, and GRPO has the choice to learn (only the calls get the product right)
+    direct_fraction: float = 0.5
     grpo_steps: int = 60
     seed: int = 0
     vendor_level: str = "error"
 
 
-def demonstration(tokenizer, record, tools, uid: str = "demo"):
+def demonstration(tokenizer, record, tools, uid: str = "demo", with_tool: bool = True):
     """The calculator episode of `record` (module docstring) as a `Trajectory` whose loss mask covers the two
-    assistant turns, each ending with the end-of-turn token."""
+    assistant turns, each ending with the end-of-turn token; `with_tool=False`: the answer given at once, no call
+    (a demonstration the model cannot learn to follow reliably: it cannot multiply)."""
     from megarl.data.tool_task import tool_call_text
     from megarl.data.trajectory import TrajectoryBuilder
     from megarl.envs.episode import ChatRenderer
@@ -58,6 +63,9 @@ def demonstration(tokenizer, record, tools, uid: str = "demo"):
     conversation = user + [{"role": "assistant", "content": call}]
     observation = renderer.observation(conversation, [{"role": "tool", "name": "calculator", "content": answer}], eos)
     answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
+    if not with_tool:
+        return (TrajectoryBuilder(renderer.prompt(user), uid=uid, group_uid=uid)
+                .sampled(answer_ids, [0.0] * len(answer_ids), 0).build("stop"))
     return (TrajectoryBuilder(renderer.prompt(user), uid=uid, group_uid=uid)
             .sampled(call_ids, [0.0] * len(call_ids), 0).context(observation)
             .sampled(answer_ids, [0.0] * len(answer_ids), 0).build("stop"))
@@ -145,7 +153,8 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
         rng = random.Random(s.seed + 2)
         sft_curve = []
         for step in range(1, s.sft_steps + 1):
-            demos = [demonstration(encoder.tokenizer, r, tools, uid=f"sft{step}/{i}")
+            demos = [demonstration(encoder.tokenizer, r, tools, uid=f"sft{step}/{i}",
+                                   with_tool=rng.random() >= s.direct_fraction)
                      for i, r in enumerate(rng.sample(train, s.sft_batch))]
             batch = trajectories_to_batch(demos, pad_id=encoder.pad_token_id or 0)
             m = workers.update_actor_sft(batch, s.sft_lr)
