@@ -28,8 +28,9 @@ Metrics (`multi_turn/...`): turns_mean, tool_calls_per_episode, tool_errors, par
 template_mismatch, tool_use_frac (episodes that wrote a tool call), tool_success_frac (episodes whose every tool call
 parsed and ran without an error, at least one).
 
-Limits: `max_turns`; `max_tokens_per_turn`; `max_new_tokens` = generated tokens over the whole episode (what the
-overlong limits count); the context (`max_model_len`): an episode whose next request would not fit ends with
+Limits: `max_turns`; `max_tokens_per_turn` (a turn cut there is closed by the end-of-turn token as context, counted
+in `multi_turn/turns_cut`, and the episode goes on); `max_new_tokens` = generated tokens over the whole episode (what
+the overlong limits count); the context (`max_model_len`): an episode whose next request would not fit ends with
 finish_reason "length". Tool-output length is the tool set's (`megarl.envs.tools`). Truncations are counted.
 """
 
@@ -191,7 +192,7 @@ class EpisodeRunner:
         episodes = [_Episode(f"{uid_prefix}{i}/{k}", f"{uid_prefix}{i}", r, self.env_factory(r))
                     for i, r in enumerate(records) for k in range(n)]
         counts = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "truncated": 0, "template_mismatch": 0,
-                  "turns": 0}
+                  "turns": 0, "turns_cut": 0}
         renderers = {}
         try:
             firsts = await asyncio.gather(*(e.env.reset(e.record) for e in episodes))
@@ -223,6 +224,7 @@ class EpisodeRunner:
                    "multi_turn/tool_errors": float(counts["tool_errors"]),
                    "multi_turn/parse_errors": float(counts["parse_errors"]),
                    "multi_turn/truncated_frac": counts["truncated"] / total,
+                   "multi_turn/turns_cut": float(counts["turns_cut"]),
                    "multi_turn/template_mismatch": float(counts["template_mismatch"]),
                    "multi_turn/tool_use_frac": len(called) / total,
                    "multi_turn/tool_success_frac": sum(1 for v in called.values() if v > 0) / total}
@@ -296,19 +298,28 @@ class EpisodeRunner:
                 if step.done:
                     e.done, e.finish = True, x.finish_reason
                     continue
-                if x.finish_reason == "length" or turn + 1 >= self.limits.max_turns:
-                    # cut mid-turn (no observation can follow it), or the last turn allowed: the episode is truncated
+                cut = x.finish_reason == "length"
+                if turn + 1 >= self.limits.max_turns or (cut and (e.generated >= self.limits.max_new_tokens
+                                                                  or self.tokenizer.eos_token_id is None)):
+                    # the last turn allowed, or the episode's token budget spent: the episode is truncated
                     e.done, e.finish = True, "length"
                     counts["truncated"] += 1
                     continue
-                self._observe(e, x, mt, step, turn, renderers, counts)
+                if cut:  # cut at max_tokens_per_turn: the template's end-of-turn token closes it, as context
+                    e.builder.context([self.tokenizer.eos_token_id])
+                    counts["turns_cut"] += 1
+                self._observe(e, x, mt, step, turn, renderers, counts, closed=cut)
 
-    def _observe(self, e, x, mt, step, turn, renderers, counts) -> None:
-        """Append the observation tokens of `step` after the sampled turn, and check the delta rule."""
+    def _observe(self, e, x, mt, step, turn, renderers, counts, closed: bool = False) -> None:
+        """Append the observation tokens of `step` after the sampled turn (`closed`: a turn cut at its token limit,
+        already closed by an end-of-turn token appended as context), and check the delta rule."""
         renderer = renderers[id(type(e.env))]
         ids = list(x.response_ids)
-        end_id = ids[-1] if ids else None
-        content_ids = ids[:-1] if ids and end_id in self._end_ids() else ids
+        if closed:
+            content_ids, end_id = ids, self.tokenizer.eos_token_id
+        else:
+            end_id = ids[-1] if ids else None
+            content_ids = ids[:-1] if ids and end_id in self._end_ids() else ids
         assistant = {"role": "assistant", "content": self.tokenizer.decode(content_ids, skip_special_tokens=False)}
         conversation = e.messages + [assistant]
         try:

@@ -81,12 +81,14 @@ def test_async_resume_trains_every_finished_batch_once(runs):
     saved = torch.load(os.path.join(runs["out"], "async4", "ckpt", "step_000025", "rollout_buffer.pt"),
                        weights_only=False)
     in_buffer = [b.index for b in saved["batches"]]
-    assert len(in_buffer) == 5  # the driver had filled the buffer to max_staleness + 1; nothing was in flight
+    # finished batches waiting at the save (up to max_staleness + 1 = 5: how many depends on how far the driver ran
+    # ahead on this machine); nothing was in flight
+    assert 1 <= len(in_buffer) <= 5, in_buffer
     first = [r for r in runs["rows"]["async4"] if r["step"] <= 25]
     resumed = runs["rows"]["async4_resumed"]
     assert [r["step"] for r in resumed] == list(range(26, 31))
-    assert [int(r["async/batch_index"]) for r in resumed[:5]] == in_buffer
-    assert resumed[0]["async/restored_batches"] == 5
+    assert [int(r["async/batch_index"]) for r in resumed[:len(in_buffer)]] == in_buffer
+    assert resumed[0]["async/restored_batches"] == len(in_buffer)
     trained = [int(r["async/batch_index"]) for r in first + resumed]
     assert sorted(trained) == list(range(1, 31))  # none lost, none trained twice
     for r in resumed:  # the bound holds after the resume too (the engines got version 25 at the start)

@@ -238,3 +238,30 @@ def test_a_turns_calls_each_fit_the_engines_length():
         assert max(len(e.builder.token_ids) for e in call) + max(budget[e.uid] for e in call) <= 192
     assert sorted(e.uid for call in calls for e in call) == ["a", "b", "c", "d"]
     assert [[e.uid for e in call] for call in calls] == [["a", "c"], ["b", "d"]]
+
+
+class ChattyEnv(CalcEnv):
+    """Answers every turn with a user message until the third turn."""
+
+    async def step(self, turn):
+        if turn.index >= 2:
+            return EnvStep(reward=1.0, done=True)
+        return EnvStep(({"role": "user", "content": "go on"},))
+
+
+def test_a_turn_cut_at_its_token_limit_is_closed_as_context_and_the_episode_goes_on():
+    policy = ScriptedPolicy(first="x" * 30, answer_suffix="")
+    limits = EpisodeLimits(max_turns=3, max_tokens_per_turn=6, max_new_tokens=256, max_model_len=1024)
+    r = EpisodeRunner(TOK, ChattyEnv, parse, limits)
+    result = r.run(RECORDS[:1], 1, policy, SamplingSettings(seed=0), 0)
+    t = result.trajectories[0]
+    assert result.metrics["multi_turn/turns_mean"] == 3 and result.metrics["multi_turn/turns_cut"] == 2
+    assert sum(t.loss_mask) == 6 * 3 and result.scores == [1.0]
+    conversation = [{"role": "user", "content": "12*34="}, {"role": "assistant", "content": "x" * 6},
+                    {"role": "user", "content": "go on"}, {"role": "assistant", "content": "x" * 6},
+                    {"role": "user", "content": "go on"}]
+    expected = TOK(TOK.apply_chat_template(conversation, tools=TOOLS, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"]
+    assert t.token_ids[:len(expected)] == expected  # the closing <|im_end|> is where the template puts it ...
+    closing = [i for i, tok in enumerate(t.token_ids) if tok == TOK.eos_token_id and i > t.prompt_len]
+    assert all(t.loss_mask[i] == 0 for i in closing[:2])  # ... as context: the policy did not sample it
