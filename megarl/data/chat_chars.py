@@ -26,13 +26,18 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_chat_char_tokenizer(out_dir: str | None = None):
+def build_chat_char_tokenizer(out_dir: str | None = None, fill_to: int | None = None):
     """The tokenizer (a `PreTrainedTokenizerFast`, loadable by AutoTokenizer and vLLM), saved to `out_dir` when
-    given."""
+    given. `fill_to`: add filler characters (U+0100 onwards, one per id) until the vocabulary has this many ids, so
+    that every id a model of that many embedding rows can sample decodes to a character that re-encodes to it (a
+    random model then never breaks the delta rule with an id the tokenizer does not know)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel(vocab=dict(VOCAB), unk_token="<unk>"))
+    vocab = dict(VOCAB)
+    for k in range(max(0, (fill_to or 0) - len(vocab))):
+        vocab[chr(0x100 + k)] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",

@@ -43,14 +43,15 @@ def problems(seed: int = 0) -> list[dict]:
     return [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a, b in pairs]
 
 
-def build_init_model(out_dir: str, seed: int = 0) -> str:
-    """A random HF Llama of `MODEL_SHAPE` with the chat tokenizer, in `out_dir`."""
+def build_init_model(out_dir: str, seed: int = 0, fill_vocab: bool = False) -> str:
+    """A random HF Llama of `MODEL_SHAPE` with the chat tokenizer, in `out_dir` (`fill_vocab`: the tokenizer filled
+    to the model's rows, `build_chat_char_tokenizer(fill_to=...)`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from megarl.data.chat_chars import build_chat_char_tokenizer
 
-    tok = build_chat_char_tokenizer(out_dir)
+    tok = build_chat_char_tokenizer(out_dir, fill_to=MODEL_VOCAB if fill_vocab else None)
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=MODEL_VOCAB, tie_word_embeddings=False, bos_token_id=None,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, rms_norm_eps=1e-5,
@@ -59,7 +60,7 @@ def build_init_model(out_dir: str, seed: int = 0) -> str:
     return out_dir
 
 
-def build_tool_task(out_dir: str, n_val: int = 200, seed: int = 0) -> dict[str, str]:
+def build_tool_task(out_dir: str, n_val: int = 200, seed: int = 0, fill_vocab: bool = False) -> dict[str, str]:
     """Write train.jsonl, val.jsonl and init_model/ under `out_dir`; return their paths."""
     os.makedirs(out_dir, exist_ok=True)
     records = problems(seed)
@@ -67,7 +68,7 @@ def build_tool_task(out_dir: str, n_val: int = 200, seed: int = 0) -> dict[str, 
     for split, rows in (("val", records[:n_val]), ("train", records[n_val:])):
         with open(paths[split], "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    paths["model"] = build_init_model(os.path.join(out_dir, "init_model"), seed)
+    paths["model"] = build_init_model(os.path.join(out_dir, "init_model"), seed, fill_vocab)
     return paths
 
 

@@ -54,7 +54,8 @@ def main(out: str) -> None:
     from megarl.trainer.rl_trainer import RLTrainer
     from megarl.trainer.session import TrainingSession
 
-    data = build_tool_task(os.path.join(out, "data"), n_val=16)
+    # the tokenizer filled to the model's 256 rows: the random model's turns re-encode exactly (no masked episodes)
+    data = build_tool_task(os.path.join(out, "data"), n_val=16, fill_vocab=True)
     raw = apply_overrides(yaml.safe_load(open(CONFIG)), [
         f"model.path={data['model']}", f"data.train_path={data['train']}", f"data.val_path={data['val']}",
         f"logging.dir={os.path.join(out, 'session')}", "logging.plots=false", "logging.progress=lines",

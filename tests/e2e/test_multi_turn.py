@@ -45,6 +45,7 @@ def test_episodes_take_their_turns(runs, run):
         assert row["response_length/mean"] > 8  # tokens sampled over several turns, more than one turn's limit
         # the random model rarely ends a turn itself: turns cut at 8 tokens are closed by the end-of-turn token
         assert row["multi_turn/turns_cut"] > 0
+        assert row["multi_turn/template_mismatch"] == 0  # every sampled turn re-encoded to itself
 
 
 def test_async_pushes_land_between_turns_and_each_turn_keeps_its_engines_log_probs(runs):
