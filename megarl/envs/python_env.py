@@ -47,8 +47,8 @@ def shared_sandbox(limits: SandboxLimits) -> PythonSandbox:
 @register_env("python")
 def python_env(reward_fn: Any = "gsm8k", system_prompt: Optional[str] = PYTHON_SYSTEM_PROMPT,
                max_tool_calls_per_turn: int = 4, max_output_chars: int = 2000, **limits: Any) -> ToolEnvironment:
-    """One episode with the sandboxed python tool; `limits` are `SandboxLimits` fields (config `tools.python.*`
-    in the sandbox's messages). The tool's own wall clock bounds a call, plus 5 s for the sandbox's start."""
+    """One episode with the sandboxed python tool; `limits` are `SandboxLimits` fields (given as
+    `rollout.env_options`). The tool's own wall clock bounds a call, plus 5 s for the sandbox's start."""
     sandbox = shared_sandbox(SandboxLimits(**limits))
     return ToolEnvironment([SandboxedPython(sandbox)], reward_fn, system_prompt=system_prompt,
                            max_tool_calls_per_turn=max_tool_calls_per_turn, max_output_chars=max_output_chars,

@@ -19,7 +19,8 @@ unprivileged variant measured too, as uid 65534 with /usr/bin/python3):
 - network: an empty network namespace (only a down `lo`): connect() to 127.0.0.1 or anywhere fails with
   "Network is unreachable"; abstract Unix sockets are per namespace too. The probe at construction checks that the
   child sees no interface but `lo`; if the namespaces cannot be created, construction raises `SandboxUnavailable`
-  naming `tools.python.allow_network`, unless `allow_network=True` (then runs are NOT isolated at all, see below).
+  naming `rollout.env_options.allow_network`, unless `allow_network=True` (then runs are NOT isolated at all, see
+  below).
 - file system: the child's root is a fresh tmpfs (pivot_root, the old root unmounted), holding only read-only bind
   mounts of /usr, the Python installation (`sys.base_prefix`) and its virtual environment (`sys.prefix`),
   /etc/ld.so.cache (read-only), /dev/{null,zero,random,urandom}, a read-only /proc of its own PID namespace, and
@@ -91,7 +92,7 @@ class SandboxUnavailable(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
-    """Per-run limits (config `tools.python.*`).
+    """Per-run limits (`rollout.env_options` of the python environment).
 
     cpu_seconds: CPU time of each process (RLIMIT_CPU). wall_seconds: wall-clock time of the run, start-up included.
     memory_mb: address space of each process (RLIMIT_AS), MiB. max_processes: processes+threads of the sandbox
@@ -114,7 +115,7 @@ class SandboxLimits:
         for name in ("cpu_seconds", "wall_seconds", "memory_mb", "max_processes", "output_bytes", "file_mb",
                      "disk_mb", "max_open_files"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"tools.python.{name} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"rollout.env_options.{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,9 +255,9 @@ class PythonSandbox:
                 raise SandboxUnavailable(
                     f"the Python sandbox cannot isolate runs: {failure}. It needs user, network, mount and PID "
                     f"namespaces ({' '.join(self.unshare_cmd)}; util-linux unshare, pivot_root, setpriv, prlimit). "
-                    "Set tools.python.allow_network=true to run model code WITHOUT network or file-system isolation "
-                    "(rlimits and a temporary directory only).")
-            logger.warning("Python sandbox NOT isolated (tools.python.allow_network=true): %s", failure)
+                    "Set rollout.env_options.allow_network=true to run model code WITHOUT network or file-system "
+                    "isolation (rlimits and a temporary directory only).")
+            logger.warning("Python sandbox NOT isolated (rollout.env_options.allow_network=true): %s", failure)
             self.isolated = False
 
     def _probe(self) -> Optional[str]:

@@ -152,7 +152,7 @@ def test_runs_are_concurrent(sandbox):
 
 
 def test_refuses_without_isolation_unless_network_allowed():
-    with pytest.raises(SandboxUnavailable, match="tools.python.allow_network"):
+    with pytest.raises(SandboxUnavailable, match="rollout.env_options.allow_network"):
         PythonSandbox(LIMITS, unshare_cmd=["/bin/false"])
     open_box = PythonSandbox(SandboxLimits(allow_network=True, cpu_seconds=1, wall_seconds=3),
                              unshare_cmd=["/bin/false"])
