@@ -12,14 +12,12 @@ Errors are `ConfigError`s naming `rollout.env`, the spec and, for a file, the fi
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import os
-import sys
 from typing import Any, Callable, Mapping, Optional
 
 from megarl.config.errors import ConfigError, did_you_mean
 from megarl.envs.base import Environment
+from megarl.rewards.user import load_user_function
 
 EnvFactory = Callable[..., Environment]
 
@@ -58,32 +56,21 @@ def list_envs() -> list[str]:
 
 
 def load_env_file(path: str, function_name: str) -> EnvFactory:
-    """Import `path` as a module and return its `function_name` (the `reward.file` pattern of
-    `megarl.rewards.user`). Errors name `rollout.env`, the file and the function."""
+    """Import `path` as a module and return its `function_name` (`megarl.rewards.user.load_user_function`, the
+    `reward.file` loader). Errors are ConfigErrors naming `rollout.env`, the file and the function."""
     where = f"{KEY}={path}:{function_name}"
-    if not os.path.isfile(path):
-        raise ConfigError(f"{where}: file {path!r} does not exist")
-    if not path.endswith(".py"):
-        raise ConfigError(f"{where}: {path!r} must be a Python file (.py)")
-    module_name = f"megarl_user_env_{abs(hash(os.path.abspath(path)))}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"{where}: cannot import {path!r}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses / pickling inside the user file need the module registered
     try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        sys.modules.pop(module_name, None)
-        raise ConfigError(f"{where}: {path!r} failed to import: {type(e).__name__}: {e}") from e
-    if not hasattr(module, function_name):
-        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        return load_user_function(path, function_name, "environment file")
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: file {path!r} does not exist") from None
+    except AttributeError as e:
+        public = e.candidates
         raise ConfigError(f"{where}: {path!r} defines no {function_name!r}{did_you_mean(function_name, public)}; "
-                          f"its callables: {public}")
-    fn = getattr(module, function_name)
-    if not callable(fn):
-        raise ConfigError(f"{where}: {function_name!r} is not callable (it is a {type(fn).__name__})")
-    return fn
+                          f"its callables: {public}") from None
+    except TypeError as e:
+        raise ConfigError(f"{where}: {function_name!r} is not callable ({str(e).rsplit('(', 1)[-1]}") from None
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"{where}: {e}") from e
 
 
 def resolve_env(spec: str) -> EnvFactory:
