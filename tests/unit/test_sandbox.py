@@ -19,10 +19,9 @@ LIMITS = SandboxLimits(cpu_seconds=1, wall_seconds=2.0, memory_mb=256, max_proce
 
 @pytest.fixture(scope="module")
 def sandbox():
-    try:
-        return PythonSandbox(LIMITS)
-    except SandboxUnavailable as e:
-        pytest.skip(f"no namespaces here: {e}")
+    # No skip: user, network, mount and PID namespaces work on every machine this project runs on (DESIGN.md: `unshare
+    # -n` as root, `unshare -U -r -n` without); a sandbox that cannot isolate here is a failure, not a missing feature.
+    return PythonSandbox(LIMITS)
 
 
 @pytest.fixture(autouse=True)
