@@ -13,10 +13,8 @@ continuation. Each run gets its own `RLTrainer` over the session's worker groups
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -70,8 +68,8 @@ def main(out: str) -> None:
     from megarl.config.loader import parse_config
     from megarl.config.validate import validate
     from megarl.trainer import checkpointing
-    from megarl.trainer.rl_trainer import RLTrainer
     from megarl.trainer.session import TrainingSession
+    from tests.e2e.session_runs import train_from
 
     data = yaml.safe_load(open(CONFIG))
     for key in ("train_path", "val_path"):
@@ -88,26 +86,14 @@ def main(out: str) -> None:
         start_s = time.monotonic() - started
         step0 = first.save(0, root=os.path.join(out, "step0"))  # the common starting state of every run
         for name, (overrides, steps, resumed_from, save_every) in RUNS.items():
-            run_dir = os.path.join(out, name)
-            ckpt = os.path.join(run_dir, "ckpt")
             source = step0 if resumed_from is None else checkpointing.step_dir(
                 os.path.join(out, resumed_from[0], "ckpt"), resumed_from[1])
-            shutil.copytree(source, os.path.join(ckpt, os.path.basename(source)))
-            cfg = validate(parse_config(data, [*overrides, f"trainer.total_steps={steps}", f"checkpoint.dir={ckpt}",
-                                               "checkpoint.resume=true", "checkpoint.allow_config_change=true",
-                                               f"checkpoint.save_every={save_every}", "checkpoint.keep_last=0"]))
-            cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, dir=run_dir))
-            trainer = RLTrainer(cfg, first.workers, first.loader, first.encoder, first.reward_fn,
-                                role_groups=first.role_groups, val_records=first.val_records,
-                                metrics_path=os.path.join(run_dir, "metrics.jsonl"),
-                                rollout=SlowPieces(first.rollout) if name == "continue" else first.rollout)
-            t0 = time.monotonic()
-            try:
-                trainer.fit()
-            finally:
-                trainer.close()
-            report[name] = {"seconds": time.monotonic() - t0, "steps": steps, "resumed_from": resumed_from}
-            print(f"[async_runs] {name}: {time.monotonic() - t0:.1f} s", flush=True)
+            seconds = train_from(first, data, [*overrides, f"trainer.total_steps={steps}",
+                                               f"checkpoint.save_every={save_every}", "checkpoint.keep_last=0"],
+                                 os.path.join(out, name), source,
+                                 rollout=SlowPieces(first.rollout) if name == "continue" else None)
+            report[name] = {"seconds": seconds, "steps": steps, "resumed_from": resumed_from}
+            print(f"[async_runs] {name}: {seconds:.1f} s", flush=True)
         report["_session"] = {"start_s": start_s}
     finally:
         session.close()

@@ -13,10 +13,8 @@ land inside an episode only when generating takes longer than a training step, a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -51,8 +49,8 @@ def main(out: str) -> None:
     from megarl.config.loader import apply_overrides, parse_config
     from megarl.config.validate import validate
     from megarl.data.tool_task import build_tool_task
-    from megarl.trainer.rl_trainer import RLTrainer
     from megarl.trainer.session import TrainingSession
+    from tests.e2e.session_runs import train_from
 
     # the tokenizer filled to the model's 256 rows: the random model's turns re-encode exactly (no masked episodes)
     data = build_tool_task(os.path.join(out, "data"), n_val=16, fill_vocab=True)
@@ -69,22 +67,9 @@ def main(out: str) -> None:
         first = session.start()
         step0 = first.save(0, root=os.path.join(out, "step0"))
         for name, (overrides, steps) in RUNS.items():
-            run_dir = os.path.join(out, name)
-            ckpt = os.path.join(run_dir, "ckpt")
-            shutil.copytree(step0, os.path.join(ckpt, os.path.basename(step0)))
-            cfg = validate(parse_config(raw, [*overrides, f"trainer.total_steps={steps}", f"checkpoint.dir={ckpt}",
-                                              "checkpoint.resume=true", "checkpoint.allow_config_change=true"]))
-            cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, dir=run_dir))
-            rollout = SlowTurns(first.rollout) if name == "async" else first.rollout
-            trainer = RLTrainer(cfg, first.workers, first.loader, first.encoder, first.reward_fn,
-                                role_groups=first.role_groups, metrics_path=os.path.join(run_dir, "metrics.jsonl"),
-                                rollout=rollout)
-            t0 = time.monotonic()
-            try:
-                trainer.fit()
-            finally:
-                trainer.close()
-            report[name] = {"seconds": time.monotonic() - t0}
+            seconds = train_from(first, raw, [*overrides, f"trainer.total_steps={steps}"], os.path.join(out, name),
+                                 step0, rollout=SlowTurns(first.rollout) if name == "async" else None)
+            report[name] = {"seconds": seconds}
     finally:
         session.close()
     with open(os.path.join(out, "runs.json"), "w") as f:
