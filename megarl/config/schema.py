@@ -349,9 +349,16 @@ class RolloutConfig:
     tool_parser: str = opt("hermes", "Multi-turn: how tool calls are read from a model turn (megarl.envs.tool_calls: "
                            "hermes = <tool_call>{json}</tool_call>, Qwen's and Hermes' format).")
     on_template_mismatch: Literal["error", "mask"] = opt(
-        "error", "Multi-turn: when the chat template does not render the conversation as the tokens held (it "
-        "rewrites earlier turns, or a sampled turn does not re-encode to itself): error = stop naming the episode "
-        "and turn; mask = train that episode on nothing, counted in multi_turn/template_mismatch."
+        "error", "Multi-turn: when the tokens the chat template adds around the sampled turns (prompt, separators, "
+        "observations, generation prompt) are not the ones held, e.g. a template that rewrites earlier turns: error "
+        "= stop naming the episode and turn; mask = train that episode on nothing, counted in "
+        "multi_turn/template_mismatch. Sampled ids are never re-encoded: a turn that is not the tokenizer's canonical "
+        "encoding of its text, or holds an id beyond the tokenizer, is trained as sampled and only counted "
+        "(multi_turn/noncanonical_turns, multi_turn/undecodable_turns)."
+    )
+    env_timeout_s: float = opt(
+        600.0, "Multi-turn: bound on each call into the environment (reset, step with its tool calls, close); one "
+        "that does not return stops the run naming the episode, turn and call.", unit="s", min=0.001,
     )
     partial: Literal["finish", "continue"] = opt(
         "finish", "async: generations in flight at a weight push: finish = they complete on the old weights (the push "

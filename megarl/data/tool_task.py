@@ -30,6 +30,8 @@ LOW, HIGH = 10, 99
 # 2 layers, hidden 128 as the addition quickstart, with positions for a whole episode (~170 tokens).
 MODEL_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+# Embedding rows past the BPE tokenizer's vocabulary (tokenizer="bpe").
+BPE_PADDED_ROWS = 16
 
 
 def tool_call_text(expression: str) -> str:
@@ -43,32 +45,45 @@ def problems(seed: int = 0) -> list[dict]:
     return [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a, b in pairs]
 
 
-def build_init_model(out_dir: str, seed: int = 0, fill_vocab: bool = False) -> str:
-    """A random HF Llama of `MODEL_SHAPE` with the chat tokenizer, in `out_dir` (`fill_vocab`: the tokenizer filled
-    to the model's rows, `build_chat_char_tokenizer(fill_to=...)`)."""
+def build_init_model(out_dir: str, seed: int = 0, fill_vocab: bool = False, tokenizer: str = "chars") -> str:
+    """A random HF Llama of `MODEL_SHAPE` with a chat tokenizer, in `out_dir`. tokenizer "chars": the character
+    tokenizer (`megarl.data.chat_chars`) and MODEL_VOCAB embedding rows (`fill_vocab`: the tokenizer filled to them,
+    `build_chat_char_tokenizer(fill_to=...)`); "bpe": the byte-level BPE one (`megarl.data.chat_bpe`) and its
+    vocabulary plus BPE_PADDED_ROWS rows (ids a model can sample that the tokenizer cannot decode, as real models'
+    padded embeddings have)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megarl.data.chat_chars import build_chat_char_tokenizer
+    if tokenizer == "chars":
+        from megarl.data.chat_chars import build_chat_char_tokenizer
 
-    tok = build_chat_char_tokenizer(out_dir, fill_to=MODEL_VOCAB if fill_vocab else None)
+        tok = build_chat_char_tokenizer(out_dir, fill_to=MODEL_VOCAB if fill_vocab else None)
+        rows = MODEL_VOCAB
+    elif tokenizer == "bpe":
+        from megarl.data.chat_bpe import build_chat_bpe_tokenizer
+
+        tok = build_chat_bpe_tokenizer(out_dir)
+        rows = len(tok) + BPE_PADDED_ROWS
+    else:
+        raise ValueError(f"tokenizer must be 'chars' or 'bpe', got {tokenizer!r}")
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=MODEL_VOCAB, tie_word_embeddings=False, bos_token_id=None,
+    config = LlamaConfig(vocab_size=rows, tie_word_embeddings=False, bos_token_id=None,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, rms_norm_eps=1e-5,
                          **MODEL_SHAPE)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
 
-def build_tool_task(out_dir: str, n_val: int = 200, seed: int = 0, fill_vocab: bool = False) -> dict[str, str]:
-    """Write train.jsonl, val.jsonl and init_model/ under `out_dir`; return their paths."""
+def build_tool_task(out_dir: str, n_val: int = 200, seed: int = 0, fill_vocab: bool = False,
+                    tokenizer: str = "chars") -> dict[str, str]:
+    """Write train.jsonl, val.jsonl and init_model/ (`build_init_model`) under `out_dir`; return their paths."""
     os.makedirs(out_dir, exist_ok=True)
     records = problems(seed)
     paths = {"train": os.path.join(out_dir, "train.jsonl"), "val": os.path.join(out_dir, "val.jsonl")}
     for split, rows in (("val", records[:n_val]), ("train", records[n_val:])):
         with open(paths[split], "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    paths["model"] = build_init_model(os.path.join(out_dir, "init_model"), seed, fill_vocab)
+    paths["model"] = build_init_model(os.path.join(out_dir, "init_model"), seed, fill_vocab, tokenizer)
     return paths
 
 

@@ -15,18 +15,31 @@ Per turn, for every live episode at once (one engine call per turn, the episodes
    with loss_mask 0.
 
 Checks (on by default, no peer does them by default):
-- the delta rule, per turn: the template rendered over the whole conversation (add_generation_prompt) equals the
-  tokens held. A template that rewrites earlier turns (e.g. strips reasoning) or a sampled turn that does not
-  re-encode to itself breaks it; `on_template_mismatch`: "error" stops the run naming the episode and turn, "mask"
-  keeps the episode but zeroes its loss mask (trained on nothing) and counts it (`multi_turn/template_mismatch`).
-  `ChatRenderer.check_prefix_stable` refuses at start-up a template that rewrites earlier turns.
+- the delta rule, per turn: every token the template adds (the prompt, separators, observations, the generation
+  prompt) is exactly what the template renders around the sampled turns. The sampled ids are compared as sampled,
+  never re-encoded: a BPE model often samples ids that are not the canonical encoding of their own text (e.g. "ab"
+  sampled as "a" + "b"), which says nothing about the template. So the expected tokens are the template's rendering
+  with every sampled turn's text replaced by a placeholder, cut at the placeholders, each piece encoded, and the
+  sampled ids spliced in where the placeholders were (`ChatRenderer.spliced_ids`); the template must also insert
+  each turn's text verbatim. When every sampled turn is canonical this is simply the template's rendering of the
+  whole conversation (checked first, the common case). A template that rewrites earlier turns breaks the rule:
+  `on_template_mismatch`: "error" stops the run naming the episode and turn, "mask" keeps the episode but zeroes
+  its loss mask (trained on nothing) and counts it (`multi_turn/template_mismatch`);
+  `ChatRenderer.check_prefix_stable` refuses such a template at start-up.
+  Counted, never an error: `multi_turn/noncanonical_turns` (sampled turns whose ids are not the tokenizer's encoding
+  of their text) and `multi_turn/undecodable_turns` (turns holding an id beyond the tokenizer's vocabulary, e.g. a
+  model whose embedding rows are padded past it: the id decodes to nothing, is kept and trained as sampled).
 - token exactness, per trajectory (`verify_trajectory`): for every turn, the tokens the engine was given are the
   trajectory's prefix, the ids it produced follow them exactly with loss_mask 1 and the engine's log-probs, and
   nothing else is trained on; a mismatch raises `EpisodeError` naming the trajectory and turn.
 
+Environment calls are bounded: `reset`, `step` and `close` each get `env_timeout_s` (an `EpisodeError` naming the
+episode, turn and call when one does not return); an environment must not block the event loop (run blocking work
+with `asyncio.to_thread`), or no bound can apply.
+
 Metrics (`multi_turn/...`): turns_mean, tool_calls_per_episode, tool_errors, parse_errors, truncated_frac,
-template_mismatch, tool_use_frac (episodes that wrote a tool call), tool_success_frac (episodes whose every tool call
-parsed and ran without an error, at least one).
+template_mismatch, noncanonical_turns, undecodable_turns, tool_use_frac (episodes that wrote a tool call),
+tool_success_frac (episodes whose every tool call parsed and ran without an error, at least one).
 
 Limits: `max_turns`; `max_tokens_per_turn` (a turn cut there is closed by the end-of-turn token as context, counted
 in `multi_turn/turns_cut`, and the episode goes on); `max_new_tokens` = generated tokens over the whole episode (what
@@ -39,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 from typing import Any, Callable, Optional, Sequence
 
 from megarl.data.trajectory import Trajectory, TrajectoryBuilder
@@ -50,6 +64,12 @@ logger = logging.getLogger("megarl.envs")
 TURN_SEED_STRIDE = 9_000_011
 # ... and of call k within a turn (the turn's episodes split into calls that fit the engine's length).
 CALL_SEED_STRIDE = 7_919
+
+
+# Stands for sampled turn k in a rendering (`ChatRenderer.spliced_ids`): private-use characters no tokenizer merges
+# with the template's text and no model writes by chance.
+_PLACEHOLDER = "\ue000megarl-sampled-{}\ue001"
+_PLACEHOLDER_RE = re.compile("\ue000megarl-sampled-(\\d+)\ue001")
 
 
 class TemplateMismatch(EpisodeError):
@@ -89,6 +109,33 @@ class ChatRenderer:
         if end_id is not None and end_id in before:
             tail = before[len(before) - before[::-1].index(end_id):]  # after the last end-of-turn token
         return tail + after[len(before):]
+
+    def spliced_ids(self, messages: Sequence[dict], sampled: dict) -> list[int]:
+        """The tokens the template renders for `messages` (with the generation prompt) when the assistant messages
+        at the indices in `sampled` hold the ids the engine sampled, `sampled[i]` (the turn's content ids, its
+        end-of-turn token left to the template), instead of the tokenizer's encoding of their text: the rendering
+        with each such message's text replaced by a placeholder, cut there, each piece encoded, the sampled ids
+        spliced in. Raises TemplateMismatch when the template does not insert a turn's text verbatim (it edits
+        assistant content), since no splice can then stand for what it renders."""
+        order = sorted(sampled)
+        slot = {i: k for k, i in enumerate(order)}
+        held = [dict(m, content=_PLACEHOLDER.format(slot[i])) if i in sampled else m for i, m in enumerate(messages)]
+        parts = _PLACEHOLDER_RE.split(self.text(held, True))
+        pieces, slots = parts[0::2], [int(k) for k in parts[1::2]]
+        if slots != list(range(len(order))):
+            raise TemplateMismatch(f"the chat template renders the sampled turns as {slots}, not once each in order "
+                                   f"{list(range(len(order)))} (it drops, repeats or reorders turns)")
+        real = pieces[0] + "".join(messages[i]["content"] + pieces[k + 1] for k, i in enumerate(order))
+        if self.text(messages, True) != real:
+            raise TemplateMismatch("the chat template does not insert a sampled turn's text verbatim (it edits "
+                                   "assistant content, e.g. strips whitespace or reasoning)")
+        ids = self._encode(pieces[0])
+        for k, i in enumerate(order):
+            ids += list(sampled[i]) + self._encode(pieces[k + 1])
+        return ids
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
     def check_prefix_stable(self) -> None:
         """Refuse a template that rewrites earlier turns: render a probe conversation (user, assistant, tool,
@@ -145,6 +192,7 @@ class _Episode:
     finish: str = "stop"
     mismatch: bool = False
     turns: list = dataclasses.field(default_factory=list)
+    sampled: dict = dataclasses.field(default_factory=dict)  # message index -> the sampled content ids it holds
 
 
 def _calls(group: list, budget: dict, max_model_len: int) -> list[list]:
@@ -169,16 +217,29 @@ class EpisodeRunner:
     `Environment` per episode. parser(text) -> (tool calls, errors) (`megarl.envs.tool_calls`). limits:
     `EpisodeLimits`. on_template_mismatch: "error" | "mask". verify: check every trajectory (`verify_trajectory`).
     min_requests: the fewest requests an engine call may carry (the number of engine replicas: each needs one);
-    a turn with fewer live episodes is padded with copies whose samples are dropped."""
+    a turn with fewer live episodes is padded with copies whose samples are dropped. env_timeout_s: the bound on
+    each environment call (reset, step, close), seconds."""
 
     def __init__(self, tokenizer: Any, env_factory: Callable[[Any], Any], parser: Callable[[str], tuple],
                  limits: EpisodeLimits, chat_template: Optional[str] = None, on_template_mismatch: str = "error",
-                 verify: bool = True, min_requests: int = 1) -> None:
+                 verify: bool = True, min_requests: int = 1, env_timeout_s: float = 600.0) -> None:
         if on_template_mismatch not in ("error", "mask"):
             raise ValueError(f"on_template_mismatch must be 'error' or 'mask', got {on_template_mismatch!r}")
+        if not env_timeout_s > 0:
+            raise ValueError(f"env_timeout_s must be > 0 seconds, got {env_timeout_s!r}")
         self.tokenizer, self.env_factory, self.parser, self.limits = tokenizer, env_factory, parser, limits
         self.chat_template, self.on_template_mismatch, self.verify = chat_template, on_template_mismatch, verify
-        self.min_requests = min_requests
+        self.min_requests, self.env_timeout_s = min_requests, env_timeout_s
+        self._vocab = len(tokenizer)  # ids at or beyond it decode to nothing (padded embedding rows)
+
+    async def _bounded(self, call, what: str):
+        """Await an environment call within `env_timeout_s`; `what` names it (episode, turn, method)."""
+        try:
+            return await asyncio.wait_for(call, self.env_timeout_s)
+        except asyncio.TimeoutError:
+            raise EpisodeError(f"{what}: the environment did not return within {self.env_timeout_s:g} s "
+                               "(rollout.env_timeout_s); a hung tool or an environment blocking the event loop") \
+                from None
 
     def run(self, records: Sequence[Any], n: int, generate: Callable, sampling: Any,
             policy_version: "int | Callable[[], int]", uid_prefix: str = "") -> EpisodeResult:
@@ -192,10 +253,11 @@ class EpisodeRunner:
         episodes = [_Episode(f"{uid_prefix}{i}/{k}", f"{uid_prefix}{i}", r, self.env_factory(r))
                     for i, r in enumerate(records) for k in range(n)]
         counts = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "truncated": 0, "template_mismatch": 0,
-                  "turns": 0, "turns_cut": 0}
+                  "turns": 0, "turns_cut": 0, "noncanonical_turns": 0, "undecodable_turns": 0}
         renderers = {}
         try:
-            firsts = await asyncio.gather(*(e.env.reset(e.record) for e in episodes))
+            firsts = await asyncio.gather(*(self._bounded(e.env.reset(e.record), f"episode {e.uid}: reset")
+                                            for e in episodes))
             for e, messages in zip(episodes, firsts):
                 renderer = renderers.setdefault(id(type(e.env)), ChatRenderer(
                     self.tokenizer, e.env.tools(), self.chat_template))
@@ -208,7 +270,8 @@ class EpisodeRunner:
                     break
                 await self._turn(live, turn, generate, sampling, version, renderers, counts, called)
         finally:
-            await asyncio.gather(*(e.env.close() for e in episodes), return_exceptions=True)
+            await asyncio.gather(*(self._bounded(e.env.close(), f"episode {e.uid}: close") for e in episodes),
+                                 return_exceptions=True)
         trajectories = []
         for e in episodes:
             t = e.builder.build(e.finish)
@@ -226,6 +289,8 @@ class EpisodeRunner:
                    "multi_turn/truncated_frac": counts["truncated"] / total,
                    "multi_turn/turns_cut": float(counts["turns_cut"]),
                    "multi_turn/template_mismatch": float(counts["template_mismatch"]),
+                   "multi_turn/noncanonical_turns": float(counts["noncanonical_turns"]),
+                   "multi_turn/undecodable_turns": float(counts["undecodable_turns"]),
                    "multi_turn/tool_use_frac": len(called) / total,
                    "multi_turn/tool_success_frac": sum(1 for v in called.values() if v > 0) / total}
         return EpisodeResult(trajectories, [e.reward for e in episodes], metrics, [e.turns for e in episodes])
@@ -279,14 +344,18 @@ class EpisodeRunner:
                 ids = list(x.response_ids)
                 body = ids[:-1] if ids and ids[-1] in self._end_ids() else ids  # the end-of-turn token left out
                 text = self.tokenizer.decode(body, skip_special_tokens=False)
+                self._count_encoding(body, text, counts)
                 calls, errors = self.parser(text)
                 counts["parse_errors"] += len(errors)
                 if calls or errors:
                     called.setdefault(e.uid, 0)
                 steps.append((e, x, ModelTurn(turn, text, tuple(x.response_ids), tuple(calls), tuple(errors),
                                               x.finish_reason)))
-            results = await asyncio.gather(*(e.env.step(mt) for e, _, mt in steps), return_exceptions=True)
+            results = await asyncio.gather(*(self._bounded(e.env.step(mt), f"episode {e.uid}, turn {turn}: step")
+                                             for e, _, mt in steps), return_exceptions=True)
             for (e, x, mt), step in zip(steps, results):
+                if isinstance(step, EpisodeError):
+                    raise step
                 if isinstance(step, BaseException):
                     raise EpisodeError(f"episode {e.uid}, turn {turn}: the environment failed: {step!r}") from step
                 e.reward += float(step.reward)
@@ -325,17 +394,24 @@ class EpisodeRunner:
         try:
             obs = renderer.observation(conversation, list(step.observations), end_id)
             e.builder.context(obs)
+            e.sampled[len(e.messages)] = content_ids
             e.messages = conversation + list(step.observations)
-            rendered = renderer.prompt(e.messages)
-            if rendered != e.builder.token_ids:
-                at = next((i for i, (a, b) in enumerate(zip(rendered, e.builder.token_ids)) if a != b),
-                          min(len(rendered), len(e.builder.token_ids)))
-                raise TemplateMismatch(f"the template renders the conversation as {len(rendered)} tokens, the "
-                                       f"episode holds {len(e.builder.token_ids)}; first difference at token {at}")
+            held = e.builder.token_ids
+            # the delta rule: the canonical case first (the whole conversation re-encodes to the tokens held), else
+            # the template's pieces around the sampled ids as sampled (module docstring)
+            if renderer.prompt(e.messages) != held:
+                expected = renderer.spliced_ids(e.messages, e.sampled)
+                if expected != held:
+                    at = next((i for i, (a, b) in enumerate(zip(expected, held)) if a != b),
+                              min(len(expected), len(held)))
+                    raise TemplateMismatch(
+                        f"the template renders {len(expected)} tokens around the sampled turns, the episode holds "
+                        f"{len(held)}; first difference at token {at}: expected {expected[at:at + 8]}, held "
+                        f"{held[at:at + 8]}")
         except TemplateMismatch as err:
             if self.on_template_mismatch == "error":
-                raise TemplateMismatch(f"episode {e.uid}, turn {turn}: {err} (the sampled turn did not re-encode to "
-                                       "itself, or the template rewrites earlier turns); set "
+                raise TemplateMismatch(f"episode {e.uid}, turn {turn}: {err} (the template adds other tokens than "
+                                       "the ones held, or rewrites earlier turns); set "
                                        "rollout.on_template_mismatch=mask to train such episodes on nothing "
                                        "instead") from None
             counts["template_mismatch"] += 1
@@ -344,6 +420,14 @@ class EpisodeRunner:
         if len(e.builder.token_ids) >= self.limits.max_model_len:
             e.done, e.finish = True, "length"
             counts["truncated"] += 1
+
+    def _count_encoding(self, body: list, text: str, counts: dict) -> None:
+        """Count a sampled turn (its ids `body` without the end-of-turn token, decoded as `text`) that holds an id
+        beyond the tokenizer's vocabulary, or whose ids are not the tokenizer's encoding of its text."""
+        if any(i >= self._vocab for i in body):
+            counts["undecodable_turns"] += 1
+        elif list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) != list(body):
+            counts["noncanonical_turns"] += 1
 
     def _end_ids(self) -> set:
         ids = {self.tokenizer.eos_token_id}
@@ -391,7 +475,7 @@ def runner_from_config(cfg: Any, encoder: Any, reward_fn: Any) -> EpisodeRunner:
     replicas = max(1, pool.nodes * pool.devices_per_node // r.tp)
     runner = EpisodeRunner(encoder.tokenizer, lambda record: factory(), get_parser(r.tool_parser), limits,
                            chat_template=template, on_template_mismatch=r.on_template_mismatch,
-                           min_requests=replicas)
+                           min_requests=replicas, env_timeout_s=r.env_timeout_s)
     if r.on_template_mismatch == "error":
         ChatRenderer(encoder.tokenizer, None, template).check_prefix_stable()
     return runner

@@ -1,9 +1,12 @@
 """Driver of `tests/e2e/test_multi_turn.py`: multi-turn episodes with real engines, in one session of 4 worker
-processes (actor TP2 on pool "train", two vLLM TP1 engines on pool "rollout"): the tool task's random model
-(`megarl.data.tool_task`, the character-level ChatML tokenizer) and the echo environment (`tests/e2e/echo_env.py`:
-every episode takes 3 turns whatever is sampled).
+processes (actor TP2 on pool "train", two vLLM TP1 engines on pool "rollout"): the tool task's random model with a
+real byte-level BPE vocabulary and ChatML template (`megarl.data.tool_task`, tokenizer "bpe": 400 ids trained with
+`tokenizers`, 16 embedding rows past them), sampled at temperature 1 with the config's defaults, and the echo
+environment (`tests/e2e/echo_env.py`: every episode takes 3 turns whatever is sampled). A random model samples
+merged and unmerged spellings alike, so most turns are not the canonical encoding of their text, and some hold ids
+the tokenizer cannot decode: what a real BPE model does, which must not stop or mask an episode.
 
-Runs (each from the session's step-0 checkpoint): "sync" (2 steps) and "async" (trainer.mode=async, max_staleness 1,
+Runs (each from the session's step-0 checkpoint): "sync" (20 steps) and "async" (trainer.mode=async, max_staleness 1,
 rollout.partial=continue: weight pushes land between turns; 5 steps). Each engine call of the async run is held
 TURN_DELAY_S longer (`SlowTurns`): the tiny model samples a batch's turns faster than the trainer trains, and pushes
 land inside an episode only when generating takes longer than a training step, as it does with real models.
@@ -23,7 +26,7 @@ sys.path.insert(0, ROOT)
 CONFIG = os.path.join(ROOT, "yaml_configs", "cpu_tools_quickstart.yaml")
 ECHO = os.path.join(ROOT, "tests", "e2e", "echo_env.py") + ":echo_env"
 TURN_DELAY_S = 0.3
-RUNS = {"sync": (["trainer.mode=sync"], 2),
+RUNS = {"sync": (["trainer.mode=sync"], 20),
         "async": (["trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=continue",
                    "algorithm.rollout_correction.tis=token"], 5)}
 
@@ -52,8 +55,7 @@ def main(out: str) -> None:
     from megarl.trainer.session import TrainingSession
     from tests.e2e.session_runs import train_from
 
-    # the tokenizer filled to the model's 256 rows: the random model's turns re-encode exactly (no masked episodes)
-    data = build_tool_task(os.path.join(out, "data"), n_val=16, fill_vocab=True)
+    data = build_tool_task(os.path.join(out, "data"), n_val=16, tokenizer="bpe")
     raw = apply_overrides(yaml.safe_load(open(CONFIG)), [
         f"model.path={data['model']}", f"data.train_path={data['train']}", f"data.val_path={data['val']}",
         f"logging.dir={os.path.join(out, 'session')}", "logging.plots=false", "logging.progress=lines",

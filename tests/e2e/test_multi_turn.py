@@ -1,12 +1,15 @@
 """Multi-turn episodes with real engines (`tests/e2e/multi_turn_runs.py`: 4 worker processes, vLLM TP1 engines on a
-rollout pool, the tool task's random model and character-level ChatML tokenizer, the echo environment from a user
-file). One session of ~30 s start-up, then 7 steps; it cannot share the quickstart pool session (that tokenizer has
-no chat template to render observations with).
+rollout pool, the tool task's random model with a byte-level BPE tokenizer and ChatML template, the echo environment
+from a user file). One session of ~30 s start-up, then 25 steps; it cannot share the quickstart pool session (that
+tokenizer has no chat template to render observations with).
 
 Every trajectory of every step is verified against the engine's tokens inside the run (`verify_trajectory`, on by
 default: the run would stop otherwise), so a passing run is itself the token-exactness check with real engines.
 What the tests add, each from the engines' own numbers:
 - every episode took its 3 turns (the observations were rendered and fed back), or was cut by the limits, counted;
+- on the BPE vocabulary, sampled at temperature 1 with the defaults (on_template_mismatch: error), 20 sync steps ran
+  with no episode masked, while turns that are not the canonical encoding of their text, and turns holding ids
+  beyond the tokenizer, were sampled and counted (issue 29: such turns used to stop the run at step 1);
 - in async mode with rollout.partial=continue, weights were pushed inside episodes: one batch holds turns sampled by
   two versions, and for each version's tokens the engine's log-probs against Megatron's recomputation with the
   weights being updated: float noise for the current version's, a real KL for the older one's -- so each turn's
@@ -45,7 +48,20 @@ def test_episodes_take_their_turns(runs, run):
         assert row["response_length/mean"] > 8  # tokens sampled over several turns, more than one turn's limit
         # the random model rarely ends a turn itself: turns cut at 8 tokens are closed by the end-of-turn token
         assert row["multi_turn/turns_cut"] > 0
-        assert row["multi_turn/template_mismatch"] == 0  # every sampled turn re-encoded to itself
+        assert row["multi_turn/template_mismatch"] == 0  # no episode masked: the defaults would have stopped the run
+
+
+def test_bpe_turns_that_do_not_re_encode_to_themselves_are_trained_as_sampled(runs):
+    rows = runs["sync"]
+    assert [r["step"] for r in rows] == list(range(1, 21))  # 20 steps, none stopped by a sampled turn
+    noncanonical = sum(r["multi_turn/noncanonical_turns"] for r in rows)
+    undecodable = sum(r["multi_turn/undecodable_turns"] for r in rows)
+    turns = sum(r["multi_turn/turns_mean"] * r["samples"] for r in rows)
+    print(f"sync, 20 steps: {turns:.0f} sampled turns, {noncanonical:.0f} non-canonical, {undecodable:.0f} holding "
+          "an id beyond the tokenizer, 0 masked")
+    # what a random model over a 400-id BPE vocabulary samples: both cases, often (the premise of this test)
+    assert noncanonical > 0.1 * turns and undecodable > 0
+    assert all(r["multi_turn/template_mismatch"] == 0 for r in rows)
 
 
 def test_async_pushes_land_between_turns_and_each_turn_keeps_its_engines_log_probs(runs):

@@ -265,3 +265,97 @@ def test_a_turn_cut_at_its_token_limit_is_closed_as_context_and_the_episode_goes
     assert t.token_ids[:len(expected)] == expected  # the closing <|im_end|> is where the template puts it ...
     closing = [i for i, tok in enumerate(t.token_ids) if tok == TOK.eos_token_id and i > t.prompt_len]
     assert all(t.loss_mask[i] == 0 for i in closing[:2])  # ... as context: the policy did not sample it
+
+
+# ---- a real BPE vocabulary (byte-level, trained with `tokenizers`): sampled ids need not be canonical -------------
+
+BPE = __import__("megarl.data.chat_bpe", fromlist=["x"]).build_chat_bpe_tokenizer()
+BPE_ROWS = len(BPE) + 16  # a model's embedding rows padded past the tokenizer (as Qwen's are)
+
+
+def byte_ids(text: str) -> list[int]:
+    """`text` as one id per byte: a valid encoding that decodes to `text`, never the canonical one where BPE merges."""
+    return [i for ch in text for i in BPE(ch, add_special_tokens=False)["input_ids"]]
+
+
+class NonCanonicalPolicy:
+    """The calculator policy over the BPE vocabulary, sampling what a model may: the tool call byte by byte (not
+    the merged encoding `BPE(text)` gives), the answer with an id beyond the tokenizer (decodes to nothing) in
+    front; each turn ends with <|im_end|>."""
+
+    def __init__(self):
+        self.sampled = []
+
+    def __call__(self, prompts, sampling):
+        out = []
+        for i, p in enumerate(prompts):
+            text = BPE.decode(p, skip_special_tokens=False)
+            results = re.findall(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", text)
+            if results:
+                ids = [BPE_ROWS - 1] + BPE(results[-1], add_special_tokens=False)["input_ids"]
+            else:
+                a, b = re.search(r"user\n(\d+)\*(\d+)=", text).groups()
+                ids = byte_ids('<tool_call>{"name": "calculator", "arguments": {"expression": "%s*%s"}}'
+                               '</tool_call>' % (a, b))
+            ids = ids + [BPE.eos_token_id]
+            self.sampled.append(ids)
+            out.append(RolloutSample(i, 0, list(p), ids, [-0.5] * len(ids), "stop"))
+        return RolloutSamples(out)
+
+
+def test_non_canonical_and_undecodable_sampled_ids_are_kept_as_sampled_and_counted_not_masked():
+    """Issue 29: on a BPE vocabulary a sampled turn rarely re-encodes to itself; the episode is trained on the ids as
+    sampled, every token the template adds is checked, and the turns are counted. Expected values: the tool call's
+    canonical encoding is shorter (BPE merges, so byte-by-byte is non-canonical), the decoded trajectory is
+    transformers' own rendering of the conversation, and the trained ids are exactly the policy's."""
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+    assert len(BPE(call, add_special_tokens=False)["input_ids"]) < len(byte_ids(call))  # the premise: merges exist
+    policy = NonCanonicalPolicy()
+    result = EpisodeRunner(BPE, CalcEnv, parse, LIMITS).run(RECORDS, 2, policy, SamplingSettings(seed=3), 7)
+    assert result.scores == [1.0] * 4
+    m = result.metrics
+    assert m["multi_turn/template_mismatch"] == 0 and m["multi_turn/turns_mean"] == 2
+    assert m["multi_turn/noncanonical_turns"] == 4 and m["multi_turn/undecodable_turns"] == 4  # 4 episodes x 1 each
+    for t, record in zip(result.trajectories, [r for r in RECORDS for _ in range(2)]):
+        assert sum(t.loss_mask) > 0  # trained, not masked
+        a, b = record.prompt[:-1].split("*")
+        conversation = [{"role": "user", "content": record.prompt},
+                        {"role": "assistant", "content": call.replace("12*34", f"{a}*{b}")},
+                        {"role": "tool", "name": "calculator", "content": record.answer},
+                        {"role": "assistant", "content": record.answer}]
+        text = BPE.apply_chat_template(conversation, tools=TOOLS, tokenize=False)
+        assert BPE.decode(t.token_ids, skip_special_tokens=False) == text[:-1]  # all but the final separator
+        trained = [tok for tok, keep in zip(t.token_ids, t.loss_mask) if keep]
+        first = byte_ids(call.replace("12*34", f"{a}*{b}")) + [BPE.eos_token_id]
+        second = [BPE_ROWS - 1] + BPE(record.answer, add_special_tokens=False)["input_ids"] + [BPE.eos_token_id]
+        assert trained == first + second
+
+
+def test_on_a_bpe_vocabulary_a_template_delta_other_than_the_templates_is_still_caught(monkeypatch):
+    """The separator after the end-of-turn token dropped from the observation tokens (verl PR #6921's bug): the
+    tokens the template adds are not the ones held, whatever the sampled ids' encoding."""
+    original = ChatRenderer.observation
+
+    def without_separator(self, conversation, observations, end_id):
+        return original(self, conversation, observations, end_id)[1:]
+
+    monkeypatch.setattr(ChatRenderer, "observation", without_separator)
+    with pytest.raises(TemplateMismatch, match=r"episode s1/0/0, turn 0: the template renders"):
+        EpisodeRunner(BPE, CalcEnv, parse, LIMITS).run(RECORDS, 2, NonCanonicalPolicy(), SamplingSettings(seed=3),
+                                                       7, uid_prefix="s1/")
+
+
+class HangingEnv(CalcEnv):
+    """A tool that never returns on the second turn."""
+
+    async def step(self, turn):
+        import asyncio
+
+        await asyncio.Event().wait()
+
+
+def test_an_environment_call_that_does_not_return_is_bounded_and_named():
+    r = EpisodeRunner(TOK, HangingEnv, parse, LIMITS, env_timeout_s=0.2)
+    with pytest.raises(EpisodeError, match=r"episode s1/0/0, turn 0: step: the environment did not return within "
+                                           r"0.2 s \(rollout.env_timeout_s\)"):
+        run(r, ScriptedPolicy())
