@@ -33,6 +33,16 @@ recorder which micro-batch each chunk's forward belongs to); what MoE cannot com
 `torch.nn.ModuleList` of the chunks otherwise (for `parameters()` / `modules()`; its parameter names carry the
 chunk index: use `megarl.checkpoint.engine_io.named_layouts` / `engine_named_parameters` for canonical names).
 
+Build, in four steps (`_build`), so that a change of the model is a transform, not an edit of the engine:
+  1. build: megatron-core's `GPTModel` chunk(s) of this rank (`_build_chunks`);
+  2. transform: each `ModelTransform` in order, `transform(chunks, BuildContext)`, in place on the bare chunks: the
+     engine's own (`attach_scalar_head_transform` for head="scalar", `freeze_all` for a role without an optimizer),
+     then the caller's `transforms` (e.g. `freeze_parameters(predicate)`; LoRA adapters or a value head swap are
+     written the same way);
+  3. wrap: megatron-core's `DistributedDataParallel` per chunk, over the parameters that still require grad
+     (`_wrap`, trainable roles only);
+  4. optimizer: megatron-core's distributed optimizer and LR scheduler over those parameters (`_build_optimizer`).
+
 Offload: `offload(params=, grads=, optimizer=)` moves the chosen state to host memory and frees the device copy
 (storage resized to 0, so views such as DDP's parameter and gradient buffers stay valid); `reload()` brings it
 back. On CPU the "device" is host memory too: the same bookkeeping runs (and is tested), nothing is saved.
@@ -141,8 +151,64 @@ def check_moe_vpp(vpp: int, tp: int, router_losses: bool, recompute: bool = Fals
                          "micro-batch's recomputed forward would add router losses); use vpp=1 or no recompute")
 
 
+@dataclasses.dataclass(frozen=True)
+class BuildContext:
+    """What a `ModelTransform` may read: the model's spec, the role's groups and megatron `TransformerConfig`, the
+    build seed, whether the role trains (has an optimizer) and its head ("lm" | "scalar")."""
+
+    spec: ModelSpec
+    groups: RoleGroups
+    config: Any
+    seed: int
+    trainable: bool
+    head: str
+
+
+# A model transform: changes this rank's bare GPTModel chunks in place before DDP and the optimizer see them
+# (attach or swap modules, set requires_grad). Chunks are listed in virtual-pipeline order.
+ModelTransform = Callable[[list, BuildContext], None]
+
+
+def attach_scalar_head_transform(chunks: list, ctx: BuildContext) -> None:
+    """head="scalar": the last stage's output layer replaced by a `ScalarHead` (hidden -> 1)."""
+    if ctx.groups.is_last_stage:
+        attach_scalar_head(chunks[-1], ctx.spec.hidden_size, ctx.config.params_dtype, ctx.seed,
+                           sp_group=ctx.groups.pgs.tp if ctx.config.sequence_parallel else None)
+        if torch.cuda.is_available():
+            chunks[-1].cuda(torch.cuda.current_device())
+
+
+def freeze_all(chunks: list, ctx: BuildContext) -> None:
+    """Every parameter frozen (a role without an optimizer: reference, reward model at inference)."""
+    for chunk in chunks:
+        for p in chunk.parameters():
+            p.requires_grad_(False)
+
+
+def freeze_parameters(predicate: Callable[[str], bool]) -> ModelTransform:
+    """A transform freezing the parameters whose name within their chunk (e.g. "embedding.word_embeddings.weight",
+    "decoder.layers.0.self_attention.linear_qkv.weight") satisfies `predicate`; raises when it matches none (a
+    misspelt pattern would otherwise train everything)."""
+
+    def transform(chunks: list, ctx: BuildContext) -> None:
+        frozen = 0
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                if predicate(name):
+                    p.requires_grad_(False)
+                    frozen += 1
+        if not frozen:
+            names = [n for chunk in chunks for n, _ in chunk.named_parameters()]
+            raise ValueError(f"freeze_parameters: the predicate matches none of this rank's {len(names)} "
+                             f"parameters (e.g. {names[:3]})")
+
+    return transform
+
+
 class MegatronEngine:
-    """This rank's share of one role's model. Construct on every rank of the role, collectively."""
+    """This rank's share of one role's model. Construct on every rank of the role, collectively.
+
+    transforms: `ModelTransform`s applied after the engine's own, before DDP and the optimizer (module docstring)."""
 
     def __init__(
         self,
@@ -158,6 +224,7 @@ class MegatronEngine:
         init_weights: bool = True,
         moe: Optional[MoeSettings] = None,
         vpp: int = 1,
+        transforms: Sequence[ModelTransform] = (),
     ) -> None:
         if not groups.is_member:
             raise ValueError("MegatronEngine built on a rank outside the role's layout")
@@ -174,6 +241,7 @@ class MegatronEngine:
         self.optimizer_settings = optimizer
         self.moe_settings = moe or MoeSettings()
         self._init_weights = init_weights  # False: leave parameters uninitialised (weights are loaded right after)
+        self.transforms = tuple(transforms)
         self.vpp = check_vpp(spec.num_layers, groups.topology.pp, vpp, first_stage_layers, last_stage_layers)
         if spec.is_moe:
             check_moe_vpp(self.vpp, groups.topology.tp, recompute=recompute, router_losses=self.trainable and (
@@ -184,8 +252,6 @@ class MegatronEngine:
     # ------------------------------------------------------------------------------------------------ build
     def _build(self, seed: int, first_stage_layers, last_stage_layers, recompute: bool) -> None:
         from megatron.core import parallel_state
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # layout-independent scratch buffer
@@ -224,6 +290,23 @@ class MegatronEngine:
             self.config.virtual_pipeline_model_parallel_size = self.vpp
             unbatched_p2p_for_two_stage_gloo_ring(self.config, self.groups.pgs.pp)
         enable_routing_hooks(self.config)
+        chunks = self._build_chunks()
+        ctx = BuildContext(self.spec, self.groups, self.config, seed, self.trainable, self.head)
+        for transform in self._engine_transforms() + self.transforms:
+            transform(chunks, ctx)
+        self.chunks = chunks
+        self._chunk_routers = [moe_routers(chunk) for chunk in chunks]  # [] per chunk for dense models
+        if self.trainable:
+            self.models = self._wrap(chunks)
+            self._build_optimizer(self.models)
+        else:
+            self.models = list(chunks)
+            self.optimizer = None
+            self.scheduler = None
+        self.steps = 0
+
+    def _build_chunks(self) -> list:
+        """Build: this rank's GPTModel chunk(s) (one per virtual pipeline stage), on the device."""
         chunks = []
         for c in range(self.vpp):
             chunk = build_gpt_model(
@@ -234,40 +317,37 @@ class MegatronEngine:
             if torch.cuda.is_available():
                 chunk.cuda(torch.cuda.current_device())
             chunks.append(chunk)
-        if self.head == "scalar" and self.groups.is_last_stage:
-            attach_scalar_head(chunks[-1], self.spec.hidden_size, self.config.params_dtype, seed,
-                               sp_group=self.groups.pgs.tp if self.config.sequence_parallel else None)
-            if torch.cuda.is_available():
-                chunks[-1].cuda(torch.cuda.current_device())
-        self.chunks = chunks
-        self._chunk_routers = [moe_routers(chunk) for chunk in chunks]  # [] per chunk for dense models
-        if self.trainable:
-            ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                overlap_grad_reduce=False,
-                use_distributed_optimizer=True,
-                # off: megatron's check raises (fatally) on the rank whose local bucket holds a NaN, before the
-                # reduce-scatter its peers are waiting in; `step` instead skips on the global grad norm, on every rank
-                check_for_nan_in_grad=False,
-                bucket_size=40_000_000,
-            )
-            # one DDP per chunk; buckets for the first only (megatron's get_model: later chunks' grads are reduced
-            # as their own whole buffers)
-            self.models = [
-                DistributedDataParallel(self.config, ddp_config, chunk, pg_collection=self.groups.pgs,
-                                        disable_bucketing=c > 0)
-                for c, chunk in enumerate(chunks)
-            ]
-            self.config.finalize_model_grads_func = finalize_model_grads
-            self._build_optimizer(self.models)
-        else:
-            for chunk in chunks:
-                for p in chunk.parameters():
-                    p.requires_grad_(False)
-            self.models = list(chunks)
-            self.optimizer = None
-            self.scheduler = None
-        self.steps = 0
+        return chunks
+
+    def _engine_transforms(self) -> tuple:
+        """The engine's own transforms: the scalar head (head="scalar"), freezing (no optimizer)."""
+        return ((attach_scalar_head_transform,) if self.head == "scalar" else ()) + \
+            (() if self.trainable else (freeze_all,))
+
+    def _wrap(self, chunks: list) -> list:
+        """Wrap: megatron-core DDP per chunk (over the parameters that require grad)."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        if not any(p.requires_grad for chunk in chunks for p in chunk.parameters()):
+            raise ValueError("every parameter of this rank is frozen (by a transform) but the role has an "
+                             "optimizer: unfreeze some, or build the role without one")
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=True,
+            # off: megatron's check raises (fatally) on the rank whose local bucket holds a NaN, before the
+            # reduce-scatter its peers are waiting in; `step` instead skips on the global grad norm, on every rank
+            check_for_nan_in_grad=False,
+            bucket_size=40_000_000,
+        )
+        # one DDP per chunk; buckets for the first only (megatron's get_model: later chunks' grads are reduced as
+        # their own whole buffers)
+        models = [DistributedDataParallel(self.config, ddp_config, chunk, pg_collection=self.groups.pgs,
+                                          disable_bucketing=c > 0)
+                  for c, chunk in enumerate(chunks)]
+        self.config.finalize_model_grads_func = finalize_model_grads
+        return models
 
     def _build_optimizer(self, models: list) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

@@ -3,7 +3,8 @@ DistributedOptimizer step at TP=2, PP=2 (real pipeline schedule), DP=2 and TP=2x
 
 One 4-rank world runs every layout, several roles side by side (as a job with actor and critic would):
   phase A: TP=2 on ranks 0-1   and  PP=2 on ranks 2-3
-  phase B: DP=2 on ranks 0-1   and  TP1PP1 (baseline) on rank 2
+  phase B: DP=2 on ranks 0-1   and  TP1PP1 (baseline) on rank 2  and  TP1PP1 with the embedding frozen by a
+           model transform (`freeze_parameters`) on rank 3
   phase C: TP=2 x PP=2 on ranks 0-3
 With pp=1 and CPU initialisation the initial weights do not depend on TP or DP, so TP=2 and DP=2 must reproduce
 the single-rank baseline's losses before and after the optimizer step, and TP=2xPP=2 those of PP=2.
@@ -82,8 +83,29 @@ def _layout_worker(rank: int, world_size: int):
     role("pp2", RoleTopology(pp=2, rank_offset=2))
     role("dp2", RoleTopology(dp=2))
     role("tp1pp1", RoleTopology(rank_offset=2))
+    frozen_role(RoleTopology(rank_offset=3), spec, opt, two_micro, results)
     role("tp2pp2", RoleTopology(tp=2, pp=2))
     return results
+
+
+def frozen_role(topo, spec, opt, micro, results):
+    """The tp1pp1 baseline's model with `freeze_parameters` on the word embedding (a transform between build and
+    DDP): records each parameter before and after training, and what the optimizer holds."""
+    from megarl.engine.megatron_engine import MegatronEngine, freeze_parameters
+    from megarl.parallel.groups import build_role_groups
+
+    groups = build_role_groups(topo)
+    if not groups.is_member:
+        return
+    engine = MegatronEngine(spec, groups, optimizer=opt, seed=1234,
+                            transforms=[freeze_parameters(lambda name: name.startswith("embedding."))])
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    history = _train(engine, micro)
+    after = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    optimized = sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"])
+    results["frozen"] = {"history": history, "last_stage": True, "optimized": optimized,
+                         "changed": {n: not torch.equal(before[n], after[n]) for n in before},
+                         "numel": {n: p.numel() for n, p in engine.module.named_parameters()}}
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +147,19 @@ def test_layouts_reproduce_their_baseline(layout_runs, role, baseline_role):
     assert losses == pytest.approx(baseline, abs=2e-5), f"{role} {losses} vs {baseline_role} {baseline}"
     # initial loss of a random model is close to ln(vocab)
     assert abs(baseline[0] - math.log(VOCAB)) < 0.5
+
+
+def test_a_freezing_transform_keeps_its_parameters_out_of_ddp_and_the_optimizer(layout_runs):
+    """build -> transforms -> DDP -> optimizer: the embedding frozen by a transform is not trained (bit-identical
+    after 3 steps), every other parameter is, the optimizer holds exactly the others' elements, and the first loss is
+    the baseline's (same initial weights: the transform changes nothing but what trains)."""
+    frozen = layout_runs["frozen"][0]
+    assert frozen["changed"]["embedding.word_embeddings.weight"] is False
+    trained = {n: c for n, c in frozen["changed"].items() if not n.startswith("embedding.")}
+    assert trained and all(trained.values()), trained
+    # the distributed optimizer's param groups hold fp32 shards of exactly the trainable parameters (DP 1: whole)
+    assert frozen["optimized"] == sum(frozen["numel"][n] for n in trained)
+    baseline = _reported_losses(layout_runs["tp1pp1"])[0]
+    losses = [loss for loss, _ in frozen["history"]]
+    assert losses[0] == pytest.approx(baseline[0], abs=1e-6) and losses[1:] != pytest.approx(baseline[1:], abs=1e-6)
+    assert losses[-1] < losses[0]
