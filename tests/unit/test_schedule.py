@@ -384,6 +384,11 @@ def test_every_wait_is_bounded_and_named():
         with pytest.raises(TimeoutError, match="the rollout in flight to finish before the checkpoint"):
             with schedule.pause():
                 pass
+        rollout.release(1)  # the timed-out pause (no checkpoint) left the driver free to go on
+        schedule.wait_timeout_s = BOUND_S
+        assert schedule.take(1, {}).index == 1
+        schedule.after_update(1)
+        assert schedule.take(2, {}).index == 2
     finally:
         rollout.release(1)
         schedule.wait_timeout_s = BOUND_S
