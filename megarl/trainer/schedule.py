@@ -92,6 +92,11 @@ class RolloutBatch:
     reward_s: float = 0.0
     trajectories: Optional[list] = None  # multi-turn episodes (rollout.env): the trajectories themselves
 
+    @property
+    def num_samples(self) -> int:
+        """The batch's samples: its responses, or with rollout.env its episodes (`samples` is then empty)."""
+        return len(self.trajectories) if self.trajectories is not None else len(self.samples)
+
     def lags(self, trained_version: int) -> list[int]:
         """Per sample: how many versions its oldest token lags `trained_version` (the weights the update starts
         from)."""
@@ -316,19 +321,34 @@ class AsyncSchedule(Schedule):
         self.mark = time.perf_counter()
 
     def take(self, step: int, t: dict[str, float]) -> RolloutBatch:
+        """The oldest buffered batch within `max_staleness` of version step - 1; older ones are dropped (counted).
+        One bound (`wait_timeout_s`) covers the whole call, the batches dropped on the way included: a driver
+        that only ever produces too-stale batches raises TimeoutError naming them instead of looping for ever."""
         started = time.perf_counter()
+        deadline = time.monotonic() + self.wait_timeout_s
         trained = step - 1  # the version the update starts from
+        dropped: list[int] = []  # indices of the batches this call dropped as too stale
         with self.cond:
             while True:
+                wanted = f"a rollout batch for step {step}"
+                if dropped:
+                    wanted += (f" at most {self.max_staleness} version(s) behind version {trained} (dropped "
+                               f"{len(dropped)} too-stale batch(es) {dropped} on the way; the engines hold version "
+                               f"{self.engine_version})")
+                left = deadline - time.monotonic()
+                if dropped and left <= 0:
+                    raise TimeoutError(f"waited {self.wait_timeout_s:.0f} s for {wanted}; the rollout driver "
+                                       "produces only batches too stale to train (are the weight pushes landing?)")
                 wait_for(self.cond, lambda: self.buffer or self.error is not None,
-                         f"a rollout batch for step {step} (buffer empty)", self.wait_timeout_s)
+                         wanted + ("" if dropped else " (buffer empty)"), max(left, 0.0))
                 self._raise()
                 batch = self.buffer.popleft()
                 self.cond.notify_all()
                 if max(batch.lags(trained)) <= self.max_staleness:
                     break
+                dropped.append(batch.index)
                 self.counts["dropped_batches"] += 1
-                self.counts["dropped_samples"] += len(batch.samples)
+                self.counts["dropped_samples"] += batch.num_samples
                 logger.info("step %d: dropped rollout batch %d (version %d, oldest token %d versions behind; "
                             "trainer.max_staleness=%d)", step, batch.index, batch.version, max(batch.lags(trained)),
                             self.max_staleness)
@@ -392,9 +412,14 @@ class AsyncSchedule(Schedule):
         with self.cond:
             self.paused = True
             self.cond.notify_all()
-            wait_for(self.cond, lambda: not self.in_batch or self.error is not None,
-                     "the rollout in flight to finish before the checkpoint", self.wait_timeout_s)
-            self._raise()
+            try:
+                wait_for(self.cond, lambda: not self.in_batch or self.error is not None,
+                         "the rollout in flight to finish before the checkpoint", self.wait_timeout_s)
+                self._raise()
+            except BaseException:  # no checkpoint: the driver goes on
+                self.paused = False
+                self.cond.notify_all()
+                raise
         try:
             yield
         finally:

@@ -3,6 +3,7 @@
 One spawn of 4 ranks runs every layout side by side, all loaded from the same tiny HF Llama (GQA, llama3 rope):
   phase A: actor TP=2 on ranks 0-1            actor PP=2 on ranks 2-3
   phase B: actor DP=2 on ranks 0-1            actor TP1PP1 on rank 2, reference TP1 on rank 3
+           (then on rank 3: an SFT actor, and a decoupled-PPO actor: old and rollout log-probs that differ)
   phase C: actor TP=2 x PP=2 on ranks 0-3, then CP=2 on ranks 0-1, then TP=2 x CP=2 on ranks 0-3
   phase D: critic TP=2 on ranks 0-1 (update, dist-checkpoint save)    reward model PP=2 on ranks 2-3
   phase E: critic PP=2 on ranks 2-3, loaded from phase D's checkpoint
@@ -39,6 +40,13 @@ ACTOR_CLIP = 1.0
 GRAD_TOL = 1e-4  # per tensor: max |grad diff| / max |grad| (test_moe_roles.py measured < 1e-4 across layouts)
 ADVANTAGE = [1.0, -1.0, 0.5, -0.5]  # per sample, on every response token
 ROLLOUT_OFFSET = 0.1  # the fused-update test's rollout log-probs: the actor's minus this, on every response token
+# Decoupled PPO (the actor's update with a rollout correction, as an async run trains): proximal (`old_log_probs`,
+# recomputed by the trainer) and behaviour (`rollout_log_probs`, the stale engine's) log-probs set off the policy's
+# own by these ratios, cycled over each row's response tokens (lengths 5 and 3: every pair occurs)
+PROX_RATIOS = [1.5, 0.6, 1.1, 1.0, 0.9]  # pi / proximal: PPO's ratio (clipped above 1.28 and below 0.8)
+BEHAVIOUR_RATIOS = [3.0, 0.5, 1.25]  # proximal / behaviour: the token's importance weight (truncated at 2)
+DECOUPLED_CLIP = (0.2, 0.28)  # clip_low, clip_high
+TIS_C = 2.0
 
 
 def _batch(vocab: int):
@@ -85,6 +93,37 @@ def _actor_run(role, batch):
     after = role.compute_log_probs(batch)
     return {"before": _np(before), "after": _np(after), "metrics": metrics, "weights": _hf_weights(role),
             "last_stage": role.groups.is_last_stage, "share": _np(share), "dp_rank": role.dp_rank}
+
+
+def _decoupled_offsets(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log(pi / proximal) and log(proximal / behaviour) [B, S] on the response tokens (PROX_RATIOS,
+    BEHAVIOUR_RATIOS cycled over each row's tokens), 0 elsewhere."""
+    d_prox, d_behav = torch.zeros(mask.shape), torch.zeros(mask.shape)
+    for i in range(mask.shape[0]):
+        for j, pos in enumerate(mask[i].nonzero()[:, 0].tolist()):
+            d_prox[i, pos] = math.log(PROX_RATIOS[j % len(PROX_RATIOS)])
+            d_behav[i, pos] = math.log(BEHAVIOUR_RATIOS[j % len(BEHAVIOUR_RATIOS)])
+    return d_prox, d_behav
+
+
+def _decoupled_update(spec, groups, hf_dir, batch, opt) -> dict:
+    """One decoupled-PPO update (tis=token, c=2) through `Actor.update`, the call the trainer makes: proximal =
+    the actor's own log-probs (the weights it updates) / PROX_RATIOS, behaviour = proximal / BEHAVIOUR_RATIOS."""
+    from megarl.roles import Actor, BatchingSettings, PolicyLossSettings
+
+    loss = PolicyLossSettings(name="ppo", clip_low=DECOUPLED_CLIP[0], clip_high=DECOUPLED_CLIP[1],
+                              rollout_tis="token", rollout_c=TIS_C)
+    role = Actor(spec, groups, optimizer=opt, batching=BatchingSettings(micro_batch_samples=2), hf_dir=hf_dir,
+                 loss=loss)
+    mask = batch["response_mask"]
+    pi = role.compute_log_probs(batch, with_entropy=False)["log_probs"]
+    d_prox, d_behav = _decoupled_offsets(mask)
+    proximal = (pi - d_prox) * mask
+    behaviour = (proximal - d_behav) * mask
+    adv = torch.tensor(ADVANTAGE).unsqueeze(1) * mask
+    metrics = role.update(batch.update({"old_log_probs": proximal, "rollout_log_probs": behaviour,
+                                        "advantages": adv}))
+    return {"metrics": metrics, "weights": _hf_weights(role), "last_stage": True}
 
 
 def _dp2_mini_batch_updates(spec, groups, hf_dir, batch, before) -> dict:
@@ -188,6 +227,9 @@ def _worker(rank: int, world: int, hf_dir: str, hf_rm_dir: str, ckpt_dir: str):
         sft = Actor(spec, sft_groups, optimizer=OptimizerSettings(lr=1e-3), loss=PolicyLossSettings(name="sft"),
                     hf_dir=hf_dir, batching=BatchingSettings(micro_batch_samples=3))
         res["sft"] = [sft.update(batch)["loss"] for _ in range(3)]
+    decoupled_groups = build_role_groups(RoleTopology(rank_offset=3))
+    if decoupled_groups.is_member:
+        res["decoupled"] = _decoupled_update(spec, decoupled_groups, hf_dir, batch, opt)
     for role in (dp2, base):  # a trained role offloads everything and comes back unchanged
         if role is not None:
             lp = role.compute_log_probs(batch)
@@ -365,6 +407,32 @@ def hf_ppo_gradients(hf_dir: str, batch=None, advantage=ADVANTAGE,
     return {k: (g * coeff).numpy() for k, g in grads.items()}, norm
 
 
+def hf_decoupled_gradients(hf_dir: str, clip: float = ACTOR_CLIP) -> dict[str, np.ndarray]:
+    """transformers' gradients of decoupled PPO's loss on `_batch`, written from the formula (Hilton et al. 2022):
+    per response token, r = pi / proximal = exp(logp - (logp.detach() - log PROX_RATIO)), w = min(BEHAVIOUR_RATIO,
+    c) (proximal / behaviour, a constant), L = w * max(-A r, -A clip(r, 1 - 0.2, 1 + 0.28)); token mean; clipped
+    by the global norm as megatron clips. {HF name: gradient, float64}."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    batch = _batch(model.config.vocab_size)
+    ids, mask = batch["input_ids"], batch["response_mask"].float()
+    d_prox, d_behav = _decoupled_offsets(batch["response_mask"])
+    logits = model(ids).logits[:, :-1]
+    logp = torch.nn.functional.pad(torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0], (1, 0))
+    adv = torch.tensor(ADVANTAGE).unsqueeze(1) * mask
+    ratio = torch.exp(logp - (logp.detach() - d_prox))
+    low, high = DECOUPLED_CLIP
+    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - low, 1 + high))
+    weight = torch.exp(d_behav).clamp(max=TIS_C)
+    loss = (weight * per_token * mask).sum() / mask.sum()
+    loss.backward()
+    grads = {k: p.grad.double() for k, p in model.named_parameters()}
+    norm = float(torch.sqrt(sum((g**2).sum() for g in grads.values())))
+    coeff = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+    return {k: (g * coeff).numpy() for k, g in grads.items()}
+
+
 def _merged_weights(results) -> dict[str, np.ndarray]:
     merged = {}
     for r in results:
@@ -429,6 +497,35 @@ def test_tp1pp1_update_is_a_step_on_transformers_gradients(runs):
     got = step_gradients(_merged_weights(runs["roles"]["tp1pp1"]), runs["initial"])
     assert_same_gradients(got, want, "tp1pp1 vs transformers")
     assert _last_stage(runs, "tp1pp1")[0]["metrics"]["grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+
+def test_decoupled_ppo_update_clips_against_the_proximal_policy_and_weights_by_proximal_over_behaviour(runs):
+    """The actor's update with rollout log-probs (behaviour) and old log-probs (proximal) that differ, as an async
+    run's stale batch has them: the loss, clip fraction and importance weights equal decoupled PPO's computed by
+    hand from the ratios the batch was built with (not from megarl's losses), and the step's gradient is
+    transformers' gradient of that loss. Clipping against the behaviour log-probs, or swapping proximal and
+    behaviour in the importance weight, changes all three."""
+    (r,) = runs["roles"]["decoupled"]
+    low, high = DECOUPLED_CLIP
+    loss = clipped = weights = truncated = 0.0
+    tokens = sum(RESPONSE)
+    for a, n in zip(ADVANTAGE, RESPONSE):
+        for j in range(n):
+            ratio, behaviour = PROX_RATIOS[j % 5], BEHAVIOUR_RATIOS[j % 3]
+            w = min(behaviour, TIS_C)
+            unclipped, clip = -a * ratio, -a * min(max(ratio, 1 - low), 1 + high)
+            loss += w * max(unclipped, clip)
+            clipped += clip > unclipped
+            weights += w
+            truncated += behaviour > TIS_C
+    m = r["metrics"]
+    assert m["loss"] == pytest.approx(loss / tokens, abs=1e-5)
+    assert m["clip_frac"] == pytest.approx(clipped / tokens, abs=1e-6)
+    assert m["rollout_tis_weight_mean"] == pytest.approx(weights / tokens, abs=1e-5)
+    assert m["rollout_tis_clip_frac"] == pytest.approx(truncated / tokens, abs=1e-6)
+    assert 0 < clipped < tokens and 0 < truncated < tokens  # both clips bite on some tokens, not all
+    got = step_gradients(r["weights"], runs["initial"])
+    assert_same_gradients(got, hf_decoupled_gradients(runs["hf_dir"]), "decoupled PPO vs transformers")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

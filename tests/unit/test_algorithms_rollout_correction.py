@@ -221,7 +221,8 @@ def test_decoupled_ppo_loss_by_hand():
         1      0.5   0.4   0.2        1.25         1.25                 2.0                     -2.5
         2      0.3   0.2   0.25       1.5          1.28                 0.8                     -1.024
         3      0.1   0.2   0.05       0.5          0.8 (min: 0.5)       2.0 (4 capped)          -1.0
-    advantages 1; token-mean: -4.524 / 3 = -1.508."""
+    advantages 1; token-mean: -4.524 / 3 = -1.508. (The actor's own wiring of the two log-probs:
+    tests/distributed/test_roles.py::test_decoupled_ppo_update_clips_against_the_proximal_policy_and_weights_by_...)"""
     def logs(*p):
         return torch.tensor([[math.log(x) for x in p]])
 

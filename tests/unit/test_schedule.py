@@ -4,6 +4,10 @@ The service is a stand-in for the `RolloutService` protocol (not for vLLM: the e
 `tests/e2e/test_async_modes.py`); it writes the weights version it holds into every token it samples (token id
 100 + version, log-prob -(version + 1) / 10), so a test reads off each token which weights sampled it and checks the
 schedules' bookkeeping against that, not against the schedules' own figures.
+
+No test depends on timing: where the order of the driver thread and the trainer matters, the test fixes it with
+events (a generate call held until released, the trainer waiting for what the driver must have buffered, a push
+requested while a call is held), so every figure asserted is exact.
 """
 
 from __future__ import annotations
@@ -16,35 +20,57 @@ import types
 import pytest
 import torch
 
+from megarl.envs.episode import EpisodeRunner
 from megarl.rollout.engine import RolloutSample, RolloutSamples, SamplingSettings
+from megarl.trainer.rl_trainer import RLTrainer
 from megarl.trainer.schedule import AsyncSchedule, OneStepOffSchedule, RolloutBatch, Schedule
+from tests.unit import test_envs_episode as episode_tests
 
 RESPONSE = 5  # every response stops (EOS) after this many sampled tokens
+BOUND_S = 30.0  # bound on every wait of a test for the driver thread (never reached when the schedule works)
 
 
 class ScriptedRollout:
     """`generate` / `submit_generate` / `push_weights` / `weight_version` over no engine: the response of a prompt is
     RESPONSE tokens (counting the sampled tokens already in the prompt, as a partial rollout's continuation holds
-    them), each 100 + the held version; `gen_s` seconds per call; `fail_at`: the call number that raises."""
+    them), each 100 + the held version; `gen_s` seconds per call; `fail_at`: the call number that raises.
 
-    def __init__(self, gen_s: float = 0.0, fail_at: int | None = None) -> None:
+    `policy(prompts, sampling) -> RolloutSamples`: the responses come from it instead (multi-turn episodes), their
+    log-probs replaced by -(version + 1) / 10. `hold`: call numbers (1-based) that wait at entry until `release(n)`
+    (`entered[n]` is set when call n waits there)."""
+
+    def __init__(self, gen_s: float = 0.0, fail_at: int | None = None, policy=None, hold=()) -> None:
         self.weight_version = None
-        self.gen_s, self.fail_at = gen_s, fail_at
+        self.gen_s, self.fail_at, self.policy = gen_s, fail_at, policy
         self.calls: list[tuple[str, int]] = []  # ("generate", version) / ("push", version), in order
         self.lock = threading.Lock()
         self.busy = False
+        self.entered = {n: threading.Event() for n in hold}
+        self.released = {n: threading.Event() for n in hold}
+
+    def release(self, n: int) -> None:
+        self.released[n].set()
 
     def generate(self, prompts, sampling: SamplingSettings) -> RolloutSamples:
         with self.lock:
             assert not self.busy, "two callers used the engines at once"
             self.busy = True
-            self.calls.append(("generate", self.weight_version))
-            n = len([c for c in self.calls if c[0] == "generate"])
+            n = len([c for c in self.calls if c[0] == "generate"]) + 1
         try:
+            if n in self.released:
+                self.entered[n].set()
+                assert self.released[n].wait(BOUND_S), f"generate call {n} was never released"
+            with self.lock:
+                self.calls.append(("generate", self.weight_version))
             if self.fail_at == n:
                 raise RuntimeError("engine rank 1 died")
             time.sleep(self.gen_s)
             v = self.weight_version
+            if self.policy is not None:
+                out = RolloutSamples([dataclasses.replace(s, response_log_probs=[-(v + 1) / 10] * len(s.response_ids))
+                                      for s in self.policy(prompts, sampling)])
+                out.generate_s = self.gen_s
+                return out
             samples = []
             for i, p in enumerate(prompts):
                 have = sum(1 for t in p if t >= 100)
@@ -97,8 +123,31 @@ class FakeTrainer:
         return self._scored_batch(step, records, out, step - 1)
 
 
-def run(schedule: Schedule, trainer: FakeTrainer, steps, train_s: float = 0.0):
-    """The trainer loop's calls: initial push, then take / (train) / after_update per step; the batches taken."""
+def wait_until(schedule: AsyncSchedule, ready, what: str) -> None:
+    """Wait (test side, bounded) until `ready()` holds under the schedule's lock."""
+    deadline = time.monotonic() + BOUND_S
+    with schedule.cond:
+        while not ready():
+            assert time.monotonic() < deadline, f"waited {BOUND_S:.0f} s for {what}"
+            schedule.cond.wait(0.01)
+
+
+def push_during_call(schedule: AsyncSchedule, step: int, rollout: ScriptedRollout, call: int) -> None:
+    """`after_update(step)` requested while generate call `call` is held: the push is waiting for the engines
+    before the call is released, so it lands at the first point the schedule hands the engines over after it."""
+    assert rollout.entered[call].wait(BOUND_S), f"generate call {call} never started"
+    pusher = threading.Thread(target=schedule.after_update, args=(step,))
+    pusher.start()
+    wait_until(schedule, lambda: schedule.push_wanted, f"the push of step {step} to wait for the engines")
+    rollout.release(call)
+    pusher.join(BOUND_S)
+    assert not pusher.is_alive(), f"the push of step {step} never landed"
+
+
+def run(schedule: Schedule, trainer: FakeTrainer, steps, before_update=None, push_during=None):
+    """The trainer loop's calls: initial push, then take / (train) / after_update per step; the batches taken.
+    `before_update(schedule, step)`: what 'training' waits for (the order of events a test needs);
+    `push_during`: {step: generate call number held until that step's push waits for the engines}."""
     first = steps[0]
     trainer.rollout.push_weights(first - 1)
     schedule.start(first)
@@ -106,8 +155,12 @@ def run(schedule: Schedule, trainer: FakeTrainer, steps, train_s: float = 0.0):
     try:
         for step in steps:
             batch = schedule.take(step, {})
-            time.sleep(train_s)
-            schedule.after_update(step)
+            if before_update is not None:
+                before_update(schedule, step)
+            if push_during and step in push_during:
+                push_during_call(schedule, step, trainer.rollout, push_during[step])
+            else:
+                schedule.after_update(step)
             taken.append((step, batch, schedule.step_metrics(batch, step)))
     finally:
         schedule.close()
@@ -159,61 +212,81 @@ def test_one_step_off_checkpoint_holds_the_next_batch_and_resume_repeats_the_run
     assert resumed[0][2]["async/restored_batches"] == 1.0
 
 
+def ran_ahead(schedule: AsyncSchedule, step: int) -> None:
+    """'Training' step `step` lasts until the driver has buffered everything the wait policy lets it run ahead:
+    batch step + max_staleness (it starts on version step - 1 and is trained at step + max_staleness)."""
+    last = step + schedule.max_staleness
+    wait_until(schedule, lambda: any(b.index == last for b in schedule.buffer), f"batch {last} to be buffered")
+
+
 @pytest.mark.parametrize("max_staleness", [1, 3])
 def test_async_wait_never_trains_beyond_the_bound_and_runs_ahead_up_to_it(max_staleness):
-    trainer = FakeTrainer(ScriptedRollout(gen_s=0.002), "async", total=12, max_staleness=max_staleness)
-    taken = run(AsyncSchedule(trainer), trainer, range(1, 13), train_s=0.03)
-    lags = [max(b.lags(step - 1)) for step, b, _ in taken]
-    assert max(lags) <= max_staleness
-    assert max(lags[3:]) == max_staleness  # a slow trainer: rollout runs as far ahead as allowed, no further
+    trainer = FakeTrainer(ScriptedRollout(), "async", total=12, max_staleness=max_staleness)
+    taken = run(AsyncSchedule(trainer), trainer, range(1, 13), before_update=ran_ahead)
+    # batch k <= 1 + max_staleness: generated on version 0 before any push; later ones on version k - 1 - bound
+    assert [versions_of(b) for _, b, _ in taken] == [{max(0, k - 1 - max_staleness)} for k in range(1, 13)]
+    assert [max(b.lags(step - 1)) for step, b, _ in taken] == [min(k - 1, max_staleness) for k in range(1, 13)]
+    assert [b.index for _, b, _ in taken] == list(range(1, 13))
     assert all(m["async/dropped_batches"] == 0 for _, _, m in taken)
     for step, b, m in taken:  # the figures logged are those of the tokens
         assert {step - 1 - v for v in versions_of(b)} == {int(k.rsplit("/", 1)[1]) for k in m if "lag_frac" in k}
+        assert m["async/staleness_max"] == min(step - 1, max_staleness)
+
+
+def one_buffered(schedule: AsyncSchedule, step: int) -> None:
+    """'Training' lasts until the driver has filled the buffer (capacity 1 at max_staleness 0) on the old weights."""
+    wait_until(schedule, lambda: len(schedule.buffer) == 1, f"a batch to be buffered during step {step}")
 
 
 def test_async_drop_drops_and_counts_what_became_too_stale():
-    trainer = FakeTrainer(ScriptedRollout(gen_s=0.001), "async", total=8, max_staleness=0, stale_policy="drop")
-    taken = run(AsyncSchedule(trainer), trainer, range(1, 9), train_s=0.03)
+    trainer = FakeTrainer(ScriptedRollout(), "async", total=8, max_staleness=0, stale_policy="drop")
+    taken = run(AsyncSchedule(trainer), trainer, range(1, 9), before_update=one_buffered)
     assert all(max(b.lags(step - 1)) == 0 for step, b, _ in taken)  # never trained on a stale batch
     assert all(versions_of(b) == {step - 1} for step, b, _ in taken)
-    dropped = taken[-1][2]["async/dropped_batches"]
-    assert dropped >= 1  # the driver ran ahead (capacity 1) while the trainer trained, so some batches went stale
-    assert taken[-1][2]["async/dropped_samples"] == 2 * dropped
-    used = [b.index for _, b, _ in taken]
-    assert len(set(used)) == 8 and max(used) >= 8 + dropped  # the dropped indices were skipped, not retrained
+    # during step k the driver generated batch 2k on version k - 1: too stale for step k + 1, dropped
+    assert [b.index for _, b, _ in taken] == [2 * k - 1 for k in range(1, 9)]
+    assert [m["async/dropped_batches"] for _, _, m in taken] == [float(k - 1) for k in range(1, 9)]
+    assert taken[-1][2]["async/dropped_samples"] == 2 * 7  # 2 samples per batch
 
 
 def test_async_partial_continue_records_both_versions_and_each_part_keeps_its_engine_log_probs():
-    trainer = FakeTrainer(ScriptedRollout(gen_s=0.02), "async", total=6, max_staleness=2, partial="continue", chunk=2)
-    taken = run(AsyncSchedule(trainer), trainer, range(1, 7), train_s=0.03)
-    mixed = 0
+    # batch 1 = generate calls 1-3 (pieces of 2, 2, 1 tokens); call 4 (batch 2's first piece) is held until step
+    # 1's push waits for the engines, so the push lands between batch 2's first and second piece
+    trainer = FakeTrainer(ScriptedRollout(hold=(4,)), "async", total=6, max_staleness=2, partial="continue",
+                          chunk=2)
+    taken = run(AsyncSchedule(trainer), trainer, range(1, 7), push_during={1: 4})
     for step, b, _ in taken:
         for s, vs in zip(b.samples, b.token_versions):
             assert len(s.response_ids) == RESPONSE and s.finish_reason == "stop"
             assert vs == [t - 100 for t in s.response_ids]  # the recorded version is the one that sampled it
             assert s.response_log_probs == [-(v + 1) / 10 for v in vs]  # each part's log-probs: its engine's
-            mixed += len(set(vs)) > 1
         assert b.version == min(min(vs) for vs in b.token_versions)
         assert max(b.lags(step - 1)) <= 2
-    assert mixed > 0  # pushes landed between pieces
+    second = taken[1][1]
+    assert second.index == 2 and second.token_versions == [[0, 0, 1, 1, 1]] * 2
+    assert second.lags(1) == [1, 1] and taken[1][2]["async/lag_frac/1"] == pytest.approx(2 / 5)
     assert taken[-1][2]["async/continued_samples"] > 0
 
 
+def full(schedule: AsyncSchedule) -> bool:
+    return len(schedule.buffer) == schedule.capacity
+
+
 def test_async_checkpoint_keeps_finished_batches_and_resume_trains_them_first(tmp_path):
-    trainer = FakeTrainer(ScriptedRollout(gen_s=0.001), "async", total=10, max_staleness=2)
+    trainer = FakeTrainer(ScriptedRollout(), "async", total=10, max_staleness=2)
     schedule = AsyncSchedule(trainer)
     trainer.rollout.push_weights(0)
     schedule.start(1)
     for step in (1, 2):
         schedule.take(step, {})
         schedule.after_update(step)
-    time.sleep(0.1)  # the driver fills the buffer up to the bound
+    wait_until(schedule, lambda: full(schedule), "the driver to fill the buffer")
     with schedule.pause():
         buffered = [b.index for b in schedule.buffer]
         schedule.save_buffer(str(tmp_path))
     schedule.close()
-    assert buffered == [3, 4, 5]  # capacity max_staleness + 1, nothing in flight at the save
-    again = FakeTrainer(ScriptedRollout(gen_s=0.001), "async", total=10, max_staleness=2)
+    assert buffered == [3, 4, 5]  # capacity max_staleness + 1
+    again = FakeTrainer(ScriptedRollout(), "async", total=10, max_staleness=2)
     resumed = AsyncSchedule(again)
     resumed.load_buffer(str(tmp_path))
     taken = run(resumed, again, range(3, 7))
@@ -223,6 +296,72 @@ def test_async_checkpoint_keeps_finished_batches_and_resume_trains_them_first(tm
     assert all(max(b.lags(step - 1)) <= 2 for step, b, _ in taken)
 
 
+class WatchedCondition(threading.Condition):
+    """A `threading.Condition` that calls `on_wait()` each time a thread starts waiting on it."""
+
+    def __init__(self, on_wait) -> None:
+        super().__init__()
+        self.on_wait = on_wait
+
+    def wait(self, timeout=None):
+        self.on_wait()
+        return super().wait(timeout)
+
+
+def test_a_checkpoint_taken_while_a_batch_is_in_flight_waits_for_it_and_holds_it(tmp_path):
+    """pause() called while batch 1 is being generated: the checkpoint holds batch 1, finished. The generation is
+    released only once the trainer waits inside pause(), so a pause that did not wait would save an empty buffer."""
+    rollout = ScriptedRollout(hold=(1,))
+    trainer = FakeTrainer(rollout, "async", total=10, max_staleness=0)
+    schedule = AsyncSchedule(trainer)
+    trainer_thread = threading.current_thread()
+    order: list[str] = []
+
+    def on_wait():  # the trainer is blocked in pause(): let the batch in flight finish
+        if threading.current_thread() is trainer_thread and schedule.paused and not rollout.released[1].is_set():
+            order.append("pause waits")
+            rollout.release(1)
+
+    schedule.cond = WatchedCondition(on_wait)
+    rollout.push_weights(0)
+    schedule.start(1)
+    try:
+        assert rollout.entered[1].wait(BOUND_S), "batch 1 never started"
+        with schedule.pause():
+            order.append("paused")
+            buffered = [(b.index, versions_of(b)) for b in schedule.buffer]
+            schedule.save_buffer(str(tmp_path))
+    finally:
+        rollout.release(1)
+        schedule.close()
+    assert order == ["pause waits", "paused"]
+    assert buffered == [(1, {0})]
+    again = FakeTrainer(ScriptedRollout(), "async", total=10, max_staleness=0)
+    resumed = AsyncSchedule(again)
+    resumed.load_buffer(str(tmp_path))
+    (_, batch, metrics), = run(resumed, again, [1])
+    assert batch.index == 1 and versions_of(batch) == {0} and metrics["async/restored_batches"] == 1.0
+    assert 1 not in again.drawn  # trained from the checkpoint, not generated again
+
+
+def test_take_dropping_only_too_stale_batches_is_bounded_and_names_them():
+    """Weights that never reach the engines (no push lands): every batch the driver makes is too stale, and take's
+    drop loop stops at its bound naming what it dropped. Without the bound it spins until generate call 3000 fails
+    (3 s at least, 10 times the bound)."""
+    rollout = ScriptedRollout(gen_s=0.001, fail_at=3000)
+    trainer = FakeTrainer(rollout, "async", total=10, max_staleness=0, stale_policy="drop")
+    schedule = AsyncSchedule(trainer, wait_timeout_s=0.3)
+    rollout.push_weights(0)
+    schedule.start(1)
+    try:
+        with pytest.raises(TimeoutError, match=r"a rollout batch for step 5 at most 0 version\(s\) behind version 4 "
+                                               r"\(dropped \d+ too-stale batch"):
+            schedule.take(5, {})  # the trainer expects version 4; the engines hold 0
+    finally:
+        schedule.close()
+    assert schedule.counts["dropped_batches"] >= 1
+
+
 def test_a_failing_engine_stops_the_trainer_naming_it():
     trainer = FakeTrainer(ScriptedRollout(fail_at=3), "async", total=10, max_staleness=1)
     with pytest.raises(RuntimeError, match="rollout driver thread failed.*engine rank 1 died"):
@@ -230,17 +369,30 @@ def test_a_failing_engine_stops_the_trainer_naming_it():
 
 
 def test_every_wait_is_bounded_and_named():
-    trainer = FakeTrainer(ScriptedRollout(gen_s=1.0), "async", total=10)
+    rollout = ScriptedRollout(hold=(1,))  # batch 1 never finishes while the trainer waits
+    trainer = FakeTrainer(rollout, "async", total=10)
     schedule = AsyncSchedule(trainer, wait_timeout_s=0.3)
-    trainer.rollout.push_weights(0)
+    rollout.push_weights(0)
     schedule.start(1)
-    with pytest.raises(TimeoutError, match="a rollout batch for step 1"):
-        schedule.take(1, {})
-    with pytest.raises(TimeoutError, match="the engines to finish the rollout in flight"):
-        with schedule.exclusive():
-            pass
-    schedule.wait_timeout_s = 10
-    schedule.close()
+    try:
+        assert rollout.entered[1].wait(BOUND_S)
+        with pytest.raises(TimeoutError, match="a rollout batch for step 1"):
+            schedule.take(1, {})
+        with pytest.raises(TimeoutError, match="the engines to finish the rollout in flight"):
+            with schedule.exclusive():
+                pass
+        with pytest.raises(TimeoutError, match="the rollout in flight to finish before the checkpoint"):
+            with schedule.pause():
+                pass
+        rollout.release(1)  # the timed-out pause (no checkpoint) left the driver free to go on
+        schedule.wait_timeout_s = BOUND_S
+        assert schedule.take(1, {}).index == 1
+        schedule.after_update(1)
+        assert schedule.take(2, {}).index == 2
+    finally:
+        rollout.release(1)
+        schedule.wait_timeout_s = BOUND_S
+        schedule.close()
 
 
 def test_validation_and_pushes_take_turns_with_the_driver():
@@ -267,34 +419,67 @@ def test_rollout_batch_lags_are_per_sample_oldest_token():
 
 
 class EpisodeTrainer(FakeTrainer):
-    """A trainer with multi-turn episodes: each batch is two turns of generation (what `RLTrainer._episode_batch`
-    does through `EpisodeRunner`), the version read after each turn."""
+    """A trainer with multi-turn episodes: the real `EpisodeRunner` (transformers' chat template and tokenizer, the
+    calculator environment and scripted policy of test_envs_episode.py: a tool call, then the answer: two turns)
+    and the real batch producer, `RLTrainer._episode_batch`; 2 records x 2 episodes = 4 episodes per batch."""
+
+    _episode_batch = RLTrainer._episode_batch
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.episodes = object()  # not None: the schedule asks for episode batches
+        self.cfg.rollout.samples_per_prompt = 2
+        self.episodes = EpisodeRunner(episode_tests.TOK, episode_tests.CalcEnv, episode_tests.parse,
+                                      episode_tests.LIMITS)
 
-    def _episode_batch(self, index, records, sampling, version, generate):
-        turns = []
-        for _ in range(2):
-            out = generate([[1, 2, 3]], dataclasses.replace(sampling, max_new_tokens=2))
-            turns.append((list(out), version() if callable(version) else version))
-        samples = [RolloutSample(0, 0, [1, 2, 3], [t for out, _ in turns for t in out[0].response_ids],
-                                 [lp for out, _ in turns for lp in out[0].response_log_probs], "stop")]
-        versions = [[v] * len(out[0].response_ids) for out, v in turns]
-        return RolloutBatch(index, records, samples, [], torch.zeros(1), {}, version=min(v for _, v in turns),
-                            token_versions=[versions[0] + versions[1]])
+    def _draw(self, index, k=0):
+        self.drawn.append(index)
+        return list(episode_tests.RECORDS), None, SamplingSettings(seed=index)
+
+
+def token_versions_read_off(t) -> list[int]:
+    """The version that sampled each of a trajectory's sampled tokens, read off its log-prob (-(v + 1) / 10)."""
+    return [round(-lp * 10) - 1 for lp, m in zip(t.log_probs, t.loss_mask) if m]
+
+
+def episode_rollout(**kw) -> ScriptedRollout:
+    return ScriptedRollout(policy=episode_tests.ScriptedPolicy(), **kw)
 
 
 @pytest.mark.parametrize("partial", ["finish", "continue"])
 def test_async_episodes_take_pushes_between_turns_only_with_partial_continue(partial):
-    rollout = ScriptedRollout(gen_s=0.05)  # asserts that a push never overlaps a generation
-    trainer = EpisodeTrainer(rollout, "async", total=8, max_staleness=2, partial=partial)
-    taken = run(AsyncSchedule(trainer), trainer, range(1, 9), train_s=0.03)
-    mixed = 0
-    for step, b, _ in taken:
-        (s,), (vs,) = b.samples, b.token_versions
-        assert vs == [t - 100 for t in s.response_ids]  # each turn's recorded version sampled it
-        assert max(b.lags(step - 1)) <= 2
-        mixed += len(set(vs)) > 1
-    assert (mixed > 0) == (partial == "continue")
+    """Batch 1 = generate calls 1-2 (one per turn); call 3 (batch 2's first turn) is held until step 1's push waits
+    for the engines. With partial=continue the push lands between batch 2's two turns, so its second turn is sampled
+    by version 1; with finish it waits for the whole batch. Every token's recorded version must be the one that
+    sampled it (read off its log-prob), and the lags the oldest token's."""
+    rollout = episode_rollout(hold=(3,))  # asserts that a push never overlaps a generation
+    trainer = EpisodeTrainer(rollout, "async", total=4, max_staleness=2, partial=partial)
+    taken = run(AsyncSchedule(trainer), trainer, range(1, 5), push_during={1: 3})
+    for step, b, m in taken:
+        assert len(b.trajectories) == 4 and b.samples == []
+        for t in b.trajectories:
+            sampled = [v for v, mask in zip(t.policy_version, t.loss_mask) if mask]
+            assert sampled == token_versions_read_off(t)
+        oldest = [min(token_versions_read_off(t)) for t in b.trajectories]
+        assert b.lags(step - 1) == [step - 1 - v for v in oldest]
+        assert m["async/staleness_max"] == max(step - 1 - v for v in oldest)
+        assert b.version == min(oldest)
+    second = taken[1][1]
+    per_turn = [sorted(set(token_versions_read_off(t))) for t in second.trajectories]
+    if partial == "continue":
+        assert per_turn == [[0, 1]] * 4  # turn 1 on version 0, turn 2 on version 1
+        assert second.lags(1) == [1] * 4  # from the oldest token (version 0), not the newest
+        assert taken[1][2]["async/staleness_max"] == 1.0
+    else:
+        assert per_turn == [[0]] * 4
+    assert rollout.calls[:6] == [("push", 0), ("generate", 0), ("generate", 0), ("generate", 0)] + (
+        [("push", 1), ("generate", 1)] if partial == "continue" else [("generate", 0), ("push", 1)])
+
+
+def test_async_episodes_dropped_as_too_stale_are_counted_as_episodes():
+    """stale_policy=drop with episode batches: each dropped batch counts its 4 episodes in async/dropped_samples."""
+    trainer = EpisodeTrainer(episode_rollout(), "async", total=4, max_staleness=0, stale_policy="drop")
+    taken = run(AsyncSchedule(trainer), trainer, range(1, 5), before_update=one_buffered)
+    assert [b.index for _, b, _ in taken] == [1, 3, 5, 7]
+    assert all({v for t in b.trajectories for v in token_versions_read_off(t)} == {step - 1} for step, b, _ in taken)
+    assert taken[-1][2]["async/dropped_batches"] == 3.0
+    assert taken[-1][2]["async/dropped_samples"] == 3.0 * 4
