@@ -358,7 +358,7 @@ def load_engine_checkpoint(engine, mdir: str, with_optimizer: bool = False) -> N
         opt_state = loaded[OPTIMIZER_SD_KEY]
         pad_vocab_rows(opt_state, vocab)
         with megatron_on_cpu():
-            load_common_and_params(engine, torch.load(os.path.join(mdir, ENGINE_STATE), weights_only=False),
+            load_common_and_params(engine, torch.load(os.path.join(mdir, ENGINE_STATE), weights_only=True),
                                    opt_state)
 
 

@@ -168,7 +168,10 @@ def capture_rng(megatron: bool = True) -> dict[str, Any]:
     (every device) when present; with `megatron` also megatron-core's model-parallel RNG tracker states and, on CPU,
     the generator the compatibility layer gives that tracker (`megarl.platform.megatron_cpu_compat.DEVICE_RNG`).
     The controller passes megatron=False (it never imports megatron-core)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch_cpu": torch.get_rng_state()}
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    # numpy's key array as a tensor: every value here is plain data or a tensor (loads with weights_only=True)
+    state = {"python": random.getstate(), "torch_cpu": torch.get_rng_state(),
+             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached_gaussian))}
     if torch.cuda.is_available():
         state["torch_cuda"] = torch.cuda.get_rng_state_all()
     if megatron:
@@ -185,7 +188,8 @@ def capture_rng(megatron: bool = True) -> dict[str, Any]:
 def restore_rng(state: dict[str, Any]) -> None:
     """Inverse of `capture_rng` (on the same kind of device; a CUDA state is skipped on CPU and vice versa)."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch_cpu"])
     if torch.cuda.is_available() and "torch_cuda" in state:
         torch.cuda.set_rng_state_all(state["torch_cuda"])
@@ -220,7 +224,12 @@ def load_rng(step_dir: str, pool: str, rank: int, layout: str) -> str:
     path = rng_path(step_dir, pool, rank)
     if not os.path.isfile(path):
         return f"not restored: {path} is missing"
-    saved = torch.load(path, weights_only=False)
+    import pickle
+
+    try:
+        saved = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        return f"not restored: {path} holds pickled Python objects (an older megarl's format), not loaded"
     if saved["layout"] != layout:
         return f"not restored: saved at layout {saved['layout']}, now {layout}"
     restore_rng(saved["state"])

@@ -92,6 +92,42 @@ class RolloutBatch:
     reward_s: float = 0.0
     trajectories: Optional[list] = None  # multi-turn episodes (rollout.env): the trajectories themselves
 
+    def state_dict(self) -> dict:
+        """The batch as plain data (dicts, lists, str, numbers, None, tensors) for `torch.save`: what
+        `torch.load(weights_only=True)` reads back, so a checkpoint never executes code. Routing records (numpy or
+        torch) travel as tensors."""
+        return {"index": int(self.index),
+                "records": [{"prompt_record": dataclasses.asdict(r)} if dataclasses.is_dataclass(r) else {"plain": r}
+                            for r in self.records],
+                "samples": [{**{f.name: getattr(x, f.name) for f in dataclasses.fields(x)},
+                             "routed_experts": _experts_state(x.routed_experts)} for x in self.samples],
+                "dropped": [int(i) for i in self.dropped], "scores": self.scores,
+                "reward_metrics": _plain_numbers(self.reward_metrics), "version": int(self.version),
+                "token_versions": self.token_versions, "metrics": _plain_numbers(self.metrics),
+                "rollout_s": float(self.rollout_s), "reward_s": float(self.reward_s),
+                "trajectories": None if self.trajectories is None else [
+                    {**{f.name: getattr(t, f.name) for f in dataclasses.fields(t)},
+                     "routed_experts": _experts_state(t.routed_experts)} for t in self.trajectories]}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "RolloutBatch":
+        """Inverse of `state_dict`."""
+        from megarl.data.dataset import PromptRecord
+        from megarl.data.trajectory import Trajectory
+        from megarl.rollout.engine import RolloutSample
+
+        trajectories = state["trajectories"]
+        return cls(index=state["index"], records=[PromptRecord(**r["prompt_record"]) if "prompt_record" in r
+                                                  else r["plain"] for r in state["records"]],
+                   samples=[RolloutSample(**{**x, "routed_experts": _experts_from_state(x["routed_experts"])})
+                            for x in state["samples"]],
+                   dropped=list(state["dropped"]), scores=state["scores"], reward_metrics=state["reward_metrics"],
+                   version=state["version"], token_versions=state["token_versions"], metrics=state["metrics"],
+                   rollout_s=state["rollout_s"], reward_s=state["reward_s"],
+                   trajectories=None if trajectories is None else [
+                       Trajectory(**{**t, "routed_experts": _experts_from_state(t["routed_experts"])})
+                       for t in trajectories])
+
     @property
     def num_samples(self) -> int:
         """The batch's samples: its responses, or with rollout.env its episodes (`samples` is then empty)."""
@@ -120,6 +156,26 @@ class RolloutBatch:
             else:
                 out.update(trained_version - v for v in self.token_versions[i])
         return dict(out)
+
+
+def _plain_numbers(metrics: dict) -> dict:
+    """A metrics dict with numpy scalars as Python numbers (numpy objects do not load with weights_only=True)."""
+    return {k: v.item() if hasattr(v, "item") and not isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+
+
+def _experts_state(experts: Any) -> Optional[dict]:
+    """A routing record (None, numpy or torch array) as {"kind": "numpy" | "torch", "tensor": ...}."""
+    if experts is None:
+        return None
+    if isinstance(experts, torch.Tensor):
+        return {"kind": "torch", "tensor": experts}
+    return {"kind": "numpy", "tensor": torch.from_numpy(experts)}
+
+
+def _experts_from_state(state: Optional[dict]) -> Any:
+    if state is None:
+        return None
+    return state["tensor"] if state["kind"] == "torch" else state["tensor"].numpy()
 
 
 def wait_for(cond: threading.Condition, ready, what: str, timeout_s: float) -> None:
@@ -197,17 +253,29 @@ class Schedule:
         out.update({f"async/lag_frac/{d}": n / total for d, n in sorted(tokens.items())})
         return out
 
-    def _write(self, path: str, batches: list[RolloutBatch], state: dict) -> None:
+    @staticmethod
+    def _write(path: str, batches: list[RolloutBatch], state: dict) -> None:
+        """`batches` and the schedule's `state` (plain data) to `path`/BUFFER_FILE, atomically, as plain data."""
         tmp = os.path.join(path, BUFFER_FILE + ".tmp")
-        torch.save({"batches": batches, "state": state}, tmp)
+        torch.save({"batches": [b.state_dict() for b in batches], "state": state}, tmp)
         os.replace(tmp, os.path.join(path, BUFFER_FILE))
 
     @staticmethod
     def _read(path: str) -> Optional[dict]:
+        """What `_write` wrote (batches as `RolloutBatch`es), loaded with weights_only=True; None without a file."""
+        import pickle
+
         file = os.path.join(path, BUFFER_FILE)
         if not os.path.exists(file):
             return None
-        return torch.load(file, weights_only=False)
+        try:
+            saved = torch.load(file, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise RuntimeError(
+                f"{file} holds pickled Python objects (written by a megarl before rollout buffers were plain data) and "
+                "is not loaded: loading it would run code from the file. Delete it to resume without the buffered "
+                f"batches (they are generated again), or resume from a newer checkpoint ({e})") from None
+        return {"batches": [RolloutBatch.from_state_dict(b) for b in saved["batches"]], "state": saved["state"]}
 
 
 class OneStepOffSchedule(Schedule):

@@ -34,6 +34,21 @@ class QuickstartRun:
     shm_new: set  # /dev/shm entries present after the run that were not there before it
 
 
+def assert_checkpoint_loads_without_pickle(step_dir, must_have: tuple = ()) -> list[str]:
+    """Every torch file (`*.pt`) under checkpoint step directory `step_dir` (megarl's and megatron-core's) loads with
+    torch.load(weights_only=True), which refuses any pickled object: loading a checkpoint never runs code from it.
+    `must_have`: files (relative paths) that must be among them, so that the check cannot pass on an empty
+    directory. Returns the relative paths checked."""
+    import torch
+
+    found = sorted(os.path.relpath(os.path.join(d, f), step_dir) for d, _, files in os.walk(step_dir)
+                   for f in files if f.endswith(".pt"))
+    assert set(must_have) <= set(found), (sorted(set(must_have) - set(found)), found)
+    for rel in found:
+        torch.load(os.path.join(step_dir, rel), weights_only=True)
+    return found
+
+
 def read_rows(run_dir) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

@@ -32,7 +32,7 @@ import sys
 import pytest
 import torch
 
-from tests.e2e.conftest import ROOT
+from tests.e2e.conftest import ROOT, assert_checkpoint_loads_without_pickle
 
 # what a resumed run may log differently: wall times (seconds, "_s") and rates, and the resume's own counts
 NOT_REPEATED = ("time/", "per_s", "busy_frac", "async/restored_batches", "async/buffer")
@@ -79,8 +79,8 @@ def test_one_step_off_resume_repeats_the_uninterrupted_run_bit_for_bit(runs):
 
 def test_async_resume_trains_every_finished_batch_once(runs):
     saved = torch.load(os.path.join(runs["out"], "async4", "ckpt", "step_000025", "rollout_buffer.pt"),
-                       weights_only=False)
-    in_buffer = [b.index for b in saved["batches"]]
+                       weights_only=True)
+    in_buffer = [b["index"] for b in saved["batches"]]
     # finished batches waiting at the save (up to max_staleness + 1 = 5: how many depends on how far the driver ran
     # ahead on this machine); nothing was in flight
     assert 1 <= len(in_buffer) <= 5, in_buffer
@@ -122,3 +122,14 @@ def test_colocated_one_step_off_learns(tmp_path, joined_ray_env):
     print(f"colocated one_step_off: first 5 steps {first:.3f}, last 5 {last:.3f}")
     assert last > first + 0.2
     assert [r["async/staleness_max"] for r in rows] == [0.0] + [1.0] * (len(rows) - 1)
+
+
+def test_every_modes_checkpoint_loads_with_weights_only(runs):
+    """one_step_off's and async's step checkpoints (the actor's distributed checkpoint and optimizer state, each
+    process's RNG state, the rollout buffer) hold no pickled object: each *.pt loads with weights_only=True (sync
+    mode's: tests/e2e/test_resume.py)."""
+    for run, step in (("one_step_off", 15), ("async4", 25)):
+        checked = assert_checkpoint_loads_without_pickle(
+            os.path.join(runs["out"], run, "ckpt", f"step_{step:06d}"),
+            must_have=("rollout_buffer.pt", "actor/engine_state.pt", "rng/controller_rank00000.pt"))
+        print(run, checked)

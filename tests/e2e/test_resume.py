@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import read_dcp
-from tests.e2e.conftest import QUICKSTART_SAVE_EVERY
+from tests.e2e.conftest import QUICKSTART_SAVE_EVERY, assert_checkpoint_loads_without_pickle
 from tests.e2e.critic_checks import assert_critic_weights_changed
 from tests.subprocess_env import clean_env
 
@@ -175,6 +175,10 @@ def test_resume_is_bit_identical(tmp_path, algo, request, joined_ray_env):
     final_full, final_part = full_ckpt / "step_000004", part_ckpt / "step_000004"
     for role in ("actor", "critic") if algo == "ppo" else ("actor",):
         _assert_same_checkpoint(str(final_full), str(final_part), role)
+    # sync mode's checkpoint holds no pickled object (the other modes': tests/e2e/test_async_modes.py)
+    roles = ("actor", "critic") if algo == "ppo" else ("actor",)
+    assert_checkpoint_loads_without_pickle(final_part, must_have=(*(f"{r}/engine_state.pt" for r in roles),
+                                                                  "rng/controller_rank00000.pt"))
 
     if algo == "grpo":
         _check_resume_at_another_layout(tmp_path / "layout", tmp_path / "layout_ckpt", full, str(final_full),

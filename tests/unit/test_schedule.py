@@ -483,3 +483,48 @@ def test_async_episodes_dropped_as_too_stale_are_counted_as_episodes():
     assert all({v for t in b.trajectories for v in token_versions_read_off(t)} == {step - 1} for step, b, _ in taken)
     assert taken[-1][2]["async/dropped_batches"] == 3.0
     assert taken[-1][2]["async/dropped_samples"] == 3.0 * 4
+
+
+def test_a_rollout_buffer_is_plain_data_that_loads_with_weights_only_and_round_trips(tmp_path):
+    """Issue 30: the buffer file of a checkpoint loads with torch.load(weights_only=True) (a pickled object would make
+    loading a checkpoint code execution): single-turn samples with numpy routing records, episodes' trajectories
+    with torch ones, records with chat prompts; each batch comes back equal field by field. A file in the old
+    pickled format is refused with what to do, never loaded."""
+    import numpy as np
+
+    from megarl.data.dataset import PromptRecord
+    from megarl.data.trajectory import Trajectory
+    from megarl.trainer.schedule import BUFFER_FILE
+
+    routed = np.arange(2 * 3 * 2, dtype=np.int16).reshape(2, 3, 2)
+    single = RolloutBatch(3, [PromptRecord(0, [{"role": "user", "content": "hi"}], "42", {"p": [1, 2]})],
+                          [RolloutSample(0, 0, [5, 6], [7, 8], [-0.5, -0.25], "stop", routed)], [1],
+                          torch.tensor([1.0]), {"reward/errors": np.float64(0.0)}, 2, token_versions=[[2, 3]],
+                          metrics={"dynamic/kept": 4.0}, rollout_s=1.5, reward_s=0.5)
+    episode = Trajectory([1, 2, 3, 4], 2, [0, 0, 1, 1], [0.0, 0.0, -0.1, -0.2], [-1, -1, 4, 4], "u/0", "u", "stop",
+                         torch.zeros(3, 1, 2, dtype=torch.int16))
+    episodes = RolloutBatch(4, [PromptRecord(1, "2*3=", "6", {})], [], [], torch.tensor([0.0]), {}, 4,
+                            trajectories=[episode])
+    Schedule._write(str(tmp_path), [single, episodes], {"mode": "async", "next_index": 5})
+    raw = torch.load(tmp_path / BUFFER_FILE, weights_only=True)  # raises on any pickled object
+    assert raw["state"] == {"mode": "async", "next_index": 5} and len(raw["batches"]) == 2
+    back = Schedule._read(str(tmp_path))["batches"]
+    for want, got in zip([single, episodes], back):
+        for f in dataclasses.fields(RolloutBatch):
+            a, b = getattr(want, f.name), getattr(got, f.name)
+            if f.name == "scores":
+                assert torch.equal(a, b)
+            elif f.name in ("samples", "trajectories") and a:
+                for x, y in zip(a, b):
+                    assert type(x) is type(y)
+                    for g in dataclasses.fields(x):
+                        u, v = getattr(x, g.name), getattr(y, g.name)
+                        if g.name == "routed_experts":
+                            assert type(u) is type(v) and (u == v).all(), g.name
+                        else:
+                            assert u == v, g.name
+            else:
+                assert a == b, f.name
+    torch.save({"batches": [single], "state": {}}, tmp_path / BUFFER_FILE)  # pickled dataclasses, the old format
+    with pytest.raises(RuntimeError, match="holds pickled Python objects .* Delete it to resume without"):
+        Schedule._read(str(tmp_path))
