@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import time
 
@@ -120,6 +121,29 @@ class ProbeWorker:
         t = torch.tensor([self.rank + 1.0])
         dist.all_reduce(t)
         return (self.rank, float(t.item()))
+
+    @dispatch(ONE_TO_ALL)
+    def named_barriers(self, timeout_s: float):
+        """Two `named_barrier`s: both ranks arrive at the first; rank 1 stays away from the second until rank 0 has
+        given up on it (then arrives, so both processes keep counting the same barriers). Rank 0 returns the
+        error message of the second; rank 1 returns None."""
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        from megarl.platform.distributed import named_barrier
+
+        named_barrier("both ranks", timeout_s=60)
+        store = _get_default_store()
+        if self.rank == 0:
+            try:
+                named_barrier("rank 1 to finish its part of the test", timeout_s=timeout_s)
+            except TimeoutError as e:
+                store.set("named_barrier_test/rank0_gave_up", "1")
+                return str(e)
+            store.set("named_barrier_test/rank0_gave_up", "1")
+            return None
+        store.wait(["named_barrier_test/rank0_gave_up"])
+        named_barrier("rank 1, late", timeout_s=60)
+        return None
 
     @dispatch(ONE_TO_ALL)
     def worker_thread(self):
@@ -278,6 +302,15 @@ def test_a_stopped_rank_is_named(short_heartbeat):
     assert "ProbeWorker.nap_then_sum: rank(s) [1] of 2 stopped answering their heartbeat" in message
     assert f"rank 1 pid {pids[1]}" in message and "Still running and alive: [0]" in message
     assert call.result() == [(0, 3.0), (1, 3.0)]  # resumed: the same call now finishes and is collected
+
+
+def test_named_barrier_names_what_it_waited_for_and_the_missing_rank(group):
+    """`megarl.platform.distributed.named_barrier` (the checkpoint commit barriers) on the group's gloo world."""
+    rank0, rank1 = group.named_barriers(1.0)
+    assert rank1 is None
+    assert re.fullmatch(r"rank 0: waited 1 s for rank 1 to finish its part of the test: rank\(s\) \[1\] of 2 did not "
+                        r"arrive \(barrier megarl/barrier/\d+\)", rank0), rank0
+    assert group.echo(1) == [(0, 1, 0), (1, 1, 0)]
 
 
 def test_megatron_engine_tp2_through_the_controller(group):
