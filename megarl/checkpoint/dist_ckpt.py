@@ -48,6 +48,7 @@ from megarl.checkpoint.name_map import (
 )
 from megarl.models.gpt import DTYPES
 from megarl.models.spec import ARCHITECTURES, ModelSpec, moe_hf_config_fields
+from megarl.platform.distributed import named_barrier
 from megarl.platform.megatron_cpu_compat import megatron_on_cpu
 
 META_NAME = "megarl_checkpoint.json"
@@ -289,7 +290,7 @@ def save_engine_checkpoint(engine, out: str, overwrite: bool = False, hf_config:
         if common is not None:
             torch.save(common, os.path.join(tmp, ENGINE_STATE))
         commit_dir(tmp, out)
-    dist.barrier()
+    named_barrier(f"rank 0 to commit the checkpoint {out}")
 
 
 def has_optimizer_state(mdir: str) -> bool:
@@ -505,7 +506,7 @@ def hf_to_megatron(hf_dir: str, out: str, dtype: Optional[str] = None, overwrite
         name = {v: k for k, v in DTYPES.items()}[torch_dtype]
         _write_meta(tmp, reader.config, name, reader.asset_files())
         commit_dir(tmp, out)
-    dist.barrier()
+    named_barrier(f"rank 0 to commit the converted checkpoint {out}")
     return stats
 
 
@@ -592,7 +593,7 @@ def megatron_to_hf(mdir: str, out: str, overwrite: bool = False, max_shard_bytes
         )
         writer.finish(config, assets)
         stats = {"bytes": writer.total_bytes}
-    dist.barrier()
+    named_barrier(f"rank 0 to finish the HF directory {out}")
     return stats
 
 

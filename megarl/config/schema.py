@@ -128,6 +128,18 @@ class ResourcesConfig:
         "null = this machine's cores / the device slots of all pools (at least 1), for a local Ray cluster, "
         "and 1 when joining a cluster (RAY_ADDRESS), whose nodes' cores the controller cannot see.", min=1,
     )
+    heartbeat_timeout_s: float = opt(
+        30.0, "How long a worker process may leave the controller's heartbeat unanswered while one of its calls runs "
+        "before the call fails naming the rank, the call and the process (a stopped, frozen or unreachable process; "
+        "a dead one is named at once). Calls themselves have no time limit while their ranks answer: a step, "
+        "generation or save of any length is collected.", unit="s", min=0.1,
+    )
+    call_timeout_s: Optional[float] = opt(
+        None, "Optional bound on the wall time of every controller call to the workers (generate, update, save, "
+        "...), from its submission; null = none (heartbeat_timeout_s still catches hung ranks). Set it above your "
+        "longest healthy call, e.g. one_step_off collects a generation after the training step it overlapped.",
+        unit="s", min=1,
+    )
 
 
 # --------------------------------------------------------------------------------------------------- roles

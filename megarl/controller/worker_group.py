@@ -11,10 +11,23 @@ Start-up (what torchrun would do, done by the controller):
 Calls: every `@dispatch(mode)` method of `worker_cls` becomes a method of the group with the same name. A controller
 call plans the per-rank arguments (`megarl.controller.dispatch.plan_calls`; each distinct argument set is
 `ray.put` once, so a broadcast batch is serialised once, not once per rank), calls *every* rank, waits for all of
-them with a timeout and collects (`dispatch.collect`); `group.method.submit(...)` returns a `PendingCall` instead
-of waiting, so calls on different groups can overlap. A worker exception is re-raised on the controller as
-`WorkerError` naming the rank, with the remote traceback; ranks that do not answer in time raise `CallTimeout`
-naming them. Either leaves the world in an unknown state (a peer may be stuck in a collective): shut the group down.
+them and collects (`dispatch.collect`); `group.method.submit(...)` returns a `PendingCall` instead of waiting, so
+calls on different groups can overlap. A worker exception is re-raised on the controller as `WorkerError` naming the
+rank, with the remote traceback.
+
+How long a call may take: as long as its ranks are alive. While the controller waits for a call it pings every rank
+that has not answered yet (`_WorkerHost.heartbeat`, in a Ray concurrency group of its own, so it is answered on a
+second thread while the call runs on the worker thread); a rank whose heartbeat goes unanswered for
+`heartbeat_timeout_s` (`resources.heartbeat_timeout_s`: a stopped or frozen process) raises `CallTimeout` naming
+it, the call and its pid; a rank whose process died raises `WorkerError` naming it. A healthy call of any length
+(a training step of minutes, a save of a large model) is never failed by this. `call_timeout_s`
+(`resources.call_timeout_s`, default none) adds an optional bound on a call's wall time from submission. Before
+any timeout is raised Ray is asked once more whether the call finished (a finished call is collected). Every
+failure leaves the world in an unknown state (a peer may be stuck in a collective): shut the group down.
+
+The worker object runs on one thread of the actor (Ray's default concurrency group, one thread, always the same:
+thread-local state such as the CUDA device stays put), not on the process's main thread; the heartbeat runs on
+another. `_WorkerHost.__init__` (the main thread) sets the process's signal handling.
 
 Colocation (the hybrid engine): roles that share devices live in the same processes. Do that with one
 `worker_cls` that owns several roles -- e.g. a `HybridWorker` whose constructor builds the actor's
@@ -43,6 +56,20 @@ from megarl.controller.dispatch import (
 )
 from megarl.controller.resource_pool import ResourcePool
 
+# The Ray concurrency group (one thread) that answers heartbeats while a call runs on the worker thread.
+HEARTBEAT_GROUP = "heartbeat"
+# Seconds a rank may leave a heartbeat unanswered before its call fails (resources.heartbeat_timeout_s's default).
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
+# Least timeout of the ranks' torch.distributed process group (a collective waiting for a peer): long enough for one
+# rank's slow part (rank 0 writing a checkpoint while the others wait in the next collective).
+PROCESS_GROUP_TIMEOUT_S = 1800.0
+
+
+def heartbeat_interval_s(heartbeat_timeout_s: float) -> float:
+    """Seconds between two heartbeats of a rank: a fifth of the timeout (so a slow answer or two is tolerated),
+    between 0.05 and 5 s."""
+    return min(max(heartbeat_timeout_s / 5.0, 0.05), 5.0)
+
 
 class WorkerError(RuntimeError):
     """A worker method raised on some rank; `rank` names it and the message carries the remote traceback."""
@@ -53,7 +80,8 @@ class WorkerError(RuntimeError):
 
 
 class CallTimeout(TimeoutError):
-    """Some ranks did not answer a controller call in time; `ranks` lists them."""
+    """Some ranks did not answer a controller call: they stopped answering their heartbeat (hung or stopped
+    processes), or the call ran past its optional wall bound; `ranks` lists them."""
 
     def __init__(self, message: str, ranks: list[int]) -> None:
         super().__init__(message)
@@ -61,19 +89,19 @@ class CallTimeout(TimeoutError):
 
 
 class PendingCall:
-    """A dispatched call in flight (`group.method.submit(...)`): `result()` waits (within the call's timeout,
-    counted from submission), collects, and raises like a blocking call. Lets the controller overlap groups on
-    different pools, e.g. the critic's update with the actor's."""
+    """A dispatched call in flight (`group.method.submit(...)`): `result()` waits while the ranks are alive (and
+    within the call's optional wall bound, counted from submission), collects, and raises like a blocking call.
+    Lets the controller overlap groups on different pools, e.g. the critic's update with the actor's."""
 
     def __init__(
-        self, group: "WorkerGroup", what: str, spec: DispatchSpec, refs: list, replica_of, deadline: float,
-        timeout_s: float,
+        self, group: "WorkerGroup", what: str, spec: DispatchSpec, refs: list, replica_of,
+        wall_timeout_s: Optional[float], deadline: Optional[float],
     ) -> None:
         self._group, self._what, self._spec, self._refs = group, what, spec, refs
-        self._replica_of, self._deadline, self._timeout_s = replica_of, deadline, timeout_s
+        self._replica_of, self._wall_timeout_s, self._deadline = replica_of, wall_timeout_s, deadline
 
     def result(self) -> Any:
-        results = self._group._gather(self._refs, self._what, self._timeout_s, self._deadline)
+        results = self._group._gather(self._refs, self._what, self._wall_timeout_s, self._deadline)
         return collect(self._spec, results, self._replica_of)
 
     def done(self) -> bool:
@@ -156,6 +184,13 @@ class _WorkerHost:
     def pid(self) -> int:
         return os.getpid()
 
+    def heartbeat(self) -> tuple[int, str]:
+        """(pid, node IP): answered on the actor's `heartbeat` concurrency group thread while a call runs on the
+        worker thread, so a prompt answer means the process is alive and schedules Python threads."""
+        import ray
+
+        return os.getpid(), ray.util.get_node_ip_address()
+
     def init_world(
         self, master_addr: str, master_port: int, build: tuple[type, tuple, dict], pg_timeout_s: float
     ) -> int:
@@ -164,8 +199,9 @@ class _WorkerHost:
         from megarl.platform.distributed import init_distributed
 
         init_distributed(timeout_s=pg_timeout_s)
+        # On the worker thread (not the main one): a library the worker builds cannot replace the SIGINT handling
+        # `__init__` set (Python installs signal handlers from the main thread only).
         self.worker = worker_cls(*args, **kwargs)
-        _ignore_sigint()  # again: a library the worker built (vLLM, torch) may have installed its own handler
         return self.rank
 
     def call(self, method: str, packed: tuple[tuple, dict]) -> Any:
@@ -186,12 +222,16 @@ class WorkerGroup:
         worker_cls: a plain Python class (not `ray.remote`); its `@dispatch` methods become methods of the group.
         *args, **kwargs: passed to `worker_cls` on every rank (serialised once, at start-up).
         env: extra environment variables for every rank (set before the worker process imports anything).
-        call_timeout_s: default seconds a controller call waits for all ranks (a method's
-            `dispatch(..., timeout_s=...)` overrides it; the attribute may be changed later).
-        init_timeout_s: seconds to wait for the world to form and every `worker_cls` constructor to return.
+        heartbeat_timeout_s: seconds a rank may leave a heartbeat unanswered while a call of it is pending before
+            the call fails naming it (a stopped, frozen or unreachable process); a call itself may run as long as
+            its ranks answer. Attribute; may be changed later.
+        call_timeout_s: optional bound on a call's wall time from submission (None: none); a method's
+            `dispatch(..., timeout_s=...)` overrides it for that method. Attribute; may be changed later.
+        init_timeout_s: seconds to wait for the rank actors to start (rank 0's address); the world's forming and
+            the `worker_cls` constructors are then bounded like a call (heartbeats, `call_timeout_s`).
 
-    `env`, `call_timeout_s` and `init_timeout_s` are the group's own keyword arguments; every other keyword goes to
-    `worker_cls`.
+    `env`, `heartbeat_timeout_s`, `call_timeout_s` and `init_timeout_s` are the group's own keyword arguments; every
+    other keyword goes to `worker_cls`.
     """
 
     def __init__(
@@ -200,7 +240,8 @@ class WorkerGroup:
         worker_cls: type,
         *args: Any,
         env: Optional[dict[str, str]] = None,
-        call_timeout_s: float = 600.0,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        call_timeout_s: Optional[float] = None,
         init_timeout_s: float = 600.0,
         **kwargs: Any,
     ) -> None:
@@ -211,7 +252,12 @@ class WorkerGroup:
             raise TypeError("WorkerGroup wraps a plain Python class; pass the class, not its ray.remote version")
         self.pool = pool
         self.worker_cls = worker_cls
+        if heartbeat_timeout_s <= 0 or (call_timeout_s is not None and call_timeout_s <= 0):
+            raise ValueError(f"WorkerGroup: heartbeat_timeout_s ({heartbeat_timeout_s}) and call_timeout_s "
+                             f"({call_timeout_s}) must be > 0 seconds (call_timeout_s None = no wall bound)")
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.call_timeout_s = call_timeout_s
+        self._processes: dict[int, tuple[int, str]] = {}  # rank -> (pid, node IP), from heartbeat answers
         self._methods = dispatched_methods(worker_cls)
         clashes = sorted(set(self._methods) & set(dir(WorkerGroup)))
         if clashes:
@@ -219,7 +265,8 @@ class WorkerGroup:
                 f"{worker_cls.__name__}: dispatch methods {clashes} clash with WorkerGroup's own attributes"
             )
         pool.ready()
-        host_cls = ray.remote(_WorkerHost)
+        # the heartbeat answers on a thread of its own while a call runs (the default group: one worker thread)
+        host_cls = ray.remote(concurrency_groups={HEARTBEAT_GROUP: 1})(_WorkerHost)
         runtime_env = {"env_vars": {k: str(v) for k, v in env.items()}} if env else None
         self._actors = []
         for rank in range(pool.world_size):
@@ -232,10 +279,16 @@ class WorkerGroup:
                 opts["runtime_env"] = runtime_env
             self._actors.append(host_cls.options(**opts).remote(rank, pool.world_size, bundle, pool.devices_per_node))
         try:
-            addr, port = self._gather([self._actors[0].address.remote()], "address of rank 0", init_timeout_s)[0]
+            # the actors are not running yet: no heartbeat to ask, a plain bound on their start
+            addr, port = self._gather([self._actors[0].address.remote()], "address of rank 0", init_timeout_s,
+                                      heartbeat=False)[0]
             build = ray.put((worker_cls, args, kwargs))  # serialised once for all ranks
-            init = [a.init_world.remote(addr, port, build, max(init_timeout_s, call_timeout_s)) for a in self._actors]
-            self._gather(init, f"{worker_cls.__name__}.__init__", init_timeout_s)
+            pg_timeout_s = max(init_timeout_s, call_timeout_s or 0.0, PROCESS_GROUP_TIMEOUT_S)
+            init = [a.init_world.remote(addr, port, build, pg_timeout_s) for a in self._actors]
+            self._gather(init, f"{worker_cls.__name__}.__init__", call_timeout_s)
+            beats = [a.heartbeat.options(concurrency_group=HEARTBEAT_GROUP).remote() for a in self._actors]
+            self._processes.update(enumerate(self._gather(beats, "heartbeat of every rank", self.heartbeat_timeout_s,
+                                                          heartbeat=False)))
         except BaseException:
             self._kill_actors()
             raise
@@ -265,7 +318,8 @@ class WorkerGroup:
     def rank_address(self, rank: int = 0, timeout_s: float = 60.0) -> tuple[str, int]:
         """The node IP of `rank` and a TCP port free there right now (a rendezvous another group can reach, e.g.
         the bridge's store, `megarl.controller.bridge`)."""
-        return self._gather([self._actors[rank].address.remote()], f"address of rank {rank}", timeout_s)[0]
+        return self._gather([self._actors[rank].address.remote()], f"address of rank {rank}", timeout_s,
+                            ranks=[rank])[0]
 
     def pids(self, timeout_s: float = 60.0) -> list[int]:
         """The worker processes' pids, in rank order (for logs and tools that find the processes, e.g. in Ray's
@@ -305,7 +359,7 @@ class WorkerGroup:
         import ray
 
         what = f"{self.worker_cls.__name__}.{name}"
-        timeout = spec.timeout_s if spec.timeout_s is not None else self.call_timeout_s
+        timeout = spec.timeout_s if spec.timeout_s is not None else self.call_timeout_s  # None: no wall bound
         replica_of = self._replicas(what, spec, timeout) if spec.mode in DP_MODES else None
         mini = self._mini_batch_samples(what, spec, timeout) if spec.mode is Dispatch.DP_SPLIT_MINI_BATCHES else None
         calls = plan_calls(spec, args, kwargs, self.world_size, replica_of, what, mini_batch_samples=mini)
@@ -315,9 +369,10 @@ class WorkerGroup:
             if id(c) not in put:
                 put[id(c)] = ray.put(c)
             refs.append(actor.call.remote(name, put[id(c)]))
-        return PendingCall(self, what, spec, refs, replica_of, time.monotonic() + timeout, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return PendingCall(self, what, spec, refs, replica_of, timeout, deadline)
 
-    def _replicas(self, what: str, spec: DispatchSpec, timeout: float) -> list[int]:
+    def _replicas(self, what: str, spec: DispatchSpec, timeout: Optional[float]) -> list[int]:
         """Each rank's replica for a DP_SPLIT call, asked of the workers once per dispatch spec and kept: a group's
         layout is fixed, and asking again would queue behind the calls the workers are running (a rollout pool's
         `generate` while the trainer dispatches the next one)."""
@@ -327,7 +382,7 @@ class WorkerGroup:
             cache[key] = self._ask_replicas(what, spec, timeout)
         return cache[key]
 
-    def _mini_batch_samples(self, what: str, spec: DispatchSpec, timeout: float) -> Optional[int]:
+    def _mini_batch_samples(self, what: str, spec: DispatchSpec, timeout: Optional[float]) -> Optional[int]:
         """The role's global mini-batch size for a DP_SPLIT_MINI_BATCHES call (`spec.mini_batch_attr` of rank 0),
         asked once per attribute and kept, as `_replicas` (the role's batching is fixed by its config)."""
         cache = self.__dict__.setdefault("_mini_batch_cache", {})
@@ -337,7 +392,7 @@ class WorkerGroup:
             cache[spec.mini_batch_attr] = None if size is None else int(size)
         return cache[spec.mini_batch_attr]
 
-    def _ask_replicas(self, what: str, spec: DispatchSpec, timeout: float) -> list[int]:
+    def _ask_replicas(self, what: str, spec: DispatchSpec, timeout: Optional[float]) -> list[int]:
         if spec.group_size is not None:
             return replicas_from_group_size(self.world_size, spec.group_size, what)
         if spec.replica_attr is not None:
@@ -351,40 +406,123 @@ class WorkerGroup:
         )[0]
         return replicas_from_group_size(self.world_size, int(size), what)
 
-    def _gather(self, refs: list, what: str, timeout_s: float, deadline: Optional[float] = None) -> list[Any]:
-        """`ray.get` every ref (refs[i] is rank i's) by `deadline` (default: now + `timeout_s`); the first failing
-        rank raises at once (its peers may be blocked in a collective with it and never answer)."""
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
+    def _gather(
+        self, refs: list, what: str, wall_timeout_s: Optional[float], deadline: Optional[float] = None,
+        ranks: Optional[list[int]] = None, heartbeat: bool = True,
+    ) -> list[Any]:
+        """`ray.get` every ref (refs[i] is the call on rank `ranks[i]`, default rank i) for as long as the ranks
+        that have not answered are alive, and return the results in ref order.
 
-        rank_of = {ref: i for i, ref in enumerate(refs)}
+        Liveness: every `heartbeat_interval_s(self.heartbeat_timeout_s)` each rank still running the call is pinged
+        (`_WorkerHost.heartbeat`); one whose ping stays unanswered for `self.heartbeat_timeout_s` raises
+        `CallTimeout` naming it, the call and its process; one whose actor died raises `WorkerError`. The first
+        failing rank raises at once (its peers may be blocked in a collective with it and never answer).
+        `wall_timeout_s` (None: none) bounds the wall time, until `deadline` (default now + `wall_timeout_s`;
+        a `PendingCall`'s runs from submission). `heartbeat=False` (actors not started yet): the wall bound only.
+        Before any timeout is raised Ray is asked (without waiting) whether the call finished meanwhile.
+        """
+        import ray
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+
+        if deadline is None and wall_timeout_s is not None:
+            deadline = time.monotonic() + wall_timeout_s
+        if not heartbeat and deadline is None:
+            raise ValueError(f"{what}: a wait without heartbeats needs a wall bound")
+        ranks = list(range(len(refs))) if ranks is None else list(ranks)
+        rank_of = {ref: rank for ref, rank in zip(refs, ranks)}
+        index_of = {ref: i for i, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
-        deadline = time.monotonic() + timeout_s if deadline is None else deadline
-        while pending:
-            remaining = deadline - time.monotonic()
-            ready = []
-            if remaining > 0:
-                ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-            if not ready:
-                late = sorted(rank_of[r] for r in pending)
-                answered = sorted(set(range(len(refs))) - set(late))
-                raise CallTimeout(
-                    f"{what}: rank(s) {late} of {self.world_size} did not answer within {timeout_s:g}s "
-                    f"(answered: {answered}); the call keeps running on them -- shut the group down if it is stuck",
-                    late,
-                )
+        beat_timeout = self.heartbeat_timeout_s
+        interval = heartbeat_interval_s(beat_timeout)
+        started = time.monotonic()
+        pings: dict[Any, int] = {}  # outstanding heartbeat ref -> rank
+        pinged: dict[int, float] = {}  # rank -> when its latest ping was sent
+        unanswered_since: dict[int, float] = {}  # rank -> when its oldest unanswered ping was sent
+
+        def take(ready: list) -> None:
             for ref in ready:
                 rank = rank_of[ref]
                 try:
-                    results[rank] = ray.get(ref)
+                    results[index_of[ref]] = ray.get(ref)
                 except RayTaskError as e:
                     raise WorkerError(f"{what} raised on rank {rank} of {self.world_size}:\n{e}", rank) from None
                 except RayActorError as e:
                     raise WorkerError(
                         f"{what}: the actor of rank {rank} of {self.world_size} died:\n{e}", rank
                     ) from None
+
+        def beat(now: float) -> list[int]:
+            """Collect answered heartbeats, send due ones; the ranks silent for longer than `beat_timeout`."""
+            if pings:
+                answered, _ = ray.wait(list(pings), num_returns=len(pings), timeout=0)
+                for ref in answered:
+                    rank = pings.pop(ref)
+                    try:
+                        self._processes[rank] = ray.get(ref)
+                        unanswered_since.pop(rank, None)
+                    except ActorUnavailableError:  # unreachable for now: the rank stays unanswered
+                        pass
+                    except RayActorError as e:
+                        raise WorkerError(f"{what}: the actor of rank {rank} of {self.world_size} died (its "
+                                          f"heartbeat failed while the call ran):\n{e}", rank) from None
+            running = {rank_of[r] for r in pending}
+            waiting = set(pings.values())
+            for rank in sorted(running - waiting):
+                if now - pinged.get(rank, started) >= interval:
+                    ref = self._actors[rank].heartbeat.options(concurrency_group=HEARTBEAT_GROUP).remote()
+                    pings[ref] = rank
+                    pinged[rank] = now
+                    unanswered_since.setdefault(rank, now)
+            return sorted(r for r in running if now - unanswered_since.get(r, now) > beat_timeout)
+
+        while pending:
+            now = time.monotonic()
+            wait_s = interval if heartbeat else float("inf")
+            if deadline is not None:
+                wait_s = min(wait_s, max(deadline - now, 0.0))
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            take(ready)
+            if not pending:
+                break
+            now = time.monotonic()
+            silent = beat(now) if heartbeat else []
+            over = deadline is not None and now >= deadline
+            if not silent and not over:
+                continue
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0)  # finished meanwhile?
+            take(ready)
+            if not pending:
+                break
+            late = sorted(rank_of[r] for r in pending)
+            answered = sorted(set(ranks) - set(late))
+            silent = [r for r in silent if r in late]
+            if silent:
+                others = [r for r in late if r not in silent]
+                raise CallTimeout(
+                    f"{what}: rank(s) {silent} of {self.world_size} stopped answering their heartbeat: no answer "
+                    f"for {beat_timeout:g} s (heartbeat_timeout_s, resources.heartbeat_timeout_s) after "
+                    f"{now - started:.0f} s of waiting for the call; {self._describe(silent)}: the process is "
+                    f"stopped, frozen, or its node is unreachable. Still running and alive: {others}; answered: "
+                    f"{answered}. The call keeps running on the live ranks (they may wait for the silent one in a "
+                    "collective) -- shut the group down",
+                    silent,
+                )
+            raise CallTimeout(
+                f"{what}: rank(s) {late} of {self.world_size} did not answer within {wall_timeout_s:g}s (the call's "
+                f"wall bound: resources.call_timeout_s or the method's dispatch timeout_s; answered: {answered}); "
+                "the call keeps running on them -- shut the group down if it is stuck",
+                late,
+            )
         return results
+
+    def _describe(self, ranks: list[int]) -> str:
+        """'rank 1 pid 4242 on 10.0.0.2, ...' from the ranks' last heartbeat answers."""
+        parts = []
+        for rank in ranks:
+            pid, node = self._processes.get(rank, (None, None))
+            parts.append(f"rank {rank} pid {pid} on {node}" if pid is not None else f"rank {rank} (pid unknown)")
+        return ", ".join(parts)
 
     # -- teardown ------------------------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import random
 import socket
@@ -41,6 +42,39 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return dist.get_rank(), dist.get_world_size()
+
+
+# Default bound of `named_barrier`, seconds: one rank's slow part of a collective step (rank 0 committing a
+# checkpoint directory, writing the last shard of an HF export) while the others wait.
+BARRIER_TIMEOUT_S = 1800.0
+_barrier_numbers = itertools.count()  # the n-th named barrier of this process (the same n on every rank)
+
+
+def named_barrier(what: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+    """A barrier over the default world that names what it waited for and the ranks that did not arrive.
+
+    On the default group's rendezvous store (the same on gloo and NCCL: `monitored_barrier` exists on gloo only):
+    each rank adds itself under the barrier's key, the last to arrive marks it done, the others wait for that mark.
+    Raises TimeoutError after `timeout_s` seconds naming `what`, the missing ranks and this rank. Every rank must
+    call the same named barriers in the same order, like any collective. A world of one returns at once.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    key = f"megarl/barrier/{next(_barrier_numbers)}"
+    store.set(f"{key}/rank{rank}", "1")
+    if store.add(f"{key}/arrived", 1) == world:
+        store.set(f"{key}/done", "1")
+        return
+    try:
+        store.wait([f"{key}/done"], datetime.timedelta(seconds=timeout_s))
+    except RuntimeError:  # torch's DistStoreError (a RuntimeError) on the timeout
+        missing = [r for r in range(world) if not store.check([f"{key}/rank{r}"])]
+        raise TimeoutError(f"rank {rank}: waited {timeout_s:g} s for {what}: rank(s) {missing} of {world} did not "
+                           f"arrive (barrier {key})") from None
 
 
 def _free_port() -> int:

@@ -91,7 +91,8 @@ def prune(root: str, keep_last: int) -> list[int]:
 NEUTRAL_KEYS = (
     "checkpoint.", "logging.", "trainer.log_every", "trainer.val_every", "trainer.max_skipped_steps",
     "data.val_path", "rollout.val_temperature", "rollout.verify_sync", "rollout.reshard_bucket_mb",
-    "reward.timeout_s", "reward.on_error", "reward.max_error_fraction",
+    "reward.timeout_s", "reward.on_error", "reward.max_error_fraction", "resources.heartbeat_timeout_s",
+    "resources.call_timeout_s",
 )
 NEUTRAL_SUFFIXES = (".offload.params", ".offload.grads", ".offload.optimizer")
 # Keys that only change how the same computation is laid out (Megatron layouts, pools, micro-batching, threads):

@@ -163,6 +163,7 @@ def run_quickstart(s: QuickstartSettings) -> dict:
     from megarl.trainer import worker_threads
     from megarl.trainer.engine_model_dir import engine_model_dir
     from megarl.trainer.rl_trainer import RLTrainer
+    from megarl.trainer.session import call_bounds
     from megarl.trainer.sft import SFTWorker, sft_batch
     from megarl.trainer.shm import remove_shm_segments
 
@@ -196,7 +197,7 @@ def run_quickstart(s: QuickstartSettings) -> dict:
         p = cfg.resources.pools["default"]
         pool = ResourcePool("default", nodes=p.nodes, devices_per_node=p.devices_per_node,
                             device=device_kind(cfg.resources.device))
-        workers = WorkerGroup(pool, SFTWorker, cfg, engine_model_dir(cfg, out), env=env)
+        workers = WorkerGroup(pool, SFTWorker, cfg, engine_model_dir(cfg, out), env=env, **call_bounds(cfg))
         groups.append(workers)
         shm = workers.shm_segments()
         times["setup_s"] = time.perf_counter() - t

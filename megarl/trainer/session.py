@@ -64,6 +64,12 @@ def worker_threads(cfg: JobConfig, joined_cluster: bool = False, cores: Optional
     return max(1, cores // max(slots, 1))
 
 
+def call_bounds(cfg: JobConfig) -> dict[str, Optional[float]]:
+    """The worker groups' call bounds from the config (`WorkerGroup` keywords): `resources.heartbeat_timeout_s`
+    (a rank's silence) and `resources.call_timeout_s` (a call's optional wall bound)."""
+    return {"heartbeat_timeout_s": cfg.resources.heartbeat_timeout_s, "call_timeout_s": cfg.resources.call_timeout_s}
+
+
 def placement_summary(cfg: JobConfig, device: str, threads: int) -> str:
     """A few lines: each pool's processes, each enabled role's Megatron layout and pool, the rollout engines."""
     lines = []
@@ -182,7 +188,8 @@ class TrainingSession:
 
         rollout = None
         if cfg.rollout.pool is None:  # the hybrid engine: vLLM in the actor's processes
-            workers = WorkerGroup(make_pool(cfg.actor.pool), HybridWorker, cfg, self.model_dir, env=env)
+            workers = WorkerGroup(make_pool(cfg.actor.pool), HybridWorker, cfg, self.model_dir, env=env,
+                                  **call_bounds(cfg))
             self.groups.append(workers)
             engines = workers
         else:  # the engines on a pool of their own, joined to the actor's by the bridge
@@ -203,7 +210,7 @@ class TrainingSession:
                 role_groups[role] = workers
             else:  # its own pool, world and layout
                 role_groups[role] = WorkerGroup(make_pool(r.pool), RoleWorker, cfg, role,
-                                                env={"OMP_NUM_THREADS": str(threads), **quiet})
+                                                env={"OMP_NUM_THREADS": str(threads), **quiet}, **call_bounds(cfg))
                 self.groups.append(role_groups[role])
         self.trainer = RLTrainer(cfg, workers, self.loader, self.encoder, self.reward_fn, role_groups=role_groups,
                                  val_records=self.val, metrics_path=self.metrics_path, stop=self.stop,
@@ -219,9 +226,10 @@ class TrainingSession:
         from megarl.workers.pool_sync import ActorWorker, RolloutWorker
 
         cfg = self.cfg
-        actors = WorkerGroup(make_pool(cfg.actor.pool), ActorWorker, cfg, env=role_env)
+        actors = WorkerGroup(make_pool(cfg.actor.pool), ActorWorker, cfg, env=role_env, **call_bounds(cfg))
         self.groups.append(actors)
-        engines = WorkerGroup(make_pool(cfg.rollout.pool), RolloutWorker, cfg, self.model_dir, env=engine_env)
+        engines = WorkerGroup(make_pool(cfg.rollout.pool), RolloutWorker, cfg, self.model_dir, env=engine_env,
+                              **call_bounds(cfg))
         self.groups.append(engines)
         host, port = actors.rank_address(0)
         spec = BridgeSpec(host, port, train_ranks=actors.world_size, rollout_ranks=engines.world_size)

@@ -104,6 +104,7 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
     from megarl.trainer.engine_model_dir import engine_model_dir
     from megarl.trainer.plots import PlotsUnavailable, plot_run
     from megarl.trainer.rl_trainer import RLTrainer
+    from megarl.trainer.session import call_bounds
     from megarl.trainer.sft import SFTWorker
     from megarl.trainer.shm import remove_shm_segments
 
@@ -140,7 +141,7 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
         p = cfg.resources.pools["default"]
         pool = ResourcePool("default", nodes=p.nodes, devices_per_node=p.devices_per_node,
                             device=device_kind(cfg.resources.device))
-        workers = WorkerGroup(pool, SFTWorker, cfg, engine_model_dir(cfg, out), env=env)
+        workers = WorkerGroup(pool, SFTWorker, cfg, engine_model_dir(cfg, out), env=env, **call_bounds(cfg))
         groups.append(workers)
         shm = workers.shm_segments()
         workers.sync_weights()

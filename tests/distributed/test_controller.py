@@ -1,11 +1,14 @@
 """The Ray single controller on CPU: a pool of 2 slots, one worker group of 2 gloo ranks, every dispatch mode with
-hand-checked results, errors (worker exception, timeout, oversized / unavailable pool) and a real megatron-core
-engine at TP=2 driven through dispatch methods. One Ray session for the module."""
+hand-checked results, errors (worker exception, wall-bound timeout, a stopped rank, a killed rank, oversized /
+unavailable pool), a long healthy call under a short heartbeat bound, and a real megatron-core engine at TP=2 driven
+through dispatch methods. One Ray session for the module."""
 
 from __future__ import annotations
 
 import math
 import os
+import re
+import signal
 import time
 
 import pytest
@@ -108,6 +111,45 @@ class ProbeWorker:
     def slow(self):
         time.sleep(2.5)
         return "late"
+
+    @dispatch(ONE_TO_ALL)
+    def nap_then_sum(self, seconds: float):
+        """Sleep `seconds`, then all_reduce rank+1 (a rank stopped during the nap holds its peer in the collective)."""
+        import torch.distributed as dist
+
+        time.sleep(seconds)
+        t = torch.tensor([self.rank + 1.0])
+        dist.all_reduce(t)
+        return (self.rank, float(t.item()))
+
+    @dispatch(ONE_TO_ALL)
+    def named_barriers(self, timeout_s: float):
+        """Two `named_barrier`s: both ranks arrive at the first; rank 1 stays away from the second until rank 0 has
+        given up on it (then arrives, so both processes keep counting the same barriers). Rank 0 returns the
+        error message of the second; rank 1 returns None."""
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        from megarl.platform.distributed import named_barrier
+
+        named_barrier("both ranks", timeout_s=60)
+        store = _get_default_store()
+        if self.rank == 0:
+            try:
+                named_barrier("rank 1 to finish its part of the test", timeout_s=timeout_s)
+            except TimeoutError as e:
+                store.set("named_barrier_test/rank0_gave_up", "1")
+                return str(e)
+            store.set("named_barrier_test/rank0_gave_up", "1")
+            return None
+        store.wait(["named_barrier_test/rank0_gave_up"])
+        named_barrier("rank 1, late", timeout_s=60)
+        return None
+
+    @dispatch(ONE_TO_ALL)
+    def worker_thread(self):
+        import threading
+
+        return threading.get_ident()
 
     def hidden(self):
         return "not exposed"
@@ -224,6 +266,53 @@ def test_timeout_names_the_method_and_ranks(group):
     assert time.monotonic() - t0 < 2.0
 
 
+@pytest.fixture
+def short_heartbeat(group):
+    """The group with a 1.5 s heartbeat bound for one test (the attribute is read at each call)."""
+    saved = group.heartbeat_timeout_s
+    group.heartbeat_timeout_s = 1.5
+    try:
+        yield group
+    finally:
+        group.heartbeat_timeout_s = saved
+
+
+def test_a_long_healthy_call_is_collected(short_heartbeat):
+    """A call longer than the heartbeat bound (and than a wall bound of that size, the old rule) while its ranks are
+    alive returns its result: the bound is on silence, not on the call's length."""
+    group = short_heartbeat
+    assert group.nap_then_sum(3.0) == [(0, 3.0), (1, 3.0)]  # twice the bound
+    assert group.worker_thread() == group.worker_thread()  # the same worker thread every call (thread-local state)
+
+
+def test_a_stopped_rank_is_named(short_heartbeat):
+    """SIGSTOP rank 1 during its nap: rank 0 waits for it in the all_reduce (alive, answering heartbeats); the call
+    fails naming rank 1, its pid and the call; after SIGCONT the call completes and the group works again."""
+    group = short_heartbeat
+    pids = group.pids()
+    call = group.nap_then_sum.submit(1.0)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        with pytest.raises(CallTimeout) as info:
+            call.result()
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    message = str(info.value)
+    assert info.value.ranks == [1], message
+    assert "ProbeWorker.nap_then_sum: rank(s) [1] of 2 stopped answering their heartbeat" in message
+    assert f"rank 1 pid {pids[1]}" in message and "Still running and alive: [0]" in message
+    assert call.result() == [(0, 3.0), (1, 3.0)]  # resumed: the same call now finishes and is collected
+
+
+def test_named_barrier_names_what_it_waited_for_and_the_missing_rank(group):
+    """`megarl.platform.distributed.named_barrier` (the checkpoint commit barriers) on the group's gloo world."""
+    rank0, rank1 = group.named_barriers(1.0)
+    assert rank1 is None
+    assert re.fullmatch(r"rank 0: waited 1 s for rank 1 to finish its part of the test: rank\(s\) \[1\] of 2 did not "
+                        r"arrive \(barrier megarl/barrier/\d+\)", rank0), rank0
+    assert group.echo(1) == [(0, 1, 0), (1, 1, 0)]
+
+
 def test_megatron_engine_tp2_through_the_controller(group):
     results = group.megatron_tp2(2)
     assert [r["tp_rank"] for r in results] == [0, 1]
@@ -267,6 +356,18 @@ def test_constructor_failure_names_the_rank_and_cleans_up(group):
         assert "RuntimeError: cannot build this role" in str(info.value)
     finally:
         pool.shutdown()
+
+
+def test_a_killed_rank_is_named(short_heartbeat):
+    """SIGKILL rank 1 during a call: the call fails naming rank 1 as dead (rank 0 is left in the all_reduce; the
+    next test shuts the group down)."""
+    group = short_heartbeat
+    pids = group.pids()
+    call = group.nap_then_sum.submit(30.0)
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(WorkerError, match=r"ProbeWorker\.nap_then_sum: the actor of rank 1 of 2 died") as info:
+        call.result()
+    assert info.value.rank == 1
 
 
 def test_shutdown_kills_actors_and_frees_the_pool(group):
