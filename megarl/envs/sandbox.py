@@ -400,8 +400,8 @@ class PythonSandbox:
                 if control_w >= 0:
                     os.close(control_w)  # the reaper: kill every descendant, then exit
                     control_w = -1
-                    await _bounded(proc.wait(), _STOP_GRACE_S, "the sandbox reaper to kill the code and exit")
-                    _kill(os.killpg, proc.pid)
+                    if not await _bounded(proc.wait(), _STOP_GRACE_S, "the sandbox reaper to kill the code and exit"):
+                        _kill(os.killpg, proc.pid)
                 else:
                     await _kill_tree(proc)
                 # Its tree is dead; whoever still holds the pipes escaped it (e.g. the code killed its reaper, then
@@ -411,6 +411,7 @@ class PythonSandbox:
                     if not await _bounded(asyncio.shield(io), _PIPE_GRACE_S,
                                           "the sandbox's output pipes to close after killing their holders"):
                         io.cancel()
+                        await asyncio.wait([io], timeout=_PIPE_GRACE_S)  # the drains stop at their next await
             if control_w >= 0:
                 os.close(control_w)
             for transport in transports:
@@ -452,8 +453,7 @@ def _kill_pipe_holders(inodes: set) -> None:
 
 async def _kill_tree(proc: asyncio.subprocess.Process) -> None:
     """SIGKILL the namespace's PID 1 (unshare's child): the kernel kills everything in the PID namespace and unshare,
-    its parent, reaps it, so no orphan is left to the host's init; then the whole process group (unshare, or, not
-    isolated, the code's processes)."""
+    its parent, reaps it, so no orphan is left to the host's init; then unshare's process group."""
     if proc.returncode is None:
         try:
             with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
