@@ -39,8 +39,10 @@ unprivileged variant measured too, as uid 65534 with /usr/bin/python3):
   maps to it, and forked 100 children under a limit of 32), hence the run's own uid as root; unprivileged, the
   count is per user namespace (Linux >= 5.14), so the worker's own processes do not count), RLIMIT_FSIZE
   (`file_mb`: larger writes raise OSError EFBIG), RLIMIT_NOFILE, RLIMIT_CORE=0; `wall_seconds` enforced from the
-  worker (SIGKILL to the namespace's PID 1, then to the process group) and by `timeout` inside; stdout+stderr
-  captured up to `output_bytes` in total, the rest read and discarded so the child never blocks on a full pipe.
+  worker (SIGKILL to the namespace's PID 1, then to the process group) and by `timeout` inside, and nothing is
+  awaited past it (output pipes still held once the tree is killed: their holders are killed, then the pipes
+  abandoned); stdout+stderr captured up to `output_bytes` in total, the rest read and discarded so the child never
+  blocks on a full pipe.
 
 What is NOT isolated:
 - memory and CPU are per process (RLIMIT_AS, RLIMIT_CPU), not per sandbox: `max_processes` x `memory_mb` bounds
@@ -55,7 +57,11 @@ What is NOT isolated:
 - if the worker itself is SIGKILLed mid-run, the code runs on until `timeout` (wall + 2 s) or its CPU limit.
 - `allow_network=True` when the namespaces are unavailable: a plain subprocess with the same rlimits (RLIMIT_NPROC
   inert for root), its own temporary directory and a scrubbed environment, but the host's network, file system and
-  process table.
+  process table. Its process tree still ends as in a PID namespace: the code runs under a reaper (`_REAPER`, a child
+  subreaper, so a descendant that calls setsid() or outlives its parent stays its descendant) that SIGKILLs every
+  descendant when the code's process exits, at the wall clock (the worker closes its control pipe), when the worker
+  dies, or at wall + 2 s. Code that kills the reaper (same uid: it can) loses that: at the wall clock the worker then
+  kills whatever holds the output pipes, and a descendant that closed them and left is not found.
 """
 
 from __future__ import annotations
@@ -229,6 +235,62 @@ def _classify(exit_code: Optional[int], stderr: str, timed_out: bool, truncated:
     return None
 
 
+# The unisolated fallback's parent of the code (`python -I -c _REAPER BACKSTOP_S ARGV...`, stdin: the worker's
+# control pipe, stdout/stderr: the capture pipes). A child subreaper: every descendant of the code, even one that
+# called setsid() or whose parent exited, stays its descendant, so it can find and SIGKILL them all (by /proc's
+# ppid links, until it has no child left). It does so when the code's process exits (as PID 1 of a namespace ends its
+# tree), when the control pipe reads EOF (the worker hit the wall clock, was cancelled, or died), or BACKSTOP_S after
+# its start; then it exits with the code's status (128+N: killed by signal N; 124: the backstop).
+_REAPER = r"""
+import ctypes, os, select, signal, subprocess, sys, time
+if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+    sys.exit(f"sandbox reaper: prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(ctypes.get_errno())}")
+backstop = time.monotonic() + float(sys.argv[1])
+code = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, process_group=0)
+exited = os.pidfd_open(code.pid)
+while (left := backstop - time.monotonic()) > 0:
+    ready = select.select([0, exited], [], [], left)[0]
+    if exited in ready or (0 in ready and not os.read(0, 4096)):
+        break
+status = code.poll()
+
+def live_descendants():
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rindex(b")") + 2:].split()[:2]
+        if state != b"Z":
+            children.setdefault(int(ppid), []).append(int(entry))
+    found, todo = [], [os.getpid()]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+while True:  # until no child is left: then no descendant is (each has a chain of parents up to a child of ours)
+    for pid in live_descendants():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+if status is None:
+    sys.exit(124)
+sys.exit(128 - status if status < 0 else status)
+"""
+_STOP_GRACE_S = 5.0  # at the wall clock: the longest wait for the reaper to kill the code's tree and exit
+_PIPE_GRACE_S = 1.0  # then for the output pipes to close (read to EOF), before killing their holders / abandoning them
+
 _PROBE = "import socket; print(','.join(n for _, n in socket.if_nameindex()))"
 
 
@@ -288,8 +350,9 @@ class PythonSandbox:
                 uid = str(FIRST_UID + (os.getpid() % 1000) * 1000 + self._runs % 1000) if self.as_root else ""
                 argv = [*self.unshare_cmd, "sh", "-c", self._script, "sh", tmp, uid]
                 env, cwd = _child_env(SANDBOX_DIR), tmp
-            else:
-                argv = ["sh", "-c", _prlimit(self.limits) + ' "$@"', "sh", self.python, "-I", "main.py"]
+            else:  # the reaper (module docstring): the code's whole tree ends with the code, or at the wall clock
+                argv = [sys.executable, "-I", "-c", _REAPER, str(int(self.limits.wall_seconds) + 2),
+                        *shlex.split(_prlimit(self.limits)), self.python, "-I", "main.py"]
                 env, cwd = _child_env(tmp), tmp
             return await self._execute(argv, env, cwd, start)
         finally:
@@ -297,20 +360,64 @@ class PythonSandbox:
 
     async def _execute(self, argv: list, env: dict, cwd: str, start: float) -> SandboxResult:
         limits = self.limits
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
-            start_new_session=True)
+        loop = asyncio.get_running_loop()
+        # Our own pipes (not asyncio's): their inodes name whoever still holds them, and we can close them.
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        control_r, control_w = os.pipe() if not self.isolated else (subprocess.DEVNULL, -1)
+        pipe_inodes = {os.fstat(out_r).st_ino, os.fstat(err_r).st_ino}
+        files = {"stdout": os.fdopen(out_r, "rb", 0), "stderr": os.fdopen(err_r, "rb", 0)}
+        readers, transports = {}, []
+        try:
+            for name, file in files.items():
+                reader = readers[name] = asyncio.StreamReader(loop=loop)
+                transport, _ = await loop.connect_read_pipe(
+                    lambda reader=reader: asyncio.StreamReaderProtocol(reader, loop=loop), file)
+                transports.append(transport)
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=control_r, stdout=out_w, stderr=err_w, env=env, cwd=cwd, start_new_session=True)
+        except BaseException:
+            for transport in transports:
+                transport.close()
+            for file in files.values():
+                file.close()
+            if control_w >= 0:
+                os.close(control_w)
+            raise
+        finally:  # the child holds the write ends (and the reaper the control pipe's read end) now
+            for fd in (out_w, err_w) + ((control_r,) if control_w >= 0 else ()):
+                os.close(fd)
         capture = _Capture(limits.output_bytes)
-        io = asyncio.gather(capture.drain("stdout", proc.stdout), capture.drain("stderr", proc.stderr), proc.wait())
+        io = asyncio.gather(capture.drain("stdout", readers["stdout"]), capture.drain("stderr", readers["stderr"]),
+                            proc.wait())
         timed_out = False
         try:
             await asyncio.wait_for(asyncio.shield(io), timeout=limits.wall_seconds)
         except asyncio.TimeoutError:
             timed_out = True
-        finally:  # timeout, or the episode cancelled: the whole tree goes
-            if proc.returncode is None or timed_out:
-                await _kill_tree(proc)
-            await io
+        finally:  # timeout, or the episode cancelled: the whole tree goes, and nothing is awaited past the kill
+            if not io.done():
+                if control_w >= 0:
+                    os.close(control_w)  # the reaper: kill every descendant, then exit
+                    control_w = -1
+                    if not await _bounded(proc.wait(), _STOP_GRACE_S, "the sandbox reaper to kill the code and exit"):
+                        _kill(os.killpg, proc.pid)
+                else:
+                    await _kill_tree(proc)
+                # Its tree is dead; whoever still holds the pipes escaped it (e.g. the code killed its reaper, then
+                # a setsid()'d child): killed too, then the pipes are abandoned (their writers get EPIPE).
+                if not await _bounded(asyncio.shield(io), _PIPE_GRACE_S, "the sandbox's output pipes to close"):
+                    _kill_pipe_holders(pipe_inodes)
+                    if not await _bounded(asyncio.shield(io), _PIPE_GRACE_S,
+                                          "the sandbox's output pipes to close after killing their holders"):
+                        io.cancel()
+                        await asyncio.wait([io], timeout=_PIPE_GRACE_S)  # the drains stop at their next await
+            if control_w >= 0:
+                os.close(control_w)
+            for transport in transports:
+                transport.close()
+            if io.done() and not io.cancelled():
+                io.exception()  # retrieved: a drain's error (none expected) is not logged as never retrieved
         stdout, stderr = capture.text("stdout"), capture.text("stderr")
         if timed_out:  # unshare's own complaint when its child is SIGKILLed: not the code's output
             stderr = "".join(line for line in stderr.splitlines(keepends=True) if not line.startswith("unshare: "))
@@ -320,10 +427,33 @@ class PythonSandbox:
                              seconds=time.monotonic() - start, truncated=capture.truncated)
 
 
+async def _bounded(awaitable, seconds: float, what: str) -> bool:
+    """Wait at most `seconds` for `awaitable`; False (logged, naming `what`) if it did not finish."""
+    try:
+        await asyncio.wait_for(awaitable, timeout=seconds)
+        return True
+    except asyncio.TimeoutError:
+        logger.warning("Python sandbox: gave up after %.0f s waiting for %s", seconds, what)
+        return False
+
+
+def _kill_pipe_holders(inodes: set) -> None:
+    """SIGKILL every process that holds one of the pipes `inodes` (by /proc/<pid>/fd), the worker excepted."""
+    targets = {f"pipe:[{inode}]" for inode in inodes}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+            if any(os.readlink(f"/proc/{entry}/fd/{fd}") in targets for fd in fds):
+                _kill(os.kill, int(entry))
+        except OSError:  # gone, or not ours to look at
+            continue
+
+
 async def _kill_tree(proc: asyncio.subprocess.Process) -> None:
     """SIGKILL the namespace's PID 1 (unshare's child): the kernel kills everything in the PID namespace and unshare,
-    its parent, reaps it, so no orphan is left to the host's init; then the whole process group (unshare, or, not
-    isolated, the code's processes)."""
+    its parent, reaps it, so no orphan is left to the host's init; then unshare's process group."""
     if proc.returncode is None:
         try:
             with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
