@@ -9,7 +9,8 @@ import is still a dependency). The order, lowest first:
   models       GPTModel providers, ModelSpec
   config       frozen dataclasses, YAML, validation: above models and parallel because validation checks a
                config against `RoleTopology` and `ModelSpec` (refusing at load time what the workers would
-               refuse); below everything that is built from a config
+               refuse); below everything that is built from a config; its `Registry` (names with did-you-mean) serves
+               rewards and envs alike
   engine       MegatronEngine: model + DDP + optimizer + schedule + offload + scalar heads
   checkpoint   HF <-> Megatron, distributed checkpoints of an engine
   data         datasets, tokenization, the batch protocol, micro-batching

@@ -18,7 +18,7 @@ from megarl.rewards import (
     register_reward,
     score_batch,
 )
-from megarl.rewards.registry import _REGISTRY
+from megarl.rewards.registry import REWARDS
 
 
 def test_registry_builtins_and_typo_suggestion():
@@ -45,7 +45,7 @@ def test_register_reward_and_duplicates():
         with pytest.raises(TypeError, match=re.escape("reward 'x': 3 is not callable")):
             register_reward("x")(3)
     finally:
-        _REGISTRY.pop("test_len", None)
+        REWARDS.unregister("test_len")
 
 
 @pytest.mark.parametrize(
