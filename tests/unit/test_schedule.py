@@ -71,7 +71,7 @@ class ScriptedRollout:
 
 
 class FakeTrainer:
-    """What a schedule uses of `RLTrainer`: cfg, rollout, episodes, `_draw`, `_scored_batch`, `_sync_batch`."""
+    """What a schedule uses of `RLLoop`: cfg, rollout, episodes, `_draw`, `_scored_batch`, `_sync_batch`."""
 
     def __init__(self, rollout, mode="sync", total=10, max_staleness=1, stale_policy="wait", sync_every=1,
                  partial="finish", chunk=2) -> None:
@@ -251,7 +251,7 @@ def test_validation_and_pushes_take_turns_with_the_driver():
     schedule.start(1)
     for step in range(1, 9):
         schedule.take(step, {})
-        with schedule.exclusive():  # what RLTrainer.validate does
+        with schedule.exclusive():  # what RLLoop.validate does
             rollout.generate([[1, 2, 3]], SamplingSettings(max_new_tokens=3))
         schedule.after_update(step)
     schedule.close()
@@ -267,7 +267,7 @@ def test_rollout_batch_lags_are_per_sample_oldest_token():
 
 
 class EpisodeTrainer(FakeTrainer):
-    """A trainer with multi-turn episodes: each batch is two turns of generation (what `RLTrainer._episode_batch`
+    """A trainer with multi-turn episodes: each batch is two turns of generation (what `RLLoop._episode_batch`
     does through `EpisodeRunner`), the version read after each turn."""
 
     def __init__(self, *args, **kwargs) -> None:
