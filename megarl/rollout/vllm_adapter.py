@@ -80,13 +80,13 @@ from megarl.rollout.vllm_layout import ParamShard
 from megarl.rollout.vllm_requests import VllmRequestApi, sampled_log_probs, sampling_params
 from megarl.rollout.vllm_routing import collect_routing_capture, install_routing_capture, set_routing_capture
 from megarl.rollout.vllm_weights import (
-    _Counted,
-    _describe_params,
-    _live_params,
-    _load_vllm_shards_cpu,
-    _repack_cpu_moe_experts,
-    _repack_tied_params,
+    CountedWeights,
     check_weight_api,
+    describe_params,
+    live_params,
+    load_vllm_shards_cpu,
+    repack_cpu_moe_experts,
+    repack_tied_params,
 )
 
 
@@ -349,23 +349,23 @@ class VllmRolloutEngine(VllmRequestApi):
         """
         require_outside_megatron_scope("rollout engine update_weights")
         self.events.append(("update_weights", layout))
-        counter = _Counted(weights)
+        counter = CountedWeights(weights)
         # vLLM's loaders `param.copy_` into leaf parameters that require grad (norm weights): no autograd here, on
         # any caller's path (collective_rpc runs the worker function in this thread: in-process engine).
         with torch.no_grad():
             self._reload(counter, layout)
         if _on_cpu():
-            self.llm.collective_rpc(_repack_tied_params)
-            self.llm.collective_rpc(_repack_cpu_moe_experts)
+            self.llm.collective_rpc(repack_tied_params)
+            self.llm.collective_rpc(repack_cpu_moe_experts)
         self.reset_prefix_cache()
         return counter.n
 
-    def _reload(self, counter: "_Counted", layout: WeightLayout) -> None:
+    def _reload(self, counter: "CountedWeights", layout: WeightLayout) -> None:
         if layout == "hf":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counter)})
         elif layout == "vllm_shard":
             if _on_cpu():
-                self.llm.collective_rpc(_load_vllm_shards_cpu, args=(iter(counter),))
+                self.llm.collective_rpc(load_vllm_shards_cpu, args=(iter(counter),))
             else:
                 self.llm.collective_rpc(
                     "reload_weights", kwargs={"weights_iterator": iter(counter), "is_checkpoint_format": False}
@@ -383,11 +383,11 @@ class VllmRolloutEngine(VllmRequestApi):
         """
         if _on_cpu():
             return {}
-        return self.llm.collective_rpc(_live_params)[0]
+        return self.llm.collective_rpc(live_params)[0]
 
     def param_shards(self) -> list[ParamShard]:
         """This rank's vLLM parameters: names, shard shapes before CPU repacking, and where they come from in HF."""
-        return self.llm.collective_rpc(_describe_params)[0]
+        return self.llm.collective_rpc(describe_params)[0]
 
     def shm_segments(self) -> list[str]:
         """Names in /dev/shm of the shared-memory segments this process's engine created: the message-queue ring
