@@ -16,8 +16,8 @@ import inspect
 from typing import Any, Callable, Mapping, Optional
 
 from megarl.config.errors import ConfigError, did_you_mean
-from megarl.config.registry import Registry
 from megarl.envs.base import Environment
+from megarl.registry import Registry
 from megarl.rewards.user import load_user_function
 
 EnvFactory = Callable[..., Environment]

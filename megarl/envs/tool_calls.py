@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from megarl.config.registry import Registry
 from megarl.envs.base import ToolCall
+from megarl.registry import Registry
 
 ParseResult = tuple[list[ToolCall], list[str]]
 ToolCallParser = Callable[[str], ParseResult]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Protocol
 
-from megarl.config.registry import Registry
+from megarl.registry import Registry
 
 
 class RewardFn(Protocol):

@@ -3,14 +3,15 @@
 Imports are read with `ast` from every module in `megarl/`, at module level and inside functions (a deferred
 import is still a dependency). The order, lowest first:
 
+  registry     `Registry` (name -> callable, lookups with did-you-mean): one module importing nothing of megarl,
+               used by every layer that registers names (algorithms, config's messages, rewards, envs)
   platform     device, distributed init, megatron-core CPU compatibility, vendor version checks
   parallel     topology and process groups
   algorithms   pure tensor maths (advantages, losses, KL)
   models       GPTModel providers, ModelSpec
   config       frozen dataclasses, YAML, validation: above models and parallel because validation checks a
                config against `RoleTopology` and `ModelSpec` (refusing at load time what the workers would
-               refuse); below everything that is built from a config; its `Registry` (names with did-you-mean) serves
-               rewards and envs alike
+               refuse); below everything that is built from a config
   engine       MegatronEngine: model + DDP + optimizer + schedule + offload + scalar heads
   checkpoint   HF <-> Megatron, distributed checkpoints of an engine
   data         datasets, tokenization, the batch protocol, micro-batching
@@ -37,8 +38,8 @@ import pathlib
 
 import pytest
 
-LAYERS = ["platform", "parallel", "algorithms", "models", "config", "engine", "checkpoint", "data", "rewards",
-          "envs", "rollout", "reshard", "roles", "controller", "workers", "trainer", "api", "cli"]
+LAYERS = ["registry", "platform", "parallel", "algorithms", "models", "config", "engine", "checkpoint", "data",
+          "rewards", "envs", "rollout", "reshard", "roles", "controller", "workers", "trainer", "api", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megarl"
 

@@ -1,4 +1,5 @@
-"""megarl.config.registry.Registry: the one name registry behind rewards, environments and tool-call parsers."""
+"""megarl.registry.Registry: the one name registry behind the algorithms, rewards, environments and tool-call
+parsers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import re
 import pytest
 
 from megarl.config.errors import ConfigError
-from megarl.config.registry import Registry
+from megarl.registry import Registry
 
 
 def test_lookup_error_names_the_name_the_closest_match_and_every_name():
@@ -15,8 +16,7 @@ def test_lookup_error_names_the_name_the_closest_match_and_every_name():
     reg.register("sprocket")(len)
     reg.register("gear")(len)
     with pytest.raises(ConfigError, match=re.escape(
-            "job.widget: unknown widget 'sprockte' (did you mean 'sprocket'?); registered: ['gear', 'sprocket']; "
-            "or a file")):
+            "job.widget: unknown widget 'sprockte' (did you mean 'sprocket'?); valid: gear, sprocket; or a file")):
         reg.get("sprockte")
     assert reg.get("gear") is len and "gear" in reg and list(reg) == ["gear", "sprocket"]
 
@@ -25,13 +25,14 @@ def test_registration_rules():
     reg = Registry("widget function", short="widget")
     reg.register("a")(len)
     reg.register("a")(len)  # the same object again is fine
-    reg.register("b")(len)  # one object, several names
-    with pytest.raises(ValueError, match=re.escape("widget 'a' is already registered (pass override=True")):
+    reg.register("b", "b2")(len)  # one object, several names (aliases)
+    with pytest.raises(ValueError, match=re.escape("widget 'a' is already registered (pass override=True to replace "
+                                                   "len)")):
         reg.register("a")(abs)
     assert reg.register("a", override=True)(abs) is abs and reg.get("a") is abs
     with pytest.raises(TypeError, match=re.escape("widget 'c': 3 is not callable")):
         reg.register("c")(3)
     reg.unregister("a")
     reg.unregister("a")
-    with pytest.raises(KeyError, match=re.escape("unknown widget function 'a'; registered: ['b']")):
+    with pytest.raises(KeyError, match=re.escape("unknown widget function 'a'; valid: b, b2")):
         reg.get("a")

@@ -24,10 +24,10 @@ from megarl.rewards.registry import REWARDS
 def test_registry_builtins_and_typo_suggestion():
     assert {"exact_match", "gsm8k", "token_fraction"} <= set(list_rewards())
     with pytest.raises(
-        KeyError, match=re.escape("unknown reward function 'gms8k' (did you mean 'gsm8k'?); registered: [")
+        KeyError, match=re.escape("unknown reward function 'gms8k' (did you mean 'gsm8k'?); valid: ")
     ):
         get_reward("gms8k")
-    with pytest.raises(KeyError, match=re.escape("unknown reward function 'zzz'; registered:")):
+    with pytest.raises(KeyError, match=re.escape("unknown reward function 'zzz'; valid:")):
         get_reward("zzz")
 
 
