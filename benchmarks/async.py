@@ -75,7 +75,7 @@ def run_layout(name: str, steps: int, skip: int, out: str) -> dict:
     """Every mode of layout `name` in one session; {mode: figures}."""
     from megarl.config.loader import parse_config
     from megarl.config.validate import validate
-    from megarl.trainer.rl_trainer import RLTrainer
+    from megarl.trainer.rl_trainer import RLLoop
     from megarl.trainer.session import TrainingSession
 
     layout_overrides, modes = LAYOUTS[name]
@@ -95,7 +95,7 @@ def run_layout(name: str, steps: int, skip: int, out: str) -> dict:
                                                "checkpoint.save_every=0"]))
             cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, dir=run_dir))
             metrics = os.path.join(run_dir, "metrics.jsonl")
-            trainer = RLTrainer(cfg, first.workers, first.loader, first.encoder, first.reward_fn,
+            trainer = RLLoop(cfg, first.workers, first.loader, first.encoder, first.reward_fn,
                                 role_groups=first.role_groups, metrics_path=metrics, rollout=first.rollout)
             try:
                 trainer.fit()

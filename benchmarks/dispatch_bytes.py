@@ -9,7 +9,7 @@ What each rank would receive is computed by the controller's own `plan_calls` (t
 for both specs and measured as `len(pickle.dumps(call))` -- what Ray serialises per distinct argument set (tensors
 travel as pickle-5 buffers of the same size). Layouts (rank order as megatron's tp-cp-ep-dp-pp, as
 `megarl.parallel.topology`): actor/reference replica of rank r = (r // tp) % dp; rollout replica = r // rollout_tp.
-Calls of one GRPO step as `RLTrainer.step` makes them: generate(prompts, sampling), compute_log_probs(batch),
+Calls of one GRPO step as `RLLoop.step` makes them: generate(prompts, sampling), compute_log_probs(batch),
 compute_ref_log_probs(batch + scores + old_log_probs), update_actor(that + ref_log_probs + advantages + returns):
 RANK_ZERO before (the whole batch to every rank, each cutting its part of every mini-batch), DP_SPLIT_MINI_BATCHES
 after (a replica receives its part of every mini-batch of `mini_batch_prompts * samples_per_prompt` samples, plus

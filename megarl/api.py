@@ -14,7 +14,7 @@
 
 It is the engine `megarl train` runs (the CLI is a thin layer over `RLTrainer`): the same config, validation and
 error messages (naming the dotted key: `actor.parallel.tp: ...`), the same `megarl.trainer.session.TrainingSession`
-(Ray worker groups, the RL loop `megarl.trainer.rl_trainer.RLTrainer`), the same run directory (metrics.jsonl,
+(Ray worker groups, the RL loop `megarl.trainer.rl_trainer.RLLoop`), the same run directory (metrics.jsonl,
 plots, TensorBoard / W&B), checkpoint manager and HF export.
 
 How keyword arguments map onto `JobConfig` (docs/config.md lists every key):
@@ -33,7 +33,7 @@ How keyword arguments map onto `JobConfig` (docs/config.md lists every key):
                  is actor.parallel.tp, actor={"lr": 1e-6} is actor.optimizer.lr, algorithm={"coef": 0.001} is
                  algorithm.kl.coef.
 
-Reward callables run on the controller (this process, in `RLTrainer.step`'s scoring), never in a Ray worker, so they
+Reward callables run on the controller (this process, in `RLLoop.step`'s scoring), never in a Ray worker, so they
 are never pickled: lambdas, closures, functions defined in a notebook or `__main__`, and callables holding
 unpicklable state (a database connection, a lock) all work. `reward.on_error` / `timeout_s` apply to them as to
 file rewards. The checkpointed config records the callable's name (`python:<module>.<qualname>`); to resume such a

@@ -27,7 +27,6 @@ from megarl.algorithms.masked import masked_mean, masked_sum, masked_var, masked
 from megarl.algorithms.overlong import filter_truncated, soft_overlong_penalty
 from megarl.algorithms.policy_loss import cispo_policy_loss, gspo_policy_loss, policy_loss, policy_loss_names
 from megarl.algorithms.registry import (
-    UnknownNameError,
     get_advantage,
     get_aggregation,
     get_kl,
@@ -39,6 +38,7 @@ from megarl.algorithms.registry import (
 )
 from megarl.algorithms.rollout_correction import mismatch_metrics, rollout_correction
 from megarl.algorithms.value_loss import value_loss
+from megarl.registry import UnknownNameError
 
 __all__ = [
     "UnknownNameError",

@@ -6,7 +6,7 @@ drops such groups and generates more prompts, round after round, until the step 
 or `max_rounds` rounds ran; if still short, the first all-equal groups fill the batch (so the batch keeps its size
 and the mini-batch / DP splits still divide), and are counted.
 
-Pure functions over plain lists; `megarl.trainer.rl_trainer.RLTrainer` runs the rounds.
+Pure functions over plain lists; `megarl.trainer.rl_trainer.RLLoop` runs the rounds.
 """
 
 from __future__ import annotations

@@ -9,68 +9,14 @@ name fails with the list of valid names, so a typo in a YAML file is caught at s
     get_advantage("grpo")      # -> grpo
     get_advantage("gpro")      # UnknownNameError: unknown advantage estimator 'gpro'; valid: gae, grpo, ...
 
+The `Registry` class is `megarl.registry`'s (shared with rewards, environments and tool-call parsers).
 Every function in the package is registered when ``megarl.algorithms`` is imported (its ``__init__`` imports
 all modules), so importing this module alone is enough for lookups to see them.
 """
 
 from __future__ import annotations
 
-import difflib
-from typing import Callable, Iterator, TypeVar
-
-F = TypeVar("F", bound=Callable)
-
-
-class UnknownNameError(KeyError, ValueError):
-    """A registry lookup of a name that is not registered; the message lists the valid names.
-
-    Subclasses both ``KeyError`` (it is a failed lookup) and ``ValueError`` (it is usually a bad config value).
-    """
-
-    def __str__(self) -> str:  # KeyError would repr() the message, quoting it
-        return str(self.args[0])
-
-
-class Registry:
-    """A small name -> callable map for one kind of thing (``kind`` is used in error messages)."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self._entries: dict[str, Callable] = {}
-
-    def register(self, name: str, *aliases: str) -> Callable[[F], F]:
-        """Decorator registering a function under ``name`` and any ``aliases``; duplicate names are an error."""
-
-        def decorator(fn: F) -> F:
-            for key in (name, *aliases):
-                if key in self._entries and self._entries[key] is not fn:
-                    owner = self._entries[key].__qualname__
-                    raise ValueError(f"{self.kind} {key!r} is already registered (by {owner})")
-                self._entries[key] = fn
-            return fn
-
-        return decorator
-
-    def get(self, name: str) -> Callable:
-        """The function registered as ``name``; ``UnknownNameError`` listing the valid names otherwise."""
-        try:
-            return self._entries[name]
-        except (KeyError, TypeError):
-            valid = ", ".join(self.names())
-            close = difflib.get_close_matches(str(name), self.names(), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise UnknownNameError(f"unknown {self.kind} {name!r}{hint}; valid: {valid}") from None
-
-    def names(self) -> list[str]:
-        """All registered names (aliases included), sorted."""
-        return sorted(self._entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names())
-
+from megarl.registry import Registry
 
 ADVANTAGES = Registry("advantage estimator")
 POLICY_LOSSES = Registry("policy loss")

@@ -37,8 +37,8 @@ from megarl.checkpoint.engine_io import check_same_model, refresh_optimizer_copi
 from megarl.checkpoint.errors import CheckpointError
 from megarl.checkpoint.hf_io import HFReader, HFWriter, spec_from_hf_config
 from megarl.checkpoint.name_map import (
-    _LAYER_RE,
     DIST_CKPT_NAMES,
+    LAYER_RE,
     ParamLayout,
     hf_shapes,
     hf_to_megatron_full,
@@ -421,7 +421,7 @@ def _moe_dist_ckpt_key(layout: ParamLayout) -> str:
     layers": `decoder.layers.{i}.…`, no stacked layer axis) when `moe_layer_freq` is a list, which megarl always
     passes for MoE models; routed experts of a layer share one key `decoder.layers.{i}.mlp.experts.experts.linear_fc1
     .weight` with the global expert index as a leading axis (`SequentialMLP.sharded_state_dict`)."""
-    m = _LAYER_RE.match(layout.megatron_name)
+    m = LAYER_RE.match(layout.megatron_name)
     suffix = m.group(2)
     if layout.expert is not None:
         suffix = "mlp.experts.experts." + suffix.rsplit(".", 2)[-2] + ".weight"

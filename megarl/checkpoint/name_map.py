@@ -89,7 +89,8 @@ TE_ALIASES = {
 DIST_CKPT_NAMES = {v: k for k, v in TE_ALIASES.items()}
 
 KINDS = ("vocab", "qkv", "fc1", "column", "row", "replicated")
-_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# a layer parameter's local-spec name: group 1 the layer number, group 2 the name inside the layer
+LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
 class LayoutError(ValueError):
@@ -136,7 +137,7 @@ class ParamLayout:
     @property
     def dist_ckpt_key(self) -> str:
         """Key of this tensor in a megatron-core distributed checkpoint (layers stacked along a leading axis)."""
-        m = _LAYER_RE.match(self.megatron_name)
+        m = LAYER_RE.match(self.megatron_name)
         if not m:
             return self.megatron_name
         suffix = m.group(2)
@@ -265,7 +266,7 @@ def canonical_name(module_name: str, layer_offset: int = 0, expert_offset: int =
     Transformer Engine's grouped-GEMM experts (`mlp.experts.linear_fc1.weight{j}`) fold into the same
     `mlp.experts.local_experts.{e}.linear_fc1.weight` names.
     """
-    m = _LAYER_RE.match(module_name)
+    m = LAYER_RE.match(module_name)
     if not m:
         return module_name
     suffix = TE_ALIASES.get(m.group(2), m.group(2))

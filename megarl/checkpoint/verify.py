@@ -58,7 +58,7 @@ def hf_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Reference:
+class HFReference:
     """What a Megatron forward is judged against.
 
     logits: [batch, seq, vocab] float32, transformers' eager fp32 forward.
@@ -72,7 +72,7 @@ class Reference:
     floor_source: Optional[str] = None
 
 
-def reference(hf_dir: str, input_ids: torch.Tensor, dtype: str = "fp32", noise_floor: bool = True) -> Reference:
+def reference(hf_dir: str, input_ids: torch.Tensor, dtype: str = "fp32", noise_floor: bool = True) -> HFReference:
     """transformers' eager forward of `input_ids` [batch, seq] in fp32 and, with `noise_floor`, the noise floor of a
     `dtype` forward (`FLOOR_DTYPES`: the same model cast in place, so peak memory is the larger of the two copies,
     8 bytes per parameter for fp32's fp64 run)."""
@@ -83,13 +83,13 @@ def reference(hf_dir: str, input_ids: torch.Tensor, dtype: str = "fp32", noise_f
     with torch.no_grad():
         logits = model(input_ids).logits.float()
         if not noise_floor:
-            return Reference(logits)
+            return HFReference(logits)
         low, high = FLOOR_DTYPES[dtype]
         other = high if low == torch.float32 else low  # fp32 has run: the other one, the model cast in place
         runs = {torch.float32: logits.double(), other: model.to(other)(input_ids).logits.double()}
     diff = (runs[low] - runs[high]).abs()
     name = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16"}
-    return Reference(logits, float(diff.max()), float(diff.mean()),
+    return HFReference(logits, float(diff.max()), float(diff.mean()),
                      f"transformers {name[low]} vs {name[high]} forward, same batch")
 
 
@@ -102,7 +102,7 @@ def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     }
 
 
-def verdict(ours: torch.Tensor, ref: Reference, dtype: str = "fp32", atol: Optional[float] = None,
+def verdict(ours: torch.Tensor, ref: HFReference, dtype: str = "fp32", atol: Optional[float] = None,
             multiple: float = NOISE_MULTIPLE) -> dict:
     """Judge Megatron's logits `ours` [batch, seq, vocab] against `ref` (module docstring: how and why).
 
@@ -120,7 +120,7 @@ def verdict(ours: torch.Tensor, ref: Reference, dtype: str = "fp32", atol: Optio
     if atol is not None:
         tol_max, tol_mean, rule = atol, None, f"user --atol {atol:g} on the max |logit diff|"
     elif floor_max is None:
-        raise ValueError("verdict needs a Reference with a noise floor, or atol")
+        raise ValueError("verdict needs a HFReference with a noise floor, or atol")
     else:
         tol_max, tol_mean = multiple * floor_max, multiple * floor_mean
         rule = (f"max and mean |logit diff| each <= {multiple:g} x the noise floor ({ref.floor_source}; "

@@ -13,7 +13,7 @@ import os
 import sys
 import typing
 
-from megarl.config.loader import _hints, type_name
+from megarl.config.loader import type_hints, type_name
 from megarl.config.schema import JobConfig
 
 DOC_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "config.md")
@@ -102,7 +102,7 @@ def render_markdown() -> str:
         out.append(f"\n## `{path}`\n\n{doc}\n")
         out.append("| key | type | default | unit | meaning |\n|---|---|---|---|---|")
         nested = []
-        hints = _hints(cls)
+        hints = type_hints(cls)
         for f in dataclasses.fields(cls):
             tp = hints[f.name]
             sub = _section_type(tp)
@@ -126,7 +126,7 @@ def render_markdown() -> str:
             if sub not in seen:
                 section(sub, key)
 
-    hints = _hints(JobConfig)
+    hints = type_hints(JobConfig)
     for f in dataclasses.fields(JobConfig):
         sub = _section_type(hints[f.name])
         if sub in seen:

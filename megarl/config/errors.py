@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import difflib
-from typing import Iterable
+from megarl.registry import did_you_mean as did_you_mean  # re-exported: config's messages suggest with it
 
 
 class ConfigError(ValueError):
     """An invalid job configuration. The message names the key path and, for cross-field rules, the numbers."""
-
-
-def did_you_mean(name: str, candidates: Iterable[str], prefix: str = "") -> str:
-    """" (did you mean '<prefix><x>'?)" for the candidate closest to `name`, or '' when none is close."""
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""

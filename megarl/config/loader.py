@@ -123,7 +123,8 @@ def _copy_tree(data: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _hints(cls: type) -> dict[str, Any]:
+def type_hints(cls: type) -> dict[str, Any]:
+    """`typing.get_type_hints(cls)`, cached per config class: {field: its resolved type}."""
     return typing.get_type_hints(cls)
 
 
@@ -259,7 +260,7 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
             if not hint:
                 hint = f" (valid keys{' under ' + repr(path) if path else ''}: {', '.join(fields)})"
             raise ConfigError(f"unknown key '{full}'{hint}")
-    hints = _hints(cls)
+    hints = type_hints(cls)
     values = {}
     for name, f in fields.items():
         p = _join(path, name)

@@ -17,42 +17,36 @@ from typing import Any, Callable, Mapping, Optional
 
 from megarl.config.errors import ConfigError, did_you_mean
 from megarl.envs.base import Environment
+from megarl.registry import Registry
 from megarl.rewards.user import load_user_function
 
 EnvFactory = Callable[..., Environment]
 
-_REGISTRY: dict[str, EnvFactory] = {}
 KEY = "rollout.env"
+ENVS: Registry[EnvFactory] = Registry("environment", error=ConfigError, where=KEY,
+                                      also="or give a user factory as 'path/to/file.py:function'")
 
 
 def register_env(name: str, *, override: bool = False) -> Callable[[EnvFactory], EnvFactory]:
     """Decorator: register the factory `fn(**options) -> Environment` under `name`. A taken name is an error
     unless `override=True`."""
+    register = ENVS.register(name, override=override)
 
     def deco(fn: EnvFactory) -> EnvFactory:
-        if not callable(fn):
-            raise TypeError(f"environment {name!r}: {fn!r} is not callable")
         if ":" in name or name.endswith(".py"):
             raise ValueError(f"environment name {name!r} must not contain ':' or end in '.py' (file specs do)")
-        if name in _REGISTRY and not override and _REGISTRY[name] is not fn:
-            raise ValueError(f"environment {name!r} is already registered (pass override=True to replace it)")
-        _REGISTRY[name] = fn
-        return fn
+        return register(fn)
 
     return deco
 
 
 def get_env(name: str) -> EnvFactory:
     """The factory registered as `name`; a ConfigError naming `rollout.env` lists the names."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ConfigError(f"{KEY}: unknown environment {name!r}{did_you_mean(name, _REGISTRY)}; registered: "
-                          f"{sorted(_REGISTRY)}; or give a user factory as 'path/to/file.py:function'") from None
+    return ENVS.get(name)
 
 
 def list_envs() -> list[str]:
-    return sorted(_REGISTRY)
+    return ENVS.names()
 
 
 def load_env_file(path: str, function_name: str) -> EnvFactory:

@@ -15,43 +15,29 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from megarl.config.errors import did_you_mean
 from megarl.envs.base import ToolCall
+from megarl.registry import Registry
 
 ParseResult = tuple[list[ToolCall], list[str]]
 ToolCallParser = Callable[[str], ParseResult]
 
-_REGISTRY: dict[str, ToolCallParser] = {}
+PARSERS: Registry[ToolCallParser] = Registry("tool-call parser")
 _SNIPPET_CHARS = 200
 
 
 def register_parser(name: str, *, override: bool = False) -> Callable[[ToolCallParser], ToolCallParser]:
     """Decorator: register `fn(text) -> (tool_calls, errors)` under `name`. A taken name is an error unless
     `override=True` (one function may be registered under several names)."""
-
-    def deco(fn: ToolCallParser) -> ToolCallParser:
-        if not callable(fn):
-            raise TypeError(f"tool-call parser {name!r}: {fn!r} is not callable")
-        if name in _REGISTRY and not override and _REGISTRY[name] is not fn:
-            raise ValueError(f"tool-call parser {name!r} is already registered (pass override=True to replace it)")
-        _REGISTRY[name] = fn
-        return fn
-
-    return deco
+    return PARSERS.register(name, override=override)
 
 
 def get_parser(name: str) -> ToolCallParser:
-    """The parser registered as `name`; a KeyError lists the registered names."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown tool-call parser {name!r}{did_you_mean(name, _REGISTRY)}; registered: {sorted(_REGISTRY)}"
-        ) from None
+    """The parser registered as `name`; a KeyError lists the registered names and suggests the closest one."""
+    return PARSERS.get(name)
 
 
 def list_parsers() -> list[str]:
-    return sorted(_REGISTRY)
+    return PARSERS.names()
 
 
 def _snippet(text: str) -> str:

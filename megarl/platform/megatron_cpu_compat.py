@@ -292,15 +292,27 @@ def megatron_on_cpu() -> Iterator[None]:
     if not install():
         yield
         return
-    if _mode_active():
+    if in_megatron_scope():
         yield
         return
     with CudaToCpuMode():
         yield
 
 
-def _mode_active() -> bool:
+def in_megatron_scope() -> bool:
+    """True inside `megatron_on_cpu()` on a CPU machine (the CUDA->CPU function mode is on this thread's torch
+    function-mode stack); always False on CUDA machines, where the scope changes nothing."""
     return any(isinstance(m, CudaToCpuMode) for m in _get_current_function_mode_stack())
+
+
+def require_outside_megatron_scope(what: str) -> None:
+    """Raise RuntimeError when `what` (e.g. "rollout engine generate") is called inside `megatron_on_cpu()`.
+
+    vLLM must not run under the CUDA->CPU function mode: the mode would rewrite vLLM's own device logic and add a
+    Python call per op. The rollout adapter calls this at each entry point, to fail loudly instead of misbehaving."""
+    if in_megatron_scope():
+        raise RuntimeError(f"{what} called inside megatron_on_cpu(): leave that scope before using vLLM (enter it "
+                           "only around Megatron work)")
 
 
 def on_megatron_device(fn):

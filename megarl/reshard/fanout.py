@@ -31,7 +31,8 @@ from typing import Optional
 from megarl.models.spec import ModelSpec
 from megarl.parallel.topology import RoleTopology
 from megarl.reshard.layouts import DEFAULT_TRAIN_LAYOUT, InferLayout, Piece, TrainLayout, vllm_needs
-from megarl.reshard.planner import _ByteRate, _Index, _merge, _route_runs, plan_reshard
+from megarl.reshard.planner import plan_reshard
+from megarl.reshard.routing import ByteRate, HolderIndex, merge_runs, route_runs
 
 SYNC_FANOUTS = ("direct", "gather_broadcast", "replica_broadcast")
 
@@ -147,8 +148,8 @@ def gather_broadcast_phases(spec: ModelSpec, train: RoleTopology, infer: InferLa
     """(a): gather each stage's full tensors on its leader (training pool), then chain-broadcast them to every
     inference rank (bridge). Each HF tensor belongs to the first stage holding it (a tied output layer's copy on
     the last stage is not sent twice)."""
-    index = _Index(spec, train, train_layout)
-    rate = _ByteRate(spec, dtype_bytes)
+    index = HolderIndex(spec, train, train_layout)
+    rate = ByteRate(spec, dtype_bytes)
     stage_of = {r: train.coord(r).pp for r in train.ranks}
     owner: dict[str, int] = {}
     for name, runs in index.runs.items():
@@ -160,18 +161,18 @@ def gather_broadcast_phases(spec: ModelSpec, train: RoleTopology, infer: InferLa
     load: dict[int, int] = defaultdict(int)
     for stage in range(train.pp):
         leader = train.rank_of(pp=stage)
-        stage_index = _StageRuns({name: [run for run in runs if stage_of[run[0]] == stage]
-                                  for name, runs in index.runs.items() if owner[name] == stage})
+        stage_runs = {name: [run for run in runs if stage_of[run[0]] == stage]
+                      for name, runs in index.runs.items() if owner[name] == stage}
         stage_bytes = 0
-        for name, runs in stage_index.runs.items():
+        for name, runs in stage_runs.items():
             by_dim: dict[int, list[tuple[int, int]]] = defaultdict(list)
             for _, _, dim, start, stop in runs:
                 by_dim[dim].append((start, stop))
             for dim, spans in by_dim.items():
-                for lo, hi in _merge(spans):
+                for lo, hi in merge_runs(spans):
                     piece = Piece(name, dim, lo, hi)
                     stage_bytes += rate(piece)
-                    for src, _, _, _, nbytes in _route_runs(stage_index, leader, piece, load, rate):
+                    for src, _, _, _, nbytes in route_runs(stage_runs, leader, piece, load, rate):
                         if src != leader:
                             load[src] += nbytes
                             g_sent[src] += nbytes
@@ -189,7 +190,7 @@ def replica_broadcast_phases(spec: ModelSpec, train: RoleTopology, infer: InferL
     plan = plan_reshard(spec, train, first, dtype_bytes=dtype_bytes, train_layout=train_layout, keep_ops=False)
     sent: dict[int, int] = defaultdict(int)
     received: dict[int, int] = defaultdict(int)
-    rate = _ByteRate(spec, dtype_bytes)
+    rate = ByteRate(spec, dtype_bytes)
     for j in range(infer.tp):
         shard = sum(rate(p.piece) for p in vllm_needs(spec, infer.tp, j, infer.ep))
         engines = [infer.rank_offset + k * infer.tp + j for k in range(infer.replicas)]
@@ -217,13 +218,6 @@ def choose_fanout(costs: dict[str, FanoutCost], sync_fanout: str = "auto") -> Fa
     if sync_fanout not in costs:
         raise ValueError(f"sync_fanout={sync_fanout!r}: choose auto or one of {', '.join(SYNC_FANOUTS)}")
     return costs[sync_fanout]
-
-
-class _StageRuns:
-    """The part of `planner._Index` that `_route_runs` reads (`runs`), restricted to one pipeline stage."""
-
-    def __init__(self, runs: dict[str, list]) -> None:
-        self.runs = runs
 
 
 def _plan_phase(name: str, plan) -> Phase:

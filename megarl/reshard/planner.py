@@ -17,7 +17,7 @@ bytes it needs minus bytes of (its Megatron holdings intersected with its needs)
 so "received == bound" is a real check of the plan; the plan's own figure (needed minus what it copied locally)
 is reported beside it, with what a naive "gather the full model on every rank" moves.
 
-Across pools (no rank both trains and infers) the choice among holders is the whole routing (`_route_pool`): a run
+Across pools (no rank both trains and infers) the choice among holders is the whole routing (`route_pool`): a run
 only one training rank holds is that rank's to send (a pipeline stage's layers, an EP rank's experts, a TP rank's
 half); the runs several ranks hold (the DP / EP replicas of dense weights; the TP ranks' replicated norms) are then
 levelled over their holders, cut into whole rows where needed, so that the busiest sender sends the least any plan
@@ -58,6 +58,7 @@ from megarl.reshard.layouts import (
     piece_bytes,
     vllm_needs,
 )
+from megarl.reshard.routing import ByteRate, HolderIndex, merge_runs, route_pool, route_runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,24 +183,7 @@ class ReshardPlan:
         }
 
 
-class _Index:
-    """Holdings of every training rank, indexed by HF tensor name."""
-
-    def __init__(self, spec: ModelSpec, train: RoleTopology, layout: TrainLayout = DEFAULT_TRAIN_LAYOUT):
-        self.by_rank: dict[int, list[Placement]] = {r: megatron_holdings(spec, train, r, layout) for r in train.ranks}
-        self.by_name: dict[str, list[tuple[int, Placement]]] = defaultdict(list)
-        # by_name with the run unpacked: (rank, placement, dim, start, stop), for the router's hot loop
-        self.runs: dict[str, list[tuple[int, Placement, int, int, int]]] = defaultdict(list)
-        for r, placements in self.by_rank.items():
-            for p in placements:
-                self.by_name[p.piece.hf_name].append((r, p))
-                self.runs[p.piece.hf_name].append((r, p, p.piece.dim, p.piece.start, p.piece.stop))
-
-    def held_by(self, rank: int, need: Piece) -> list[Placement]:
-        return [p for r, p in self.by_name[need.hf_name] if r == rank and p.piece.intersect(need)]
-
-
-def _overlap_bytes(spec: ModelSpec, index: _Index, rank: int, needs: list[Placement], dtype_bytes: int) -> int:
+def _overlap_bytes(spec: ModelSpec, index: HolderIndex, rank: int, needs: list[Placement], dtype_bytes: int) -> int:
     total = 0
     for n in needs:
         for p in index.held_by(rank, n.piece):
@@ -208,14 +192,14 @@ def _overlap_bytes(spec: ModelSpec, index: _Index, rank: int, needs: list[Placem
 
 
 def choose_mapping(spec: ModelSpec, train: RoleTopology, infer_tp: "int | InferLayout", dtype_bytes: int = 2,
-                   _index: Optional[_Index] = None, train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT,
+                   _index: Optional[HolderIndex] = None, train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT,
                    infer_ep: bool = False) -> dict[int, int]:
     """Bridge rank -> inference TP rank maximising local bytes (permutations searched within each replica block
     when infer_tp <= 6, natural order otherwise). Ties keep the natural order (always the case for an inference
     rank that holds nothing). `infer_tp`: the rollout tp (colocated) or an `InferLayout`."""
     infer = infer_layout(train, infer_tp, infer_ep)
     infer_tp, infer_ep = infer.tp, infer.ep
-    index = _index or _Index(spec, train, train_layout)
+    index = _index or HolderIndex(spec, train, train_layout)
     needs = {j: vllm_needs(spec, infer_tp, j, infer_ep) for j in range(infer_tp)}
     mapping: dict[int, int] = {}
     for block_start in range(infer.rank_offset, infer.rank_offset + infer.world_size, infer_tp):
@@ -280,7 +264,7 @@ def lower_bound_bytes(spec: ModelSpec, train: RoleTopology, infer_tp: int, infer
         held: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
         for p in (megatron_holdings(spec, train, rank, train_layout) if rank in train.ranks else ()):
             held[(p.piece.hf_name, p.piece.dim)].append((p.piece.start, p.piece.stop))
-        runs = {key: _merge(v) for key, v in held.items()}
+        runs = {key: merge_runs(v) for key, v in held.items()}
         j = infer_rank_of[rank]
         if j not in needs:
             needs[j] = vllm_needs(spec, infer_tp, j, infer_ep)
@@ -294,17 +278,6 @@ def lower_bound_bytes(spec: ModelSpec, train: RoleTopology, infer_tp: int, infer
                     elements *= size
             total += elements * dtype_bytes
         out[rank] = total
-    return out
-
-
-def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Union of half-open runs, as disjoint sorted runs."""
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(runs):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
     return out
 
 
@@ -325,7 +298,7 @@ def _plan_cached(_key: str, spec: ModelSpec, train: RoleTopology, infer: InferLa
                  search_mapping: bool, prefer_local: bool, train_layout: TrainLayout = DEFAULT_TRAIN_LAYOUT,
                  keep_ops: bool = True) -> ReshardPlan:
     infer_tp, infer_ep = infer.tp, infer.ep
-    index = _Index(spec, train, train_layout)
+    index = HolderIndex(spec, train, train_layout)
     if search_mapping:
         mapping = choose_mapping(spec, train, infer, dtype_bytes, index, train_layout)
     else:
@@ -333,12 +306,14 @@ def _plan_cached(_key: str, spec: ModelSpec, train: RoleTopology, infer: InferLa
     needs = {j: vllm_needs(spec, infer_tp, j, infer_ep) for j in range(infer_tp)}
     model_bytes = _model_bytes(spec, dtype_bytes)
 
-    rate = _ByteRate(spec, dtype_bytes)
+    rate = ByteRate(spec, dtype_bytes)
     sent: dict[int, int] = defaultdict(int)
     ops: list[TransferOp] = []
     stats: list[RankStats] = []
     # across pools (no rank both trains and infers) every needed byte is sent, the senders levelled plan-wide
-    pooled = _route_pool(index, infer.ranks, mapping, needs, rate) if set(infer.ranks).isdisjoint(train.ranks) else None
+    pooled = None
+    if set(infer.ranks).isdisjoint(train.ranks):
+        pooled = route_pool(index.runs, infer.ranks, mapping, needs, rate)
     for dst in infer.ranks:
         received = local = lower = 0
         for k, need in enumerate(needs[mapping[dst]]):
@@ -352,8 +327,8 @@ def _plan_cached(_key: str, spec: ModelSpec, train: RoleTopology, infer: InferLa
                 ops.extend(new_ops)
                 routed = [(op.src, op.nbytes) for op in new_ops]
             else:  # statistics only: the same routing, no TransferOp objects
-                routed = [(src, nbytes) for src, _, _, _, nbytes in _route_runs(index, dst, need.piece, sent, rate,
-                                                                                 prefer_local)]
+                routed = [(src, nbytes) for src, _, _, _, nbytes in route_runs(index.runs, dst, need.piece, sent, rate,
+                                                                                prefer_local)]
             for src, nbytes in routed:
                 if src == dst:
                     local += nbytes
@@ -402,71 +377,14 @@ def _unique_bytes(spec: ModelSpec, placements: list[Placement], dtype_bytes: int
     return total
 
 
-class _ByteRate:
-    """Bytes per index along a piece's dim, per HF tensor (one shape lookup per tensor: `piece_bytes` on a hot path
-    would re-key the shape cache by the spec's repr every call)."""
-
-    def __init__(self, spec: ModelSpec, dtype_bytes: int) -> None:
-        self.shapes = cached_hf_shapes(spec)
-        self.dtype_bytes = dtype_bytes
-        self._rate: dict[tuple[str, int], int] = {}
-
-    def __call__(self, piece: Piece) -> int:
-        key = (piece.hf_name, piece.dim)
-        rate = self._rate.get(key)
-        if rate is None:
-            rate = self.dtype_bytes
-            for d, n in enumerate(self.shapes[piece.hf_name]):
-                if d != piece.dim:
-                    rate *= n
-            self._rate[key] = rate
-        return rate * (piece.stop - piece.start)
-
-
-def _route_runs(index: _Index, dst: int, piece: Piece, load: dict[int, int], rate: "_ByteRate",
-                prefer_local: bool = True) -> list[tuple[int, Placement, int, int, int]]:
-    """(src, src placement, lo, hi, nbytes) runs covering `piece` for `dst`: its own holdings first, then the
-    least-loaded holder (`load`: bytes already assigned to each source) per elementary run."""
-    lo_, hi_, dim = piece.start, piece.stop, piece.dim
-    holders = [(r, p) for r, p, d, s, e in index.runs[piece.hf_name] if d == dim and s < hi_ and lo_ < e]
-    if prefer_local:
-        # fast path (most pieces): some holder has all of it, and dst holds all of it or none of it
-        whole = [(r, p) for r, p in holders if p.piece.start <= lo_ and hi_ <= p.piece.stop]
-        mine = [(r, p) for r, p in whole if r == dst]
-        if mine or (whole and not any(r == dst for r, _ in holders)):
-            src, src_p = mine[0] if mine else min(whole, key=lambda rp: (load[rp[0]], rp[0]))
-            return [(src, src_p, lo_, hi_, rate(piece))]
-    # Cut the needed run at every holder boundary: each elementary run then has a set of candidate holders.
-    cuts = {piece.start, piece.stop}
-    for _, p in holders:
-        cuts.update(c for c in (p.piece.start, p.piece.stop) if piece.start < c < piece.stop)
-    bounds = sorted(cuts)
-    pending: dict[int, int] = defaultdict(int)
-    out = []
-    for lo, hi in zip(bounds, bounds[1:]):
-        run = Piece(piece.hf_name, piece.dim, lo, hi)
-        candidates = [(r, p) for r, p in holders if p.piece.start <= lo and hi <= p.piece.stop]
-        if not candidates:
-            raise ValueError(f"no training rank holds {run} (needed by rank {dst})")
-        mine = [(r, p) for r, p in candidates if r == dst]
-        if not prefer_local and len(mine) < len(candidates):  # testing knob: a deliberately worse plan
-            candidates, mine = [(r, p) for r, p in candidates if r != dst], []
-        src, src_p = mine[0] if mine else min(candidates, key=lambda rp: (load[rp[0]] + pending[rp[0]], rp[0]))
-        nbytes = rate(run)
-        if src != dst:
-            pending[src] += nbytes
-        out.append((src, src_p, lo, hi, nbytes))
-    return out
-
-
-def _route(spec: ModelSpec, index: _Index, dst: int, need: Placement, sent: dict[int, int],
-           dtype_bytes: int, prefer_local: bool = True, rate: Optional["_ByteRate"] = None) -> list[TransferOp]:
-    """Ops covering `need` for `dst` (`_route_runs`), one op per contiguous run from one source.
+def _route(spec: ModelSpec, index: HolderIndex, dst: int, need: Placement, sent: dict[int, int],
+           dtype_bytes: int, prefer_local: bool = True, rate: Optional[ByteRate] = None) -> list[TransferOp]:
+    """Ops covering `need` for `dst` (`route_runs`), one op per contiguous run from one source.
 
     `sent` (bytes already assigned to each source) is read for balancing; the caller updates it.
     """
-    return _ops_from_runs(dst, need, _route_runs(index, dst, need.piece, sent, rate or _ByteRate(spec, dtype_bytes),
-                                                 prefer_local))
+    runs = route_runs(index.runs, dst, need.piece, sent, rate or ByteRate(spec, dtype_bytes), prefer_local)
+    return _ops_from_runs(dst, need, runs)
 
 
 def _ops_from_runs(dst: int, need: Placement, runs) -> list[TransferOp]:
@@ -486,87 +404,6 @@ def _ops_from_runs(dst: int, need: Placement, runs) -> list[TransferOp]:
                                      nbytes=prev.nbytes + nbytes)
         ops.append(op)
     return ops
-
-
-def _route_pool(index: _Index, infer_ranks, mapping: dict[int, int], needs: dict[int, list[Placement]],
-                rate: "_ByteRate") -> dict[tuple[int, int], list[tuple[int, Placement, int, int, int]]]:
-    """Sources of every need of every inference rank when no inference rank trains (a rollout pool): {(dst, index of
-    the need in `needs[mapping[dst]]`): runs (src, src placement, lo, hi, nbytes), ascending lo}.
-
-    Each needed run is cut at every holder boundary. A run with one holder is that holder's to send (forced). The
-    others are then levelled over their holders, group by group (a group = the runs with the same set of holders,
-    fewest holders first): the group's water level T is the load every holder would reach if the group's bytes
-    filled the holders up to one level (`_water_level`, holders already above it get nothing); each run, coarsest
-    rows first (largest first among equals), goes whole to the holder with the most room under T, or, where it
-    fits whole nowhere, is cut into the holders' room (whole rows), what is left to the least-loaded holder. The
-    finest runs (1-D norms) come last and fill the gaps the cuts left, so a holder ends within about one row of the
-    finest run of T. On every layout of tests/unit/test_reshard_disaggregated.py the busiest sender then sends
-    exactly the least any plan can (max over sets S of training ranks of the bytes only S holds, / |S|)."""
-    load: dict[int, int] = defaultdict(int)
-    out: dict[tuple[int, int], list[tuple[int, Placement, int, int, int]]] = defaultdict(list)
-    groups: dict[tuple[int, ...], list[tuple]] = defaultdict(list)
-    order = 0
-    for dst in infer_ranks:
-        for k, need in enumerate(needs[mapping[dst]]):
-            piece = need.piece
-            holders = [(r, p) for r, p, d, s, e in index.runs[piece.hf_name]
-                       if d == piece.dim and s < piece.stop and piece.start < e]
-            cuts = {piece.start, piece.stop}
-            for _, p in holders:
-                cuts.update(c for c in (p.piece.start, p.piece.stop) if piece.start < c < piece.stop)
-            bounds = sorted(cuts)
-            for lo, hi in zip(bounds, bounds[1:]):
-                candidates = {}
-                for r, p in holders:  # one placement per rank (the first, as `_route_runs` would take it)
-                    if p.piece.start <= lo and hi <= p.piece.stop and r not in candidates:
-                        candidates[r] = p
-                if not candidates:
-                    raise ValueError(f"no training rank holds {Piece(piece.hf_name, piece.dim, lo, hi)} (needed by "
-                                     f"rank {dst})")
-                per_index = rate(Piece(piece.hf_name, piece.dim, 0, 1))
-                if len(candidates) == 1:
-                    (src, src_p), = candidates.items()
-                    out[(dst, k)].append((src, src_p, lo, hi, per_index * (hi - lo)))
-                    load[src] += per_index * (hi - lo)
-                else:
-                    groups[tuple(sorted(candidates))].append((-per_index, -per_index * (hi - lo), order, dst, k, lo,
-                                                              hi, candidates))
-                    order += 1
-    for holders in sorted(groups, key=lambda h: (len(h), h)):
-        runs = sorted(groups[holders], key=lambda run: run[:3])
-        level = _water_level([load[r] for r in holders], -sum(run[1] for run in runs))
-        for neg_rate, _, _, dst, k, lo, hi, candidates in runs:
-            per_index, nbytes = -neg_rate, -neg_rate * (hi - lo)
-            room = sorted(holders, key=lambda r: (-(level - load[r]), r))
-            if nbytes <= level - load[room[0]]:
-                parts = [(room[0], lo, hi)]
-            else:  # fits whole nowhere: whole rows into each holder's room, the rest to the least-loaded
-                parts, at = [], lo
-                for r in room:
-                    n = min(hi - at, max(0, int((level - load[r]) // per_index)))
-                    if n:
-                        parts.append((r, at, at + n))
-                        at += n
-                if at < hi:
-                    parts.append((min(holders, key=lambda r: (load[r] + sum(
-                        (b - a) * per_index for q, a, b in parts if q == r), r)), at, hi))
-            for src, a, b in parts:
-                out[(dst, k)].append((src, candidates[src], a, b, per_index * (b - a)))
-                load[src] += per_index * (b - a)
-    for runs in out.values():
-        runs.sort(key=lambda run: run[2])
-    return out
-
-
-def _water_level(loads: list[int], extra: int) -> float:
-    """The level T with sum(max(0, T - load)) == extra: where `extra` bytes poured over senders already holding
-    `loads` bring the lowest of them (each sender above T keeps its load)."""
-    ordered = sorted(loads)
-    for k in range(1, len(ordered) + 1):
-        level = (sum(ordered[:k]) + extra) / k
-        if k == len(ordered) or level <= ordered[k]:
-            return level
-    raise AssertionError("unreachable")
 
 
 def _contiguous(a: TransferOp, b: TransferOp) -> bool:

@@ -4,7 +4,7 @@ Bridge ranks: the actor's ranks 0..T-1 (its pool's world, natural order), then t
 (`megarl.controller.bridge`). The plan is `plan_reshard(spec, actor topology, InferLayout.pool(R, rollout.tp,
 rank_offset=T))`: every rollout rank holds nothing and receives its whole vLLM shard; what only one actor rank holds
 it sends, what several hold is levelled between them so the busiest actor rank sends the least any plan can
-(`planner._route_pool`). The workers build the same plan (`megarl.workers.pool_sync`); `--dry-run` and
+(`routing.route_pool`). The workers build the same plan (`megarl.workers.pool_sync`); `--dry-run` and
 the start-up summary print its traffic (`pool_sync_lines`).
 """
 

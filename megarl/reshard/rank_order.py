@@ -37,7 +37,7 @@ from typing import Optional
 from megarl.models.spec import ModelSpec
 from megarl.parallel.topology import DIMS, RoleTopology
 from megarl.reshard.layouts import megatron_holdings, piece_bytes, vllm_needs
-from megarl.reshard.planner import _merge
+from megarl.reshard.routing import merge_runs
 
 MODES = ("natural", "reshard")
 
@@ -113,7 +113,7 @@ def received_table(spec: ModelSpec, topo: RoleTopology, infer_tp: int, dtype_byt
                 total = 0
                 for need in needs[j]:
                     n = need.piece
-                    runs = _merge(held.get((n.hf_name, n.dim), []))
+                    runs = merge_runs(held.get((n.hf_name, n.dim), []))
                     covered = sum(max(0, min(hi, n.stop) - max(lo, n.start)) for lo, hi in runs)
                     total += piece_bytes(spec, dataclasses.replace(n, start=0, stop=n.length - covered), dtype_bytes)
                 table[(tp, pp, j)] = total

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Protocol
 
-from megarl.config.errors import did_you_mean
+from megarl.registry import Registry
 
 
 class RewardFn(Protocol):
@@ -17,32 +17,18 @@ class RewardFn(Protocol):
         value or None; `record` is the whole dataset record."""
 
 
-_REGISTRY: dict[str, RewardFn] = {}
+REWARDS: Registry[RewardFn] = Registry("reward function", short="reward")
 
 
 def register_reward(name: str, *, override: bool = False) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register `fn` under `name`. Registering a taken name is an error unless `override=True`."""
-
-    def deco(fn: RewardFn) -> RewardFn:
-        if not callable(fn):
-            raise TypeError(f"reward {name!r}: {fn!r} is not callable")
-        if name in _REGISTRY and not override and _REGISTRY[name] is not fn:
-            raise ValueError(f"reward {name!r} is already registered (pass override=True to replace it)")
-        _REGISTRY[name] = fn
-        return fn
-
-    return deco
+    return REWARDS.register(name, override=override)
 
 
 def get_reward(name: str) -> RewardFn:
     """The reward function registered as `name`; a KeyError lists the names and suggests the closest one."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown reward function {name!r}{did_you_mean(name, _REGISTRY)}; registered: {sorted(_REGISTRY)}"
-        ) from None
+    return REWARDS.get(name)
 
 
 def list_rewards() -> list[str]:
-    return sorted(_REGISTRY)
+    return REWARDS.names()

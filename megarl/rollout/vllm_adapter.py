@@ -67,6 +67,7 @@ from typing import Any, Iterable, Literal, Optional
 
 import torch
 
+from megarl.platform.megatron_cpu_compat import require_outside_megatron_scope
 from megarl.rollout.engine import (
     RolloutSample,
     RolloutSamples,
@@ -79,13 +80,13 @@ from megarl.rollout.vllm_layout import ParamShard
 from megarl.rollout.vllm_requests import VllmRequestApi, sampled_log_probs, sampling_params
 from megarl.rollout.vllm_routing import collect_routing_capture, install_routing_capture, set_routing_capture
 from megarl.rollout.vllm_weights import (
-    _Counted,
-    _describe_params,
-    _live_params,
-    _load_vllm_shards_cpu,
-    _repack_cpu_moe_experts,
-    _repack_tied_params,
+    CountedWeights,
     check_weight_api,
+    describe_params,
+    live_params,
+    load_vllm_shards_cpu,
+    repack_cpu_moe_experts,
+    repack_tied_params,
 )
 
 
@@ -151,18 +152,6 @@ def _on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
-def _require_outside_megatron_scope(what: str) -> None:
-    """vLLM must not run under megarl's CUDA->CPU function mode (it would rewrite vLLM's own device logic and add a
-    Python call per op): fail loudly instead of misbehaving."""
-    from torch.overrides import _get_current_function_mode_stack
-
-    from megarl.platform.megatron_cpu_compat import CudaToCpuMode
-
-    if any(isinstance(m, CudaToCpuMode) for m in _get_current_function_mode_stack()):
-        raise RuntimeError(f"rollout engine {what} called inside megatron_on_cpu(): leave that scope before "
-                           "using vLLM (enter it only around Megatron work)")
-
-
 def _set_cpu_env(settings: VllmEngineSettings, world_size: int) -> None:
     """VLLM_CPU_KVCACHE_SPACE (else vLLM reserves ~10 GiB) and VLLM_CPU_OMP_THREADS_BIND (one core set per local
     rank; "nobind" when there are more local ranks than cores). User-set values win."""
@@ -184,7 +173,7 @@ class VllmRolloutEngine(VllmRequestApi):
     The request-level API (`submit`, `step`, `poll`, `abort`, `pause`, `resume`) is `megarl.rollout.vllm_requests`."""
 
     def __init__(self, settings: VllmEngineSettings) -> None:
-        _require_outside_megatron_scope("construction")
+        require_outside_megatron_scope("rollout engine construction")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import torch.distributed as dist
 
@@ -282,7 +271,7 @@ class VllmRolloutEngine(VllmRequestApi):
         tp > 1 every rank of the replica must be given the same prompts and settings (checked by digest). Returns
         samples ordered by (prompt_index, sample_index) with the dropped/truncated prompt indices attached.
         """
-        _require_outside_megatron_scope("generate")
+        require_outside_megatron_scope("rollout engine generate")
         self._refuse_while_in_flight("generate")
         self.events.append(("generate", len(prompts)))
         if len(self.tp_ranks) > 1:
@@ -358,25 +347,25 @@ class VllmRolloutEngine(VllmRequestApi):
         layout="vllm_shard": vLLM names from `param_shards()`, this rank's shard with exactly the listed shape
             (vocab padding rows included); feed every parameter of each layer you update in one call.
         """
-        _require_outside_megatron_scope("update_weights")
+        require_outside_megatron_scope("rollout engine update_weights")
         self.events.append(("update_weights", layout))
-        counter = _Counted(weights)
+        counter = CountedWeights(weights)
         # vLLM's loaders `param.copy_` into leaf parameters that require grad (norm weights): no autograd here, on
         # any caller's path (collective_rpc runs the worker function in this thread: in-process engine).
         with torch.no_grad():
             self._reload(counter, layout)
         if _on_cpu():
-            self.llm.collective_rpc(_repack_tied_params)
-            self.llm.collective_rpc(_repack_cpu_moe_experts)
+            self.llm.collective_rpc(repack_tied_params)
+            self.llm.collective_rpc(repack_cpu_moe_experts)
         self.reset_prefix_cache()
         return counter.n
 
-    def _reload(self, counter: "_Counted", layout: WeightLayout) -> None:
+    def _reload(self, counter: "CountedWeights", layout: WeightLayout) -> None:
         if layout == "hf":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counter)})
         elif layout == "vllm_shard":
             if _on_cpu():
-                self.llm.collective_rpc(_load_vllm_shards_cpu, args=(iter(counter),))
+                self.llm.collective_rpc(load_vllm_shards_cpu, args=(iter(counter),))
             else:
                 self.llm.collective_rpc(
                     "reload_weights", kwargs={"weights_iterator": iter(counter), "is_checkpoint_format": False}
@@ -394,11 +383,11 @@ class VllmRolloutEngine(VllmRequestApi):
         """
         if _on_cpu():
             return {}
-        return self.llm.collective_rpc(_live_params)[0]
+        return self.llm.collective_rpc(live_params)[0]
 
     def param_shards(self) -> list[ParamShard]:
         """This rank's vLLM parameters: names, shard shapes before CPU repacking, and where they come from in HF."""
-        return self.llm.collective_rpc(_describe_params)[0]
+        return self.llm.collective_rpc(describe_params)[0]
 
     def shm_segments(self) -> list[str]:
         """Names in /dev/shm of the shared-memory segments this process's engine created: the message-queue ring

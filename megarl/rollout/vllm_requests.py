@@ -32,6 +32,7 @@ import collections
 import dataclasses
 from typing import Any, Optional, Sequence
 
+from megarl.platform.megatron_cpu_compat import require_outside_megatron_scope
 from megarl.rollout.engine import Completion, GenerationOutput, GenerationRequest, SamplingSettings, plan_prompts
 
 
@@ -127,9 +128,7 @@ class VllmRequestApi:
         (`overlong_prompt: drop`: longer than max_prompt_tokens; they produce no output). Raises before queueing
         anything on a duplicate id, a request that cannot fit max_model_len, or (TP > 1) calls that differ
         between the replica's ranks."""
-        from megarl.rollout.vllm_adapter import _require_outside_megatron_scope
-
-        _require_outside_megatron_scope("submit")
+        require_outside_megatron_scope("rollout engine submit")
         requests = list(requests)
         self._check_same_calls("submit", [(r.request_id, list(r.prompt_ids), r.sampling, r.seed_index, r.stream)
                                           for r in requests])

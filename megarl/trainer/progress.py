@@ -3,7 +3,7 @@
 `logging.progress`: `bar` = a tqdm bar on stderr over `trainer.total_steps` with the last step's reward, KL and
 step time in its postfix and tqdm's ETA; `lines` = one `step N/T reward ... | s (rollout, update)` log line every
 `trainer.log_every` steps (what log files and CI want); `auto` = the bar when stderr is a terminal, else lines.
-Every metric of every step goes to `<logging.dir>/metrics.jsonl` either way (`RLTrainer._log`).
+Every metric of every step goes to `<logging.dir>/metrics.jsonl` either way (`RLLoop._log`).
 """
 
 from __future__ import annotations

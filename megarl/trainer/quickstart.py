@@ -10,7 +10,7 @@ Stages (times in OUT/summary.json, seconds):
              monitor set of *training* problems is logged every `sft_eval_every` steps). `sft_target` (off by
              default) stops it earlier once that accuracy reaches the target -- where that happens moves with the
              host's kernels, which is why it is not the default. The held-out problems never decide anything.
-  4. grpo    GRPO through the full stack (`RLTrainer.fit`: vLLM rollout at temperature 1, exact-match reward,
+  4. grpo    GRPO through the full stack (`RLLoop.fit`: vLLM rollout at temperature 1, exact-match reward,
              group-normalised advantages, PPO-clipped update on Megatron, reshard into vLLM), on the same workers,
              from the warmed-up weights and optimizer state. Metrics per step in OUT/metrics.jsonl.
   5. export  a checkpoint of the actor (OUT/checkpoint) written as a HuggingFace model (OUT/hf,
@@ -162,7 +162,7 @@ def run_quickstart(s: QuickstartSettings) -> dict:
     from megarl.rewards import build_reward_fn
     from megarl.trainer import worker_threads
     from megarl.trainer.engine_model_dir import engine_model_dir
-    from megarl.trainer.rl_trainer import RLTrainer
+    from megarl.trainer.rl_trainer import RLLoop
     from megarl.trainer.session import call_bounds
     from megarl.trainer.sft import SFTWorker, sft_batch
     from megarl.trainer.shm import remove_shm_segments
@@ -236,7 +236,7 @@ def run_quickstart(s: QuickstartSettings) -> dict:
         t = time.perf_counter()
         loader = PromptLoader(PromptDataset.from_config(cfg.data, split="train"), cfg.data.prompts_per_step,
                               shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-        trainer = RLTrainer(cfg, workers, loader, encoder, build_reward_fn(cfg.reward), role_groups={},
+        trainer = RLLoop(cfg, workers, loader, encoder, build_reward_fn(cfg.reward), role_groups={},
                             val_records=val, metrics_path=os.path.join(out, "metrics.jsonl"))
         results = trainer.fit()
         times["grpo_s"] = time.perf_counter() - t

@@ -4,7 +4,7 @@
             -> mismatch (vLLM vs Megatron log-probs) -> advantages -> critic + actor updates -> reshard into vLLM
             -> metrics
 
-`RLTrainer` talks to the rollout engines through a `megarl.rollout.service.RolloutService` (`ColocatedRollout`: the
+`RLLoop` talks to the rollout engines through a `megarl.rollout.service.RolloutService` (`ColocatedRollout`: the
 `HybridWorker` group's engines, weights by local reshard; `PoolRollout`: engines on a pool of their own, weights
 sent over a bridge) and to the roles through their worker groups
 (`megarl.controller`: each call runs on every rank (SPMD) and returns the collected result). Rewards and advantages
@@ -70,9 +70,13 @@ class StepResult:
     metrics: dict[str, float]
 
 
-class RLTrainer:
-    """Drives `workers` (a `WorkerGroup` of `HybridWorker`, or of `ActorWorker` with `rollout.pool`) through
-    `cfg.trainer.total_steps` RL steps."""
+class RLLoop:
+    """The RL loop on the controller: drives `workers` (a `WorkerGroup` of `HybridWorker`, or of `ActorWorker` with
+    `rollout.pool`) through `cfg.trainer.total_steps` RL steps (`step`: rollout -> rewards -> log-probs ->
+    advantages -> updates -> weight sync; `fit`: every remaining step with validation, checkpoints and logging).
+
+    Internal: a `megarl.trainer.session.TrainingSession` builds it; users drive a run through the Python API
+    `megarl.RLTrainer` (`megarl.api`) or `megarl train`, never this class directly."""
 
     def __init__(self, cfg: JobConfig, workers, loader, encoder, reward_fn, role_groups: Optional[dict] = None,
                  val_records: Optional[list] = None, metrics_path: Optional[str] = None,

@@ -1,6 +1,6 @@
 """When rollouts run against training: the schedules of `trainer.mode` behind one interface (docs/async.md).
 
-The trainer's step body (scoring, advantages, updates) is written once (`RLTrainer.step`); a schedule only decides
+The trainer's step body (scoring, advantages, updates) is written once (`RLLoop.step`); a schedule only decides
 where its `RolloutBatch` comes from and when the actor's weights go into the engines:
 
     batch = schedule.take(step, timers)      # the rollout batch step `step` trains on
@@ -64,7 +64,7 @@ class _Stopped(Exception):
 
 @dataclasses.dataclass
 class RolloutBatch:
-    """One step's rollouts, scored (what `RLTrainer.step` trains on).
+    """One step's rollouts, scored (what `RLLoop.step` trains on).
 
     index: the batch's number (1-based; the step it was drawn for, or the driver's count in async mode); its
         sampling seed is rollout.seed + index.
@@ -192,7 +192,7 @@ def wait_for(cond: threading.Condition, ready, what: str, timeout_s: float) -> N
 class Schedule:
     """trainer.mode=sync: generate, train, push (see the module docstring). Also the base of the other schedules.
 
-    `trainer`: the `RLTrainer`; a schedule uses its rollout service (`trainer.rollout`) and its `_draw` (the next
+    `trainer`: the `RLLoop`; a schedule uses its rollout service (`trainer.rollout`) and its `_draw` (the next
     prompts and sampling settings), `_scored_batch` (samples -> `RolloutBatch`) and `_sync_batch` (the synchronous
     step's rollout, dynamic sampling included)."""
 

@@ -1,10 +1,10 @@
-"""One training job on the controller: its inputs, its Ray worker groups and its `RLTrainer`, from start to clean
+"""One training job on the controller: its inputs, its Ray worker groups and its `RLLoop`, from start to clean
 shutdown. `megarl train` (through `megarl.trainer.run`) and the Python API (`megarl.api.RLTrainer`) both drive a job
 through this class, so they run the same engine.
 
     session = TrainingSession(cfg)          # checks every input (data, tokenizer, reward, checkpoints, memory)
     session.start()                         # Ray, worker groups (HybridWorker on the actor's pool, RoleWorkers)
-    session.fit() / session.step()          # RLTrainer.fit / RLTrainer.run_step, under the SIGTERM/SIGINT handlers
+    session.fit() / session.step()          # RLLoop.fit / RLLoop.run_step, under the SIGTERM/SIGINT handlers
     session.close()                         # sinks, workers, /dev/shm segments, the Ray cluster it started
 
 Placement: it joins a Ray cluster (`RAY_ADDRESS`, e.g. from `launch/ray_submit.sh`) or starts a local one, places a
@@ -143,14 +143,14 @@ class TrainingSession:
         # pre-flight: a layout whose static memory exceeds the GPU's (when known) is refused before Ray starts
         check_fits(job_memory_estimate(cfg, device_memory_bytes(cfg)))
         self.stop = StopRequest(graceful=bool(cfg.checkpoint.dir))
-        self.trainer = None  # megarl.trainer.rl_trainer.RLTrainer, once started
+        self.trainer = None  # megarl.trainer.rl_trainer.RLLoop, once started
         self.groups: list = []
         self.shm_reports: list = []
         self.started_ray = False
         self.closed = False
 
     def start(self):
-        """Start (once) the Ray cluster if none is running, the worker groups and the `RLTrainer`; returns it."""
+        """Start (once) the Ray cluster if none is running, the worker groups and the `RLLoop`; returns it."""
         if self.trainer is not None:
             return self.trainer
         if self.closed:
@@ -160,7 +160,7 @@ class TrainingSession:
         import ray
 
         from megarl.platform.device import device_kind  # torch
-        from megarl.trainer.rl_trainer import RLTrainer
+        from megarl.trainer.rl_trainer import RLLoop
         from megarl.workers.hybrid import HybridWorker  # torch, megatron-core, vLLM
         from megarl.workers.role_host import RoleWorker  # torch, megatron-core
 
@@ -212,7 +212,7 @@ class TrainingSession:
                 role_groups[role] = WorkerGroup(make_pool(r.pool), RoleWorker, cfg, role,
                                                 env={"OMP_NUM_THREADS": str(threads), **quiet}, **call_bounds(cfg))
                 self.groups.append(role_groups[role])
-        self.trainer = RLTrainer(cfg, workers, self.loader, self.encoder, self.reward_fn, role_groups=role_groups,
+        self.trainer = RLLoop(cfg, workers, self.loader, self.encoder, self.reward_fn, role_groups=role_groups,
                                  val_records=self.val, metrics_path=self.metrics_path, stop=self.stop,
                                  rollout=rollout)
         return self.trainer
@@ -248,7 +248,7 @@ class TrainingSession:
         return contextlib.nullcontext()
 
     def fit(self) -> list:
-        """`RLTrainer.fit`: the remaining steps; a list of `StepResult`."""
+        """`RLLoop.fit`: the remaining steps; a list of `StepResult`."""
         trainer = self.start()
         with self.signals():
             results = trainer.fit()
@@ -259,7 +259,7 @@ class TrainingSession:
         return results
 
     def step(self):
-        """`RLTrainer.run_step`: the next step (with its validation / checkpoint / logging); a `StepResult`."""
+        """`RLLoop.run_step`: the next step (with its validation / checkpoint / logging); a `StepResult`."""
         trainer = self.start()
         with self.signals():
             return trainer.run_step()

@@ -4,7 +4,7 @@
 more controller-callable method, `update_actor_sft`: one optimizer step of the actor's cross-entropy on the
 response tokens (`Actor.update` with `loss.name == "sft"`, `megarl.roles.actor`), over the whole batch, at its own
 learning rate. The actor's RL loss, batching and learning rate are restored afterwards, so the same workers then
-run RL (`RLTrainer`) from the warmed-up weights, optimizer moments included.
+run RL (`RLLoop`) from the warmed-up weights, optimizer moments included.
 
 Data path: records {"prompt", "answer"} -> `sft_batch` (controller: prompt ids from the `PromptEncoder`, answer ids
 + EOS as the response) -> Batch input_ids / attention_mask / response_mask [B, S] int64 -> `update_actor_sft`

@@ -1,11 +1,11 @@
 """Stopping a run on SIGTERM / SIGINT (Slurm's warning before the time limit, a preemption notice, Ctrl-C).
 
-`StopRequest` is installed by `megarl.trainer.run` around `RLTrainer.fit`, on the controller's main thread. What a
+`StopRequest` is installed by `megarl.trainer.run` around `RLLoop.fit`, on the controller's main thread. What a
 signal does:
 
 - with `checkpoint.dir` set, the first SIGTERM or SIGINT only sets `StopRequest.signal_name`: the step in flight
   finishes (its update and weight sync included; a step is never cut in half, so the checkpoint is the exact state
-  after it), `RLTrainer.fit` saves a checkpoint of that step (unless the step was just saved on schedule) and
+  after it), `RLLoop.fit` saves a checkpoint of that step (unless the step was just saved on schedule) and
   returns, and `run` logs the command that resumes the run and exits 0. A signal that comes while the checkpoint
   is loaded or before the first step stops the run before any step, with nothing new to save.
 - a second SIGINT or SIGTERM (or the first one without `checkpoint.dir`: nothing could be saved, so there is

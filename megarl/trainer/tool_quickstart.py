@@ -103,7 +103,7 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
     from megarl.trainer import worker_threads
     from megarl.trainer.engine_model_dir import engine_model_dir
     from megarl.trainer.plots import PlotsUnavailable, plot_run
-    from megarl.trainer.rl_trainer import RLTrainer
+    from megarl.trainer.rl_trainer import RLLoop
     from megarl.trainer.session import call_bounds
     from megarl.trainer.sft import SFTWorker
     from megarl.trainer.shm import remove_shm_segments
@@ -171,7 +171,7 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
         t = time.perf_counter()
         loader = PromptLoader(PromptDataset.from_config(cfg.data, split="train"), cfg.data.prompts_per_step,
                               shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-        trainer = RLTrainer(cfg, workers, loader, encoder, reward_fn, role_groups={}, val_records=val,
+        trainer = RLLoop(cfg, workers, loader, encoder, reward_fn, role_groups={}, val_records=val,
                             metrics_path=os.path.join(out, "metrics.jsonl"))
         results = trainer.fit()
         trainer.close()

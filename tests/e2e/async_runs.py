@@ -6,7 +6,7 @@ instead of once per run.
 Every run starts from the same state: the session's step-0 checkpoint (weights, Adam moments, every RNG, the
 loader) is copied into the run's checkpoint directory and resumed with `checkpoint.allow_config_change` (the runs
 differ in trainer.mode and its options, nothing else); a run resumed from another run's checkpoint is its
-continuation. Each run gets its own `RLTrainer` over the session's worker groups and rollout service.
+continuation. Each run gets its own `RLLoop` over the session's worker groups and rollout service.
 
     python tests/e2e/async_runs.py OUT_DIR   # OUT_DIR/<run>/metrics.jsonl, <run>/ckpt, runs.json, config.json
 """

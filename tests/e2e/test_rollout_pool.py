@@ -10,7 +10,7 @@ What it is compared with, none of it from the planner or the run's own descripti
 - the bytes the two actor ranks send add up to the two engines' shards, and are balanced by this theory: under
   Megatron TP2 every tensor except the RMS norms is split between the two ranks (each the only holder of its half,
   which it must send to each engine itself); the norms (2 per layer + the final one, `hidden_size` fp32 each) are
-  held by both, and levelled between the ranks (`planner._route_pool`), so the two ranks differ by at most one norm
+  held by both, and levelled between the ranks (`routing.route_pool`), so the two ranks differ by at most one norm
   (hidden x 4 B; here, with the vocabulary split evenly, by nothing);
 - every sync is verified: each rollout rank checked every piece the plan routes into it against its sender's
   checksum;

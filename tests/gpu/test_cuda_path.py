@@ -13,7 +13,7 @@ def test_cpu_layer_is_inactive_on_cuda():
 
     current_device = torch.cuda.current_device
     with compat.megatron_on_cpu():
-        assert not compat._mode_active()
+        assert not compat.in_megatron_scope()
         assert torch.ones(1, device="cuda").is_cuda
     assert torch.cuda.current_device is current_device
     assert compat.install() is False

@@ -17,7 +17,7 @@ from megarl.algorithms import (
     masked_var,
     masked_whiten,
 )
-from megarl.algorithms.registry import Registry
+from megarl.registry import Registry
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])

@@ -9,7 +9,7 @@ import torch
 
 from megarl.algorithms.dynamic_sampling import enough_groups, informative_groups, select_groups
 from megarl.rollout.engine import RolloutSample
-from megarl.trainer.rl_trainer import RLTrainer
+from megarl.trainer.rl_trainer import RLLoop
 from tests.unit.test_config import base, error, load
 
 
@@ -71,11 +71,11 @@ def test_config_default_off_and_refusals(tmp_path):
 
 
 class _Rounds:
-    """`RLTrainer._dynamic_sampling` over hand-written rounds: `_rollout_round` returns the next prepared round (4
+    """`RLLoop._dynamic_sampling` over hand-written rounds: `_rollout_round` returns the next prepared round (4
     prompts x 2 samples each; the scores are chosen so which groups are all-equal is known)."""
 
-    _dynamic_sampling = RLTrainer._dynamic_sampling
-    _overlong_penalty = RLTrainer._overlong_penalty
+    _dynamic_sampling = RLLoop._dynamic_sampling
+    _overlong_penalty = RLLoop._overlong_penalty
 
     def __init__(self, round_scores, max_rounds, dropped=()):
         self.cfg = SimpleNamespace(data=SimpleNamespace(prompts_per_step=4), rollout=SimpleNamespace(max_new_tokens=8),

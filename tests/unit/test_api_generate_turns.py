@@ -14,7 +14,7 @@ import types
 
 from megarl.api import RLTrainer as ApiTrainer
 from megarl.config.schema import RolloutConfig
-from megarl.trainer.rl_trainer import RLTrainer as LoopTrainer
+from megarl.trainer.rl_trainer import RLLoop as LoopTrainer
 from megarl.trainer.schedule import AsyncSchedule
 from tests.unit.test_schedule import FakeTrainer, ScriptedRollout
 

@@ -299,13 +299,13 @@ def test_cli_round_trip_is_bit_exact(hf_dir, tmp_path):
 def test_verdict_judges_max_and_mean_against_the_noise_floor():
     """Hand-made reference (floor max 1e-4, mean 1e-5, so tolerances 4e-4 / 4e-5): one logit off by 3e-4 is within
     the max tolerance but puts the mean (3e-4 / 3 logits = 1e-4) over its own; --atol judges the max alone."""
-    from megarl.checkpoint.verify import Reference, verdict
+    from megarl.checkpoint.verify import HFReference, verdict
 
-    ref = Reference(torch.tensor([[[10.0, -20.0, 5.0]]]), floor_max=1e-4, floor_mean=1e-5, floor_source="hand")
+    ref = HFReference(torch.tensor([[[10.0, -20.0, 5.0]]]), floor_max=1e-4, floor_mean=1e-5, floor_source="hand")
     ours = ref.logits + torch.tensor([[[3e-4, 0.0, 0.0]]])
     v = verdict(ours, ref)
     assert (v["tolerance"], v["tolerance_mean"]) == pytest.approx((4e-4, 4e-5)) and not v["passed"], v
     assert verdict(ref.logits + torch.tensor([[[3e-4, 0.0, -3e-4]]]) / 10, ref)["passed"]
     assert verdict(ours, ref, atol=1e-3)["passed"] and not verdict(ours, ref, atol=1e-4)["passed"]
     with pytest.raises(ValueError, match="noise floor, or atol"):
-        verdict(ours, Reference(ref.logits))
+        verdict(ours, HFReference(ref.logits))

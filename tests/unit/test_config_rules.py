@@ -162,4 +162,4 @@ def test_trainer_names_an_unknown_reward_function(tmp_path):
     msg = _run_error(tmp_path, [f"data.train_path={train}", f"model.tokenizer={tokenizer}", "data.chat_template=none",
                                 "reward.function=nope"])
     assert msg == ("reward.function: unknown reward function 'nope'; "
-                   "registered: ['exact_match', 'gsm8k', 'token_fraction']")
+                   "valid: exact_match, gsm8k, token_fraction")

@@ -3,6 +3,8 @@
 Imports are read with `ast` from every module in `megarl/`, at module level and inside functions (a deferred
 import is still a dependency). The order, lowest first:
 
+  registry     `Registry` (name -> callable, lookups with did-you-mean): one module importing nothing of megarl,
+               used by every layer that registers names (algorithms, config's messages, rewards, envs)
   platform     device, distributed init, megatron-core CPU compatibility, vendor version checks
   parallel     topology and process groups
   algorithms   pure tensor maths (advantages, losses, KL)
@@ -36,8 +38,8 @@ import pathlib
 
 import pytest
 
-LAYERS = ["platform", "parallel", "algorithms", "models", "config", "engine", "checkpoint", "data", "rewards",
-          "envs", "rollout", "reshard", "roles", "controller", "workers", "trainer", "api", "cli"]
+LAYERS = ["registry", "platform", "parallel", "algorithms", "models", "config", "engine", "checkpoint", "data",
+          "rewards", "envs", "rollout", "reshard", "roles", "controller", "workers", "trainer", "api", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megarl"
 

@@ -36,9 +36,9 @@ def test_type_strings_report_cuda_only_inside_the_scope():
 def test_scope_is_reentrant_and_leaves_no_mode_behind():
     with compat.megatron_on_cpu():
         with compat.megatron_on_cpu():
-            assert compat._mode_active()
-        assert compat._mode_active()
-    assert not compat._mode_active()
+            assert compat.in_megatron_scope()
+        assert compat.in_megatron_scope()
+    assert not compat.in_megatron_scope()
     with pytest.raises((RuntimeError, AssertionError, TypeError)):
         torch.ones(1, device="cuda")  # outside the scope CUDA placements still fail loudly
 

@@ -18,16 +18,16 @@ from megarl.rewards import (
     register_reward,
     score_batch,
 )
-from megarl.rewards.registry import _REGISTRY
+from megarl.rewards.registry import REWARDS
 
 
 def test_registry_builtins_and_typo_suggestion():
     assert {"exact_match", "gsm8k", "token_fraction"} <= set(list_rewards())
     with pytest.raises(
-        KeyError, match=re.escape("unknown reward function 'gms8k' (did you mean 'gsm8k'?); registered: [")
+        KeyError, match=re.escape("unknown reward function 'gms8k' (did you mean 'gsm8k'?); valid: ")
     ):
         get_reward("gms8k")
-    with pytest.raises(KeyError, match=re.escape("unknown reward function 'zzz'; registered:")):
+    with pytest.raises(KeyError, match=re.escape("unknown reward function 'zzz'; valid:")):
         get_reward("zzz")
 
 
@@ -45,7 +45,7 @@ def test_register_reward_and_duplicates():
         with pytest.raises(TypeError, match=re.escape("reward 'x': 3 is not callable")):
             register_reward("x")(3)
     finally:
-        _REGISTRY.pop("test_len", None)
+        REWARDS.unregister("test_len")
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ import torch
 
 from megarl.envs.episode import EpisodeRunner
 from megarl.rollout.engine import RolloutSample, RolloutSamples, SamplingSettings
-from megarl.trainer.rl_trainer import RLTrainer
+from megarl.trainer.rl_trainer import RLLoop
 from megarl.trainer.schedule import AsyncSchedule, OneStepOffSchedule, RolloutBatch, Schedule
 from tests.unit import test_envs_episode as episode_tests
 
@@ -97,7 +97,7 @@ class ScriptedRollout:
 
 
 class FakeTrainer:
-    """What a schedule uses of `RLTrainer`: cfg, rollout, episodes, `_draw`, `_scored_batch`, `_sync_batch`."""
+    """What a schedule uses of `RLLoop`: cfg, rollout, episodes, `_draw`, `_scored_batch`, `_sync_batch`."""
 
     def __init__(self, rollout, mode="sync", total=10, max_staleness=1, stale_policy="wait", sync_every=1,
                  partial="finish", chunk=2) -> None:
@@ -403,7 +403,7 @@ def test_validation_and_pushes_take_turns_with_the_driver():
     schedule.start(1)
     for step in range(1, 9):
         schedule.take(step, {})
-        with schedule.exclusive():  # what RLTrainer.validate does
+        with schedule.exclusive():  # what RLLoop.validate does
             rollout.generate([[1, 2, 3]], SamplingSettings(max_new_tokens=3))
         schedule.after_update(step)
     schedule.close()
@@ -421,9 +421,9 @@ def test_rollout_batch_lags_are_per_sample_oldest_token():
 class EpisodeTrainer(FakeTrainer):
     """A trainer with multi-turn episodes: the real `EpisodeRunner` (transformers' chat template and tokenizer, the
     calculator environment and scripted policy of test_envs_episode.py: a tool call, then the answer: two turns)
-    and the real batch producer, `RLTrainer._episode_batch`; 2 records x 2 episodes = 4 episodes per batch."""
+    and the real batch producer, `RLLoop._episode_batch`; 2 records x 2 episodes = 4 episodes per batch."""
 
-    _episode_batch = RLTrainer._episode_batch
+    _episode_batch = RLLoop._episode_batch
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

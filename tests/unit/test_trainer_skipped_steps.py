@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from megarl.trainer.faults import RunAborted
-from megarl.trainer.rl_trainer import RLTrainer, StepResult
+from megarl.trainer.rl_trainer import RLLoop, StepResult
 
 
 def _host(limit):
@@ -30,27 +30,27 @@ def test_streak_adds_up_over_fully_skipped_updates_and_restarts_after_an_applied
              ((1, 1, 1), 1)]
     for step, ((n, s, t), want) in enumerate(cases, 1):
         m = _m(n, s, t)
-        RLTrainer._count_skips(host, m)
+        RLLoop._count_skips(host, m)
         assert m["actor/skipped_streak"] == want, (step, m)
-        RLTrainer._check_skips(host, StepResult(step, m))  # below 4: goes on
+        RLLoop._check_skips(host, StepResult(step, m))  # below 4: goes on
 
 
 def test_run_stops_at_the_limit_naming_role_and_key():
     host = _host(limit=2)
     m = _m(1, 1, 1, "critic")
-    RLTrainer._count_skips(host, m)
-    RLTrainer._check_skips(host, StepResult(1, m))
+    RLLoop._count_skips(host, m)
+    RLLoop._check_skips(host, StepResult(1, m))
     m = _m(1, 1, 1, "critic")
-    RLTrainer._count_skips(host, m)
+    RLLoop._count_skips(host, m)
     with pytest.raises(RunAborted, match=re.escape(
             "step 2: 2 critic optimizer steps in a row were skipped for a non-finite loss or gradient norm (last "
             "grad_norm nan); stopping at trainer.max_skipped_steps=2")):
-        RLTrainer._check_skips(host, StepResult(2, m))
+        RLLoop._check_skips(host, StepResult(2, m))
 
 
 def test_roles_without_skip_metrics_are_ignored():
     host = _host(limit=1)
     m = {"actor/loss": 0.5}
-    RLTrainer._count_skips(host, m)
-    RLTrainer._check_skips(host, StepResult(1, m))
+    RLLoop._count_skips(host, m)
+    RLLoop._check_skips(host, StepResult(1, m))
     assert host.skip_streak == {} and "actor/skipped_streak" not in m

@@ -1,6 +1,6 @@
-"""SIGTERM / SIGINT on the controller (`megarl.trainer.stop`): the first signal ends `RLTrainer.fit` after the step in
+"""SIGTERM / SIGINT on the controller (`megarl.trainer.stop`): the first signal ends `RLLoop.fit` after the step in
 flight with a checkpoint of it, a second one (or the first without checkpoint.dir) aborts at once. Real signals are
-sent to this process; the loop is `RLTrainer.fit` itself, around a stand-in for the worker calls (steps and saves
+sent to this process; the loop is `RLLoop.fit` itself, around a stand-in for the worker calls (steps and saves
 recorded). The real run, with Ray workers, is tests/e2e/test_stop_signal.py."""
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ import pytest
 
 from megarl.cli import main
 from megarl.trainer import stopped_message
-from megarl.trainer.rl_trainer import RLTrainer, StepResult
+from megarl.trainer.rl_trainer import RLLoop, StepResult
 from megarl.trainer.stop import RunInterrupted, StopRequest
 
 
 class _Loop:
-    """`RLTrainer.fit` with the worker-side parts replaced: `step` records the step and raises `signals[step]` (a
+    """`RLLoop.fit` with the worker-side parts replaced: `step` records the step and raises `signals[step]` (a
     list of signals sent during that step); `save` records the step saved; `_log` can send a signal too."""
 
-    fit = RLTrainer.fit
-    start = RLTrainer.start
-    run_step = RLTrainer.run_step
-    _stop_requested = RLTrainer._stop_requested
-    _check_skips = RLTrainer._check_skips
+    fit = RLLoop.fit
+    start = RLLoop.start
+    run_step = RLLoop.run_step
+    _stop_requested = RLLoop._stop_requested
+    _check_skips = RLLoop._check_skips
 
     def __init__(self, stop, total=5, save_every=0, ckpt="ckpt", during_step=None, during_log=None):
         self.cfg = SimpleNamespace(trainer=SimpleNamespace(total_steps=total, val_every=0, max_skipped_steps=3,

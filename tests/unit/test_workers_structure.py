@@ -98,7 +98,7 @@ class _FakeGroup:
 
 
 def _trainer_before_the_service(group, prompts, sampling):
-    """`RLTrainer._generate` as it was before `ColocatedRollout` (commit 451d930), for the equality check."""
+    """`RLLoop._generate` as it was before `ColocatedRollout` (commit 451d930), for the equality check."""
     per_replica = group.generate(prompts, sampling)
     samples, dropped = [], []
     for k, out in enumerate(per_replica):
