@@ -53,7 +53,7 @@ def token_batch(vocab_size: int, batch: int = 2, seq: int = 32, seed: int = 0) -
 
 
 def hf_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
-    """transformers' own forward, fp32, eager attention: [batch, seq, vocab] float32."""
+    """transformers' own forward, fp32, eager attention and experts: [batch, seq, vocab] float32."""
     return reference(hf_dir, input_ids, noise_floor=False).logits
 
 
@@ -75,10 +75,16 @@ class Reference:
 def reference(hf_dir: str, input_ids: torch.Tensor, dtype: str = "fp32", noise_floor: bool = True) -> Reference:
     """transformers' eager forward of `input_ids` [batch, seq] in fp32 and, with `noise_floor`, the noise floor of a
     `dtype` forward (`FLOOR_DTYPES`: the same model cast in place, so peak memory is the larger of the two copies,
-    8 bytes per parameter for fp32's fp64 run)."""
+    8 bytes per parameter for fp32's fp64 run).
+
+    Eager throughout, attention and mixture-of-experts layers alike (`experts_implementation="eager"`: the
+    per-expert loop of plain matmuls): every forward, and so both ends of the floor, runs the same code at each
+    precision. transformers' default expert kernel (grouped_mm) refuses fp64, so the fp32 floor could not be
+    measured with it."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager",
+                                                 experts_implementation="eager")
     model.eval()
     with torch.no_grad():
         logits = model(input_ids).logits.float()
