@@ -6,7 +6,7 @@ Runs one fixed token batch through transformers (fp32, eager attention) and thro
 default --tp; on the fewest data-parallel replicas megatron-core's expert grid allows), with
 weights from --megatron-dir (a megarl Megatron checkpoint) or, without it, loaded straight from --hf-dir.
 Starts the layout's local ranks itself when not under torchrun (tp*pp*ep when --etp is --tp; e.g. 2 for --tp 2
---ep 2 --etp 1).
+--ep 2 --etp 1; a layout of one rank runs in the tool's own process).
 
 The verdict: rounding alone moves logits by an amount that depends on the model (depth, logit size, vocabulary),
 so the tolerance is derived from the model's own noise floor, the max and mean |logit diff| between transformers'

@@ -215,9 +215,9 @@ def verify(hf_dir: str, megatron_dir: Optional[str], tp: int, pp: int, dtype: st
            atol: Optional[float] = None, batch: int = 2, seq: int = 32, seed: int = 0,
            ep: int = 1, etp: Optional[int] = None, vpp: int = 1,
            multiple: Optional[float] = None) -> Optional[dict]:
-    """Run the parity check; spawns `verify_topology`'s ranks unless already under torchrun. `verdict`'s dict on
-    rank 0: `atol` None judges by `multiple` (default NOISE_MULTIPLE) x the model's noise floor, else
-    max |logit diff| <= atol."""
+    """Run the parity check; spawns `verify_topology`'s ranks unless already under torchrun, or runs a world of one
+    (TP1, PP1, EP1) in this process. `verdict`'s dict on rank 0: `atol` None judges by `multiple` (default
+    NOISE_MULTIPLE) x the model's noise floor, else max |logit diff| <= atol."""
     reader = check_layout(hf_dir, tp, pp, ep, etp, vpp)
     if megatron_dir:
         read_meta(megatron_dir)
@@ -227,4 +227,10 @@ def verify(hf_dir: str, megatron_dir: Optional[str], tp: int, pp: int, dtype: st
     if under_torchrun():
         rank, world = init_distributed()
         return verify_ranks(rank, world, *args)
-    return run_ranks(verify_topology(tp, pp, ep, etp).world_size, verify_ranks, *args, timeout_s=1800)[0]
+    world = verify_topology(tp, pp, ep, etp).world_size
+    if world == 1 and not dist.is_initialized():  # no rank to start: saves a second interpreter's imports
+        try:
+            return verify_ranks(*init_distributed(), *args)
+        finally:
+            dist.destroy_process_group()
+    return run_ranks(world, verify_ranks, *args, timeout_s=1800)[0]

@@ -309,3 +309,23 @@ def test_verdict_judges_max_and_mean_against_the_noise_floor():
     assert verdict(ours, ref, atol=1e-3)["passed"] and not verdict(ours, ref, atol=1e-4)["passed"]
     with pytest.raises(ValueError, match="noise floor, or atol"):
         verdict(ours, Reference(ref.logits))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_noise_floor_of_a_mixture_of_experts_model(arch, tmp_path):
+    """verify's reference on an MoE model: the fp32 floor needs an fp64 forward of its expert layers (transformers'
+    default grouped_mm kernel refuses fp64). The reference's fp32 logits agree with transformers' default forward
+    to rounding, and the floor is a rounding-sized, nonzero amount."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.checkpoint.verify import reference, token_batch
+
+    hf = make_hf_model(arch, str(tmp_path / arch))
+    ids = token_batch(300)
+    ref = reference(hf, ids, "fp32")
+    default = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (ref.logits - default(ids).logits).abs().max() < 1e-5
+    scale = float(ref.logits.abs().max())
+    assert 0 < ref.floor_mean <= ref.floor_max < 1e3 * torch.finfo(torch.float32).eps * scale, ref
+    assert ref.floor_source == "transformers fp32 vs fp64 forward, same batch"
