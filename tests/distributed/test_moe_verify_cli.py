@@ -91,6 +91,7 @@ def test_verify_cli_passes_the_converted_moe_checkpoint(runs, arch, layout):
     assert v["passed"] and v["source"] == "megatron", v
     assert {k: v[k] for k in LAYOUTS[layout][1]} == LAYOUTS[layout][1], v
     assert "fp32 vs fp64" in v["noise_floor_source"] and 0 < v["noise_floor_max"] < 1e-4, v
+    assert v["noise_floor_routing_flips"] == 0, v  # a rounding floor: both precisions chose the same experts
     assert v["tolerance"] == 4 * v["noise_floor_max"] and v["tolerance_mean"] == 4 * v["noise_floor_mean"], v
     assert v["max_abs_logit_diff"] < 1e-4 and v["argmax_agreement"] == 1.0, v
 
