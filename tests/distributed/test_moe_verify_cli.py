@@ -7,8 +7,9 @@ ran the fp64 forward.
 Cannot share test_moe_conversion's world: that calls the conversion functions inside its own 4 ranks, and what
 is tested here is the tools' own processes (argument parsing, rank start, exit status, JSON). The two families'
 chains (convert, verify TP1, verify EP2: 3 processes, the fewest the tools allow, since verify takes one layout
-per run) run side by side; the whole module takes ~35 s here (2 cores), ~10 s of it interpreter start-up and
-imports per process.
+per run) run side by side; the whole module takes ~40 s here (2 cores shared, ~69 CPU-s), most of it the ten
+interpreters' start-up and imports (~5 s each: 2 conversions, 2 in-process TP1 verifies, 2 EP2 parents and their
+4 ranks).
 """
 
 from __future__ import annotations
