@@ -6,7 +6,7 @@ Runs one fixed token batch through transformers (fp32, eager attention) and thro
 default --tp; on the fewest data-parallel replicas megatron-core's expert grid allows), with
 weights from --megatron-dir (a megarl Megatron checkpoint) or, without it, loaded straight from --hf-dir.
 Starts the layout's local ranks itself when not under torchrun (tp*pp*ep when --etp is --tp; e.g. 2 for --tp 2
---ep 2 --etp 1).
+--ep 2 --etp 1; a layout of one rank runs in the tool's own process).
 
 The verdict: rounding alone moves logits by an amount that depends on the model (depth, logit size, vocabulary),
 so the tolerance is derived from the model's own noise floor, the max and mean |logit diff| between transformers'
@@ -15,8 +15,10 @@ and the mean |diff| are each within --noise-multiple (default 4) times that floo
 missing bias) is thousands of floors away in fp32, while in bf16 only gross errors stand out: check conversions
 in fp32. --atol X judges max |diff| <= X instead and skips the floor's forward (which holds the model at 8 bytes
 per parameter in fp64 on rank 0). Prints JSON: max_abs_logit_diff, mean_abs_logit_diff, argmax_agreement,
-logit_scale, noise_floor_max/mean, tolerance (on the max), tolerance_mean, tolerance_rule, the diffs over the
-floor, the layout and passed. Exit status 0 passed, 1 failed, 2 bad input.
+logit_scale, noise_floor_max/mean, noise_floor_routing_flips (MoE: the (token, layer) pairs the floor's two
+forwards route to different experts; an fp32 floor with any is no rounding floor and the check does not pass:
+rerun with another --seed, or use --atol), tolerance (on the max), tolerance_mean, tolerance_rule, the diffs over
+the floor, the layout and passed. Exit status 0 passed, 1 failed, 2 bad input.
 
   python checkpoint_tools/verify.py --hf-dir H [--megatron-dir M] --tp 2 --pp 2 [--json out.json]
   python checkpoint_tools/verify.py --hf-dir H_MOE --tp 2 --ep 2

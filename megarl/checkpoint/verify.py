@@ -53,7 +53,7 @@ def token_batch(vocab_size: int, batch: int = 2, seq: int = 32, seed: int = 0) -
 
 
 def hf_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
-    """transformers' own forward, fp32, eager attention: [batch, seq, vocab] float32."""
+    """transformers' own forward, fp32, eager attention and experts: [batch, seq, vocab] float32."""
     return reference(hf_dir, input_ids, noise_floor=False).logits
 
 
@@ -64,33 +64,61 @@ class HFReference:
     logits: [batch, seq, vocab] float32, transformers' eager fp32 forward.
     floor_max / floor_mean: max / mean |transformers at the verified dtype - transformers one precision up| over the
     same batch, logit units (None when not measured); floor_source says which two forwards.
+    floor_routing_flips: for a mixture-of-experts model, how many (token, MoE layer) pairs the two forwards route to
+    different top-k expert sets (None for a dense model or when not measured). A flip is a router near-tie that the
+    two precisions break differently: it moves that token's logits by far more than rounding, so an fp32 floor
+    measured over it is no rounding floor (`verdict` then refuses to pass).
     """
 
     logits: torch.Tensor
     floor_max: Optional[float] = None
     floor_mean: Optional[float] = None
     floor_source: Optional[str] = None
+    floor_routing_flips: Optional[int] = None
+
+
+def routing_flips(router_logits_a, router_logits_b, top_k: int) -> int:
+    """How many (token, layer) pairs two forwards send to different top-k expert sets. Each argument: one
+    [tokens, num_experts] router-logit tensor per MoE layer (transformers' `router_logits` output)."""
+    flips = 0
+    for a, b in zip(router_logits_a, router_logits_b, strict=True):
+        chosen_a = a.topk(top_k, dim=-1).indices.sort(dim=-1).values
+        chosen_b = b.topk(top_k, dim=-1).indices.sort(dim=-1).values
+        flips += int((chosen_a != chosen_b).any(dim=-1).sum())
+    return flips
 
 
 def reference(hf_dir: str, input_ids: torch.Tensor, dtype: str = "fp32", noise_floor: bool = True) -> HFReference:
     """transformers' eager forward of `input_ids` [batch, seq] in fp32 and, with `noise_floor`, the noise floor of a
     `dtype` forward (`FLOOR_DTYPES`: the same model cast in place, so peak memory is the larger of the two copies,
-    8 bytes per parameter for fp32's fp64 run)."""
+    8 bytes per parameter for fp32's fp64 run).
+
+    Eager throughout, attention and mixture-of-experts layers alike (`experts_implementation="eager"`: the
+    per-expert loop of plain matmuls): every forward, and so both ends of the floor, runs the same code at each
+    precision. transformers' default expert kernel (grouped_mm) refuses fp64, so the fp32 floor could not be
+    measured with it. A mixture-of-experts model's two forwards are also compared expert choice by expert choice
+    (`HFReference.floor_routing_flips`)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager",
+                                                 experts_implementation="eager")
     model.eval()
+    top_k = getattr(model.config, "num_experts_per_tok", None)  # None: a dense model
+    kwargs = {"output_router_logits": True} if top_k and noise_floor else {}
     with torch.no_grad():
-        logits = model(input_ids).logits.float()
+        out = model(input_ids, **kwargs)
+        logits = out.logits.float()
         if not noise_floor:
             return HFReference(logits)
         low, high = FLOOR_DTYPES[dtype]
         other = high if low == torch.float32 else low  # fp32 has run: the other one, the model cast in place
-        runs = {torch.float32: logits.double(), other: model.to(other)(input_ids).logits.double()}
+        other_out = model.to(other)(input_ids, **kwargs)
+        runs = {torch.float32: logits.double(), other: other_out.logits.double()}
     diff = (runs[low] - runs[high]).abs()
     name = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16"}
+    flips = routing_flips(out.router_logits, other_out.router_logits, top_k) if kwargs else None
     return HFReference(logits, float(diff.max()), float(diff.mean()),
-                     f"transformers {name[low]} vs {name[high]} forward, same batch")
+                     f"transformers {name[low]} vs {name[high]} forward, same batch", flips)
 
 
 def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -110,8 +138,11 @@ def verdict(ours: torch.Tensor, ref: HFReference, dtype: str = "fp32", atol: Opt
     `noise_floor_mean`, `noise_floor_source`; each at least one rounding step of the logits: eps(dtype) x
     logit_scale for the max, eps(dtype) x mean |reference logit| for the mean), the tolerances (`tolerance` on the
     max, `tolerance_mean` on the mean, None when not judged), `tolerance_rule` in words, each diff over its floor,
-    and `passed`. `atol`: the user's tolerance on the max diff instead of the rule (the floor is then reported only
-    if `ref` has one)."""
+    `noise_floor_routing_flips` (`HFReference.floor_routing_flips`) and `passed`. `atol`: the user's tolerance on the
+    max diff instead of the rule (the floor is then reported only if `ref` has one). An fp32 floor over routing
+    flips is no rounding floor: judged by the rule, such a check does not pass, and the rule says why and what to
+    do; a bf16 floor keeps them (a bf16 forward breaks router near-ties its own way too, and bf16 judges gross
+    errors only)."""
     result = compare_logits(ours, ref.logits)
     scale, eps = float(ref.logits.abs().max()), torch.finfo(FLOOR_DTYPES[dtype][0]).eps
     step_max, step_mean = eps * scale, eps * float(ref.logits.abs().mean())
@@ -125,11 +156,17 @@ def verdict(ours: torch.Tensor, ref: HFReference, dtype: str = "fp32", atol: Opt
         tol_max, tol_mean = multiple * floor_max, multiple * floor_mean
         rule = (f"max and mean |logit diff| each <= {multiple:g} x the noise floor ({ref.floor_source}; "
                 f"floors at least eps({dtype}) x max and mean |logit| = {step_max:.3g}, {step_mean:.3g})")
-    passed = result["max_abs_logit_diff"] <= tol_max and (
+    floor_unusable = atol is None and dtype == "fp32" and bool(ref.floor_routing_flips)
+    if floor_unusable:
+        rule = (f"not judged: the noise floor's two forwards route {ref.floor_routing_flips} (token, MoE layer) "
+                f"pairs to different experts (router near-ties), so their difference is no rounding floor; rerun "
+                f"with another --seed (another batch), or judge with --atol")
+    passed = not floor_unusable and result["max_abs_logit_diff"] <= tol_max and (
         tol_mean is None or result["mean_abs_logit_diff"] <= tol_mean)
     result.update(
         logit_scale=scale, noise_floor_max=floor_max, noise_floor_mean=floor_mean,
-        noise_floor_source=ref.floor_source, tolerance=tol_max, tolerance_mean=tol_mean, tolerance_rule=rule,
+        noise_floor_source=ref.floor_source, noise_floor_routing_flips=ref.floor_routing_flips,
+        tolerance=tol_max, tolerance_mean=tol_mean, tolerance_rule=rule,
         max_diff_over_floor=None if floor_max is None else result["max_abs_logit_diff"] / floor_max,
         mean_diff_over_floor=None if floor_mean is None else result["mean_abs_logit_diff"] / floor_mean,
         passed=passed,
@@ -209,9 +246,9 @@ def verify(hf_dir: str, megatron_dir: Optional[str], tp: int, pp: int, dtype: st
            atol: Optional[float] = None, batch: int = 2, seq: int = 32, seed: int = 0,
            ep: int = 1, etp: Optional[int] = None, vpp: int = 1,
            multiple: Optional[float] = None) -> Optional[dict]:
-    """Run the parity check; spawns `verify_topology`'s ranks unless already under torchrun. `verdict`'s dict on
-    rank 0: `atol` None judges by `multiple` (default NOISE_MULTIPLE) x the model's noise floor, else
-    max |logit diff| <= atol."""
+    """Run the parity check; spawns `verify_topology`'s ranks unless already under torchrun, or runs a world of one
+    (TP1, PP1, EP1) in this process. `verdict`'s dict on rank 0: `atol` None judges by `multiple` (default
+    NOISE_MULTIPLE) x the model's noise floor, else max |logit diff| <= atol."""
     reader = check_layout(hf_dir, tp, pp, ep, etp, vpp)
     if megatron_dir:
         read_meta(megatron_dir)
@@ -221,4 +258,10 @@ def verify(hf_dir: str, megatron_dir: Optional[str], tp: int, pp: int, dtype: st
     if under_torchrun():
         rank, world = init_distributed()
         return verify_ranks(rank, world, *args)
-    return run_ranks(verify_topology(tp, pp, ep, etp).world_size, verify_ranks, *args, timeout_s=1800)[0]
+    world = verify_topology(tp, pp, ep, etp).world_size
+    if world == 1 and not dist.is_initialized():  # no rank to start: saves a second interpreter's imports
+        try:
+            return verify_ranks(*init_distributed(), *args)
+        finally:
+            dist.destroy_process_group()
+    return run_ranks(world, verify_ranks, *args, timeout_s=1800)[0]

@@ -309,3 +309,55 @@ def test_verdict_judges_max_and_mean_against_the_noise_floor():
     assert verdict(ours, ref, atol=1e-3)["passed"] and not verdict(ours, ref, atol=1e-4)["passed"]
     with pytest.raises(ValueError, match="noise floor, or atol"):
         verdict(ours, HFReference(ref.logits))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_noise_floor_of_a_mixture_of_experts_model(arch, tmp_path):
+    """verify's reference on an MoE model: the fp32 floor needs an fp64 forward of its expert layers (transformers'
+    default grouped_mm kernel refuses fp64). The reference's fp32 logits agree with transformers' default forward
+    to rounding, and the floor is a rounding-sized, nonzero amount."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.checkpoint.verify import reference, token_batch
+
+    hf = make_hf_model(arch, str(tmp_path / arch))
+    ids = token_batch(300)
+    ref = reference(hf, ids, "fp32")
+    default = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (ref.logits - default(ids).logits).abs().max() < 1e-5
+    scale = float(ref.logits.abs().max())
+    assert 0 < ref.floor_mean <= ref.floor_max < 1e3 * torch.finfo(torch.float32).eps * scale, ref
+    assert ref.floor_source == "transformers fp32 vs fp64 forward, same batch"
+    # the tiny models' router logits are far apart (weights of std 0.1): both precisions choose the same experts
+    assert ref.floor_routing_flips == 0
+
+
+def test_routing_flips_counts_tokens_sent_to_other_experts():
+    """Hand-made router logits, top-2 of 4 experts, two layers. Layer 0: token 0 keeps {0, 1} (order swapped, same
+    set), token 1 goes {2, 3} -> {1, 3}. Layer 1: token 1 goes {0, 3} -> {0, 2}. Two flips in all."""
+    from megarl.checkpoint.verify import routing_flips
+
+    a = [torch.tensor([[3.0, 2.0, 0.0, -1.0], [0.0, 1.0, 2.0, 3.0]]),
+         torch.tensor([[1.0, 0.0, -1.0, -2.0], [5.0, 0.0, 1.0, 4.0]])]
+    b = [torch.tensor([[2.0, 3.0, 0.0, -1.0], [0.0, 2.1, 2.0, 3.0]]),
+         torch.tensor([[1.0, 0.0, -1.0, -2.0], [5.0, 0.0, 4.1, 4.0]])]
+    assert routing_flips(a, b, top_k=2) == 2
+    assert routing_flips(a, a, top_k=2) == 0
+
+
+def test_an_fp32_floor_over_routing_flips_is_not_a_verdict():
+    """A diff well within 4 floors does not pass at fp32 when the floor's two forwards routed a token differently
+    (that floor is no rounding floor); the rule says why and what to do. bf16 keeps judging by its floor, --atol by
+    the user's tolerance."""
+    from megarl.checkpoint.verify import HFReference, verdict
+
+    ref = HFReference(torch.tensor([[[10.0, -20.0, 5.0]]]), floor_max=1e-4, floor_mean=1e-5, floor_source="hand",
+                    floor_routing_flips=1)
+    ours = ref.logits + 1e-6
+    v = verdict(ours, ref)
+    assert not v["passed"] and v["noise_floor_routing_flips"] == 1, v
+    assert "route 1 (token, MoE layer) pairs to different experts" in v["tolerance_rule"] and "--atol" in v[
+        "tolerance_rule"]
+    assert verdict(ours, HFReference(ref.logits, 1e-4, 1e-5, "hand", 0))["passed"]
+    assert verdict(ours, ref, dtype="bf16")["passed"] and verdict(ours, ref, atol=1e-3)["passed"]
