@@ -20,6 +20,15 @@ class FixedKLController:
     def update(self, current_kl: float | torch.Tensor, n_steps: int) -> None:
         """No-op (kept so that both controllers are used the same way)."""
 
+    def state_dict(self) -> dict:
+        """{"value": the coefficient} (plain data, for a checkpoint)."""
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict()`: the saved coefficient (a changed `kl.coef` is a config change the resume
+        check refuses unless `checkpoint.allow_config_change`)."""
+        self.value = float(state["value"])
+
 
 class AdaptiveKLController:
     """Proportional controller steering the measured KL towards ``target`` (nats).
@@ -50,6 +59,15 @@ class AdaptiveKLController:
         """Scale ``value`` by ``1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon``."""
         error = min(max(float(current_kl) / self.target - 1.0, -self.ERROR_CLIP), self.ERROR_CLIP)
         self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        """{"value": the current coefficient} (plain data, for a checkpoint); target and horizon come from the
+        config."""
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict()`: the next `update` scales the saved coefficient."""
+        self.value = float(state["value"])
 
 
 def build_kl_controller(

@@ -2,9 +2,11 @@
 
 Layout: `<checkpoint.dir>/step_000020/{actor,critic}/` (Megatron distributed checkpoints with the optimizer state,
 each written atomically by `megarl.checkpoint.dist_ckpt`), `rng/<pool>_rank<r>.pt` (every worker process's random
-number generators) plus `trainer_state.json` (step, data-loader position, KL coefficient, the job config), written
-last through a temporary file and a rename. A step directory without `trainer_state.json` is incomplete (a crash
-mid-save) and is never resumed from; `keep_last` prunes only complete ones, oldest first.
+number generators), `controller_state.pt` (the controller's Stateful objects: loop, data loader, rollout schedule,
+KL controller, its RNG) and `trainer_state.json` (format, step, the job config: the human-readable part). The
+whole step directory is written by `megarl.trainer.checkpoint_manager.CheckpointManager` under a temporary name
+and renamed once complete; a step directory without `trainer_state.json` (an older megarl's crash mid-save) is
+incomplete and never resumed from; `keep_last` prunes only complete ones, oldest first.
 
 A resumed run compares its config with the one the checkpoint recorded (`config_changes`, `check_resume_config`):
 changes that cannot alter the numbers pass, layout changes pass with a note (the checkpoint reshards; results
@@ -48,7 +50,7 @@ def latest(root: str) -> Optional[str]:
 
 
 def write_state(path: str, state: dict) -> None:
-    """`trainer_state.json` in `path`, atomically (the marker that the checkpoint is complete)."""
+    """`trainer_state.json` in `path` (JSON data), through a temporary file and a rename."""
     tmp = os.path.join(path, STATE_FILE + f".tmp-{os.getpid()}")
     with open(tmp, "w") as f:
         json.dump(state, f, indent=2)
@@ -60,19 +62,6 @@ def write_state(path: str, state: dict) -> None:
 def read_state(path: str) -> dict:
     with open(os.path.join(path, STATE_FILE)) as f:
         return json.load(f)
-
-
-def save_controller_rng(path: str) -> None:
-    """The controller's own generators (Python, numpy, torch: user reward functions may draw from them)."""
-    from megarl.checkpoint.train_state import save_rng
-
-    save_rng(path, "controller", 0, "controller", megatron=False)
-
-
-def load_controller_rng(path: str) -> None:
-    from megarl.checkpoint.train_state import load_rng
-
-    load_rng(path, "controller", 0, "controller")
 
 
 def prune(root: str, keep_last: int) -> list[int]:
@@ -175,4 +164,8 @@ def refuse_breaking_resume(cfg) -> None:
         return
     path = latest(ckpt.dir)
     if path is not None:
-        check_resume_config(read_state(path).get("config"), cfg, path)
+        from megarl.trainer.checkpoint_manager import check_format
+
+        state = read_state(path)
+        check_format(path, state)
+        check_resume_config(state.get("config"), cfg, path)

@@ -17,7 +17,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import time
 from typing import Any, Optional
 
@@ -40,6 +39,7 @@ from megarl.data.trajectory import trajectories_to_batch
 from megarl.rollout.engine import SamplingSettings
 from megarl.rollout.service import ColocatedRollout, RolloutService
 from megarl.trainer import checkpointing
+from megarl.trainer.checkpoint_manager import CheckpointManager, ProcessRNG
 from megarl.trainer.faults import RunAborted
 from megarl.trainer.progress import ConsoleProgress
 from megarl.trainer.samples import samples_to_trajectories
@@ -120,6 +120,12 @@ class RLLoop:
             self.episodes = runner_from_config(cfg, encoder, reward_fn)
         # when rollouts run against training (trainer.mode, `megarl.trainer.schedule`)
         self.schedule = build_schedule(self)
+        # everything a checkpoint holds: the controller's Stateful objects, restored in this order (the RNG last),
+        # and the trained roles' groups, which save their own distributed checkpoints and RNG
+        self.checkpoints = CheckpointManager(
+            states={"loop": self, "loader": loader, "schedule": self.schedule, "kl": self.kl_ctl,
+                    "rng": ProcessRNG()},
+            shards=self._checkpointed_groups())
 
     # --------------------------------------------------------------------------------------------- the loop
     def fit(self) -> list[StepResult]:
@@ -199,21 +205,24 @@ class RLLoop:
         path = checkpointing.latest(ckpt.dir)
         if path is None:
             return 0
-        state = checkpointing.read_state(path)
-        for line in checkpointing.check_resume_config(state.get("config"), self.cfg, path):
+        record = checkpointing.read_state(path)
+        for line in checkpointing.check_resume_config(record.get("config"), self.cfg, path):
             logger.info(line)
-        loaded = [name for group in self._checkpointed_groups() for name in group.load_checkpoint(path)]
-        self.loader.load_state_dict(state["loader"])
-        self.schedule.load_buffer(path)  # the finished rollouts not yet trained on (one_step_off, async)
-        self.kl_ctl.value = float(state.get("kl_coef", self.kl_ctl.value))
-        self.skip_streak = {k: int(v) for k, v in state.get("skip_streak", {}).items()}
-        checkpointing.load_controller_rng(path)
-        logger.info("resumed from %s (step %d of %d; loaded %s)", path, state["step"], self.cfg.trainer.total_steps,
+        step, loaded = self.checkpoints.load(path)
+        logger.info("resumed from %s (step %d of %d; loaded %s)", path, step, self.cfg.trainer.total_steps,
                     ", ".join(loaded))
         if not all(name.endswith("+optimizer") for name in loaded):
             logger.warning("%s holds model weights only for %s: their Adam moments restart, so this run is not the "
                            "uninterrupted one", path, [n for n in loaded if not n.endswith("+optimizer")])
-        return int(state["step"])
+        return step
+
+    def state_dict(self) -> dict:
+        """The loop's own state (plain data): {"skip_streak": {role: optimizer steps skipped in a row}}. The step
+        is the checkpoint's (`CheckpointManager`); the loader, schedule, KL controller and RNG save themselves."""
+        return {"skip_streak": {role: int(n) for role, n in self.skip_streak.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skip_streak = {role: int(n) for role, n in state["skip_streak"].items()}
 
     def _checkpointed_groups(self) -> list:
         """Groups holding trained roles: the actor's, and the critic's when it has its own pool."""
@@ -224,31 +233,16 @@ class RLLoop:
         return groups
 
     def save(self, step: int, root: Optional[str] = None) -> str:
-        """Checkpoint everything the next step depends on (see `trainer.checkpointing`) into `root/step_NNNNNN`
-        (`root`: default `checkpoint.dir`): the trained roles' full state, every process's RNG states, the loader
-        position, the KL coefficient, the skipped-step streak, the config and (one_step_off, async) the finished
-        rollout batches not yet trained on, written while the schedule is paused (nothing in flight). Returns the
-        step directory."""
+        """Checkpoint everything the next step depends on into `root/step_NNNNNN` (`root`: default
+        `checkpoint.dir`), atomically, through `self.checkpoints`: the trained roles' full state and every worker's
+        RNG (their groups write them), then the controller's states (this loop, the loader position, the schedule's
+        finished rollout batches not yet trained on, the KL coefficient, the controller's RNG) and the config,
+        written while the schedule is paused (nothing in flight). Returns the step directory."""
         with self.schedule.pause():
-            return self._save(step, root)
-
-    def _save(self, step: int, root: Optional[str]) -> str:
-        root = root or self.cfg.checkpoint.dir
-        path = checkpointing.step_dir(root, step)
-        if os.path.exists(path):
-            if step in checkpointing.complete_steps(root):
-                raise RuntimeError(f"refusing to overwrite the complete checkpoint {path}")
-            shutil.rmtree(path)  # an incomplete save of this step (crashed before trainer_state.json): redo it
-        os.makedirs(path)
-        for group in self._checkpointed_groups():
-            group.save_checkpoint(path)
-        checkpointing.save_controller_rng(path)
-        self.schedule.save_buffer(path)
-        checkpointing.write_state(path, {"step": step, "loader": self.loader.state_dict(),
-                                         "kl_coef": self.kl_ctl.value, "skip_streak": dict(self.skip_streak),
-                                         "config": checkpointing.config_record(self.cfg)})
-        pruned = checkpointing.prune(root, self.cfg.checkpoint.keep_last)
-        logger.info("saved checkpoint %s%s", path, f" (removed steps {pruned})" if pruned else "")
+            root = root or self.cfg.checkpoint.dir
+            path = self.checkpoints.save(root, step, {"config": checkpointing.config_record(self.cfg)},
+                                         keep_last=self.cfg.checkpoint.keep_last)
+        logger.info("saved checkpoint %s", path)
         return path
 
     def step(self, step: int) -> StepResult:

@@ -32,8 +32,9 @@ through `exclusive()`; the trainer's turn comes before the driver's next batch o
 (`wait_timeout_s`) and names what it waited for; an error on the driver thread is raised in the trainer's next call.
 
 Checkpoints: `pause()` holds the driver between batches (the batch in flight is finished first, so nothing is in
-flight at a save) and `save_buffer` writes the finished batches not yet trained on into the step directory
-(`rollout_buffer.pt`); `load_buffer` puts them back on resume and counts them (`async/restored_batches`).
+flight at a save); a schedule's `state_dict()` (plain data: the finished batches not yet trained on, as
+`RolloutBatch.state_dict`s, and its counters) is one of the states `megarl.trainer.checkpoint_manager` saves, and
+`load_state_dict` puts the batches back on resume and counts them (`async/restored_batches`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ import collections
 import contextlib
 import dataclasses
 import logging
-import os
 import threading
 import time
 from typing import Any, Optional
@@ -51,7 +51,6 @@ import torch
 
 logger = logging.getLogger("megarl.trainer")
 
-BUFFER_FILE = "rollout_buffer.pt"
 # Sampling-seed offset of piece p of a partial rollout (continue): seed + index + p * this.
 PIECE_SEED_STRIDE = 7_000_001
 # Bound on every wait of a schedule (a batch, the engines' turn, the driver's pause), seconds.
@@ -229,11 +228,17 @@ class Schedule:
         """Nothing in flight while a checkpoint is written (always true in sync mode)."""
         yield
 
-    def save_buffer(self, path: str) -> None:
-        """Write the finished batches not yet trained on into checkpoint directory `path` (none in sync mode)."""
+    def state_dict(self) -> dict:
+        """The schedule's state as plain data: {"mode", "batches": finished batches not yet trained on (as
+        `RolloutBatch.state_dict`s; none in sync mode), ...counters}. Taken inside `pause()`."""
+        return {"mode": self.mode, "batches": []}
 
-    def load_buffer(self, path: str) -> None:
-        """Restore what `save_buffer` wrote into `path` (a checkpoint without it restores nothing)."""
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict()` (before `start`). Sync mode trains nothing ahead: batches saved by another
+        mode (a resume with `checkpoint.allow_config_change`) are generated again."""
+        if state.get("batches"):
+            logger.warning("trainer.mode=sync: the checkpoint's %d finished rollout batch(es) of trainer.mode=%s are "
+                           "not used (generated again)", len(state["batches"]), state.get("mode"))
 
     def close(self) -> None:
         """Stop what runs beside training (idempotent)."""
@@ -254,28 +259,9 @@ class Schedule:
         return out
 
     @staticmethod
-    def _write(path: str, batches: list[RolloutBatch], state: dict) -> None:
-        """`batches` and the schedule's `state` (plain data) to `path`/BUFFER_FILE, atomically, as plain data."""
-        tmp = os.path.join(path, BUFFER_FILE + ".tmp")
-        torch.save({"batches": [b.state_dict() for b in batches], "state": state}, tmp)
-        os.replace(tmp, os.path.join(path, BUFFER_FILE))
-
-    @staticmethod
-    def _read(path: str) -> Optional[dict]:
-        """What `_write` wrote (batches as `RolloutBatch`es), loaded with weights_only=True; None without a file."""
-        import pickle
-
-        file = os.path.join(path, BUFFER_FILE)
-        if not os.path.exists(file):
-            return None
-        try:
-            saved = torch.load(file, weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise RuntimeError(
-                f"{file} holds pickled Python objects (written by a megarl before rollout buffers were plain data) and "
-                "is not loaded: loading it would run code from the file. Delete it to resume without the buffered "
-                f"batches (they are generated again), or resume from a newer checkpoint ({e})") from None
-        return {"batches": [RolloutBatch.from_state_dict(b) for b in saved["batches"]], "state": saved["state"]}
+    def _batches(state: dict) -> list[RolloutBatch]:
+        """The `RolloutBatch`es of a `state_dict()`."""
+        return [RolloutBatch.from_state_dict(b) for b in state.get("batches", [])]
 
 
 class OneStepOffSchedule(Schedule):
@@ -322,16 +308,17 @@ class OneStepOffSchedule(Schedule):
     def start(self, next_step: int) -> None:
         self.mark = time.perf_counter()
 
-    def save_buffer(self, path: str) -> None:
-        self._write(path, [self.ready] if self.ready is not None else [], {"mode": self.mode})
+    def state_dict(self) -> dict:
+        """{"mode", "batches": [the next step's finished batch] (or none)}."""
+        return {"mode": self.mode, "batches": [self.ready.state_dict()] if self.ready is not None else []}
 
-    def load_buffer(self, path: str) -> None:
-        saved = self._read(path)
-        if saved and saved["batches"]:
-            self.ready = saved["batches"][0]
-            self.restored = len(saved["batches"])
-            logger.info("one_step_off: restored the next step's finished batch (index %d, version %d) from %s",
-                        self.ready.index, self.ready.version, path)
+    def load_state_dict(self, state: dict) -> None:
+        batches = self._batches(state)
+        if batches:
+            self.ready = batches[0]
+            self.restored = len(batches)
+            logger.info("one_step_off: restored the next step's finished batch (index %d, version %d)",
+                        self.ready.index, self.ready.version)
 
     def _submit(self, index: int) -> tuple:
         records, prompts, sampling = self.trainer._draw(index)
@@ -495,23 +482,22 @@ class AsyncSchedule(Schedule):
                 self.paused = False
                 self.cond.notify_all()
 
-    def save_buffer(self, path: str) -> None:
+    def state_dict(self) -> dict:
+        """{"mode", "batches": the buffered finished batches (oldest first), "next_index": the driver's next batch,
+        "counts": dropped / pieces / continued counters}. Taken inside `pause()` (nothing in flight)."""
         with self.cond:
-            batches = list(self.buffer)
-            state = {"mode": self.mode, "next_index": self.next_index, "counts": dict(self.counts)}
-        self._write(path, batches, state)
+            return {"mode": self.mode, "batches": [b.state_dict() for b in self.buffer],
+                    "next_index": int(self.next_index), "counts": {k: int(v) for k, v in self.counts.items()}}
 
-    def load_buffer(self, path: str) -> None:
-        saved = self._read(path)
-        if not saved:
-            return
+    def load_state_dict(self, state: dict) -> None:
+        batches = self._batches(state)
         with self.cond:
-            self.buffer.extend(saved["batches"])
-            self.next_index = int(saved["state"].get("next_index", self.next_index))
-            self.counts.update({k: v for k, v in saved["state"].get("counts", {}).items() if k != "restored_batches"})
-            self.counts["restored_batches"] += len(saved["batches"])
-        logger.info("async: restored %d finished rollout batch(es) (indices %s) from %s; the driver continues at "
-                    "batch %d", len(saved["batches"]), [b.index for b in saved["batches"]], path, self.next_index)
+            self.buffer.extend(batches)
+            self.next_index = int(state.get("next_index", self.next_index))
+            self.counts.update({k: v for k, v in state.get("counts", {}).items() if k != "restored_batches"})
+            self.counts["restored_batches"] += len(batches)
+        logger.info("async: restored %d finished rollout batch(es) (indices %s); the driver continues at batch %d",
+                    len(batches), [b.index for b in batches], self.next_index)
 
     def close(self) -> None:
         with self.cond:

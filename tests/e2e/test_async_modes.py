@@ -78,9 +78,9 @@ def test_one_step_off_resume_repeats_the_uninterrupted_run_bit_for_bit(runs):
 
 
 def test_async_resume_trains_every_finished_batch_once(runs):
-    saved = torch.load(os.path.join(runs["out"], "async4", "ckpt", "step_000025", "rollout_buffer.pt"),
+    saved = torch.load(os.path.join(runs["out"], "async4", "ckpt", "step_000025", "controller_state.pt"),
                        weights_only=True)
-    in_buffer = [b["index"] for b in saved["batches"]]
+    in_buffer = [b["index"] for b in saved["states"]["schedule"]["batches"]]
     # finished batches waiting at the save (up to max_staleness + 1 = 5: how many depends on how far the driver ran
     # ahead on this machine); nothing was in flight
     assert 1 <= len(in_buffer) <= 5, in_buffer
@@ -126,10 +126,10 @@ def test_colocated_one_step_off_learns(tmp_path, joined_ray_env):
 
 def test_every_modes_checkpoint_loads_with_weights_only(runs):
     """one_step_off's and async's step checkpoints (the actor's distributed checkpoint and optimizer state, each
-    process's RNG state, the rollout buffer) hold no pickled object: each *.pt loads with weights_only=True (sync
-    mode's: tests/e2e/test_resume.py)."""
+    worker's RNG state, the controller's states with the rollout buffer) hold no pickled object: each *.pt loads
+    with weights_only=True (sync mode's: tests/e2e/test_resume.py)."""
     for run, step in (("one_step_off", 15), ("async4", 25)):
         checked = assert_checkpoint_loads_without_pickle(
             os.path.join(runs["out"], run, "ckpt", f"step_{step:06d}"),
-            must_have=("rollout_buffer.pt", "actor/engine_state.pt", "rng/controller_rank00000.pt"))
+            must_have=("controller_state.pt", "actor/engine_state.pt"))
         print(run, checked)

@@ -151,9 +151,13 @@ def test_resume_is_bit_identical(tmp_path, algo, request, joined_ray_env):
         assert "actor.offload.params: False -> True (neutral)" in out, out[-3000:]
         # saved after steps 3 and 4, kept the last one only: the copied step 2 and step 3 were pruned
         assert sorted(os.listdir(part_ckpt)) == ["step_000004"]
-        assert sorted(os.listdir(part_ckpt / "step_000004")) == ["actor", "rng", "trainer_state.json"]
-        state = json.load(open(part_ckpt / "step_000004" / "trainer_state.json"))
-        assert state["step"] == 4 and state["loader"]["position"] > 0
+        assert sorted(os.listdir(part_ckpt / "step_000004")) == ["actor", "controller_state.pt", "rng",
+                                                                 "trainer_state.json"]
+        record = json.load(open(part_ckpt / "step_000004" / "trainer_state.json"))
+        assert record["step"] == 4 and record["config"]["trainer"]["total_steps"] == 4
+        state = torch.load(part_ckpt / "step_000004" / "controller_state.pt", weights_only=True)
+        assert state["step"] == 4 and state["states"]["loader"]["position"] > 0
+        assert sorted(state["states"]) == ["kl", "loader", "loop", "rng", "schedule"]
 
     part = _rows(part_run)
     assert [r["step"] for r in part] == [3, 4]
@@ -178,7 +182,7 @@ def test_resume_is_bit_identical(tmp_path, algo, request, joined_ray_env):
     # sync mode's checkpoint holds no pickled object (the other modes': tests/e2e/test_async_modes.py)
     roles = ("actor", "critic") if algo == "ppo" else ("actor",)
     assert_checkpoint_loads_without_pickle(final_part, must_have=(*(f"{r}/engine_state.pt" for r in roles),
-                                                                  "rng/controller_rank00000.pt"))
+                                                                  "controller_state.pt"))
 
     if algo == "grpo":
         _check_resume_at_another_layout(tmp_path / "layout", tmp_path / "layout_ckpt", full, str(final_full),

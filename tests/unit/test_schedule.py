@@ -26,6 +26,14 @@ from megarl.trainer.rl_trainer import RLLoop
 from megarl.trainer.schedule import AsyncSchedule, OneStepOffSchedule, RolloutBatch, Schedule
 from tests.unit import test_envs_episode as episode_tests
 
+
+def through_checkpoint(state: dict, tmp_path) -> dict:
+    """`state` written with torch.save and read back with weights_only=True, as the checkpoint manager does."""
+    file = tmp_path / "state.pt"
+    torch.save(state, file)
+    return torch.load(file, weights_only=True)
+
+
 RESPONSE = 5  # every response stops (EOS) after this many sampled tokens
 BOUND_S = 30.0  # bound on every wait of a test for the driver thread (never reached when the schedule works)
 
@@ -201,10 +209,10 @@ def test_one_step_off_checkpoint_holds_the_next_batch_and_resume_repeats_the_run
     first = FakeTrainer(ScriptedRollout(), "one_step_off", total=6)
     schedule = OneStepOffSchedule(first)
     run(schedule, first, range(1, 4))
-    schedule.save_buffer(str(tmp_path))
+    state = through_checkpoint(schedule.state_dict(), tmp_path)
     second = FakeTrainer(ScriptedRollout(), "one_step_off", total=6)
     resumed_schedule = OneStepOffSchedule(second)
-    resumed_schedule.load_buffer(str(tmp_path))
+    resumed_schedule.load_state_dict(state)
     resumed = run(resumed_schedule, second, range(4, 7))
     assert [(b.index, b.version, [s.response_ids for s in b.samples]) for _, b, _ in resumed] == \
         [(b.index, b.version, [s.response_ids for s in b.samples]) for _, b, _ in uninterrupted[3:]]
@@ -283,12 +291,12 @@ def test_async_checkpoint_keeps_finished_batches_and_resume_trains_them_first(tm
     wait_until(schedule, lambda: full(schedule), "the driver to fill the buffer")
     with schedule.pause():
         buffered = [b.index for b in schedule.buffer]
-        schedule.save_buffer(str(tmp_path))
+        state = through_checkpoint(schedule.state_dict(), tmp_path)
     schedule.close()
     assert buffered == [3, 4, 5]  # capacity max_staleness + 1
     again = FakeTrainer(ScriptedRollout(), "async", total=10, max_staleness=2)
     resumed = AsyncSchedule(again)
-    resumed.load_buffer(str(tmp_path))
+    resumed.load_state_dict(state)
     taken = run(resumed, again, range(3, 7))
     assert [b.index for _, b, _ in taken] == [3, 4, 5, 6]
     assert again.drawn[0] == 6  # the driver continued after the restored batches
@@ -330,7 +338,7 @@ def test_a_checkpoint_taken_while_a_batch_is_in_flight_waits_for_it_and_holds_it
         with schedule.pause():
             order.append("paused")
             buffered = [(b.index, versions_of(b)) for b in schedule.buffer]
-            schedule.save_buffer(str(tmp_path))
+            state = through_checkpoint(schedule.state_dict(), tmp_path)
     finally:
         rollout.release(1)
         schedule.close()
@@ -338,7 +346,7 @@ def test_a_checkpoint_taken_while_a_batch_is_in_flight_waits_for_it_and_holds_it
     assert buffered == [(1, {0})]
     again = FakeTrainer(ScriptedRollout(), "async", total=10, max_staleness=0)
     resumed = AsyncSchedule(again)
-    resumed.load_buffer(str(tmp_path))
+    resumed.load_state_dict(state)
     (_, batch, metrics), = run(resumed, again, [1])
     assert batch.index == 1 and versions_of(batch) == {0} and metrics["async/restored_batches"] == 1.0
     assert 1 not in again.drawn  # trained from the checkpoint, not generated again
@@ -485,16 +493,15 @@ def test_async_episodes_dropped_as_too_stale_are_counted_as_episodes():
     assert taken[-1][2]["async/dropped_samples"] == 3.0 * 4
 
 
-def test_a_rollout_buffer_is_plain_data_that_loads_with_weights_only_and_round_trips(tmp_path):
-    """Issue 30: the buffer file of a checkpoint loads with torch.load(weights_only=True) (a pickled object would make
-    loading a checkpoint code execution): single-turn samples with numpy routing records, episodes' trajectories
-    with torch ones, records with chat prompts; each batch comes back equal field by field. A file in the old
-    pickled format is refused with what to do, never loaded."""
+def test_a_schedules_state_is_plain_data_that_loads_with_weights_only_and_round_trips(tmp_path):
+    """Issue 30: a schedule's `state_dict` (what the checkpoint manager saves) loads with torch.load(weights_only=True)
+    (a pickled object would make loading a checkpoint code execution): single-turn samples with numpy routing
+    records, episodes' trajectories with torch ones, records with chat prompts; a fresh schedule's
+    `load_state_dict` gets each batch back equal field by field, and the driver's counters."""
     import numpy as np
 
     from megarl.data.dataset import PromptRecord
     from megarl.data.trajectory import Trajectory
-    from megarl.trainer.schedule import BUFFER_FILE
 
     routed = np.arange(2 * 3 * 2, dtype=np.int16).reshape(2, 3, 2)
     single = RolloutBatch(3, [PromptRecord(0, [{"role": "user", "content": "hi"}], "42", {"p": [1, 2]})],
@@ -505,11 +512,17 @@ def test_a_rollout_buffer_is_plain_data_that_loads_with_weights_only_and_round_t
                          torch.zeros(3, 1, 2, dtype=torch.int16))
     episodes = RolloutBatch(4, [PromptRecord(1, "2*3=", "6", {})], [], [], torch.tensor([0.0]), {}, 4,
                             trajectories=[episode])
-    Schedule._write(str(tmp_path), [single, episodes], {"mode": "async", "next_index": 5})
-    raw = torch.load(tmp_path / BUFFER_FILE, weights_only=True)  # raises on any pickled object
-    assert raw["state"] == {"mode": "async", "next_index": 5} and len(raw["batches"]) == 2
-    back = Schedule._read(str(tmp_path))["batches"]
-    for want, got in zip([single, episodes], back):
+    saved = AsyncSchedule(FakeTrainer(ScriptedRollout(), "async", total=10, max_staleness=2))
+    saved.buffer.extend([single, episodes])
+    saved.next_index = 5
+    saved.counts["dropped_batches"] = 2
+    raw = through_checkpoint(saved.state_dict(), tmp_path)  # raises on any pickled object
+    assert raw["mode"] == "async" and raw["next_index"] == 5 and len(raw["batches"]) == 2
+    resumed = AsyncSchedule(FakeTrainer(ScriptedRollout(), "async", total=10, max_staleness=2))
+    resumed.load_state_dict(raw)
+    assert resumed.next_index == 5
+    assert resumed.counts == {"dropped_batches": 2, "restored_batches": 2}
+    for want, got in zip([single, episodes], list(resumed.buffer), strict=True):
         for f in dataclasses.fields(RolloutBatch):
             a, b = getattr(want, f.name), getattr(got, f.name)
             if f.name == "scores":
@@ -525,6 +538,21 @@ def test_a_rollout_buffer_is_plain_data_that_loads_with_weights_only_and_round_t
                             assert u == v, g.name
             else:
                 assert a == b, f.name
-    torch.save({"batches": [single], "state": {}}, tmp_path / BUFFER_FILE)  # pickled dataclasses, the old format
-    with pytest.raises(RuntimeError, match="holds pickled Python objects .* Delete it to resume without"):
-        Schedule._read(str(tmp_path))
+
+
+def test_sync_and_one_step_off_states_round_trip(tmp_path):
+    """sync holds nothing ahead; one_step_off's state is its finished next batch (or nothing), and a fresh schedule
+    trains that very batch next without drawing it again."""
+    sync = Schedule(FakeTrainer(ScriptedRollout(), "sync", total=3))
+    assert through_checkpoint(sync.state_dict(), tmp_path) == {"mode": "sync", "batches": []}
+    trainer = FakeTrainer(ScriptedRollout(), "one_step_off", total=4)
+    fresh = OneStepOffSchedule(trainer)
+    assert through_checkpoint(fresh.state_dict(), tmp_path) == {"mode": "one_step_off", "batches": []}
+    run(fresh, trainer, [1])
+    state = through_checkpoint(fresh.state_dict(), tmp_path)
+    assert [b["index"] for b in state["batches"]] == [2]
+    again = FakeTrainer(ScriptedRollout(), "one_step_off", total=4)
+    resumed = OneStepOffSchedule(again)
+    resumed.load_state_dict(state)
+    assert resumed.ready.index == 2 and resumed.ready.samples == fresh.ready.samples
+    assert torch.equal(resumed.ready.scores, fresh.ready.scores)

@@ -113,8 +113,9 @@ def test_a_breaking_resume_is_refused_before_any_worker_starts(tmp_path):
     common = [f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'run'}",
               f"data.train_path={root}/data/quickstart/train.jsonl", f"data.val_path={root}/data/quickstart/val.jsonl",
               f"model.tokenizer={root}/data/quickstart/tokenizer"]
-    path = _complete(tmp_path / "ckpt", 2)
-    ck.write_state(path, {"step": 2, "config": ck.config_record(_cfg(*common))})
+    from megarl.trainer.checkpoint_manager import CheckpointManager
+
+    CheckpointManager(states={}).save(str(tmp_path / "ckpt"), 2, {"config": ck.config_record(_cfg(*common))})
     with pytest.raises(ConfigError, match=r"algorithm.clip_low: 0.2 -> 0.1"):
         TrainingSession(_cfg(*common, "algorithm.clip_low=0.1"))
     import ray
