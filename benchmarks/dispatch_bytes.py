@@ -42,6 +42,7 @@ from megarl.controller.dispatch import (  # noqa: E402
     ONE_TO_ALL,
     RANK_ZERO,
     DispatchSpec,
+    dispatched_methods,
     plan_calls,
 )
 from megarl.data.batch import Batch  # noqa: E402
@@ -139,6 +140,94 @@ def measure(lay: Layout) -> dict:
     }
 
 
+# -- issue 30: declared reads and results kept on the ranks ---------------------------------------------------------
+
+
+def byref_step(lay: Layout, critic: bool, after: bool) -> dict:
+    """Bytes through the controller and deserialised per rank in one step (GRPO + reference with KL in the loss, or
+    with `critic` PPO + reference + critic on the actor's ranks), as `RLLoop.step` makes the calls: `after` = with
+    the role methods' declared reads (`RoleHost`'s `@dispatch(reads=...)`) and the results kept on the ranks
+    (`WorkerGroup.results_stay`, the old log-probs fetched for the mismatch metrics, the values for the advantages);
+    before = today's main before issue 30 (every call ships the whole batch, every result comes up and goes down).
+    Down: each distinct per-replica argument set once through the controller (`ray.put`), its size on every rank
+    that receives it; up: the results, one per replica. Generation's output is counted as its [B, S] token ids and
+    log-probs (the samples' payload), the same before and after."""
+    from megarl.controller.dispatch import shares_cover
+    from megarl.workers.role_host import RoleHost
+
+    specs = dispatched_methods(RoleHost)
+    _, _, batch, _, _ = step_inputs(lay)
+    B, S = len(batch), lay.seq_len
+    g = torch.Generator().manual_seed(1)
+    f = lambda: torch.rand(B, S, generator=g)  # noqa: E731
+    batch = Batch({k: v for k, v in batch.tensors.items() if k != "response_mask"}
+                  | {"loss_mask": batch["response_mask"], "policy_version": torch.zeros(B, S, dtype=torch.long),
+                     "scores": torch.rand(B, generator=g)})
+    ranks = range(lay.world)
+    replica = [(r // lay.tp) % lay.dp for r in ranks]
+    last_stage = [r >= lay.world - lay.world // lay.pp for r in ranks]
+    mini = lay.mini_batch_prompts * lay.samples_per_prompt
+    stay = after and shares_cover(replica, replica, B, mini)
+    rows, per_rank = [], [0] * lay.world
+    through = 0
+
+    def down(name, data, kwargs=None):
+        nonlocal through
+        spec = specs[name] if after else dataclasses.replace(specs[name], reads=None, optional_reads=())
+        calls = plan_calls(spec, (data,), kwargs or {}, lay.world, replica, name,
+                           mini_batch_samples=mini if spec.mode is DP_SPLIT_MINI_BATCHES else None)
+        sizes: dict[int, int] = {}
+        got = [sizes.setdefault(id(c), len(pickle.dumps(c, protocol=5))) for c in calls]
+        through += sum(sizes.values())
+        for r, x in enumerate(got):
+            per_rank[r] += x
+        keys = sorted(calls[0][0][0].keys())
+        rows.append({"call": name, "dir": "down", "keys": keys, "bytes": sum(sizes.values()), "max_rank": max(got)})
+
+    def up(name, tensors: dict):
+        nonlocal through
+        n = len(pickle.dumps(Batch(tensors), protocol=5)) if tensors else 0
+        through += n
+        rows.append({"call": name, "dir": "up", "keys": sorted(tensors), "bytes": n, "max_rank": 0})
+
+    up("generate", {"input_ids": batch["input_ids"], "rollout_log_probs": batch["rollout_log_probs"]})
+    down("compute_log_probs", batch)
+    old = f()
+    up("compute_log_probs", {"log_probs": old} if after else {"log_probs": old, "entropy": f()})
+    batch = batch.update({"old_log_probs": old})
+    down("compute_ref_log_probs", batch)
+    ref = f()
+    if not stay:
+        up("compute_ref_log_probs", {"log_probs": ref})
+        batch = batch.update({"ref_log_probs": ref})
+    if critic:
+        down("compute_values", batch)
+        values = f()
+        up("compute_values", {"values": values})
+        batch = batch.update({"old_values": values})
+    batch = batch.update({"advantages": f(), "returns": f()})
+    kept = {"old_log_probs", "ref_log_probs", "old_values"} if stay else set()
+    trimmed = Batch({k: v for k, v in batch.tensors.items() if k not in kept})
+    if critic:
+        down("update_critic", trimmed)
+    down("update_actor", trimmed)
+    token_sized = {"input_ids", "attention_mask", "loss_mask", "rollout_log_probs", "policy_version", "log_probs",
+                   "entropy", "old_log_probs", "ref_log_probs", "values", "old_values", "advantages", "returns"}
+    crossings = sum(1 for r in rows for k in r["keys"] if k in token_sized)
+    return {"calls": rows, "through_controller_bytes": through, "max_rank_bytes": max(per_rank),
+            "last_stage_max_rank_bytes": max(x for x, last in zip(per_rank, last_stage) if last),
+            "token_sized_key_crossings": crossings, "results_stay": stay}
+
+
+def byref_table(lay: Layout) -> list[dict]:
+    out = []
+    for critic in (False, True):
+        b, a = byref_step(lay, critic, False), byref_step(lay, critic, True)
+        out.append({"layout": lay.name, "algorithm": "PPO + critic + reference" if critic else "GRPO + reference",
+                    "before": b, "after": a})
+    return out
+
+
 def mib(x: int) -> str:
     return f"{x / 2**20:.3f} MiB"
 
@@ -152,7 +241,8 @@ def main() -> None:
     out = {"host_cpu": host_cpu(),
            "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(),
                        "python": platform.python_version(), "torch": torch.__version__},
-           "results": [measure(lay) for lay in LAYOUTS]}
+           "results": [measure(lay) for lay in LAYOUTS],
+           "byref": [row for lay in LAYOUTS for row in byref_table(lay)]}
     for r in out["results"]:
         print(r["layout"])
         for c in r["calls"]:
@@ -166,6 +256,15 @@ def main() -> None:
               f"{mib(r['old_in_engine_tp_broadcast_bytes_per_non_first_tp_rank'])} per non-first TP rank (in "
               f"generate's before), DP all-gather "
               f"{mib(r['old_dp_allgather_bytes_per_last_stage_rank'])} per last-stage rank")
+    print("\nissue 30 (declared reads, results kept on the ranks): one step, before -> after")
+    for r in out["byref"]:
+        b, a = r["before"], r["after"]
+        print(f"{r['layout'][:40]}... {r['algorithm']}: through the controller {mib(b['through_controller_bytes'])} -> "
+              f"{mib(a['through_controller_bytes'])}; per rank (max) {mib(b['max_rank_bytes'])} -> "
+              f"{mib(a['max_rank_bytes'])}; token-sized tensor crossings {b['token_sized_key_crossings']} -> "
+              f"{a['token_sized_key_crossings']} (results stay: {a['results_stay']})")
+        for c in a["calls"]:
+            print(f"    after {c['call']:22s} {c['dir']:4s} {mib(c['bytes']):>12s}  {', '.join(c['keys'])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

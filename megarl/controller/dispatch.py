@@ -29,6 +29,14 @@ Modes (`Dispatch`):
                            DP_SPLIT; the other arguments go to every rank unchanged; returns rank 0's result (an
                            update's metrics, identical on every rank).
 
+Declared reads (`dispatch(..., reads=(...), optional_reads=(...))`): when the call's first positional argument is a
+`megarl.data.Batch`, the controller keeps only the tensors the method reads before it cuts the batch (`select_reads`):
+every key of `reads` (missing ones raise `DispatchError` naming the method and the keys), and those of
+`optional_reads` the batch has (conditional keys: `routed_experts` with router replay, `rollout_log_probs` with
+rollout correction, ...). `meta` travels whole (small: the share layout) and records the method in
+`meta[READS_META]`, so a method that reads a tensor it did not declare fails with a KeyError naming the method and
+the key (`Batch.__getitem__` / `Batch.require`) instead of silently receiving the whole batch.
+
 Replicas for DP_SPLIT: replica of rank r = r // group_size, where group_size (the ranks of one model replica,
 tp*cp for pp=1) is taken from, in order: `dispatch(..., group_size=N)`; the worker attribute (or zero-argument
 method) named by `dispatch(..., group_size_attr="name")`; the worker attribute `dp_group_size`. This matches
@@ -44,6 +52,10 @@ import enum
 from typing import Any, Callable, Optional, Sequence
 
 from megarl.data.mini_batches import SHARE_META, share_layout
+
+# `Batch.meta` key of a DP_SPLIT share: [lo, hi), the rows of the whole batch it holds (what a worker keeping its
+# results records, so a later update can find its rows there: `shares_cover`)
+SPLIT_ROWS_META = "dp_split_rows"
 
 DISPATCH_ATTR = "__megarl_dispatch__"
 DEFAULT_GROUP_SIZE_ATTR = "dp_group_size"
@@ -81,6 +93,8 @@ class DispatchSpec:
     replica_attr: Optional[str] = None
     timeout_s: Optional[float] = None
     mini_batch_attr: Optional[str] = None
+    reads: Optional[tuple[str, ...]] = None
+    optional_reads: tuple[str, ...] = ()
 
 
 def dispatch(
@@ -91,13 +105,17 @@ def dispatch(
     replica_attr: Optional[str] = None,
     timeout_s: Optional[float] = None,
     mini_batch_attr: Optional[str] = None,
+    reads: Optional[Sequence[str]] = None,
+    optional_reads: Sequence[str] = (),
 ) -> Callable[[Callable], Callable]:
     """Mark a worker method as callable from the controller with distribution `mode` (see the module docstring).
 
     `timeout_s` overrides the worker group's call timeout for this method. `mini_batch_attr` (DP_SPLIT_MINI_BATCHES
     only, and required there): the worker attribute (or zero-argument method) holding the role's global mini-batch
-    size in samples (None = the whole batch). The method itself is unchanged: on the worker it is an ordinary
-    method; only `WorkerGroup` reads the mark.
+    size in samples (None = the whole batch). `reads` / `optional_reads`: the tensor keys of the Batch argument the
+    method reads (always / when present; see "Declared reads" in the module docstring); `reads=None`: the whole
+    batch is sent. The method itself is unchanged: on the worker it is an ordinary method; only `WorkerGroup` reads
+    the mark.
     """
     if not isinstance(mode, Dispatch):
         raise TypeError(f"dispatch mode must be a megarl.controller.Dispatch, got {mode!r}")
@@ -108,7 +126,13 @@ def dispatch(
         raise TypeError(f"mini_batch_attr is required by DP_SPLIT_MINI_BATCHES and only applies to it ({mode.name})")
     if group_size is not None and group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    spec = DispatchSpec(mode, group_size, group_size_attr, replica_attr, timeout_s, mini_batch_attr)
+    if reads is None and optional_reads:
+        raise TypeError("optional_reads needs reads (the keys the method always reads)")
+    for keys in (reads or (), optional_reads):
+        if isinstance(keys, str):
+            raise TypeError(f"reads / optional_reads are sequences of key names, got the string {keys!r}")
+    spec = DispatchSpec(mode, group_size, group_size_attr, replica_attr, timeout_s, mini_batch_attr,
+                        None if reads is None else tuple(reads), tuple(optional_reads))
 
     def mark(fn: Callable) -> Callable:
         setattr(fn, DISPATCH_ATTR, spec)
@@ -188,7 +212,8 @@ def split_contiguous(x: Any, n: int, method: str = "?") -> list[Any]:
     # Tensor chunks are copied: a slice is a view, and pickling a view (what Ray does) ships its whole storage,
     # i.e. the full batch to every rank again.
     if _is_batch(x):
-        return [type(x)({k: v[lo:hi].clone() for k, v in x.tensors.items()}, dict(x.meta)) for lo, hi in bounds]
+        return [type(x)({k: v[lo:hi].clone() for k, v in x.tensors.items()}, {**x.meta, SPLIT_ROWS_META: [lo, hi]})
+                for lo, hi in bounds]
     if isinstance(x, torch.Tensor):
         return [x[lo:hi].clone() for lo, hi in bounds]
     return [x[lo:hi] for lo, hi in bounds]
@@ -215,6 +240,29 @@ def split_mini_batches(x: Any, n: int, mini_batch_samples: Optional[int], method
     return out
 
 
+def shares_cover(producer_replica_of: Sequence[int], consumer_replica_of: Sequence[int], rows: int,
+                 mini_batch_samples: Optional[int]) -> bool:
+    """Whether every rank's DP_SPLIT share of `rows` rows (replicas `producer_replica_of`) holds every row its
+    DP_SPLIT_MINI_BATCHES share of the same rows (replicas `consumer_replica_of`, `mini_batch_samples`) trains on: then
+    results a rank computed and kept (`RoleHost`, e.g. old log-probs) can feed its update without the controller.
+    True with one replica, and when the update is one mini-batch cut as the forward was; False when the layouts
+    differ or the update cannot be cut."""
+    if len(producer_replica_of) != len(consumer_replica_of):
+        return False
+    n_p, n_c = max(producer_replica_of) + 1, max(consumer_replica_of) + 1
+    if rows < n_p:
+        return False
+    for kp, kc in zip(producer_replica_of, consumer_replica_of):
+        lo, hi = chunk_bounds(rows, n_p, kp)
+        try:
+            need = share_layout(rows, mini_batch_samples, n_c, kc).rows
+        except ValueError:
+            return False
+        if any(a < lo or b > hi for a, b in need):
+            return False
+    return True
+
+
 def concat_results(parts: list[Any]) -> Any:
     """Concatenate per-replica results in order (see the module docstring for the types)."""
     import torch
@@ -232,6 +280,25 @@ def concat_results(parts: list[Any]) -> Any:
     return list(parts)
 
 
+def select_reads(spec: DispatchSpec, x: Any, method: str = "?") -> Any:
+    """`x` with only the tensors `spec` declares it reads (all of `reads`, the present ones of `optional_reads`), its
+    meta copied and marked with `method` (`READS_META`); `x` itself when `spec.reads` is None. Raises DispatchError
+    when `x` is not a Batch or lacks a key of `reads`."""
+    if spec.reads is None:
+        return x
+    if not _is_batch(x):
+        raise DispatchError(f"{method}: declares the batch keys it reads, so its first positional argument must be a "
+                            f"Batch; got {type(x).__name__}")
+    from megarl.data.batch import READS_META
+
+    missing = [k for k in spec.reads if k not in x.tensors]
+    if missing:
+        raise DispatchError(f"{method} reads {missing} (its @dispatch reads) but the batch has only "
+                            f"{sorted(x.tensors)}: compute them before this call")
+    keys = list(spec.reads) + [k for k in spec.optional_reads if k in x.tensors and k not in spec.reads]
+    return type(x)({k: x.tensors[k] for k in keys}, {**x.meta, READS_META: method})
+
+
 # -- plan and collect ------------------------------------------------------------------------------------------------
 
 
@@ -247,6 +314,10 @@ def plan_calls(
     """The (args, kwargs) each rank receives. `replica_of` (rank -> replica) is needed for the DP modes only;
     `mini_batch_samples` (the role's, None = the whole batch) for DP_SPLIT_MINI_BATCHES only."""
     mode = spec.mode
+    if spec.reads is not None and mode not in DP_MODES and mode is not Dispatch.ALL_TO_ALL:
+        if not args:
+            raise DispatchError(f"{method}: declares the batch keys it reads; pass the batch as the first argument")
+        args = (select_reads(spec, args[0], method),) + tuple(args[1:])
     if mode in (Dispatch.ONE_TO_ALL, Dispatch.RANK_ZERO, Dispatch.LAST_STAGE_FIRST_RESULT):
         return [(args, kwargs)] * world_size
     if mode is Dispatch.ALL_TO_ALL:
@@ -264,10 +335,11 @@ def plan_calls(
         if replica_of is None or len(replica_of) != world_size:
             raise DispatchError(f"{method}: {mode.name} needs the replica of each of the {world_size} ranks")
         n = max(replica_of) + 1
+        data = select_reads(spec, args[0], method)
         if mode is Dispatch.DP_SPLIT:
-            chunks = split_contiguous(args[0], n, method)
+            chunks = split_contiguous(data, n, method)
         else:
-            chunks = split_mini_batches(args[0], n, mini_batch_samples, method)
+            chunks = split_mini_batches(data, n, mini_batch_samples, method)
         per_replica = [((chunk,) + tuple(args[1:]), kwargs) for chunk in chunks]  # ranks of a replica share one
         return [per_replica[replica_of[r]] for r in range(world_size)]
     raise DispatchError(f"{method}: unknown dispatch mode {mode!r}")

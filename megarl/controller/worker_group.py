@@ -53,6 +53,7 @@ from megarl.controller.dispatch import (
     plan_calls,
     replicas_from_coords,
     replicas_from_group_size,
+    shares_cover,
 )
 from megarl.controller.resource_pool import ResourcePool
 
@@ -371,6 +372,19 @@ class WorkerGroup:
             refs.append(actor.call.remote(name, put[id(c)]))
         deadline = None if timeout is None else time.monotonic() + timeout
         return PendingCall(self, what, spec, refs, replica_of, timeout, deadline)
+
+    def results_stay(self, producer: str, consumer: str, rows: int) -> bool:
+        """Whether results of the DP_SPLIT method `producer` kept on the ranks (`keep=`) can feed the
+        DP_SPLIT_MINI_BATCHES method `consumer` over a batch of `rows` rows: every rank's producer share holds the rows
+        its consumer share needs (`megarl.controller.dispatch.shares_cover`; true with one DP replica, or one
+        mini-batch cut as the forward was). Asks the layout of the workers once per method (cached)."""
+        what = f"{self.worker_cls.__name__}.{producer} -> {consumer}"
+        p, c = self._methods.get(producer), self._methods.get(consumer)
+        if p is None or c is None or p.mode is not Dispatch.DP_SPLIT or c.mode is not Dispatch.DP_SPLIT_MINI_BATCHES:
+            raise ValueError(f"{what}: results_stay pairs a DP_SPLIT method with a DP_SPLIT_MINI_BATCHES one of "
+                             f"this group; it has {self.methods}")
+        return shares_cover(self._replicas(what, p, self.call_timeout_s), self._replicas(what, c, self.call_timeout_s),
+                            rows, self._mini_batch_samples(what, c, self.call_timeout_s))
 
     def _replicas(self, what: str, spec: DispatchSpec, timeout: Optional[float]) -> list[int]:
         """Each rank's replica for a DP_SPLIT call, asked of the workers once per dispatch spec and kept: a group's

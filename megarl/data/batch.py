@@ -46,6 +46,10 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+# meta key naming the worker method whose declared reads selected this batch (`megarl.controller.dispatch`): a
+# missing key is then reported as an undeclared read of that method.
+READS_META = "dispatch_reads_of"
+
 
 @dataclasses.dataclass
 class Batch:
@@ -67,7 +71,8 @@ class Batch:
         try:
             return self.tensors[key]
         except KeyError:
-            raise KeyError(f"batch has no tensor {key!r}; it has {sorted(self.tensors)}") from None
+            raise KeyError(f"batch has no tensor {key!r}; it has {sorted(self.tensors)}{self._reads_hint([key])}") \
+                from None
 
     def __contains__(self, key: str) -> bool:
         return key in self.tensors
@@ -79,7 +84,14 @@ class Batch:
         """Raise naming every missing key (and what the batch has)."""
         missing = [k for k in keys if k not in self.tensors]
         if missing:
-            raise KeyError(f"batch is missing {missing}; it has {sorted(self.tensors)}")
+            raise KeyError(f"batch is missing {missing}; it has {sorted(self.tensors)}{self._reads_hint(missing)}")
+
+    def _reads_hint(self, keys: list[str]) -> str:
+        method = self.meta.get(READS_META)
+        if method is None:
+            return ""
+        return (f" (the controller sent only the keys {method} declares it reads: add {keys} to its "
+                "@dispatch(reads=...) or optional_reads=...)")
 
     def with_loss_mask(self) -> "Batch":
         """This batch with its mask under ``loss_mask``: itself when it has ``loss_mask``; the legacy

@@ -277,10 +277,17 @@ class RLLoop:
                 scores = self.role_groups["reward_model"].score(batch).tensors["scores"].float()
             scores = scores + self._overlong_penalty(trajectories, metrics)
         batch.tensors["scores"] = scores
+        stay = self._results_stay(len(batch))
+        kept_actor: dict[str, tuple[str, str]] = {}  # batch key -> (name, result key) kept on the actor's ranks
+        kept_critic: dict[str, tuple[str, str]] = {}
         if not self.old_log_probs_from_update:  # else the update's own forward gives them (and the mismatch)
             with _timer(t, "old_log_probs"):
-                old = self.workers.compute_log_probs(batch)
+                keep = f"{step}/old_log_probs" if stay["old"] else None
+                # the controller computes with them (mismatch metrics); entropy stays where it was made
+                old = self.workers.compute_log_probs(batch, keep=keep, fetch=("log_probs", "routed_experts"))
                 batch.tensors["old_log_probs"] = old.tensors["log_probs"]
+                if keep is not None:
+                    kept_actor["old_log_probs"] = (keep, "log_probs")
                 if "routed_experts" in old.tensors:  # algorithm.router_replay=old|rollout: the update replays them
                     batch.tensors["routed_experts"] = old.tensors["routed_experts"]
                 if "moe_rollout_routing_diff_frac" in old.meta:  # rollout: vLLM's experts vs the actor's own
@@ -288,23 +295,35 @@ class RLLoop:
             metrics.update(self._mismatch(batch, trained_version=step - 1))
         if "reference" in self.role_groups:
             with _timer(t, "ref_log_probs"):
-                ref = self.role_groups["reference"].compute_ref_log_probs(batch)
-                batch.tensors["ref_log_probs"] = ref.tensors["log_probs"]
+                if stay["ref"]:  # read by the actor's loss only: they stay on the ranks that made them
+                    keep = f"{step}/ref_log_probs"
+                    self.role_groups["reference"].compute_ref_log_probs(batch, keep=keep, fetch=())
+                    kept_actor["ref_log_probs"] = (keep, "log_probs")
+                else:
+                    ref = self.role_groups["reference"].compute_ref_log_probs(batch, fetch=("log_probs",))
+                    batch.tensors["ref_log_probs"] = ref.tensors["log_probs"]
         critic = self.role_groups.get("critic")
         if critic is not None:
             with _timer(t, "values"):
-                batch.tensors["old_values"] = critic.compute_values(batch).tensors["values"]
+                keep = f"{step}/values" if stay["values"] else None
+                # the advantages need them here; the critic's update reads its own copy
+                values = critic.compute_values(batch, keep=keep, fetch=("values",))
+                batch.tensors["old_values"] = values.tensors["values"]
+                if keep is not None:
+                    kept_critic["old_values"] = (keep, "values")
         with _timer(t, "advantages"):
             extra = self._advantages(batch)
         train_batch = self._filter_overlong(batch, trajectories, metrics)
+        actor_batch, critic_batch = _without(train_batch, kept_actor), _without(train_batch, kept_critic)
         pending = None
         if critic is not None and critic is not self.workers:
-            pending = critic.update_critic.submit(train_batch)  # its own pool: overlaps the actor update
+            pending = critic.update_critic.submit(critic_batch, kept=kept_critic or None)  # overlaps the actor's
         elif critic is not None:
             with _timer(t, "update_critic"):
-                metrics.update({f"critic/{k}": v for k, v in critic.update_critic(train_batch).items()})
+                metrics.update({f"critic/{k}": v for k, v in
+                                critic.update_critic(critic_batch, kept=kept_critic or None).items()})
         with _timer(t, "update_actor"):
-            for k, v in self.workers.update_actor(train_batch).items():
+            for k, v in self.workers.update_actor(actor_batch, kept=kept_actor or None).items():
                 metrics[f"mismatch/{k[len('mismatch_'):]}" if k.startswith("mismatch_") else f"actor/{k}"] = v
         if pending is not None:
             with _timer(t, "update_critic_wait"):
@@ -331,6 +350,24 @@ class RLLoop:
         return StepResult(step, metrics)
 
     # --------------------------------------------------------------------------------------------- pieces
+    def _results_stay(self, rows: int) -> dict[str, bool]:
+        """Which forward results of this step stay on the ranks that compute them and feed the update there instead
+        of travelling controller -> rank (`WorkerGroup.results_stay`: each rank's forward share holds the rows of its
+        update share; the same pool with the same pipeline stages for the reference): "old" (old log-probs: the
+        controller still fetches them, for the mismatch metrics; not with router replay, whose experts travel with
+        them), "ref" (reference log-probs: not fetched unless KL is in the reward) and "values" (fetched for the
+        advantages)."""
+        a = self.cfg.actor.parallel
+        ref = self.role_groups.get("reference")
+        critic = self.role_groups.get("critic")
+        return {
+            "old": (not self.old_log_probs_from_update and self.cfg.algorithm.router_replay == "none"
+                    and self.workers.results_stay("compute_log_probs", "update_actor", rows)),
+            "ref": (ref is self.workers and not self.kl_in_reward and self.cfg.reference.parallel.pp == a.pp
+                    and self.workers.results_stay("compute_ref_log_probs", "update_actor", rows)),
+            "values": critic is not None and critic.results_stay("compute_values", "update_critic", rows),
+        }
+
     def _sync_batch(self, step: int, t: dict[str, float]) -> RolloutBatch:
         """The synchronous step's rollout (`megarl.trainer.schedule.Schedule`): generated now with the weights of
         version step - 1, scored, with dynamic sampling's extra rounds when it is on (or multi-turn episodes)."""
@@ -602,6 +639,13 @@ def old_log_probs_from_update(cfg: JobConfig) -> bool:
     kl_in_reward = cfg.reference.enabled and algo.kl.placement == "reward" and algo.kl.coef > 0
     rc = algo.rollout_correction
     return not kl_in_reward and rc.tis == "off" and rc.mask == "off"
+
+
+def _without(batch: Batch, keys) -> Batch:
+    """`batch` without `keys` (the results its update reads where they were kept); itself when there are none."""
+    if not keys:
+        return batch
+    return Batch({k: v for k, v in batch.tensors.items() if k not in keys}, dict(batch.meta))
 
 
 class _timer:

@@ -21,6 +21,7 @@ import torch
 from megarl.controller.dispatch import Dispatch, dispatch
 from megarl.data.batch import Batch
 from megarl.workers.hybrid import HybridWorker
+from megarl.workers.role_host import MASKS, TOKENS
 
 
 def sft_batch(encoder, records: Sequence, pad_id: Optional[int] = None) -> Batch:
@@ -51,7 +52,7 @@ def sft_batch(encoder, records: Sequence, pad_id: Optional[int] = None) -> Batch
 class SFTWorker(HybridWorker):
     """`HybridWorker` plus `update_actor_sft` (see the module docstring)."""
 
-    @dispatch(Dispatch.RANK_ZERO)
+    @dispatch(Dispatch.RANK_ZERO, reads=TOKENS, optional_reads=MASKS)
     def update_actor_sft(self, batch: Batch, lr: float) -> dict[str, float]:
         """One optimizer step of SFT over `batch` (the whole batch on every rank; input_ids, attention_mask,
         response_mask [B, S]) at learning rate `lr`; returns the actor's update metrics (same on every rank).

@@ -22,16 +22,31 @@ import logging
 import os
 from typing import Any, Callable, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 from megarl.config.schema import JobConfig
-from megarl.controller.dispatch import Dispatch, dispatch
+from megarl.controller.dispatch import SPLIT_ROWS_META, Dispatch, dispatch
 from megarl.data.batch import Batch
+from megarl.data.mini_batches import SHARE_META, ShareLayout
 from megarl.workers.offload import OffloadPolicy
 
 logger = logging.getLogger("megarl.workers")
 ROLES = ("actor", "reference", "critic", "reward_model")
 TRAINED = ("actor", "critic")  # the roles with optimizer state: what a checkpoint saves
+MAX_KEPT = 8  # results kept on a rank at most (a step keeps 2-3: old log-probs, reference log-probs, values)
+
+# What each role method reads of its batch (`dispatch(reads=..., optional_reads=...)`: the controller sends a rank
+# only these keys of its share). The mask travels under either name (`Batch.with_loss_mask`).
+TOKENS = ("input_ids", "attention_mask")
+MASKS = ("loss_mask", "response_mask")
+# router replay: `rollout` replays vLLM's experts in the old-log-prob forward; `old` replays them in the update
+FORWARD_OPTIONAL = (*MASKS, "rollout_routed_experts", "rollout_routing_mask", "routed_experts")
+# advantages (absent only for an SFT loss); old_log_probs (absent: the update takes them from its own forward);
+# (old and ref log-probs may instead be kept on the ranks: `kept=`); ref_log_probs with KL in the loss;
+# rollout_log_probs with rollout correction (or the fused path's mismatch);
+# routed_experts with router replay
+UPDATE_ACTOR_OPTIONAL = (*MASKS, "advantages", "old_log_probs", "ref_log_probs", "rollout_log_probs", "routed_experts")
 
 
 class RoleHost:
@@ -54,6 +69,9 @@ class RoleHost:
             setattr(self, name, build_role(cfg, name, rank_offset=0) if name in roles else None)
         self.offload = {name: OffloadPolicy(getattr(self, name), cfg.role(name).offload) for name in ROLES}
         self.events: collections.deque = collections.deque(maxlen=256)
+        # results kept where they were made (`keep=` of the forward methods), by name: (rows [lo, hi) of the batch,
+        # seq len, {key: [hi - lo, S] tensor} or None off the last pipeline stage)
+        self._kept: dict[str, tuple[tuple[int, int], int, Optional[dict]]] = {}
 
     @property
     def hosted_roles(self) -> list[str]:
@@ -114,34 +132,92 @@ class RoleHost:
     def critic_mini_batch_samples(self) -> Optional[int]:
         return self._role("critic").batching.mini_batch_samples
 
+    # ------------------------------------------------------------------------------------------- kept results
+    def _answer(self, share: Batch, result: Optional[Batch], keep: Optional[str],
+                fetch: Optional[Sequence[str]]) -> Optional[Batch]:
+        """A forward method's reply: with `keep`, its result is kept on this rank under that name (for a later
+        update's `kept=`); `fetch`: the result keys the controller asked for (None: all; empty: none, None is
+        returned), the ones the result has."""
+        if keep is not None:
+            if SPLIT_ROWS_META not in share.meta:
+                raise ValueError(f"keep={keep!r} needs the controller's DP_SPLIT share (meta[{SPLIT_ROWS_META!r}])")
+            lo, hi = share.meta[SPLIT_ROWS_META]
+            self._kept.pop(keep, None)
+            while len(self._kept) >= MAX_KEPT:  # results nobody read (a step that failed between): oldest first
+                self._kept.pop(next(iter(self._kept)))
+            self._kept[keep] = ((int(lo), int(hi)), share.seq_len, None if result is None else dict(result.tensors))
+        if result is None or fetch is None:
+            return result
+        if not fetch:
+            return None
+        return Batch({k: result.tensors[k] for k in fetch if k in result.tensors}, dict(result.meta))
+
+    def _with_kept(self, batch: Batch, kept: Optional[dict[str, tuple[str, str]]], method: str, role: str) -> Batch:
+        """`batch` (this rank's update share, its layout in meta) plus, for each `batch key -> (kept name, result key)`
+        of `kept`, this share's rows of that kept result (taken out of the store). Off the last pipeline stage, where
+        no forward result exists and the loss never reads it, zeros of the same shape."""
+        if not kept:
+            return batch
+        rows = ShareLayout.from_meta(batch.meta[SHARE_META]).rows
+        extra = {}
+        for key, (name, result_key) in kept.items():
+            if name not in self._kept:
+                raise KeyError(f"{method}: no result kept under {name!r} on this rank (kept: {sorted(self._kept)}); "
+                               "the forward with keep= must run on this group before the update")
+            (lo, hi), seq_len, tensors = self._kept[name]
+            if any(a < lo or b > hi for a, b in rows):
+                raise ValueError(f"{method}: this rank kept rows [{lo}, {hi}) of {name!r} but its update share needs "
+                                 f"{rows}: send {key} from the controller (WorkerGroup.results_stay is False here)")
+            if tensors is None:
+                if self._role(role).groups.is_last_stage:
+                    raise ValueError(f"{method}: {name!r} was computed off this rank's last pipeline stage but "
+                                     f"the {role}'s loss here reads {key}: send it from the controller")
+                extra[key] = torch.zeros(len(batch), seq_len)
+            else:
+                idx = torch.cat([torch.arange(a - lo, b - lo) for a, b in rows])
+                extra[key] = tensors[result_key][idx]
+        for name, _ in kept.values():
+            self._kept.pop(name, None)
+        return batch.update(extra)
+
     # ------------------------------------------------------------------------------------------- role methods
-    @dispatch(Dispatch.DP_SPLIT, replica_attr="actor_dp")
-    def compute_log_probs(self, batch: Batch) -> Optional[Batch]:
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="actor_dp", reads=TOKENS, optional_reads=FORWARD_OPTIONAL)
+    def compute_log_probs(self, batch: Batch, keep: Optional[str] = None,
+                          fetch: Optional[Sequence[str]] = None) -> Optional[Batch]:
         """`batch`: this actor DP rank's share (cut by the controller; the same on its TP ranks and pipeline stages;
         input_ids, attention_mask, response_mask [b, S]) -> actor log-probs (and entropy) of its tokens,
-        token-aligned [b, S] float32; None off the last stage. The controller concatenates the shares in order."""
-        return self._use_keep("actor", lambda r: r.compute_log_probs(batch, share=True))
+        token-aligned [b, S] float32; None off the last stage. The controller concatenates the shares in order.
+        `keep`: also keep the result on this rank under that name (an update reads it with `kept=`); `fetch`: the
+        result keys to return (None: all; empty: nothing comes back)."""
+        out = self._use_keep("actor", lambda r: r.compute_log_probs(batch, share=True))
+        return self._answer(batch, out, keep, fetch)
 
-    @dispatch(Dispatch.DP_SPLIT, replica_attr="reference_dp")
-    def compute_ref_log_probs(self, batch: Batch) -> Optional[Batch]:
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="reference_dp", reads=TOKENS, optional_reads=MASKS)
+    def compute_ref_log_probs(self, batch: Batch, keep: Optional[str] = None,
+                              fetch: Optional[Sequence[str]] = None) -> Optional[Batch]:
         """As `compute_log_probs`, with the reference's DP split: the reference's log_probs [b, S] float32 of each
         response token (0 elsewhere) on the last stage. The reference is offloaded afterwards per its config."""
-        return self._use("reference", lambda r: r.compute_log_probs(batch, with_entropy=False, share=True))
+        out = self._use("reference", lambda r: r.compute_log_probs(batch, with_entropy=False, share=True))
+        return self._answer(batch, out, keep, fetch)
 
-    @dispatch(Dispatch.DP_SPLIT, replica_attr="critic_dp")
-    def compute_values(self, batch: Batch) -> Optional[Batch]:
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="critic_dp", reads=TOKENS, optional_reads=MASKS)
+    def compute_values(self, batch: Batch, keep: Optional[str] = None,
+                       fetch: Optional[Sequence[str]] = None) -> Optional[Batch]:
         """This critic DP rank's share -> values [b, S] float32 (token-aligned, 0 outside the response) on the last
-        stage; None elsewhere. The critic stays on the device for its update."""
-        return self._use_keep("critic", lambda r: r.compute_values(batch, share=True))
+        stage; None elsewhere. The critic stays on the device for its update. `keep`, `fetch` as in
+        `compute_log_probs`."""
+        out = self._use_keep("critic", lambda r: r.compute_values(batch, share=True))
+        return self._answer(batch, out, keep, fetch)
 
-    @dispatch(Dispatch.DP_SPLIT, replica_attr="reward_model_dp")
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="reward_model_dp", reads=TOKENS)
     def score(self, batch: Batch) -> Optional[Batch]:
         """This reward-model DP rank's share (input_ids, attention_mask [b, S]) -> scores [b] float32 read at each
         sequence's last real token, on the last stage. Offloaded afterwards per its config."""
         return self._use("reward_model", lambda r: r.score(batch, share=True))
 
-    @dispatch(Dispatch.DP_SPLIT_MINI_BATCHES, replica_attr="actor_dp", mini_batch_attr="actor_mini_batch_samples")
-    def update_actor(self, batch: Batch) -> dict[str, float]:
+    @dispatch(Dispatch.DP_SPLIT_MINI_BATCHES, replica_attr="actor_dp", mini_batch_attr="actor_mini_batch_samples",
+              reads=TOKENS, optional_reads=UPDATE_ACTOR_OPTIONAL)
+    def update_actor(self, batch: Batch, kept: Optional[dict[str, tuple[str, str]]] = None) -> dict[str, float]:
         """PPO/GSPO update of the actor over mini- and micro-batches (`actor.update`).
 
         `batch`: this actor DP rank's part of every mini-batch of the step's batch, concatenated in mini-batch
@@ -151,18 +227,24 @@ class RoleHost:
         correction. Returns the update's metrics over the whole batch (loss, KL, clip fraction, entropy, grad_norm,
         lr), identical on every rank. Afterwards the actor's gradients and optimizer state go to host memory when
         `actor.offload` asks for them: the reshard reads only the parameters.
+        `kept`: batch key -> (name, result key) of results kept on this rank by a forward with `keep=` (old or
+        reference log-probs), read here instead of sent (`_with_kept`).
         """
+        batch = self._with_kept(batch, kept, "update_actor", "actor")
         metrics = self._use_keep("actor", lambda r: r.update(batch, share=True))
         self.events.append(("update", "actor"))
         self._offload("actor", self.offload["actor"].after_update)
         return metrics
 
-    @dispatch(Dispatch.DP_SPLIT_MINI_BATCHES, replica_attr="critic_dp", mini_batch_attr="critic_mini_batch_samples")
-    def update_critic(self, batch: Batch) -> dict[str, float]:
+    @dispatch(Dispatch.DP_SPLIT_MINI_BATCHES, replica_attr="critic_dp", mini_batch_attr="critic_mini_batch_samples",
+              reads=(*TOKENS, "returns"), optional_reads=(*MASKS, "old_values"))  # old_values: or kept
+    def update_critic(self, batch: Batch, kept: Optional[dict[str, tuple[str, str]]] = None) -> dict[str, float]:
         """Value-loss update of the critic (`critic.update`). `batch` as in `update_actor` (cut for the critic's DP
         ranks and mini-batches), with returns and old_values [b, S] float32 instead of the policy keys -> the
         update's metrics (value_loss, value_clip_frac, value_mean, grad_norm, lr, tokens, ...), identical on every
-        rank. Offloaded afterwards per `critic.offload`."""
+        rank. Offloaded afterwards per `critic.offload`. `kept` as in `update_actor` (the values kept by
+        `compute_values`)."""
+        batch = self._with_kept(batch, kept, "update_critic", "critic")
         return self._use("critic", lambda r: r.update(batch, share=True))
 
     # ------------------------------------------------------------------------------------------- checkpoints
