@@ -159,6 +159,13 @@ def run_megarl(inputs: dict, steps: int, new_tokens: int, devices: int, run_dir:
     return {"step_s": [r["time/step_s"] for r in rows],
             "phases": [{k[5:-2]: v for k, v in r.items() if k.startswith("time/") and k != "time/step_s"}
                        for r in rows],
+            # inside the phases: the actor's update and the reshard timed on rank 0; the step outside every phase
+            "inner": [{"update_actor_on_rank": r.get("actor/time_s", 0.0),
+                       "reshard_on_rank": r.get("reshard/time_s", 0.0),
+                       "reshard_verify_on_rank": r.get("reshard/verify_time_s", 0.0),
+                       "outside_phases": r["time/step_s"] - sum(v for k, v in r.items()
+                                                                 if k.startswith("time/") and k != "time/step_s")}
+                      for r in rows],
             "old_log_probs_path": rows[-1].get("actor/old_log_probs_fused"),
             "tokens": [r["tokens"] for r in rows], "command": " ".join(cmd[1:])}
 
@@ -186,8 +193,12 @@ def _summary(run: dict) -> dict:
     steady = run["step_s"][1:] or run["step_s"]
     later = run["phases"][1:] or run["phases"]
     names = sorted({k for p in later for k in p})
-    return {"median_step_s": statistics.median(steady), "steady_steps": len(steady),
-            "split_s": {n: round(statistics.median(p.get(n, 0.0) for p in later), 4) for n in names}}
+    out = {"median_step_s": statistics.median(steady), "min_step_s": min(steady), "steady_steps": len(steady),
+           "split_s": {n: round(statistics.median(p.get(n, 0.0) for p in later), 4) for n in names}}
+    if "inner" in run:
+        inner = run["inner"][1:] or run["inner"]
+        out["inner_s"] = {n: round(statistics.median(p[n] for p in inner), 4) for n in sorted(inner[0])}
+    return out
 
 
 def measure(shape: str, new_tokens: int, steps: int, devices: int, only, overrides: list[str]) -> dict:
@@ -214,6 +225,7 @@ def measure(shape: str, new_tokens: int, steps: int, devices: int, only, overrid
             result["megarl"].update(_summary(result["megarl"]))
         if "trl" in result and "megarl" in result:
             result["megarl_over_trl"] = result["megarl"]["median_step_s"] / result["trl"]["median_step_s"]
+            result["megarl_over_trl_min"] = result["megarl"]["min_step_s"] / result["trl"]["min_step_s"]
         result["load_avg_1m_after"] = os.getloadavg()[0]
     return result
 
@@ -249,26 +261,30 @@ def markdown(report: dict) -> str:
         f"ignored), temperature 1, KL {KL_COEF} to a frozen reference (k3 in the loss), one AdamW step, lr {LR}, fp32, "
         "reward `token_fraction`; a random HF Llama both load. TRL: `transformers.generate` in one process using "
         "every core. megarl: `megarl train`, one pool of 2 worker processes (actor TP2 + reference TP2 + vLLM TP2, "
-        "colocated). Median over the steps after the first.", "",
-        "| model | params | new tokens | steps (steady) | TRL s/step | megarl s/step | megarl / TRL "
-        "| load before/after |",
+        "colocated). Median (and min) over the steps after the first; the min is the figure least moved by other "
+        "jobs on a shared machine.", "",
+        "| model | params | new tokens | steps (steady) | TRL s/step median (min) | megarl s/step median (min) "
+        "| megarl / TRL median (min) | load before/after |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
         trl, mr = r.get("trl", {}), r.get("megarl", {})
-        ratio = r.get("megarl_over_trl")
-        lines.append(
-            f"| {r['shape']} (L{r['num_layers']} H{r['hidden_size']}) | {r['params'] / 1e6:.2f}M | {r['new_tokens']} | "
-            f"{r['steps']} ({trl.get('steady_steps', mr.get('steady_steps', '-'))}) | "
-            f"{trl.get('median_step_s', float('nan')):.3f} | {mr.get('median_step_s', float('nan')):.3f} | "
-            f"**{ratio:.2f}** | {r['load_avg_1m_before']:.1f} / {r['load_avg_1m_after']:.1f} |"
-            if ratio is not None else f"| {r['shape']} | {r['params']} | {r['new_tokens']} | {r['steps']} | - | - | - "
-            "| - |")
+
+        def cell(x: dict) -> str:
+            return f"{x['median_step_s']:.3f} ({x['min_step_s']:.3f})" if x else "-"
+
+        ratio = (f"**{r['megarl_over_trl']:.2f}** ({r['megarl_over_trl_min']:.2f})" if "megarl_over_trl" in r
+                 else "-")
+        lines.append(f"| {r['shape']} (L{r['num_layers']} H{r['hidden_size']}) | {r['params'] / 1e6:.2f}M | "
+                     f"{r['new_tokens']} | {r['steps']} ({(trl or mr).get('steady_steps', '-')}) | {cell(trl)} | "
+                     f"{cell(mr)} | {ratio} | {r['load_avg_1m_before']:.1f} / {r['load_avg_1m_after']:.1f} |")
     lines += ["", "Median split per step (seconds):", ""]
     for r in report["runs"]:
         for name in ("trl", "megarl"):
             if name in r:
                 split = ", ".join(f"{k} {x:.4f}" for k, x in r[name]["split_s"].items())
+                if "inner_s" in r[name]:
+                    split += "; of which " + ", ".join(f"{k} {x:.4f}" for k, x in r[name]["inner_s"].items())
                 lines.append(f"- {r['shape']} {name}: {split}")
     return "\n".join(lines) + "\n"
 
