@@ -12,21 +12,19 @@ each worker process gets one core, `resources.threads_per_worker=1`):
 - 2+2: actor TP2 on 2 processes + two TP1 engines on 2 (4 processes on 2 cores): sync, one_step_off, async s1.
 
 The runs of a layout share one `TrainingSession` (its workers start once) and each starts from the session's step-0
-checkpoint (the way `tests/e2e/async_runs.py` does). Per run: the mean over steps skip+1..steps of the step time,
-generated (sampled) tokens per second, the split (rollout wait, log-probs, update, sync), the busy fractions and the
-staleness. The one-machine goal: an async step takes at most max(rollout, train) + sync, where rollout, train and
-sync are the same layout's sync-mode figures (rollout = time/rollout_s, sync = time/sync_weights_s, train = the rest
-of the step); the table gives that bound beside each mode.
+checkpoint (`TrainingSession.train_from`, as `tests/e2e/async_runs.py` does). Per run: the mean over steps
+skip+1..steps of the step time, generated (sampled) tokens per second, the split (rollout wait, log-probs, update,
+sync), the busy fractions and the staleness. The one-machine goal: an async step takes at most max(rollout, train) +
+sync, where rollout, train and sync are the same layout's sync-mode figures (rollout = time/rollout_s, sync =
+time/sync_weights_s, train = the rest of the step); the table gives that bound beside each mode.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
 import tempfile
@@ -75,7 +73,6 @@ def run_layout(name: str, steps: int, skip: int, out: str) -> dict:
     """Every mode of layout `name` in one session; {mode: figures}."""
     from megarl.config.loader import parse_config
     from megarl.config.validate import validate
-    from megarl.trainer.rl_trainer import RLLoop
     from megarl.trainer.session import TrainingSession
 
     layout_overrides, modes = LAYOUTS[name]
@@ -88,20 +85,9 @@ def run_layout(name: str, steps: int, skip: int, out: str) -> dict:
         step0 = first.save(0, root=os.path.join(out, "step0"))
         for mode, overrides in modes.items():
             run_dir = os.path.join(out, mode)
-            ckpt = os.path.join(run_dir, "ckpt")
-            shutil.copytree(step0, os.path.join(ckpt, os.path.basename(step0)))
-            cfg = validate(parse_config(data, [*overrides, f"trainer.total_steps={steps}", f"checkpoint.dir={ckpt}",
-                                               "checkpoint.resume=true", "checkpoint.allow_config_change=true",
-                                               "checkpoint.save_every=0"]))
-            cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, dir=run_dir))
-            metrics = os.path.join(run_dir, "metrics.jsonl")
-            trainer = RLLoop(cfg, first.workers, first.loader, first.encoder, first.reward_fn,
-                                role_groups=first.role_groups, metrics_path=metrics, rollout=first.rollout)
-            try:
-                trainer.fit()
-            finally:
-                trainer.close()
-            rows = [json.loads(line) for line in open(metrics)][skip:]
+            session.train_from(step0, run_dir, [*overrides, f"trainer.total_steps={steps}", "checkpoint.save_every=0"],
+                               raw=data)
+            rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][skip:]
             results[mode] = summarize(rows)
             print(f"[async bench] {name} {mode}: {results[mode]['step_s']:.3f} s/step", flush=True)
     finally:

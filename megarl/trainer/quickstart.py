@@ -3,14 +3,15 @@
 Stages (times in OUT/summary.json, seconds):
   1. data    the task (`megarl.data.arithmetic`: 8100 problems "a+b=" with 10 <= a, b <= 99, seeded split into
              train and `val` held-out problems), a character-level tokenizer and a random HF Llama -> OUT/data/.
-  2. setup   a local Ray cluster and the actor's pool: 2 worker processes, each a Megatron actor rank (TP=2) and a
-             vLLM engine rank (TP=2) fed by the reshard (`megarl.trainer.sft.SFTWorker`, a `HybridWorker`).
+  2. setup   the GRPO job's `TrainingSession` (sft=True): a local Ray cluster and the actor's pool, 2 worker
+             processes, each a Megatron actor rank (TP=2) and a vLLM engine rank (TP=2) fed by the reshard
+             (`megarl.trainer.sft.SFTWorker`, a `HybridWorker`).
   3. sft     supervised warm-up on the Megatron actor (cross-entropy on the answer tokens, `update_actor_sft`),
              a fixed `sft_steps` steps (the same on every machine for a given seed; the greedy accuracy on a fixed
              monitor set of *training* problems is logged every `sft_eval_every` steps). `sft_target` (off by
              default) stops it earlier once that accuracy reaches the target -- where that happens moves with the
              host's kernels, which is why it is not the default. The held-out problems never decide anything.
-  4. grpo    GRPO through the full stack (`RLLoop.fit`: vLLM rollout at temperature 1, exact-match reward,
+  4. grpo    GRPO through the full stack (`TrainingSession.fit`: vLLM rollout at temperature 1, exact-match reward,
              group-normalised advantages, PPO-clipped update on Megatron, reshard into vLLM), on the same workers,
              from the warmed-up weights and optimizer state. Metrics per step in OUT/metrics.jsonl.
   5. export  a checkpoint of the actor (OUT/checkpoint) written as a HuggingFace model (OUT/hf,
@@ -145,27 +146,16 @@ def hf_greedy_answers(hf_dir: str, prompts: list[str], max_new_tokens: int = 4) 
 
 def run_quickstart(s: QuickstartSettings) -> dict:
     """Run every stage (module docstring); returns the summary written to OUT/summary.json."""
-    from megarl.platform.vendor_logs import quiet_vendors, ray_init_kwargs, vendor_env  # stdlib only
+    from megarl.platform.vendor_logs import quiet_vendors  # stdlib only
 
     # before megatron-core, vLLM and Ray are imported: megatron-core warns about Apex/TE at import time
     quiet_vendors(s.vendor_level)
-    import ray
-
     from megarl.config.loader import dump_yaml, parse_config
     from megarl.config.validate import validate
-    from megarl.controller.resource_pool import ResourcePool
-    from megarl.controller.worker_group import WorkerGroup
     from megarl.data.arithmetic import build_arithmetic
-    from megarl.data.dataset import PromptDataset, PromptLoader
-    from megarl.data.tokenization import PromptEncoder
-    from megarl.platform.device import device_kind
-    from megarl.rewards import build_reward_fn
-    from megarl.trainer import worker_threads
-    from megarl.trainer.engine_model_dir import engine_model_dir
-    from megarl.trainer.rl_trainer import RLLoop
-    from megarl.trainer.session import call_bounds
-    from megarl.trainer.sft import SFTWorker, sft_batch
-    from megarl.trainer.shm import remove_shm_segments
+    from megarl.data.dataset import PromptDataset
+    from megarl.trainer.session import TrainingSession
+    from megarl.trainer.sft import sft_batch
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     out = os.path.abspath(s.out)
@@ -183,23 +173,15 @@ def run_quickstart(s: QuickstartSettings) -> dict:
     train = list(PromptDataset.from_config(cfg.data, split="train"))
     val = list(PromptDataset.from_config(cfg.data, split="val"))
     monitor = random.Random(s.seed + 1).sample(train, s.n_monitor)
-    encoder = PromptEncoder(cfg.model.path, cfg.data.chat_template)
+    # the GRPO job's session (its loader, reward, held-out records), its workers able to take SFT steps too
+    session = TrainingSession(cfg, sft=True)
+    encoder = session.encoder
     times["data_s"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    ray.init(include_dashboard=False, log_to_driver=True, num_cpus=max(2, os.cpu_count() or 2),
-             **ray_init_kwargs(s.vendor_level))
-    groups, shm = [], []
     summary: dict = {}
     try:
-        threads = str(worker_threads(cfg))
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": threads, **vendor_env(s.vendor_level)}
-        p = cfg.resources.pools["default"]
-        pool = ResourcePool("default", nodes=p.nodes, devices_per_node=p.devices_per_node,
-                            device=device_kind(cfg.resources.device))
-        workers = WorkerGroup(pool, SFTWorker, cfg, engine_model_dir(cfg, out), env=env, **call_bounds(cfg))
-        groups.append(workers)
-        shm = workers.shm_segments()
+        workers = session.start_workers()
         times["setup_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -214,7 +196,7 @@ def run_quickstart(s: QuickstartSettings) -> dict:
         sft_curve, step, monitor_acc = [], 0, 0.0
         while step < s.sft_steps:
             step += 1
-            m = workers.update_actor_sft(sft_batch(encoder, rng.sample(train, s.sft_batch)), s.sft_lr)
+            m = session.sft_step(sft_batch(encoder, rng.sample(train, s.sft_batch)), s.sft_lr)
             if step % s.sft_eval_every == 0:
                 workers.sync_weights()
                 monitor_acc = accuracy(greedy_answers(workers, encoder, monitor), monitor)
@@ -234,11 +216,7 @@ def run_quickstart(s: QuickstartSettings) -> dict:
 
         # ---- GRPO
         t = time.perf_counter()
-        loader = PromptLoader(PromptDataset.from_config(cfg.data, split="train"), cfg.data.prompts_per_step,
-                              shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-        trainer = RLLoop(cfg, workers, loader, encoder, build_reward_fn(cfg.reward), role_groups={},
-                            val_records=val, metrics_path=os.path.join(out, "metrics.jsonl"))
-        results = trainer.fit()
+        results = session.fit()
         times["grpo_s"] = time.perf_counter() - t
         t = time.perf_counter()
         after_grpo = greedy_answers(workers, encoder, val)
@@ -259,10 +237,7 @@ def run_quickstart(s: QuickstartSettings) -> dict:
         }
         checkpoint = os.path.join(cfg.checkpoint.dir, f"step_{len(results):06d}")
     finally:
-        for group in reversed(groups):
-            group.shutdown()
-        remove_shm_segments(shm)
-        ray.shutdown()
+        session.close()
 
     # ---- export: Megatron checkpoint -> HF, then read back by transformers
     t = time.perf_counter()

@@ -7,6 +7,13 @@ through this class, so they run the same engine.
     session.fit() / session.step()          # RLLoop.fit / RLLoop.run_step, under the SIGTERM/SIGINT handlers
     session.close()                         # sinks, workers, /dev/shm segments, the Ray cluster it started
 
+It is the one place a run is wired (`megarl train`, the Python API, both quickstarts, the benchmarks and the e2e
+runs all build their runs here). Two more ways to drive it:
+
+    session = TrainingSession(cfg, sft=True)   # quickstarts: an SFT warm-up on the same workers, then RL
+    session.start_workers(); session.sft_step(batch, lr); ...; session.fit()
+    session.train_from(step0, run_dir, overrides)   # a run of its own from a checkpoint, on the started workers
+
 Placement: it joins a Ray cluster (`RAY_ADDRESS`, e.g. from `launch/ray_submit.sh`) or starts a local one, places a
 `HybridWorker` on every device slot of the actor's pool (the actor, the vLLM engine and any role configured on the
 same pool) and a `RoleWorker` group on each other pool (a critic, reference or reward model of its own layout). With
@@ -18,10 +25,12 @@ The vendor log level (`logging.vendor_level`, `megarl.platform.vendor_logs`) is 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import shutil
 import threading
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 from megarl.config import ConfigError
 from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate
@@ -112,8 +121,16 @@ class TrainingSession:
     instead of the one `cfg.reward` names (the API's `reward=`); it runs here, on the controller, and is never sent to
     a worker. Construction checks every input and starts nothing; `start` starts Ray and the workers."""
 
-    def __init__(self, cfg: JobConfig, reward_fn: Optional[Callable] = None) -> None:
+    def __init__(self, cfg: JobConfig, reward_fn: Optional[Callable] = None, sft: bool = False) -> None:
+        """`sft`: the actor pool's workers are `megarl.trainer.sft.SFTWorker` (a `HybridWorker` that also takes
+        supervised steps, `sft_step`), for a warm-up on the same workers before RL (the quickstarts); only with the
+        hybrid engine (no `rollout.pool`)."""
         check_supported(cfg)
+        if sft and cfg.rollout.pool is not None:
+            raise ConfigError(f"rollout.pool: a session with an SFT phase runs the engines in the actor's processes "
+                              f"(the hybrid engine); set rollout.pool=null (it is {cfg.rollout.pool!r}) or drop the "
+                              "SFT phase")
+        self.sft = sft
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.cfg = cfg
         self.run_dir = os.path.abspath(cfg.logging.dir)
@@ -144,6 +161,9 @@ class TrainingSession:
         check_fits(job_memory_estimate(cfg, device_memory_bytes(cfg)))
         self.stop = StopRequest(graceful=bool(cfg.checkpoint.dir))
         self.trainer = None  # megarl.trainer.rl_trainer.RLLoop, once started
+        self.workers = None  # the actor pool's WorkerGroup, once the workers started (`start_workers`)
+        self.rollout = None  # its RolloutService: None (the loop's ColocatedRollout) or the PoolRollout
+        self.role_groups: dict = {}  # reference / critic / reward_model -> the group hosting it
         self.groups: list = []
         self.shm_reports: list = []
         self.started_ray = False
@@ -151,8 +171,16 @@ class TrainingSession:
 
     def start(self):
         """Start (once) the Ray cluster if none is running, the worker groups and the `RLLoop`; returns it."""
-        if self.trainer is not None:
-            return self.trainer
+        if self.trainer is None:
+            self.start_workers()
+            self.trainer = self._loop(self.cfg, self.metrics_path, stop=self.stop)
+        return self.trainer
+
+    def start_workers(self):
+        """Start (once) the Ray cluster if none is running and the worker groups, without the RL loop (what an SFT
+        phase before it needs, `sft_step`); returns the actor pool's group."""
+        if self.workers is not None:
+            return self.workers
         if self.closed:
             raise RuntimeError("this training session was closed; build a new one")
         # this process, before the vendor imports below; the workers get it through their environment
@@ -160,7 +188,7 @@ class TrainingSession:
         import ray
 
         from megarl.platform.device import device_kind  # torch
-        from megarl.trainer.rl_trainer import RLLoop
+        from megarl.trainer.sft import SFTWorker
         from megarl.workers.hybrid import HybridWorker  # torch, megatron-core, vLLM
         from megarl.workers.role_host import RoleWorker  # torch, megatron-core
 
@@ -188,8 +216,8 @@ class TrainingSession:
 
         rollout = None
         if cfg.rollout.pool is None:  # the hybrid engine: vLLM in the actor's processes
-            workers = WorkerGroup(make_pool(cfg.actor.pool), HybridWorker, cfg, self.model_dir, env=env,
-                                  **call_bounds(cfg))
+            workers = WorkerGroup(make_pool(cfg.actor.pool), SFTWorker if self.sft else HybridWorker, cfg,
+                                  self.model_dir, env=env, **call_bounds(cfg))
             self.groups.append(workers)
             engines = workers
         else:  # the engines on a pool of their own, joined to the actor's by the bridge
@@ -212,10 +240,17 @@ class TrainingSession:
                 role_groups[role] = WorkerGroup(make_pool(r.pool), RoleWorker, cfg, role,
                                                 env={"OMP_NUM_THREADS": str(threads), **quiet}, **call_bounds(cfg))
                 self.groups.append(role_groups[role])
-        self.trainer = RLLoop(cfg, workers, self.loader, self.encoder, self.reward_fn, role_groups=role_groups,
-                                 val_records=self.val, metrics_path=self.metrics_path, stop=self.stop,
-                                 rollout=rollout)
-        return self.trainer
+        self.workers, self.rollout, self.role_groups = workers, rollout, role_groups
+        return workers
+
+    def _loop(self, cfg: JobConfig, metrics_path: str, stop: Optional[StopRequest] = None, rollout=None):
+        """The one place an `RLLoop` is built: over this session's worker groups, inputs and rollout service
+        (`rollout`, when given, instead), with `cfg` (this session's or a run's, `train_from`)."""
+        from megarl.trainer.rl_trainer import RLLoop
+
+        return RLLoop(cfg, self.workers, self.loader, self.encoder, self.reward_fn, role_groups=self.role_groups,
+                      val_records=self.val, metrics_path=metrics_path, stop=stop,
+                      rollout=rollout if rollout is not None else self.rollout)
 
     def _start_pools(self, make_pool, engine_env: dict, role_env: dict):
         """`rollout.pool` set: an `ActorWorker` group on the actor's pool (the actor and the roles placed there), a
@@ -263,6 +298,42 @@ class TrainingSession:
         trainer = self.start()
         with self.signals():
             return trainer.run_step()
+
+    def sft_step(self, batch, lr: float) -> dict[str, float]:
+        """One supervised optimizer step of the actor on the session's workers (`SFTWorker.update_actor_sft`:
+        cross-entropy on `batch`'s response tokens, `input_ids` / `attention_mask` / `response_mask` [B, S]) at
+        learning rate `lr`; the RL loop (`fit`, `step`) continues from the weights and optimizer state it leaves.
+        The session must be built with `sft=True`. Returns the update's metrics ("loss", ...)."""
+        if not self.sft:
+            raise RuntimeError("sft_step: this session's workers take no SFT steps; build it with "
+                               "TrainingSession(cfg, sft=True)")
+        return self.start_workers().update_actor_sft(batch, lr)
+
+    def train_from(self, source: str, run_dir: str, overrides: Sequence[str] = (), raw: Optional[Mapping] = None,
+                   rollout=None) -> list:
+        """A run of its own on this session's started workers, from checkpoint `source` (a step directory, e.g.
+        `self.start().save(0, root=...)`): copy it into `run_dir`/ckpt, validate `raw` (a config mapping; default
+        this session's config) plus `overrides` with that checkpoint directory (checkpoint.resume and
+        checkpoint.allow_config_change on), log into `run_dir` (metrics.jsonl there), and fit a new `RLLoop` over
+        the session's groups, loader and reward (`rollout`: a service to use instead of the session's). Runs that
+        differ only in their options share one start-up this way (tests/e2e/async_runs.py, benchmarks/async.py).
+        Returns the run's `StepResult`s."""
+        from megarl.config import to_dict
+        from megarl.config.loader import parse_config
+        from megarl.config.validate import validate
+
+        self.start()
+        ckpt = os.path.join(run_dir, "ckpt")
+        shutil.copytree(source, os.path.join(ckpt, os.path.basename(os.path.normpath(source))))
+        cfg = validate(parse_config(dict(raw) if raw is not None else to_dict(self.cfg),
+                                    [*overrides, f"checkpoint.dir={ckpt}", "checkpoint.resume=true",
+                                     "checkpoint.allow_config_change=true"]))
+        cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, dir=run_dir))
+        loop = self._loop(cfg, os.path.join(run_dir, "metrics.jsonl"), rollout=rollout)
+        try:
+            return loop.fit()
+        finally:
+            loop.close()
 
     def close(self) -> None:
         """Close the sinks, kill the workers (and their placement groups), remove their /dev/shm segments and stop the

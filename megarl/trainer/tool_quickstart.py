@@ -4,7 +4,8 @@ a small random Llama to answer two-digit multiplications through the tool.
 Stages (like the addition quickstart, `megarl.trainer.quickstart`; times in OUT/summary.json):
   1. data   `megarl.data.tool_task`: 8100 problems "a*b=", `n_val` held out; the character-level ChatML tokenizer
             (`megarl.data.chat_chars`) and a random HF Llama -> OUT/data/.
-  2. setup  a local Ray cluster, 2 worker processes (Megatron actor TP2 + a vLLM TP1 engine each, the reshard).
+  2. setup  the GRPO job's `TrainingSession` (sft=True): a local Ray cluster, 2 worker processes (Megatron
+            actor TP2 + a vLLM TP1 engine each, the reshard).
   3. sft    `sft_steps` steps of cross-entropy on demonstration episodes (`demonstration`: the tool call
             and the final answer are the loss mask, the tool's output is context); `direct_fraction` of them answer
             at once without the tool, so the warmed-up model calls it on only part of the problems and GRPO has to
@@ -83,30 +84,19 @@ def greedy_episodes(runner, workers, records, version: int) -> dict:
 
 def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
     """Run every stage (module docstring); returns the summary written to OUT/summary.json."""
-    from megarl.platform.vendor_logs import quiet_vendors, ray_init_kwargs, vendor_env
+    from megarl.platform.vendor_logs import quiet_vendors
 
     quiet_vendors(s.vendor_level)
-    import ray
     import yaml
 
     from megarl.config.loader import apply_overrides, parse_config
     from megarl.config.validate import validate
-    from megarl.controller.resource_pool import ResourcePool
-    from megarl.controller.worker_group import WorkerGroup
-    from megarl.data.dataset import PromptDataset, PromptLoader
-    from megarl.data.tokenization import PromptEncoder
+    from megarl.data.dataset import PromptDataset
     from megarl.data.tool_task import build_tool_task
     from megarl.data.trajectory import trajectories_to_batch
     from megarl.envs.episode import runner_from_config
-    from megarl.platform.device import device_kind
-    from megarl.rewards import build_reward_fn
-    from megarl.trainer import worker_threads
-    from megarl.trainer.engine_model_dir import engine_model_dir
     from megarl.trainer.plots import PlotsUnavailable, plot_run
-    from megarl.trainer.rl_trainer import RLLoop
-    from megarl.trainer.session import call_bounds
-    from megarl.trainer.sft import SFTWorker
-    from megarl.trainer.shm import remove_shm_segments
+    from megarl.trainer.session import TrainingSession
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     out = os.path.abspath(s.out)
@@ -125,25 +115,17 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
     cfg = validate(parse_config(raw))
     train = list(PromptDataset.from_config(cfg.data, split="train"))
     val = list(PromptDataset.from_config(cfg.data, split="val"))
-    encoder = PromptEncoder(cfg.model.path, cfg.data.chat_template)
-    reward_fn = build_reward_fn(cfg.reward)
-    runner = runner_from_config(cfg, encoder, reward_fn)
+    # the GRPO job's session (its loader, reward, held-out records), its workers able to take SFT steps too
+    session = TrainingSession(cfg, sft=True)
+    encoder = session.encoder
+    runner = runner_from_config(cfg, encoder, session.reward_fn)
     tools = runner.env_factory(val[0]).tools()
     times["data_s"] = time.perf_counter() - t0
 
-    ray.init(include_dashboard=False, log_to_driver=True, num_cpus=max(2, os.cpu_count() or 2),
-             **ray_init_kwargs(s.vendor_level))
-    groups, shm, summary = [], [], {}
+    summary = {}
     try:
         t = time.perf_counter()
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(worker_threads(cfg)),
-               **vendor_env(s.vendor_level)}
-        p = cfg.resources.pools["default"]
-        pool = ResourcePool("default", nodes=p.nodes, devices_per_node=p.devices_per_node,
-                            device=device_kind(cfg.resources.device))
-        workers = WorkerGroup(pool, SFTWorker, cfg, engine_model_dir(cfg, out), env=env, **call_bounds(cfg))
-        groups.append(workers)
-        shm = workers.shm_segments()
+        workers = session.start_workers()
         workers.sync_weights()
         times["setup_s"] = time.perf_counter() - t
         initial = greedy_episodes(runner, workers, val, 0)
@@ -158,7 +140,7 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
                                    with_tool=rng.random() >= s.direct_fraction)
                      for i, r in enumerate(rng.sample(train, s.sft_batch))]
             batch = trajectories_to_batch(demos, pad_id=encoder.pad_token_id or 0)
-            m = workers.update_actor_sft(batch, s.sft_lr)
+            m = session.sft_step(batch, s.sft_lr)
             if step % 20 == 0 or step == s.sft_steps:
                 sft_curve.append({"step": step, "loss": m["loss"]})
                 logger.info("sft step %d loss %.4f", step, m["loss"])
@@ -169,12 +151,7 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
                     after_sft["multi_turn/tool_success_frac"])
 
         t = time.perf_counter()
-        loader = PromptLoader(PromptDataset.from_config(cfg.data, split="train"), cfg.data.prompts_per_step,
-                              shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-        trainer = RLLoop(cfg, workers, loader, encoder, reward_fn, role_groups={}, val_records=val,
-                            metrics_path=os.path.join(out, "metrics.jsonl"))
-        results = trainer.fit()
-        trainer.close()
+        results = session.fit()
         times["grpo_s"] = time.perf_counter() - t
         after_grpo = greedy_episodes(runner, workers, val, len(results))
         logger.info("after GRPO (%d steps): accuracy %.3f, tool calls ok %.3f", len(results),
@@ -190,10 +167,7 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
             "grpo_tool_success_frac": [r.get("multi_turn/tool_success_frac") for r in rows],
         }
     finally:
-        for group in reversed(groups):
-            group.shutdown()
-        remove_shm_segments(shm)
-        ray.shutdown()
+        session.close()
     try:
         summary["plots"] = plot_run(out)
     except PlotsUnavailable as e:

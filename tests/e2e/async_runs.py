@@ -6,7 +6,8 @@ instead of once per run.
 Every run starts from the same state: the session's step-0 checkpoint (weights, Adam moments, every RNG, the
 loader) is copied into the run's checkpoint directory and resumed with `checkpoint.allow_config_change` (the runs
 differ in trainer.mode and its options, nothing else); a run resumed from another run's checkpoint is its
-continuation. Each run gets its own `RLLoop` over the session's worker groups and rollout service.
+continuation. Each run is `TrainingSession.train_from`: its own `RLLoop` over the session's worker groups and
+rollout service.
 
     python tests/e2e/async_runs.py OUT_DIR   # OUT_DIR/<run>/metrics.jsonl, <run>/ckpt, runs.json, config.json
 """
@@ -69,7 +70,6 @@ def main(out: str) -> None:
     from megarl.config.validate import validate
     from megarl.trainer import checkpointing
     from megarl.trainer.session import TrainingSession
-    from tests.e2e.session_runs import train_from
 
     data = yaml.safe_load(open(CONFIG))
     for key in ("train_path", "val_path"):
@@ -88,10 +88,12 @@ def main(out: str) -> None:
         for name, (overrides, steps, resumed_from, save_every) in RUNS.items():
             source = step0 if resumed_from is None else checkpointing.step_dir(
                 os.path.join(out, resumed_from[0], "ckpt"), resumed_from[1])
-            seconds = train_from(first, data, [*overrides, f"trainer.total_steps={steps}",
-                                               f"checkpoint.save_every={save_every}", "checkpoint.keep_last=0"],
-                                 os.path.join(out, name), source,
-                                 rollout=SlowPieces(first.rollout) if name == "continue" else None)
+            run_started = time.monotonic()
+            session.train_from(source, os.path.join(out, name),
+                               [*overrides, f"trainer.total_steps={steps}", f"checkpoint.save_every={save_every}",
+                                "checkpoint.keep_last=0"],
+                               raw=data, rollout=SlowPieces(first.rollout) if name == "continue" else None)
+            seconds = time.monotonic() - run_started
             report[name] = {"seconds": seconds, "steps": steps, "resumed_from": resumed_from}
             print(f"[async_runs] {name}: {seconds:.1f} s", flush=True)
         report["_session"] = {"start_s": start_s}

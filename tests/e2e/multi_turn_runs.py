@@ -53,7 +53,6 @@ def main(out: str) -> None:
     from megarl.config.validate import validate
     from megarl.data.tool_task import build_tool_task
     from megarl.trainer.session import TrainingSession
-    from tests.e2e.session_runs import train_from
 
     data = build_tool_task(os.path.join(out, "data"), n_val=16, tokenizer="bpe")
     raw = apply_overrides(yaml.safe_load(open(CONFIG)), [
@@ -69,8 +68,10 @@ def main(out: str) -> None:
         first = session.start()
         step0 = first.save(0, root=os.path.join(out, "step0"))
         for name, (overrides, steps) in RUNS.items():
-            seconds = train_from(first, raw, [*overrides, f"trainer.total_steps={steps}"], os.path.join(out, name),
-                                 step0, rollout=SlowTurns(first.rollout) if name == "async" else None)
+            run_started = time.monotonic()
+            session.train_from(step0, os.path.join(out, name), [*overrides, f"trainer.total_steps={steps}"], raw=raw,
+                               rollout=SlowTurns(first.rollout) if name == "async" else None)
+            seconds = time.monotonic() - run_started
             report[name] = {"seconds": seconds}
     finally:
         session.close()
