@@ -25,7 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 CONFIG = os.path.join(ROOT, "yaml_configs", "cpu_tools_quickstart.yaml")
 ECHO = os.path.join(ROOT, "tests", "e2e", "echo_env.py") + ":echo_env"
-TURN_DELAY_S = 0.3
+# 0.8 s: a batch's three turns then take ~2x a training step here (0.3 s made them equal, and whether a push landed
+# inside a batch depended on the machine's load)
+TURN_DELAY_S = 0.8
 RUNS = {"sync": (["trainer.mode=sync"], 20),
         "async": (["trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=continue",
                    "algorithm.rollout_correction.tis=token"], 5)}
