@@ -141,7 +141,10 @@ class ProbeWorker:
                 return str(e)
             store.set("named_barrier_test/rank0_gave_up", "1")
             return None
-        store.wait(["named_barrier_test/rank0_gave_up"])
+        import datetime
+
+        # bounded: rank 0 gives up after timeout_s; 60 s more names this wait if it never does
+        store.wait(["named_barrier_test/rank0_gave_up"], datetime.timedelta(seconds=timeout_s + 60))
         named_barrier("rank 1, late", timeout_s=60)
         return None
 

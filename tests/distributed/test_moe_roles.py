@@ -410,5 +410,5 @@ def test_full_state_resume_is_bit_identical(runs, layout):
         assert torch.equal(full[k], resumed[k]), f"{k}: max |diff| {(full[k] - resumed[k]).abs().max().item()}"
     for k in moments:
         assert not torch.equal(full[k], at2[k]), k
-    sa, sb = (torch.load(os.path.join(ckpt(t), "engine_state.pt"), weights_only=False) for t in ("full", "resumed"))
+    sa, sb = (torch.load(os.path.join(ckpt(t), "engine_state.pt"), weights_only=True) for t in ("full", "resumed"))
     assert sa["scheduler"] == sb["scheduler"] and sa["steps"] == sb["steps"] == RESUME_STEPS

@@ -91,8 +91,8 @@ def _assert_same_schedule(a: str, b: str, role: str) -> None:
     """Same scheduler position and step counter. The schedule's length (lr_decay_steps, wd_incr_steps) follows
     trainer.total_steps (20 in the shared run, 4 here); every rate at the position must be equal (the quickstart's LR
     is constant)."""
-    sa = torch.load(os.path.join(a, role, "engine_state.pt"), weights_only=False)
-    sb = torch.load(os.path.join(b, role, "engine_state.pt"), weights_only=False)
+    sa = torch.load(os.path.join(a, role, "engine_state.pt"), weights_only=True)
+    sb = torch.load(os.path.join(b, role, "engine_state.pt"), weights_only=True)
     length = {"lr_decay_steps", "wd_incr_steps"}
     assert {k: v for k, v in sa["scheduler"].items() if k not in length} == \
         {k: v for k, v in sb["scheduler"].items() if k not in length}
