@@ -195,13 +195,15 @@ class Completion:
 
     token_ids: generated ids so far (EOS/stop token included when it stopped on one); log_probs: [len(token_ids)]
     raw model log-probs of those tokens (as `RolloutSample.response_log_probs`); finish_reason: 'stop' or
-    'length' once finished, None while it runs (a streamed partial output).
+    'length' once finished, None while it runs (a streamed partial output); versions: [len(token_ids)] the weights
+    version that sampled each token, where the caller knows it (the request-level server sets it; None otherwise).
     """
 
     sample_index: int
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: Optional[FinishReason]
+    versions: Optional[list[int]] = None
 
 
 @dataclasses.dataclass(frozen=True)
