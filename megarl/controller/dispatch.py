@@ -299,6 +299,109 @@ def select_reads(spec: DispatchSpec, x: Any, method: str = "?") -> Any:
     return type(x)({k: x.tensors[k] for k in keys}, {**x.meta, READS_META: method})
 
 
+# -- shares by reference --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ShareRefs:
+    """One replica's share of a batch as handles to row pieces that were put into the object store once
+    (`plan_shared_calls`): `pieces[key]` are the handles of that key's pieces in row order (their concatenation on dim
+    0 is the key's share), `meta` the share's meta as `plan_calls` gives it. The worker turns it back into the
+    `Batch` `plan_calls` would have sent (`resolve_shares`)."""
+
+    pieces: dict[str, list[Any]]
+    meta: dict[str, Any]
+
+
+def share_rows(spec: DispatchSpec, rows: int, n_replicas: int, mini_batch_samples: Optional[int],
+               method: str = "?") -> list[tuple[list[tuple[int, int]], dict[str, Any]]]:
+    """Per replica of a DP call over a batch of `rows` rows: ([lo, hi) ranges of the batch in its share, in order;
+    the meta its share carries: `SPLIT_ROWS_META` for DP_SPLIT, `SHARE_META` for DP_SPLIT_MINI_BATCHES) -- the rows
+    `split_contiguous` / `split_mini_batches` cut."""
+    if spec.mode is Dispatch.DP_SPLIT:
+        if rows < n_replicas:
+            raise DispatchError(f"{method}: DP_SPLIT cannot give each of {n_replicas} replicas at least one of {rows} "
+                                "items; send at least that many items (or use fewer data-parallel ranks)")
+        bounds = [chunk_bounds(rows, n_replicas, k) for k in range(n_replicas)]
+        return [([(lo, hi)], {SPLIT_ROWS_META: [lo, hi]}) for lo, hi in bounds]
+    if spec.mode is Dispatch.DP_SPLIT_MINI_BATCHES:
+        try:
+            layouts = [share_layout(rows, mini_batch_samples, n_replicas, k) for k in range(n_replicas)]
+        except ValueError as e:
+            raise DispatchError(f"{method}: {e}") from None
+        return [(lay.rows, {SHARE_META: lay.to_meta()}) for lay in layouts]
+    raise DispatchError(f"{method}: {spec.mode.name} does not cut rows per replica")
+
+
+def cut_ranges(ranges: Sequence[tuple[int, int]], cuts: Sequence[int]) -> list[tuple[int, int]]:
+    """`ranges` ([lo, hi) in order) cut further at every point of `cuts` strictly inside one of them: the pieces a
+    share is made of when each piece of the batch is put once (pieces between consecutive cuts)."""
+    out = []
+    for lo, hi in ranges:
+        inner = sorted(c for c in set(cuts) if lo < c < hi)
+        for a, b in zip([lo, *inner], [*inner, hi]):
+            out.append((a, b))
+    return out
+
+
+def can_share_by_reference(spec: DispatchSpec, args: tuple) -> bool:
+    """Whether a call can send its shares as `ShareRefs` (`plan_shared_calls`): a DP mode with declared reads whose
+    first positional argument is a Batch."""
+    return spec.mode in DP_MODES and spec.reads is not None and bool(args) and _is_batch(args[0])
+
+
+def plan_shared_calls(
+    spec: DispatchSpec,
+    args: tuple,
+    kwargs: dict,
+    world_size: int,
+    replica_of: list[int],
+    piece: Callable[[str, Any, int, int], Any],
+    cuts: Sequence[int] = (),
+    method: str = "?",
+    mini_batch_samples: Optional[int] = None,
+) -> list[tuple[tuple, dict]]:
+    """As `plan_calls` for a DP call whose first argument is a `Batch` with declared reads, but each replica's share
+    is a `ShareRefs`: every key it reads, as the handles `piece(key, tensor, lo, hi)` gives for its rows cut at
+    `cuts` (`cut_ranges`). A `piece` that returns the same handle for the same (key, tensor, lo, hi) puts each row
+    piece once however many calls read it (`megarl.controller.shares.BatchShares`)."""
+    if not can_share_by_reference(spec, args):
+        raise DispatchError(f"{method}: shares by reference need a DP call with declared reads over a Batch")
+    if replica_of is None or len(replica_of) != world_size:
+        raise DispatchError(f"{method}: {spec.mode.name} needs the replica of each of the {world_size} ranks")
+    data = select_reads(spec, args[0], method)
+    per_replica = []
+    for ranges, extra in share_rows(spec, len(data), max(replica_of) + 1, mini_batch_samples, method):
+        pieces = cut_ranges(ranges, cuts)
+        refs = ShareRefs({k: [piece(k, t, a, b) for a, b in pieces] for k, t in data.tensors.items()},
+                         {**data.meta, **extra})
+        per_replica.append(((refs,) + tuple(args[1:]), kwargs))
+    return [per_replica[replica_of[r]] for r in range(world_size)]
+
+
+def resolve_shares(args: tuple, kwargs: dict, get: Callable[[list[Any]], list[Any]]) -> tuple[tuple, dict]:
+    """`args` / `kwargs` with each `ShareRefs` replaced by its `Batch` (on the worker): every handle fetched with one
+    `get(handles)` (values in handle order), each key's pieces concatenated on dim 0."""
+    from megarl.data.batch import Batch
+
+    found = [a for a in (*args, *kwargs.values()) if isinstance(a, ShareRefs)]
+    if not found:
+        return args, kwargs
+    handles = [h for s in found for hs in s.pieces.values() for h in hs]
+    values = iter(get(handles))
+    import torch
+
+    batches = {}
+    for s in found:
+        tensors = {}
+        for key, hs in s.pieces.items():
+            parts = [next(values) for _ in hs]
+            tensors[key] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        batches[id(s)] = Batch(tensors, dict(s.meta))
+    swap = lambda a: batches.get(id(a), a) if isinstance(a, ShareRefs) else a  # noqa: E731
+    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
+
+
 # -- plan and collect ------------------------------------------------------------------------------------------------
 
 

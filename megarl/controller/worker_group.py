@@ -48,14 +48,19 @@ from megarl.controller.dispatch import (
     DP_MODES,
     Dispatch,
     DispatchSpec,
+    can_share_by_reference,
     collect,
     dispatched_methods,
     plan_calls,
+    plan_shared_calls,
     replicas_from_coords,
     replicas_from_group_size,
+    resolve_shares,
+    share_rows,
     shares_cover,
 )
 from megarl.controller.resource_pool import ResourcePool
+from megarl.controller.shares import active_shares
 
 # The Ray concurrency group (one thread) that answers heartbeats while a call runs on the worker thread.
 HEARTBEAT_GROUP = "heartbeat"
@@ -64,6 +69,9 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 # Least timeout of the ranks' torch.distributed process group (a collective waiting for a peer): long enough for one
 # rank's slow part (rank 0 writing a checkpoint while the others wait in the next collective).
 PROCESS_GROUP_TIMEOUT_S = 1800.0
+# Seconds a rank may wait for the pieces of its share (`BatchShares`: put by the controller before the call, so
+# they exist; the bound only names a lost object store).
+SHARE_FETCH_TIMEOUT_S = 300.0
 
 
 def heartbeat_interval_s(heartbeat_timeout_s: float) -> float:
@@ -206,7 +214,18 @@ class _WorkerHost:
         return self.rank
 
     def call(self, method: str, packed: tuple[tuple, dict]) -> Any:
+        import ray
+
         args, kwargs = packed
+
+        def get(refs: list) -> list:
+            try:
+                return ray.get(refs, timeout=SHARE_FETCH_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"rank {self.rank}: {method}'s {len(refs)} batch pieces (BatchShares) were not "
+                                   f"fetched from the object store within {SHARE_FETCH_TIMEOUT_S:g} s") from None
+
+        args, kwargs = resolve_shares(args, kwargs, get)  # a share sent by reference -> its Batch
         return getattr(self.worker, method)(*args, **kwargs)
 
     def attr(self, name: str) -> Any:
@@ -363,7 +382,12 @@ class WorkerGroup:
         timeout = spec.timeout_s if spec.timeout_s is not None else self.call_timeout_s  # None: no wall bound
         replica_of = self._replicas(what, spec, timeout) if spec.mode in DP_MODES else None
         mini = self._mini_batch_samples(what, spec, timeout) if spec.mode is Dispatch.DP_SPLIT_MINI_BATCHES else None
-        calls = plan_calls(spec, args, kwargs, self.world_size, replica_of, what, mini_batch_samples=mini)
+        shares = active_shares()
+        if shares is not None and can_share_by_reference(spec, args):
+            calls = plan_shared_calls(spec, args, kwargs, self.world_size, replica_of, shares.piece,
+                                      shares.cuts(len(args[0])), what, mini_batch_samples=mini)
+        else:
+            calls = plan_calls(spec, args, kwargs, self.world_size, replica_of, what, mini_batch_samples=mini)
         put: dict[int, Any] = {}  # one ray.put per distinct argument set
         refs = []
         for actor, c in zip(self._actors, calls):
@@ -385,6 +409,24 @@ class WorkerGroup:
                              f"this group; it has {self.methods}")
         return shares_cover(self._replicas(what, p, self.call_timeout_s), self._replicas(what, c, self.call_timeout_s),
                             rows, self._mini_batch_samples(what, c, self.call_timeout_s))
+
+    def share_bounds(self, method: str, rows: int) -> set[int]:
+        """The row boundaries of every replica's share of the DP method `method` over a batch of `rows` rows (where
+        `megarl.controller.shares.BatchShares` cuts a batch's pieces); none when the batch cannot be cut that way
+        (the call itself then raises, naming why). Asks the layout of the workers once per method (cached)."""
+        what = f"{self.worker_cls.__name__}.{method}"
+        spec = self._methods.get(method)
+        if spec is None or spec.mode not in DP_MODES:
+            raise ValueError(f"{what}: share_bounds needs a DP_SPLIT or DP_SPLIT_MINI_BATCHES method of this group; "
+                             f"it has {self.methods}")
+        n = max(self._replicas(what, spec, self.call_timeout_s)) + 1
+        mini = (self._mini_batch_samples(what, spec, self.call_timeout_s)
+                if spec.mode is Dispatch.DP_SPLIT_MINI_BATCHES else None)
+        try:
+            shares = share_rows(spec, rows, n, mini, what)
+        except ValueError:  # DispatchError: the call raises it with the numbers
+            return set()
+        return {x for ranges, _ in shares for lo, hi in ranges for x in (lo, hi)}
 
     def _replicas(self, what: str, spec: DispatchSpec, timeout: Optional[float]) -> list[int]:
         """Each rank's replica for a DP_SPLIT call, asked of the workers once per dispatch spec and kept: a group's

@@ -34,6 +34,7 @@ from megarl.algorithms import (
 from megarl.algorithms.dynamic_sampling import enough_groups, informative_groups, select_groups
 from megarl.config.loader import to_dict
 from megarl.config.schema import JobConfig
+from megarl.controller.shares import BatchShares
 from megarl.data.batch import Batch
 from megarl.data.trajectory import trajectories_to_batch
 from megarl.rollout.engine import SamplingSettings
@@ -270,64 +271,68 @@ class RLLoop:
         trajectories = rollout.trajectories if rollout.trajectories is not None else samples_to_trajectories(
             samples, policy_version=rollout.version, uid_prefix=f"{step}/", token_versions=rollout.token_versions)
         batch = trajectories_to_batch(trajectories, pad_id=self.encoder.pad_token_id or 0)
-        with _timer(t, "reward"):
-            metrics.update(rollout.reward_metrics)
-            if "reward_model" in self.role_groups:  # the learned reward is what is trained on
-                metrics["reward/rule_mean"] = float(scores.mean())
-                scores = self.role_groups["reward_model"].score(batch).tensors["scores"].float()
-            scores = scores + self._overlong_penalty(trajectories, metrics)
-        batch.tensors["scores"] = scores
-        stay = self._results_stay(len(batch))
-        kept_actor: dict[str, tuple[str, str]] = {}  # batch key -> (name, result key) kept on the actor's ranks
-        kept_critic: dict[str, tuple[str, str]] = {}
-        if not self.old_log_probs_from_update:  # else the update's own forward gives them (and the mismatch)
-            with _timer(t, "old_log_probs"):
-                keep = f"{step}/old_log_probs" if stay["old"] else None
-                # the controller computes with them (mismatch metrics); entropy stays where it was made
-                old = self.workers.compute_log_probs(batch, keep=keep, fetch=("log_probs", "routed_experts"))
-                batch.tensors["old_log_probs"] = old.tensors["log_probs"]
-                if keep is not None:
-                    kept_actor["old_log_probs"] = (keep, "log_probs")
-                if "routed_experts" in old.tensors:  # algorithm.router_replay=old|rollout: the update replays them
-                    batch.tensors["routed_experts"] = old.tensors["routed_experts"]
-                if "moe_rollout_routing_diff_frac" in old.meta:  # rollout: vLLM's experts vs the actor's own
-                    metrics["actor/moe_rollout_routing_diff_frac"] = float(old.meta["moe_rollout_routing_diff_frac"])
-            metrics.update(self._mismatch(batch, trained_version=step - 1))
-        if "reference" in self.role_groups:
-            with _timer(t, "ref_log_probs"):
-                if stay["ref"]:  # read by the actor's loss only: they stay on the ranks that made them
-                    keep = f"{step}/ref_log_probs"
-                    self.role_groups["reference"].compute_ref_log_probs(batch, keep=keep, fetch=())
-                    kept_actor["ref_log_probs"] = (keep, "log_probs")
-                else:
-                    ref = self.role_groups["reference"].compute_ref_log_probs(batch, fetch=("log_probs",))
-                    batch.tensors["ref_log_probs"] = ref.tensors["log_probs"]
-        critic = self.role_groups.get("critic")
-        if critic is not None:
-            with _timer(t, "values"):
-                keep = f"{step}/values" if stay["values"] else None
-                # the advantages need them here; the critic's update reads its own copy
-                values = critic.compute_values(batch, keep=keep, fetch=("values",))
-                batch.tensors["old_values"] = values.tensors["values"]
-                if keep is not None:
-                    kept_critic["old_values"] = (keep, "values")
-        with _timer(t, "advantages"):
-            extra = self._advantages(batch)
-        train_batch = self._filter_overlong(batch, trajectories, metrics)
-        actor_batch, critic_batch = _without(train_batch, kept_actor), _without(train_batch, kept_critic)
-        pending = None
-        if critic is not None and critic is not self.workers:
-            pending = critic.update_critic.submit(critic_batch, kept=kept_critic or None)  # overlaps the actor's
-        elif critic is not None:
-            with _timer(t, "update_critic"):
-                metrics.update({f"critic/{k}": v for k, v in
-                                critic.update_critic(critic_batch, kept=kept_critic or None).items()})
-        with _timer(t, "update_actor"):
-            for k, v in self.workers.update_actor(actor_batch, kept=kept_actor or None).items():
-                metrics[f"mismatch/{k[len('mismatch_'):]}" if k.startswith("mismatch_") else f"actor/{k}"] = v
-        if pending is not None:
-            with _timer(t, "update_critic_wait"):
-                metrics.update({f"critic/{k}": v for k, v in pending.result().items()})
+        # the batch's token ids and masks go down once: each DP share of each key is put into the object store
+        # once and every role call below passes the same references (`megarl.controller.shares`)
+        with BatchShares(self._share_calls()):
+            with _timer(t, "reward"):
+                metrics.update(rollout.reward_metrics)
+                if "reward_model" in self.role_groups:  # the learned reward is what is trained on
+                    metrics["reward/rule_mean"] = float(scores.mean())
+                    scores = self.role_groups["reward_model"].score(batch).tensors["scores"].float()
+                scores = scores + self._overlong_penalty(trajectories, metrics)
+            batch.tensors["scores"] = scores
+            stay = self._results_stay(len(batch))
+            kept_actor: dict[str, tuple[str, str]] = {}  # batch key -> (name, result key) kept on the actor's ranks
+            kept_critic: dict[str, tuple[str, str]] = {}
+            if not self.old_log_probs_from_update:  # else the update's own forward gives them (and the mismatch)
+                with _timer(t, "old_log_probs"):
+                    keep = f"{step}/old_log_probs" if stay["old"] else None
+                    # the controller computes with them (mismatch metrics); entropy stays where it was made
+                    old = self.workers.compute_log_probs(batch, keep=keep, fetch=("log_probs", "routed_experts"))
+                    batch.tensors["old_log_probs"] = old.tensors["log_probs"]
+                    if keep is not None:
+                        kept_actor["old_log_probs"] = (keep, "log_probs")
+                    if "routed_experts" in old.tensors:  # algorithm.router_replay=old|rollout: the update replays them
+                        batch.tensors["routed_experts"] = old.tensors["routed_experts"]
+                    diff = old.meta.get("moe_rollout_routing_diff_frac")  # rollout: vLLM's experts vs the actor's own
+                    if diff is not None:
+                        metrics["actor/moe_rollout_routing_diff_frac"] = float(diff)
+                metrics.update(self._mismatch(batch, trained_version=step - 1))
+            if "reference" in self.role_groups:
+                with _timer(t, "ref_log_probs"):
+                    if stay["ref"]:  # read by the actor's loss only: they stay on the ranks that made them
+                        keep = f"{step}/ref_log_probs"
+                        self.role_groups["reference"].compute_ref_log_probs(batch, keep=keep, fetch=())
+                        kept_actor["ref_log_probs"] = (keep, "log_probs")
+                    else:
+                        ref = self.role_groups["reference"].compute_ref_log_probs(batch, fetch=("log_probs",))
+                        batch.tensors["ref_log_probs"] = ref.tensors["log_probs"]
+            critic = self.role_groups.get("critic")
+            if critic is not None:
+                with _timer(t, "values"):
+                    keep = f"{step}/values" if stay["values"] else None
+                    # the advantages need them here; the critic's update reads its own copy
+                    values = critic.compute_values(batch, keep=keep, fetch=("values",))
+                    batch.tensors["old_values"] = values.tensors["values"]
+                    if keep is not None:
+                        kept_critic["old_values"] = (keep, "values")
+            with _timer(t, "advantages"):
+                extra = self._advantages(batch)
+            train_batch = self._filter_overlong(batch, trajectories, metrics)
+            actor_batch, critic_batch = _without(train_batch, kept_actor), _without(train_batch, kept_critic)
+            pending = None
+            if critic is not None and critic is not self.workers:
+                pending = critic.update_critic.submit(critic_batch, kept=kept_critic or None)  # overlaps the actor's
+            elif critic is not None:
+                with _timer(t, "update_critic"):
+                    metrics.update({f"critic/{k}": v for k, v in
+                                    critic.update_critic(critic_batch, kept=kept_critic or None).items()})
+            with _timer(t, "update_actor"):
+                for k, v in self.workers.update_actor(actor_batch, kept=kept_actor or None).items():
+                    metrics[f"mismatch/{k[len('mismatch_'):]}" if k.startswith("mismatch_") else f"actor/{k}"] = v
+            if pending is not None:
+                with _timer(t, "update_critic_wait"):
+                    metrics.update({f"critic/{k}": v for k, v in pending.result().items()})
         self._count_skips(metrics)
         with _timer(t, "sync_weights"):
             reshard = self.schedule.after_update(step)
@@ -350,6 +355,21 @@ class RLLoop:
         return StepResult(step, metrics)
 
     # --------------------------------------------------------------------------------------------- pieces
+    def _share_calls(self) -> list[tuple[Any, str]]:
+        """(group, method) of every role call `step` makes with the step's batch: where `BatchShares` cuts its
+        pieces (each DP share of each call a whole number of them)."""
+        calls = []
+        if "reward_model" in self.role_groups:
+            calls.append((self.role_groups["reward_model"], "score"))
+        if not self.old_log_probs_from_update:
+            calls.append((self.workers, "compute_log_probs"))
+        if "reference" in self.role_groups:
+            calls.append((self.role_groups["reference"], "compute_ref_log_probs"))
+        if "critic" in self.role_groups:
+            calls += [(self.role_groups["critic"], "compute_values"), (self.role_groups["critic"], "update_critic")]
+        calls.append((self.workers, "update_actor"))
+        return calls
+
     def _results_stay(self, rows: int) -> dict[str, bool]:
         """Which forward results of this step stay on the ranks that compute them and feed the update there instead
         of travelling controller -> rank (`WorkerGroup.results_stay`: each rank's forward share holds the rows of its

@@ -18,6 +18,7 @@ import torch
 from megarl.controller import (  # noqa: E402
     ALL_TO_ALL,
     DP_SPLIT,
+    DP_SPLIT_MINI_BATCHES,
     LAST_STAGE_FIRST_RESULT,
     ONE_TO_ALL,
     RANK_ZERO,
@@ -100,6 +101,22 @@ class ProbeWorker:
     @dispatch(DP_SPLIT, group_size=1)
     def double(self, t):
         return t * 2 + self.rank
+
+    mini_batch_samples = 4  # the share test's update: mini-batches of 4 rows, each cut over the 2 replicas
+
+    @dispatch(DP_SPLIT, reads=("x",), optional_reads=("y",))
+    def share_forward(self, batch):
+        """What this rank received (a DP_SPLIT share with declared reads)."""
+        return [(self.rank, sorted(batch.keys()), batch["x"].tolist(), batch.meta["dp_split_rows"])]
+
+    @dispatch(DP_SPLIT_MINI_BATCHES, mini_batch_attr="mini_batch_samples", reads=("x",))
+    def share_update(self, batch):
+        """What each rank received (its share of every mini-batch), from every rank (an all-gather of the rows)."""
+        import torch.distributed as dist
+
+        got = [None] * self.world
+        dist.all_gather_object(got, (self.rank, sorted(batch.keys()), batch["x"].tolist()))
+        return got
 
     @dispatch(ONE_TO_ALL)
     def boom(self):
@@ -243,6 +260,29 @@ def test_dp_split_group_size_1_and_2(group):
     assert group.tag_items([1, 2, 3]) == [(0, 1), (0, 2), (1, 3)]
     with pytest.raises(DispatchError, match=r"tag_items: DP_SPLIT cannot give each of 2 replicas at least one of 1"):
         group.tag_items([1])
+
+
+def test_batch_shares_put_each_row_piece_once_and_ranks_get_only_their_share(group):
+    """Inside `BatchShares` the forward's share (contiguous halves) and the update's (each mini-batch's half) are made
+    of the same row pieces, each put once; a rank receives the rows and keys `plan_calls` would send (expected rows
+    written out by hand: 8 rows, 2 replicas, mini-batches of 4)."""
+    from megarl.controller.shares import BatchShares
+    from megarl.data.batch import Batch
+
+    batch = Batch({"x": torch.arange(8) * 10, "z": torch.ones(8)})  # z is read by neither method
+    forward = [(0, ["x"], [0, 10, 20, 30], [0, 4]), (1, ["x"], [40, 50, 60, 70], [4, 8])]
+    update = [(0, ["x"], [0, 10, 40, 50]), (1, ["x"], [20, 30, 60, 70])]
+    assert group.share_forward(batch) == forward and group.share_update(batch) == update  # by value
+    with BatchShares([(group, "share_forward"), (group, "share_update")]) as shares:
+        assert group.share_forward(batch) == forward
+        assert shares.puts == 4 and shares.keys_put == ["x"]  # rows cut at 0 2 4 6 8: the update's pieces too
+        assert group.share_update(batch) == update
+        assert group.share_forward(batch) == forward
+        assert shares.puts == 4  # nothing put again
+        batch.tensors["x"].add_(1)  # changed in place: its pieces are put again
+        assert group.share_forward(batch)[0][2] == [1, 11, 21, 31] and shares.puts == 8
+    with pytest.raises(ValueError, match=r"no dispatch method 'nope'"):
+        BatchShares([(group, "nope")])
 
 
 def test_undecorated_methods_are_not_exposed(group):

@@ -1,0 +1,94 @@
+"""A step's batch put into the object store once: each DP share of each key, referenced by every role call of the step.
+
+    with BatchShares([(actor_group, "compute_log_probs"), (ref_group, "compute_ref_log_probs"),
+                      (actor_group, "update_actor")]):
+        actor_group.compute_log_probs(batch)        # input_ids, masks: each row piece ray.put once ...
+        ref_group.compute_ref_log_probs(batch)      # ... and only referenced again here
+        actor_group.update_actor(batch.update(...)) # the new keys are put; the token ids are not
+
+Inside the block, a `WorkerGroup` call whose method is DP_SPLIT / DP_SPLIT_MINI_BATCHES with declared reads over a
+`Batch` sends each replica a `megarl.controller.dispatch.ShareRefs` instead of a copy of its rows: for every key it
+reads, the object refs of the row pieces of its share. A piece is one key's rows [lo, hi) between two consecutive
+*cuts*: the union of the share boundaries of every (group, method) declared (`WorkerGroup.share_bounds`), so each
+call's share is a whole number of pieces -- the actor's contiguous forward share and its per-mini-batch update share
+alike. Each piece is `ray.put` once per block (keyed by the tensor object, its in-place version counter and the
+rows), so a key crosses from the controller once, however many calls read it; a rank still deserialises only its
+share of the keys its method reads (`_WorkerHost.call` fetches and concatenates its pieces). A call of a method not
+declared still works: its boundaries are added to its own pieces (put again where they cut a declared piece).
+
+The block is per thread (another thread's calls, e.g. an async rollout driver's, are unaffected); leaving it drops the
+controller's references (calls in flight keep theirs: Ray counts the refs nested in their arguments).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional, Sequence
+
+_active = threading.local()
+
+
+def active_shares() -> Optional["BatchShares"]:
+    """The `BatchShares` block this thread is in, or None."""
+    return getattr(_active, "shares", None)
+
+
+class BatchShares:
+    """Put each row piece of each batch key once for the calls of one block (see the module docstring).
+
+    Args:
+        calls: (worker group, method name) of every DP call the block makes with a batch: their share boundaries
+            are where the pieces are cut (asked of each group once per row count; cached by the groups).
+
+    Attributes (for reports and tests): `puts` -- pieces put so far; `put_bytes` -- their tensor bytes;
+    `keys_put` -- the keys with at least one piece put, in order of first put.
+    """
+
+    def __init__(self, calls: Sequence[tuple[Any, str]]) -> None:
+        for group, method in calls:
+            if method not in getattr(group, "methods", ()):
+                raise ValueError(f"BatchShares: {group!r} has no dispatch method {method!r}; it has "
+                                 f"{getattr(group, 'methods', [])}")
+        self.calls = list(calls)
+        self._cuts: dict[int, list[int]] = {}
+        self._refs: dict[tuple, Any] = {}
+        self._held: dict[int, Any] = {}  # the tensors pieces were cut from: their ids stay theirs
+        self.puts = 0
+        self.put_bytes = 0
+        self.keys_put: list[str] = []
+        self._outer: Optional[BatchShares] = None
+
+    def cuts(self, rows: int) -> list[int]:
+        """Every share boundary of the declared calls over a batch of `rows` rows (sorted)."""
+        if rows not in self._cuts:
+            points = {0, rows}
+            for group, method in self.calls:
+                points.update(group.share_bounds(method, rows))
+            self._cuts[rows] = sorted(points)
+        return self._cuts[rows]
+
+    def piece(self, key: str, tensor: Any, lo: int, hi: int) -> Any:
+        """The object ref of `tensor[lo:hi]` (a compact copy), put on first use."""
+        import ray
+
+        index = (key, id(tensor), tensor._version, lo, hi)
+        ref = self._refs.get(index)
+        if ref is None:
+            part = tensor[lo:hi].clone()  # a view would pickle its whole storage
+            ref = self._refs[index] = ray.put(part)
+            self._held[id(tensor)] = tensor
+            self.puts += 1
+            self.put_bytes += part.numel() * part.element_size()
+            if key not in self.keys_put:
+                self.keys_put.append(key)
+        return ref
+
+    def __enter__(self) -> "BatchShares":
+        self._outer = active_shares()
+        _active.shares = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _active.shares = self._outer
+        self._refs.clear()
+        self._held.clear()
