@@ -143,16 +143,21 @@ def measure(lay: Layout) -> dict:
 # -- issue 30: declared reads and results kept on the ranks ---------------------------------------------------------
 
 
-def byref_step(lay: Layout, critic: bool, after: bool) -> dict:
+def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
     """Bytes through the controller and deserialised per rank in one step (GRPO + reference with KL in the loss, or
-    with `critic` PPO + reference + critic on the actor's ranks), as `RLLoop.step` makes the calls: `after` = with
-    the role methods' declared reads (`RoleHost`'s `@dispatch(reads=...)`) and the results kept on the ranks
-    (`WorkerGroup.results_stay`, the old log-probs fetched for the mismatch metrics, the values for the advantages);
-    before = today's main before issue 30 (every call ships the whole batch, every result comes up and goes down).
-    Down: each distinct per-replica argument set once through the controller (`ray.put`), its size on every rank
-    that receives it; up: the results, one per replica. Generation's output is counted as its [B, S] token ids and
-    log-probs (the samples' payload), the same before and after."""
-    from megarl.controller.dispatch import shares_cover
+    with `critic` PPO + reference + critic on the actor's ranks), as `RLLoop.step` makes the calls.
+
+    `mode`: "before" = main before issue 30 (every call ships the whole batch, every result comes up and goes down);
+    "reads" = the role methods' declared reads (`RoleHost`'s `@dispatch(reads=...)`) and the results kept on the ranks
+    (`WorkerGroup.results_stay`; the old log-probs fetched for the mismatch metrics, the values for the advantages),
+    each call's shares sent by value; "once" = that, with the step's batch put once (`BatchShares`: each call's
+    shares are references to row pieces cut at every call's share boundaries, each piece put once per step).
+    Down: by value, each distinct per-replica argument set once through the controller (`ray.put`), its size on every
+    rank that receives it; by reference, each piece once through the controller, and a rank deserialises the pieces
+    of its share plus its call (an object ref counted as its 28-byte id). Up: the results, one per replica.
+    Generation's output is counted as its [B, S] token ids and log-probs (the samples' payload), the same in every
+    mode."""
+    from megarl.controller.dispatch import plan_shared_calls, share_rows, shares_cover
     from megarl.workers.role_host import RoleHost
 
     specs = dispatched_methods(RoleHost)
@@ -167,33 +172,63 @@ def byref_step(lay: Layout, critic: bool, after: bool) -> dict:
     replica = [(r // lay.tp) % lay.dp for r in ranks]
     last_stage = [r >= lay.world - lay.world // lay.pp for r in ranks]
     mini = lay.mini_batch_prompts * lay.samples_per_prompt
-    stay = after and shares_cover(replica, replica, B, mini)
+    stay = mode != "before" and shares_cover(replica, replica, B, mini)
     rows, per_rank = [], [0] * lay.world
     through = 0
+    step_calls = ["compute_log_probs", "compute_ref_log_probs"] + (["compute_values", "update_critic"] if critic
+                                                                     else []) + ["update_actor"]
+    cuts = sorted({x for name in step_calls for ranges, _ in share_rows(
+        specs[name], B, lay.dp, mini if specs[name].mode is DP_SPLIT_MINI_BATCHES else None)
+        for lo, hi in ranges for x in (lo, hi)})
+    put: dict[tuple, tuple[bytes, int]] = {}  # (key, tensor id, lo, hi) -> (handle, pickled bytes): one put each
+
+    def piece(key, tensor, lo, hi):
+        index = (key, id(tensor), lo, hi)
+        if index not in put:
+            put[index] = (len(put).to_bytes(28, "little"), len(pickle.dumps(tensor[lo:hi].clone(), protocol=5)))
+        return put[index][0]
+
+    size_of = {}  # handle -> pickled bytes of its piece
 
     def down(name, data, kwargs=None):
         nonlocal through
-        spec = specs[name] if after else dataclasses.replace(specs[name], reads=None, optional_reads=())
-        calls = plan_calls(spec, (data,), kwargs or {}, lay.world, replica, name,
-                           mini_batch_samples=mini if spec.mode is DP_SPLIT_MINI_BATCHES else None)
+        spec = specs[name] if mode != "before" else dataclasses.replace(specs[name], reads=None, optional_reads=())
+        m = mini if spec.mode is DP_SPLIT_MINI_BATCHES else None
+        known = set(put)
+        if mode == "once":
+            calls = plan_shared_calls(spec, (data,), kwargs or {}, lay.world, replica, piece, cuts, name,
+                                      mini_batch_samples=m)
+            size_of.update(put.values())
+        else:
+            calls = plan_calls(spec, (data,), kwargs or {}, lay.world, replica, name, mini_batch_samples=m)
         sizes: dict[int, int] = {}
-        got = [sizes.setdefault(id(c), len(pickle.dumps(c, protocol=5))) for c in calls]
-        through += sum(sizes.values())
+        got = []
+        for c in calls:
+            n = sizes.setdefault(id(c), len(pickle.dumps(c, protocol=5)))
+            if mode == "once":
+                n += sum(size_of[h] for hs in c[0][0].pieces.values() for h in hs)
+            got.append(n)
+        new_pieces = {k: v for k, v in put.items() if k not in known}
+        through += sum(sizes.values()) + sum(b for _, b in new_pieces.values())
         for r, x in enumerate(got):
             per_rank[r] += x
-        keys = sorted(calls[0][0][0].keys())
-        rows.append({"call": name, "dir": "down", "keys": keys, "bytes": sum(sizes.values()), "max_rank": max(got)})
+        share = calls[0][0][0]
+        keys = sorted(share.pieces if mode == "once" else share.keys())
+        sent = sorted({k for k, *_ in new_pieces}) if mode == "once" else keys  # what crossed in this call
+        rows.append({"call": name, "dir": "down", "keys": keys, "keys_crossing": sent,
+                     "bytes": sum(sizes.values()) + sum(b for _, b in new_pieces.values()), "max_rank": max(got)})
 
     def up(name, tensors: dict):
         nonlocal through
         n = len(pickle.dumps(Batch(tensors), protocol=5)) if tensors else 0
         through += n
-        rows.append({"call": name, "dir": "up", "keys": sorted(tensors), "bytes": n, "max_rank": 0})
+        rows.append({"call": name, "dir": "up", "keys": sorted(tensors), "keys_crossing": sorted(tensors),
+                     "bytes": n, "max_rank": 0})
 
     up("generate", {"input_ids": batch["input_ids"], "rollout_log_probs": batch["rollout_log_probs"]})
     down("compute_log_probs", batch)
     old = f()
-    up("compute_log_probs", {"log_probs": old} if after else {"log_probs": old, "entropy": f()})
+    up("compute_log_probs", {"log_probs": old} if mode != "before" else {"log_probs": old, "entropy": f()})
     batch = batch.update({"old_log_probs": old})
     down("compute_ref_log_probs", batch)
     ref = f()
@@ -213,18 +248,21 @@ def byref_step(lay: Layout, critic: bool, after: bool) -> dict:
     down("update_actor", trimmed)
     token_sized = {"input_ids", "attention_mask", "loss_mask", "rollout_log_probs", "policy_version", "log_probs",
                    "entropy", "old_log_probs", "ref_log_probs", "values", "old_values", "advantages", "returns"}
-    crossings = sum(1 for r in rows for k in r["keys"] if k in token_sized)
+    crossings = sum(1 for r in rows for k in r["keys_crossing"] if k in token_sized)
     return {"calls": rows, "through_controller_bytes": through, "max_rank_bytes": max(per_rank),
             "last_stage_max_rank_bytes": max(x for x, last in zip(per_rank, last_stage) if last),
-            "token_sized_key_crossings": crossings, "results_stay": stay}
+            "token_sized_key_crossings": crossings, "results_stay": stay,
+            "pieces_per_key": len(cuts) - 1 if mode == "once" else None}
+
+
+MODES = ("before", "reads", "once")
 
 
 def byref_table(lay: Layout) -> list[dict]:
     out = []
     for critic in (False, True):
-        b, a = byref_step(lay, critic, False), byref_step(lay, critic, True)
         out.append({"layout": lay.name, "algorithm": "PPO + critic + reference" if critic else "GRPO + reference",
-                    "before": b, "after": a})
+                    **{m: byref_step(lay, critic, m) for m in MODES}})
     return out
 
 
@@ -256,15 +294,19 @@ def main() -> None:
               f"{mib(r['old_in_engine_tp_broadcast_bytes_per_non_first_tp_rank'])} per non-first TP rank (in "
               f"generate's before), DP all-gather "
               f"{mib(r['old_dp_allgather_bytes_per_last_stage_rank'])} per last-stage rank")
-    print("\nissue 30 (declared reads, results kept on the ranks): one step, before -> after")
+    print("\nissue 30 (declared reads + results kept on the ranks; + the batch put once): one step, "
+          "before -> reads -> once")
     for r in out["byref"]:
-        b, a = r["before"], r["after"]
-        print(f"{r['layout'][:40]}... {r['algorithm']}: through the controller {mib(b['through_controller_bytes'])} -> "
-              f"{mib(a['through_controller_bytes'])}; per rank (max) {mib(b['max_rank_bytes'])} -> "
-              f"{mib(a['max_rank_bytes'])}; token-sized tensor crossings {b['token_sized_key_crossings']} -> "
-              f"{a['token_sized_key_crossings']} (results stay: {a['results_stay']})")
-        for c in a["calls"]:
-            print(f"    after {c['call']:22s} {c['dir']:4s} {mib(c['bytes']):>12s}  {', '.join(c['keys'])}")
+        b, a, o = (r[m] for m in MODES)
+        print(f"{r['layout'][:40]}... {r['algorithm']}: through the controller {mib(b['through_controller_bytes'])} "
+              f"-> {mib(a['through_controller_bytes'])} -> {mib(o['through_controller_bytes'])}; per rank (max) "
+              f"{mib(b['max_rank_bytes'])} -> {mib(a['max_rank_bytes'])} -> {mib(o['max_rank_bytes'])}; token-sized "
+              f"tensor crossings {b['token_sized_key_crossings']} -> {a['token_sized_key_crossings']} -> "
+              f"{o['token_sized_key_crossings']} (results stay: {a['results_stay']}; pieces per key "
+              f"{o['pieces_per_key']})")
+        for c in o["calls"]:
+            print(f"    once {c['call']:22s} {c['dir']:4s} {mib(c['bytes']):>12s}  crossing: "
+                  f"{', '.join(c['keys_crossing']) or '-'}  (reads {', '.join(c['keys'])})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -19,10 +19,12 @@ from megarl.controller.dispatch import (
     dispatch,
 )
 from megarl.controller.resource_pool import ResourceError, ResourcePool
+from megarl.controller.shares import BatchShares
 from megarl.controller.worker_group import CallTimeout, PendingCall, WorkerError, WorkerGroup
 
 __all__ = [
     "ALL_TO_ALL",
+    "BatchShares",
     "DP_SPLIT",
     "DP_SPLIT_MINI_BATCHES",
     "LAST_STAGE_FIRST_RESULT",

@@ -37,6 +37,11 @@ rollout correction, ...). `meta` travels whole (small: the share layout) and rec
 `meta[READS_META]`, so a method that reads a tensor it did not declare fails with a KeyError naming the method and
 the key (`Batch.__getitem__` / `Batch.require`) instead of silently receiving the whole batch.
 
+Shares by reference (`plan_shared_calls`, used inside a `megarl.controller.shares.BatchShares` block): a DP call with
+declared reads over a Batch sends each replica a `ShareRefs` -- per key it reads, handles of the row pieces of its
+share (its rows cut at every share boundary of the step's calls: `share_rows`, `cut_ranges`) -- instead of a copy;
+the worker turns it back into the same Batch (`resolve_shares`). A piece is put once however many calls read it.
+
 Replicas for DP_SPLIT: replica of rank r = r // group_size, where group_size (the ranks of one model replica,
 tp*cp for pp=1) is taken from, in order: `dispatch(..., group_size=N)`; the worker attribute (or zero-argument
 method) named by `dispatch(..., group_size_attr="name")`; the worker attribute `dp_group_size`. This matches

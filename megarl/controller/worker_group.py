@@ -10,8 +10,9 @@ Start-up (what torchrun would do, done by the controller):
 
 Calls: every `@dispatch(mode)` method of `worker_cls` becomes a method of the group with the same name. A controller
 call plans the per-rank arguments (`megarl.controller.dispatch.plan_calls`; each distinct argument set is
-`ray.put` once, so a broadcast batch is serialised once, not once per rank), calls *every* rank, waits for all of
-them and collects (`dispatch.collect`); `group.method.submit(...)` returns a `PendingCall` instead of waiting, so
+`ray.put` once, so a broadcast batch is serialised once, not once per rank; inside a `BatchShares` block a DP call's
+batch goes as references to row pieces put once per block: `megarl.controller.shares`), calls *every* rank, waits for
+all of them and collects (`dispatch.collect`); `group.method.submit(...)` returns a `PendingCall` instead of waiting, so
 calls on different groups can overlap. A worker exception is re-raised on the controller as `WorkerError` naming the
 rank, with the remote traceback.
 

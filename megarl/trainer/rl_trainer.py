@@ -260,7 +260,8 @@ class RLLoop:
         advantages (and returns) on the controller -> critic update (overlapping the actor's when the critic has
         its own pool) -> actor update -> `rollout.push_weights` (the reshard into the engines). Returns the step's
         metrics: rewards, lengths (tokens), per-phase times in seconds (`time/<phase>_s`), tokens/s, the roles'
-        update metrics (`actor/...`, `critic/...`) and the reshard's bytes and time.
+        update metrics (`actor/...`, `critic/...`), the reshard's bytes and time, and the batch's row pieces put into
+        the object store for the role calls (`dispatch/batch_pieces_put`, `dispatch/batch_put_bytes`: each once).
         """
         t: dict[str, float] = {}
         start = time.perf_counter()
@@ -273,7 +274,7 @@ class RLLoop:
         batch = trajectories_to_batch(trajectories, pad_id=self.encoder.pad_token_id or 0)
         # the batch's token ids and masks go down once: each DP share of each key is put into the object store
         # once and every role call below passes the same references (`megarl.controller.shares`)
-        with BatchShares(self._share_calls()):
+        with BatchShares(self._share_calls()) as shares:
             with _timer(t, "reward"):
                 metrics.update(rollout.reward_metrics)
                 if "reward_model" in self.role_groups:  # the learned reward is what is trained on
@@ -333,6 +334,9 @@ class RLLoop:
             if pending is not None:
                 with _timer(t, "update_critic_wait"):
                     metrics.update({f"critic/{k}": v for k, v in pending.result().items()})
+        # what of the step's batch crossed down: row pieces put (each once) and their tensor bytes
+        metrics.update({"dispatch/batch_pieces_put": float(shares.puts), "dispatch/batch_put_bytes":
+                        float(shares.put_bytes)})
         self._count_skips(metrics)
         with _timer(t, "sync_weights"):
             reshard = self.schedule.after_update(step)
