@@ -33,6 +33,7 @@ Masks and weights are independent: both are computed from all response tokens of
 from __future__ import annotations
 
 import math
+from typing import Optional, Sequence
 
 import torch
 
@@ -105,6 +106,56 @@ def mismatch_from_sums(sums: dict) -> dict:
         "ratio_out_frac": sums["ratio_out_count"] / tokens,
         "seq_ratio_out_frac": sums["seq_ratio_out_count"] / sequences,
     }
+
+
+# Result keys of `mismatch_rows` (the actor's forward adds them to its result; `RLLoop` reads them back).
+MISMATCH_ROWS = "mismatch_rows/"
+
+
+def mismatch_rows(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
+                  c: float = 2.0, policy_version: Optional[torch.Tensor] = None,
+                  versions: Optional[Sequence[int]] = None) -> dict[str, torch.Tensor]:
+    """`mismatch_sums` row by row, so a batch's rows can be summed where they were computed (each DP rank its share of
+    the old log-prob forward) and only [B] numbers come up (`mismatch_from_rows` finishes on the controller).
+
+    Inputs [B, S] as `mismatch_metrics`. Returns [B] float32 per key of `mismatch_sums` (``abs_diff_max``: the row's
+    max), under ``MISMATCH_ROWS + key``; with `versions` (and `policy_version` [B, S], the weights version each token
+    was sampled with), also ``MISMATCH_ROWS + f"v{v}/" + key`` over the response tokens of version v only."""
+    _check_bound("c", c)
+    masks = {"": response_mask}
+    if versions:
+        if policy_version is None:
+            raise ValueError("mismatch_rows: versions need the batch's policy_version [B, S]")
+        masks.update({f"v{int(v)}/": (response_mask.bool() & (policy_version == int(v))).to(response_mask.dtype)
+                      for v in versions})
+    out = {}
+    log_c = math.log(c)
+    for prefix, mask in masks.items():
+        d = log_ratio(actor_log_probs, rollout_log_probs, mask)
+        valid = mask.bool()
+        abs_d = d.abs()
+        has_tokens = valid.any(-1)
+        rows = {
+            "abs_diff_sum": masked_sum(abs_d, valid, dim=-1),
+            "kl_sum": masked_sum(torch.expm1(d) - d, valid, dim=-1),
+            "kl_k1_sum": masked_sum(-d, valid, dim=-1),
+            "ratio_out_count": masked_sum((abs_d > log_c).float(), valid, dim=-1),
+            "tokens": valid.float().sum(-1),
+            "seq_ratio_out_count": ((d.sum(-1).abs() > log_c) & has_tokens).float(),
+            "sequences": has_tokens.float(),
+            "abs_diff_max": abs_d.amax(-1) if abs_d.shape[-1] else torch.zeros(abs_d.shape[0]),
+        }
+        out.update({f"{MISMATCH_ROWS}{prefix}{k}": v.float() for k, v in rows.items()})
+    return out
+
+
+def mismatch_from_rows(rows: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    """`mismatch_metrics`' names from the [B] rows of `mismatch_rows` (all of a batch's rows, in any order), for the
+    tokens of `prefix` ("" all, "v3/" version 3's)."""
+    sums = {k: rows[f"{MISMATCH_ROWS}{prefix}{k}"].sum() for k in MISMATCH_SUM_KEYS}
+    top = rows[f"{MISMATCH_ROWS}{prefix}abs_diff_max"]
+    sums["abs_diff_max"] = top.max() if top.numel() else torch.zeros(())
+    return mismatch_from_sums(sums)
 
 
 def mismatch_metrics(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,

@@ -27,11 +27,11 @@ from megarl.algorithms import (
     build_kl_controller,
     filter_truncated,
     get_advantage,
-    mismatch_metrics,
     scores_to_token_rewards,
     soft_overlong_penalty,
 )
 from megarl.algorithms.dynamic_sampling import enough_groups, informative_groups, select_groups
+from megarl.algorithms.rollout_correction import mismatch_from_rows
 from megarl.config.loader import to_dict
 from megarl.config.schema import JobConfig
 from megarl.controller.shares import BatchShares
@@ -288,9 +288,19 @@ class RLLoop:
             if not self.old_log_probs_from_update:  # else the update's own forward gives them (and the mismatch)
                 with _timer(t, "old_log_probs"):
                     keep = f"{step}/old_log_probs" if stay["old"] else None
-                    # the controller computes with them (mismatch metrics); entropy stays where it was made
-                    old = self.workers.compute_log_probs(batch, keep=keep, fetch=("log_probs", "routed_experts"))
-                    batch.tensors["old_log_probs"] = old.tensors["log_probs"]
+                    # the ranks compute the mismatch rows ([B] numbers come up); the log-probs come up only where the
+                    # controller computes with them (KL in the reward) or must send them back down (not kept);
+                    # entropy stays where it was made
+                    versions = _versions(batch)
+                    mixed = len(versions) > 1
+                    fetch_old = keep is None or self.kl_in_reward
+                    band = self.cfg.algorithm.rollout_correction.c
+                    old = self.workers.compute_log_probs(
+                        batch if mixed else _without(batch, {"policy_version"}), keep=keep,
+                        fetch=(("log_probs",) if fetch_old else ()) + ("routed_experts",),
+                        mismatch={"c": band, "versions": versions if mixed else None})
+                    if fetch_old:
+                        batch.tensors["old_log_probs"] = old.tensors["log_probs"]
                     if keep is not None:
                         kept_actor["old_log_probs"] = (keep, "log_probs")
                     if "routed_experts" in old.tensors:  # algorithm.router_replay=old|rollout: the update replays them
@@ -298,7 +308,8 @@ class RLLoop:
                     diff = old.meta.get("moe_rollout_routing_diff_frac")  # rollout: vLLM's experts vs the actor's own
                     if diff is not None:
                         metrics["actor/moe_rollout_routing_diff_frac"] = float(diff)
-                metrics.update(self._mismatch(batch, trained_version=step - 1))
+                metrics.update(mismatch_from_forward(old.tensors, trained_version=step - 1,
+                                                     versions=versions if mixed else []))
             if "reference" in self.role_groups:
                 with _timer(t, "ref_log_probs"):
                     if stay["ref"]:  # read by the actor's loss only: they stay on the ranks that made them
@@ -566,25 +577,6 @@ class RLLoop:
         check_failures(scored, r.max_error_fraction, what)
         return torch.tensor(scored.scores, dtype=torch.float32), scored.metrics()
 
-    def _mismatch(self, batch: Batch, trained_version: int) -> dict[str, float]:
-        """`mismatch/*`: vLLM's log-probs of the sampled tokens (`rollout_log_probs`) against the actor's old-policy
-        log-probs recomputed by Megatron before the update (`old_log_probs`), over the sampled tokens (`loss_mask`)
-        (`megarl.algorithms.rollout_correction.mismatch_metrics`; its band is algorithm.rollout_correction.c).
-        When the batch mixes policy versions (asynchronous modes), also `mismatch/lag<d>/*` over the tokens sampled
-        d versions before `trained_version` (the weights the old log-probs come from)."""
-        t = batch.tensors
-        c = self.cfg.algorithm.rollout_correction.c
-        m = mismatch_metrics(t["old_log_probs"], t["rollout_log_probs"], t["loss_mask"], c=c)
-        out = {f"mismatch/{k}": float(v) for k, v in m.items()}
-        mask = t["loss_mask"].bool()
-        versions = t["policy_version"][mask].unique().tolist()
-        if len(versions) > 1:
-            for v in versions:
-                part = (t["loss_mask"].bool() & (t["policy_version"] == v)).to(t["loss_mask"].dtype)
-                lag = mismatch_metrics(t["old_log_probs"], t["rollout_log_probs"], part, c=c)
-                out.update({f"mismatch/lag{trained_version - int(v)}/{k}": float(x) for k, x in lag.items()})
-        return out
-
     def _advantages(self, batch: Batch) -> dict[str, float]:
         """Fill `advantages` (and `returns` with a critic); returns KL metrics when KL is in the reward."""
         algo = self.cfg.algorithm
@@ -663,6 +655,26 @@ def old_log_probs_from_update(cfg: JobConfig) -> bool:
     kl_in_reward = cfg.reference.enabled and algo.kl.placement == "reward" and algo.kl.coef > 0
     rc = algo.rollout_correction
     return not kl_in_reward and rc.tis == "off" and rc.mask == "off"
+
+
+def _versions(batch: Batch) -> list[int]:
+    """The weights versions the batch's sampled tokens (`loss_mask`) were generated with, ascending."""
+    t = batch.tensors
+    return [int(v) for v in t["policy_version"][t["loss_mask"].bool()].unique().tolist()]
+
+
+def mismatch_from_forward(rows: dict[str, torch.Tensor], trained_version: int, versions=()) -> dict[str, float]:
+    """`mismatch/*`: vLLM's log-probs of the sampled tokens (`rollout_log_probs`) against the actor's old-policy
+    log-probs recomputed by Megatron before the update, over the sampled tokens, from the [B] rows the old log-prob
+    forward computed on the actor's ranks (`megarl.algorithms.rollout_correction.mismatch_rows`; its band is
+    algorithm.rollout_correction.c). With `versions` (a batch mixing policy versions: asynchronous modes), also
+    `mismatch/lag<d>/*` over the tokens sampled d versions before `trained_version` (the weights the old log-probs
+    come from)."""
+    out = {f"mismatch/{k}": float(v) for k, v in mismatch_from_rows(rows).items()}
+    for v in versions:
+        lag = mismatch_from_rows(rows, prefix=f"v{int(v)}/")
+        out.update({f"mismatch/lag{trained_version - int(v)}/{k}": float(x) for k, x in lag.items()})
+    return out
 
 
 def _without(batch: Batch, keys) -> Batch:

@@ -42,6 +42,9 @@ TOKENS = ("input_ids", "attention_mask")
 MASKS = ("loss_mask", "response_mask")
 # router replay: `rollout` replays vLLM's experts in the old-log-prob forward; `old` replays them in the update
 FORWARD_OPTIONAL = (*MASKS, "rollout_routed_experts", "rollout_routing_mask", "routed_experts")
+# the actor's old-log-prob forward also reads vLLM's log-probs (and, in a batch mixing weights versions, the versions)
+# when it computes the mismatch rows (`mismatch=`)
+OLD_FORWARD_OPTIONAL = (*FORWARD_OPTIONAL, "rollout_log_probs", "policy_version")
 # advantages (absent only for an SFT loss); old_log_probs (absent: the update takes them from its own forward);
 # (old and ref log-probs may instead be kept on the ranks: `kept=`); ref_log_probs with KL in the loss;
 # rollout_log_probs with rollout correction (or the fused path's mismatch);
@@ -181,15 +184,29 @@ class RoleHost:
         return batch.update(extra)
 
     # ------------------------------------------------------------------------------------------- role methods
-    @dispatch(Dispatch.DP_SPLIT, replica_attr="actor_dp", reads=TOKENS, optional_reads=FORWARD_OPTIONAL)
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="actor_dp", reads=TOKENS, optional_reads=OLD_FORWARD_OPTIONAL)
     def compute_log_probs(self, batch: Batch, keep: Optional[str] = None,
-                          fetch: Optional[Sequence[str]] = None) -> Optional[Batch]:
+                          fetch: Optional[Sequence[str]] = None,
+                          mismatch: Optional[dict] = None) -> Optional[Batch]:
         """`batch`: this actor DP rank's share (cut by the controller; the same on its TP ranks and pipeline stages;
         input_ids, attention_mask, response_mask [b, S]) -> actor log-probs (and entropy) of its tokens,
         token-aligned [b, S] float32; None off the last stage. The controller concatenates the shares in order.
         `keep`: also keep the result on this rank under that name (an update reads it with `kept=`); `fetch`: the
-        result keys to return (None: all; empty: nothing comes back)."""
+        result keys to return (None: all; empty: nothing comes back).
+        `mismatch` ({"c": band, "versions": list of weights versions or None}): the result also holds the rows of
+        the mismatch between these log-probs and vLLM's (`batch`'s rollout_log_probs; by version with versions,
+        from its policy_version), [b] float32 each (`megarl.algorithms.rollout_correction.mismatch_rows`), always
+        returned: the controller adds them up instead of fetching the log-probs."""
         out = self._use_keep("actor", lambda r: r.compute_log_probs(batch, share=True))
+        if mismatch is not None and out is not None:
+            from megarl.algorithms.rollout_correction import mismatch_rows
+
+            b = batch.with_loss_mask()
+            versions = mismatch.get("versions")
+            rows = mismatch_rows(out["log_probs"], b["rollout_log_probs"], b["loss_mask"], float(mismatch["c"]),
+                                 b["policy_version"] if versions else None, versions)
+            out = out.update(rows)
+            fetch = None if fetch is None else (*fetch, *rows)
         return self._answer(batch, out, keep, fetch)
 
     @dispatch(Dispatch.DP_SPLIT, replica_attr="reference_dp", reads=TOKENS, optional_reads=MASKS)

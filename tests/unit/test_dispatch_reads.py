@@ -37,7 +37,9 @@ def _plan(method: str, batch: Batch, world: int = 4, replicas=(0, 0, 1, 1), mini
 
 
 @pytest.mark.parametrize("method,keys", [
-    ("compute_log_probs", {"input_ids", "attention_mask", "loss_mask"}),
+    # the old-log-prob forward computes the mismatch rows: vLLM's log-probs, and the versions (RLLoop leaves them out
+    # of the batch unless it mixes weights versions)
+    ("compute_log_probs", {"input_ids", "attention_mask", "loss_mask", "rollout_log_probs", "policy_version"}),
     ("compute_ref_log_probs", {"input_ids", "attention_mask", "loss_mask"}),
     ("compute_values", {"input_ids", "attention_mask", "loss_mask"}),
     ("score", {"input_ids", "attention_mask"}),
