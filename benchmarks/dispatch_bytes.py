@@ -151,16 +151,22 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
     "reads" = the role methods' declared reads (`RoleHost`'s `@dispatch(reads=...)`) and the results kept on the ranks
     (`WorkerGroup.results_stay`; the old log-probs fetched for the mismatch metrics, the values for the advantages),
     each call's shares sent by value; "once" = that, with the step's batch put once (`BatchShares`: each call's
-    shares are references to row pieces cut at every call's share boundaries, each piece put once per step).
+    shares are references to row pieces cut at every call's share boundaries, each piece put once per step);
+    "ranks" = that, with the mismatch metrics computed on the actor's ranks (the old log-prob forward reads vLLM's
+    log-probs and returns [B] mismatch rows, `mismatch_rows`; the old log-probs come up only when they are not kept)
+    and the update sent vLLM's log-probs only where it reads them (`update_reads_rollout_log_probs`: not here).
     Down: by value, each distinct per-replica argument set once through the controller (`ray.put`), its size on every
     rank that receives it; by reference, each piece once through the controller, and a rank deserialises the pieces
     of its share plus its call (an object ref counted as its 28-byte id). Up: the results, one per replica.
     Generation's output is counted as its [B, S] token ids and log-probs (the samples' payload), the same in every
     mode."""
+    from megarl.algorithms.rollout_correction import mismatch_rows
     from megarl.controller.dispatch import plan_shared_calls, share_rows, shares_cover
-    from megarl.workers.role_host import RoleHost
+    from megarl.workers.role_host import FORWARD_OPTIONAL, RoleHost
 
     specs = dispatched_methods(RoleHost)
+    if mode in ("reads", "once"):  # before the mismatch moved to the ranks: the forward read no log-probs
+        specs["compute_log_probs"] = dataclasses.replace(specs["compute_log_probs"], optional_reads=FORWARD_OPTIONAL)
     _, _, batch, _, _ = step_inputs(lay)
     B, S = len(batch), lay.seq_len
     g = torch.Generator().manual_seed(1)
@@ -195,7 +201,7 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
         spec = specs[name] if mode != "before" else dataclasses.replace(specs[name], reads=None, optional_reads=())
         m = mini if spec.mode is DP_SPLIT_MINI_BATCHES else None
         known = set(put)
-        if mode == "once":
+        if mode in ("once", "ranks"):
             calls = plan_shared_calls(spec, (data,), kwargs or {}, lay.world, replica, piece, cuts, name,
                                       mini_batch_samples=m)
             size_of.update(put.values())
@@ -205,7 +211,7 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
         got = []
         for c in calls:
             n = sizes.setdefault(id(c), len(pickle.dumps(c, protocol=5)))
-            if mode == "once":
+            if mode in ("once", "ranks"):
                 n += sum(size_of[h] for hs in c[0][0].pieces.values() for h in hs)
             got.append(n)
         new_pieces = {k: v for k, v in put.items() if k not in known}
@@ -213,8 +219,9 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
         for r, x in enumerate(got):
             per_rank[r] += x
         share = calls[0][0][0]
-        keys = sorted(share.pieces if mode == "once" else share.keys())
-        sent = sorted({k for k, *_ in new_pieces}) if mode == "once" else keys  # what crossed in this call
+        by_ref = mode in ("once", "ranks")
+        keys = sorted(share.pieces if by_ref else share.keys())
+        sent = sorted({k for k, *_ in new_pieces}) if by_ref else keys  # what crossed in this call
         rows.append({"call": name, "dir": "down", "keys": keys, "keys_crossing": sent,
                      "bytes": sum(sizes.values()) + sum(b for _, b in new_pieces.values()), "max_rank": max(got)})
 
@@ -226,9 +233,14 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
                      "bytes": n, "max_rank": 0})
 
     up("generate", {"input_ids": batch["input_ids"], "rollout_log_probs": batch["rollout_log_probs"]})
-    down("compute_log_probs", batch)
+    down("compute_log_probs", Batch({k: v for k, v in batch.tensors.items() if k != "policy_version"})
+         if mode == "ranks" else batch)  # one weights version: RLLoop leaves the versions out
     old = f()
-    up("compute_log_probs", {"log_probs": old} if mode != "before" else {"log_probs": old, "entropy": f()})
+    if mode == "ranks":
+        rows_up = mismatch_rows(old, batch["rollout_log_probs"], batch["loss_mask"])
+        up("compute_log_probs", rows_up if stay else {"log_probs": old, **rows_up})
+    else:
+        up("compute_log_probs", {"log_probs": old} if mode != "before" else {"log_probs": old, "entropy": f()})
     batch = batch.update({"old_log_probs": old})
     down("compute_ref_log_probs", batch)
     ref = f()
@@ -245,6 +257,8 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
     trimmed = Batch({k: v for k, v in batch.tensors.items() if k not in kept})
     if critic:
         down("update_critic", trimmed)
+    if mode == "ranks":  # no rollout correction, a separate old-log-prob forward: the update reads no vLLM log-probs
+        trimmed = Batch({k: v for k, v in trimmed.tensors.items() if k != "rollout_log_probs"})
     down("update_actor", trimmed)
     token_sized = {"input_ids", "attention_mask", "loss_mask", "rollout_log_probs", "policy_version", "log_probs",
                    "entropy", "old_log_probs", "ref_log_probs", "values", "old_values", "advantages", "returns"}
@@ -252,10 +266,10 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
     return {"calls": rows, "through_controller_bytes": through, "max_rank_bytes": max(per_rank),
             "last_stage_max_rank_bytes": max(x for x, last in zip(per_rank, last_stage) if last),
             "token_sized_key_crossings": crossings, "results_stay": stay,
-            "pieces_per_key": len(cuts) - 1 if mode == "once" else None}
+            "pieces_per_key": len(cuts) - 1 if mode in ("once", "ranks") else None}
 
 
-MODES = ("before", "reads", "once")
+MODES = ("before", "reads", "once", "ranks")
 
 
 def byref_table(lay: Layout) -> list[dict]:
@@ -294,18 +308,18 @@ def main() -> None:
               f"{mib(r['old_in_engine_tp_broadcast_bytes_per_non_first_tp_rank'])} per non-first TP rank (in "
               f"generate's before), DP all-gather "
               f"{mib(r['old_dp_allgather_bytes_per_last_stage_rank'])} per last-stage rank")
-    print("\nissue 30 (declared reads + results kept on the ranks; + the batch put once): one step, "
-          "before -> reads -> once")
+    print("\nissue 30: one step, " + " -> ".join(MODES) + " (before: main before issue 30; reads: declared reads + "
+          "results kept on the ranks; once: + the batch put once; ranks: + the mismatch metrics on the ranks, "
+          "rollout_log_probs only to the calls that read them)")
     for r in out["byref"]:
-        b, a, o = (r[m] for m in MODES)
-        print(f"{r['layout'][:40]}... {r['algorithm']}: through the controller {mib(b['through_controller_bytes'])} "
-              f"-> {mib(a['through_controller_bytes'])} -> {mib(o['through_controller_bytes'])}; per rank (max) "
-              f"{mib(b['max_rank_bytes'])} -> {mib(a['max_rank_bytes'])} -> {mib(o['max_rank_bytes'])}; token-sized "
-              f"tensor crossings {b['token_sized_key_crossings']} -> {a['token_sized_key_crossings']} -> "
-              f"{o['token_sized_key_crossings']} (results stay: {a['results_stay']}; pieces per key "
-              f"{o['pieces_per_key']})")
-        for c in o["calls"]:
-            print(f"    once {c['call']:22s} {c['dir']:4s} {mib(c['bytes']):>12s}  crossing: "
+        last = r[MODES[-1]]
+        print(f"{r['layout'][:40]}... {r['algorithm']}: through the controller "
+              + " -> ".join(mib(r[m]['through_controller_bytes']) for m in MODES) + "; per rank (max) "
+              + " -> ".join(mib(r[m]['max_rank_bytes']) for m in MODES) + "; token-sized tensor crossings "
+              + " -> ".join(str(r[m]['token_sized_key_crossings']) for m in MODES)
+              + f" (results stay: {last['results_stay']}; pieces per key {last['pieces_per_key']})")
+        for c in last["calls"]:
+            print(f"    {MODES[-1]} {c['call']:22s} {c['dir']:4s} {mib(c['bytes']):>12s}  crossing: "
                   f"{', '.join(c['keys_crossing']) or '-'}  (reads {', '.join(c['keys'])})")
     if args.json:
         with open(args.json, "w") as f:

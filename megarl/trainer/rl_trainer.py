@@ -109,6 +109,7 @@ class RLLoop:
         self.kl_ctl = build_kl_controller("adaptive" if kl.target is not None else "fixed", kl.coef, kl.target,
                                           kl.horizon)
         self.old_log_probs_from_update = old_log_probs_from_update(cfg)
+        self.update_reads_rollout_log_probs = update_reads_rollout_log_probs(cfg)
         self.skip_streak: dict[str, int] = {}  # role -> optimizer steps skipped in a row (non-finite loss/grad norm)
         self.next_step = 0  # 0 until `start`; then the step `run_step` runs next
         self.last_saved: Optional[int] = None  # the last step checkpointed by this process
@@ -331,7 +332,9 @@ class RLLoop:
             with _timer(t, "advantages"):
                 extra = self._advantages(batch)
             train_batch = self._filter_overlong(batch, trajectories, metrics)
-            actor_batch, critic_batch = _without(train_batch, kept_actor), _without(train_batch, kept_critic)
+            # the update reads neither the results kept on its ranks nor, unless this config asks, vLLM's log-probs
+            unread = set(kept_actor) | (set() if self.update_reads_rollout_log_probs else {"rollout_log_probs"})
+            actor_batch, critic_batch = _without(train_batch, unread), _without(train_batch, kept_critic)
             pending = None
             if critic is not None and critic is not self.workers:
                 pending = critic.update_critic.submit(critic_batch, kept=kept_critic or None)  # overlaps the actor's
@@ -655,6 +658,15 @@ def old_log_probs_from_update(cfg: JobConfig) -> bool:
     kl_in_reward = cfg.reference.enabled and algo.kl.placement == "reward" and algo.kl.coef > 0
     rc = algo.rollout_correction
     return not kl_in_reward and rc.tis == "off" and rc.mask == "off"
+
+
+def update_reads_rollout_log_probs(cfg: JobConfig) -> bool:
+    """Whether the actor's update reads vLLM's log-probs (`rollout_log_probs`): with a rollout correction
+    (algorithm.rollout_correction tis or mask: its weights and masks), or when it takes the old log-probs from its own
+    forward (`old_log_probs_from_update`: it measures the mismatch there). Else the old log-prob forward measured the
+    mismatch and the update is sent none."""
+    rc = cfg.algorithm.rollout_correction
+    return old_log_probs_from_update(cfg) or rc.tis != "off" or rc.mask != "off"
 
 
 def _versions(batch: Batch) -> list[int]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.trainer.rl_trainer import old_log_probs_from_update
+from megarl.trainer.rl_trainer import old_log_probs_from_update, update_reads_rollout_log_probs
 from tests.unit.test_config import base, load
 
 ONE_STEP = ["actor.mini_batch_prompts=4"]  # base(): data.prompts_per_step=4 -> one mini-batch
@@ -28,6 +28,18 @@ ONE_STEP = ["actor.mini_batch_prompts=4"]  # base(): data.prompts_per_step=4 -> 
 ])
 def test_fused_only_for_one_optimizer_step_with_nothing_needing_them_first(tmp_path, overrides, fused):
     assert old_log_probs_from_update(load(tmp_path, base(), overrides)) is fused
+
+
+@pytest.mark.parametrize("overrides,reads", [
+    (["actor.mini_batch_prompts=2"], False),  # a separate old-log-prob forward measured the mismatch
+    (ONE_STEP, True),  # fused: the update's own forward measures it
+    (["actor.mini_batch_prompts=2", "algorithm.rollout_correction.tis=token"], True),  # its weights need them
+    (["actor.mini_batch_prompts=2", "algorithm.rollout_correction.mask=token"], True),  # its mask needs them
+])
+def test_the_update_is_sent_rollout_log_probs_only_when_it_reads_them(tmp_path, overrides, reads):
+    """The actor's update reads vLLM's log-probs for a rollout correction or for the mismatch it measures when it
+    takes the old log-probs from its own forward; else they are not sent to it (issue 30, item 1, part 3)."""
+    assert update_reads_rollout_log_probs(load(tmp_path, base(), overrides)) is reads
 
 
 def test_worker_threads_share_the_cores_among_every_pools_slots(tmp_path):
