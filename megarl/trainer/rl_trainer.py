@@ -110,6 +110,7 @@ class RLLoop:
                                           kl.horizon)
         self.old_log_probs_from_update = old_log_probs_from_update(cfg)
         self.update_reads_rollout_log_probs = update_reads_rollout_log_probs(cfg)
+        self._actor_corrects_rollout: Optional[bool] = None  # asked of the actor's ranks on first use
         self.skip_streak: dict[str, int] = {}  # role -> optimizer steps skipped in a row (non-finite loss/grad norm)
         self.next_step = 0  # 0 until `start`; then the step `run_step` runs next
         self.last_saved: Optional[int] = None  # the last step checkpointed by this process
@@ -333,7 +334,7 @@ class RLLoop:
                 extra = self._advantages(batch)
             train_batch = self._filter_overlong(batch, trajectories, metrics)
             # the update reads neither the results kept on its ranks nor, unless this config asks, vLLM's log-probs
-            unread = set(kept_actor) | (set() if self.update_reads_rollout_log_probs else {"rollout_log_probs"})
+            unread = set(kept_actor) | (set() if self._update_reads_rollout() else {"rollout_log_probs"})
             actor_batch, critic_batch = _without(train_batch, unread), _without(train_batch, kept_critic)
             pending = None
             if critic is not None and critic is not self.workers:
@@ -387,6 +388,16 @@ class RLLoop:
             calls += [(self.role_groups["critic"], "compute_values"), (self.role_groups["critic"], "update_critic")]
         calls.append((self.workers, "update_actor"))
         return calls
+
+    def _update_reads_rollout(self) -> bool:
+        """Whether the actor's update reads rollout_log_probs: by this config (`update_reads_rollout_log_probs`) or by
+        the loss its ranks were built with (`actor_corrects_rollout`, asked once: a session reused for another run
+        keeps its workers' loss settings)."""
+        if self.update_reads_rollout_log_probs:
+            return True
+        if self._actor_corrects_rollout is None:
+            self._actor_corrects_rollout = bool(self.workers.actor_corrects_rollout())
+        return self._actor_corrects_rollout
 
     def _results_stay(self, rows: int) -> dict[str, bool]:
         """Which forward results of this step stay on the ranks that compute them and feed the update there instead

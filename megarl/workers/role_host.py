@@ -127,6 +127,13 @@ class RoleHost:
     def reward_model_dp(self) -> tuple[int, int]:
         return self._dp_coord("reward_model")
 
+    @dispatch(Dispatch.RANK_ZERO)
+    def actor_corrects_rollout(self) -> bool:
+        """Whether the actor's loss corrects for the rollout/train mismatch (its settings as built: tis or mask of
+        algorithm.rollout_correction): its update then reads rollout_log_probs (the controller asks once and sends
+        them to the update only then, or on the fused path)."""
+        return bool(self._role("actor").loss.corrects_rollout)
+
     def actor_mini_batch_samples(self) -> Optional[int]:
         """The actor's global mini-batch size in samples (None = the whole batch): how the controller cuts
         `update_actor`'s batch (DP_SPLIT_MINI_BATCHES)."""
