@@ -423,6 +423,7 @@ def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_pe
     except ValueError as e:
         info["mismatch"] = str(e)
     info.update(_tp_requests(eng, mine))
+    info.update(_tp_push(eng, mine, base))
     eng.close()
     info["varied"] = lengths[0]
     return info, greedy, [(s.prompt_ids, s.response_ids, s.response_log_probs) for s in sampled], n, greedy_after
@@ -448,10 +449,47 @@ def _tp_requests(eng, prompts) -> dict:
     return {"requests": [done[r.request_id] for r in reqs], "order": order, "in_flight": eng.in_flight}
 
 
+def _tp_push(eng, prompts, base: str) -> dict:
+    """A weight push with requests in flight on a TP replica (the engine holds `other`'s weights): 3 steps, pause,
+    the original weights as full HF tensors (version 1), resume, poll to the end. Before the good resume, rank 1
+    labels its weights 2: that resume is refused on every rank of the replica."""
+    from megarl.rollout import GenerationRequest
+
+    eng.submit([GenerationRequest(f"p{i}", p, GREEDY, seed_index=i) for i, p in enumerate(prompts)])
+    for _ in range(PRE_PUSH_STEPS):
+        eng.step()
+    eng.pause()
+    eng.update_weights(iter(_load_sd(base).items()), layout="hf", version=1)
+    if eng.tp_rank == 1:
+        eng.set_weight_version(2)
+    try:
+        eng.resume()
+        mismatch = "accepted"
+    except ValueError as e:
+        mismatch = str(e)
+    eng.set_weight_version(1)
+    eng.resume()
+    done = {}
+    while eng.in_flight:
+        done.update({o.request_id: o.completions[0] for o in eng.poll() if o.finished})
+    return {"push": [(done[f"p{i}"].token_ids, done[f"p{i}"].versions) for i in range(len(prompts))],
+            "push_mismatch": mismatch, "push_in_flight": eng.in_flight}
+
+
+def _push_refs(models) -> list:
+    """Per prompt: (`other`'s greedy tokens before the push + the original model's greedy continuation of prompt +
+    those, versions 0 then 1): what `_tp_push` must return."""
+    base, _, _, ref_other = models
+    cut = PRE_PUSH_STEPS
+    after = hf_greedy(base, [p + r[:cut] for p, r in zip(PROMPTS, ref_other)], NEW - cut)
+    return [(r[:cut] + a, [0] * cut + [1] * (NEW - cut)) for r, a in zip(ref_other, after)]
+
+
 def test_tp2_two_ranks_dummy_load_then_pushed_weights(models):
     base, other, ref, ref_other = models
     out = run_ranks(2, _tp_worker, 2, base, other, [PROMPTS], "dummy", timeout_s=300,
                     env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    push_refs = _push_refs(models)
     for rank, (info, greedy, sampled, n, after) in enumerate(out):
         assert info["tp_rank"] == rank and info["tp_ranks"] == [0, 1] and info["replica"] == 0
         shm = info["shm"]
@@ -474,12 +512,16 @@ def test_tp2_two_ranks_dummy_load_then_pushed_weights(models):
         assert info["requests"] == ref_other and info["in_flight"] == []
         assert "submit: ranks [1] of the TP replica [0, 1] made a different request-API call" in info["order"], \
             info["order"]
+        # a push with requests in flight: other's tokens before, the original model's after, each with its version
+        assert info["push"] == push_refs and info["push_in_flight"] == []
+        assert "resume: ranks [1] of the TP replica [0, 1] made a different" in info["push_mismatch"], info
 
 
 def test_two_replicas_of_tp2_on_four_ranks(models):
     base, other, ref, ref_other = models
     split = [PROMPTS[:1], PROMPTS[1:]]  # replicas get different prompts (and different step counts)
     out = run_ranks(4, _tp_worker, 2, base, other, split, "auto", timeout_s=400, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    push_refs = _push_refs(models)
     for rank, (info, greedy, _, n, after) in enumerate(out):
         r = rank // 2
         assert info["replica"] == r and info["tp_ranks"] == [2 * r, 2 * r + 1] and info["tp_rank"] == rank % 2
@@ -488,6 +530,8 @@ def test_two_replicas_of_tp2_on_four_ranks(models):
         assert greedy == want and after == want_after and n == 15
         assert info["requests"] == want_after and info["in_flight"] == []
         assert f"submit: ranks [{2 * r + 1}] of the TP replica [{2 * r}, {2 * r + 1}]" in info["order"], info["order"]
+        assert info["push"] == (push_refs[:1] if r == 0 else push_refs[1:]) and info["push_in_flight"] == []
+        assert f"resume: ranks [{2 * r + 1}] of the TP replica" in info["push_mismatch"], info["push_mismatch"]
         # replica 0 ran 3 decode steps, replica 1 ran 40 in the same call window; greedy prefixes match transformers
         assert len(info["varied"]) == (3 if r == 0 else 40)
         assert info["varied"][:3] == want[0][:3] and (r == 0 or info["varied"][:NEW] == want[0])
