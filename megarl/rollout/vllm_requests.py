@@ -121,7 +121,7 @@ class VllmRequestApi:
         self.request_counts: collections.Counter = collections.Counter(submitted=0, dropped=0, finished=0, aborted=0,
                                                                        recomputed=0)
         self._weight_version = 0
-        self._stale_kv = 0  # requests in flight whose KV a push dropped since the last resume (0: none)
+        self._stale_kv: set[str] = set()  # ids of the requests whose KV a push dropped since the last resume
         self.llm.llm_engine.set_weight_version("0")
 
     # -------------------------------------------------------------------------------------------- state
@@ -157,7 +157,7 @@ class VllmRequestApi:
         if not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("vLLM could not reset its prefix cache after the weight push although every running "
                                f"request was preempted ({len(self._requests)} in flight)")
-        self._stale_kv = len(self._requests)
+        self._stale_kv.update(self._requests)
         self.events.append(("push", len(self._requests)))
 
     def _push_refusal(self) -> str:
@@ -308,8 +308,9 @@ class VllmRequestApi:
         continue from the tokens they have: their next step recomputes prompt + tokens so far under the new weights
         (one prefill each, by vLLM's preemption-recompute; see the module docstring). TP > 1: the ranks must agree
         on the weight version and on how many requests recompute (checked)."""
-        self._check_same_calls("resume", (self._weight_version, self._stale_kv))
+        recompute = sum(i in self._stale_kv for i in self._requests)  # not those aborted since the push
+        self._check_same_calls("resume", (self._weight_version, recompute))
         self._paused = False
-        self.request_counts["recomputed"] += self._stale_kv
-        self._stale_kv = 0
+        self.request_counts["recomputed"] += recompute
+        self._stale_kv = set()
         self.events.append(("resume", len(self._requests)))
