@@ -250,8 +250,20 @@ class RolloutEngine(Protocol):
         """Sample `sampling.samples_per_prompt` responses per prompt after the prompt-length policy."""
         ...
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], layout: WeightLayout = "hf") -> int:
-        """Load new weights (see the implementation for the layouts); resets the prefix cache; returns #tensors."""
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], layout: WeightLayout = "hf",
+                       version: Optional[int] = None) -> int:
+        """Load new weights (see the implementation for the layouts); resets the prefix cache; returns #tensors.
+        `version`: the new `weight_version` (None: unchanged). With requests of the request API in flight only while
+        paused: they stay in flight and continue from their tokens under the new weights after `resume`."""
+        ...
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights loaded now (0 at start): each sampled token's `Completion.versions` entry."""
+        ...
+
+    def set_weight_version(self, version: int) -> None:
+        """Label the loaded weights `version` (for pushes that write weights without `update_weights`)."""
         ...
 
     def sleep(self, level: int = 1) -> None:
@@ -302,9 +314,11 @@ class RolloutEngine(Protocol):
         ...
 
     def pause(self) -> None:
-        """Hold every request in flight: `step` runs nothing until `resume`; `submit` still queues."""
+        """Hold every request in flight with its progress: `step` runs nothing until `resume`; `submit` still queues
+        and weights may be updated."""
         ...
 
     def resume(self) -> None:
-        """Undo `pause`."""
+        """Undo `pause`; after a weight update the held requests recompute their KV (prompt + tokens so far) under
+        the new weights and continue."""
         ...

@@ -77,7 +77,7 @@ from megarl.rollout.engine import (
     plan_prompts,
 )
 from megarl.rollout.vllm_layout import ParamShard
-from megarl.rollout.vllm_requests import VllmRequestApi, sampled_log_probs, sampling_params
+from megarl.rollout.vllm_requests import VllmRequestApi, check_weight_version, sampled_log_probs, sampling_params
 from megarl.rollout.vllm_routing import collect_routing_capture, install_routing_capture, set_routing_capture
 from megarl.rollout.vllm_weights import (
     CountedWeights,
@@ -336,18 +336,27 @@ class VllmRolloutEngine(VllmRequestApi):
             self.llm.wake_up(tags=list(tags) if tags else None)
 
     def reset_prefix_cache(self) -> None:
-        """Drop cached KV blocks (real on CPU too: the prefix cache is correctness, not just memory)."""
-        self.llm.reset_prefix_cache()
+        """Drop cached KV blocks (real on CPU too: the prefix cache is correctness, not just memory). With requests
+        of the request API in flight (allowed only while paused) their KV is dropped too and recomputed at their
+        next step: what a weight push needs (`megarl.rollout.vllm_requests`)."""
+        self._drop_stale_kv()
 
     # ------------------------------------------------------------------------------------------- weights
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], layout: WeightLayout = "hf") -> int:
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], layout: WeightLayout = "hf",
+                       version: Optional[int] = None) -> int:
         """Load new weights; returns the number of tensors consumed. Resets the prefix cache.
 
         layout="hf": HF names, full tensors (vLLM narrows to this rank's slice).
         layout="vllm_shard": vLLM names from `param_shards()`, this rank's shard with exactly the listed shape
             (vocab padding rows included); feed every parameter of each layer you update in one call.
+        version: the new `weight_version` (None: unchanged, e.g. for all but the last bucket of a push).
+        Requests of the request API in flight: allowed only while paused (refused before anything is loaded);
+        they stay in flight and recompute their KV under the new weights after `resume` (`vllm_requests`).
         """
         require_outside_megatron_scope("rollout engine update_weights")
+        self._check_push_allowed("update_weights")
+        if version is not None:
+            check_weight_version(version)
         self.events.append(("update_weights", layout))
         counter = CountedWeights(weights)
         # vLLM's loaders `param.copy_` into leaf parameters that require grad (norm weights): no autograd here, on
@@ -358,6 +367,8 @@ class VllmRolloutEngine(VllmRequestApi):
             self.llm.collective_rpc(repack_tied_params)
             self.llm.collective_rpc(repack_cpu_moe_experts)
         self.reset_prefix_cache()
+        if version is not None:
+            self.set_weight_version(version)
         return counter.n
 
     def _reload(self, counter: "CountedWeights", layout: WeightLayout) -> None:

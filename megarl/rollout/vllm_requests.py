@@ -14,6 +14,24 @@ samples finished, what `LLM.generate` does); a streamed one CUMULATIVE (each out
 the requests in flight stay where they are (vLLM's "keep" pause without its scheduler states); `resume` lets `step`
 run again.
 
+Weight pushes without losing work (pause -> `update_weights` -> resume). The engine has a `weight_version` (an int
+set by whoever pushes: `update_weights(..., version=v)` or `set_weight_version`), mirrored into vLLM's engine-core
+label (`LLMEngine.set_weight_version`), which vLLM records per output token (`CompletionOutput.weight_versions`
+spans on a completion's final output). A weight update with requests in flight is allowed only while paused (else
+refused: their KV would be a mix of both weights). After loading, the prefix-cache reset preempts every running
+request the way vLLM's own memory-pressure preemption does (`Scheduler.reset_prefix_cache(reset_running_requests=
+True)`: its KV blocks are freed, `num_computed_tokens` = 0, it goes back to the front of the waiting queue in
+order). Nothing is aborted: vLLM keeps each request's output tokens, log-probs, output-processor state and the
+model runner's per-request state, its seeded sampling generator included. At the first `step` after `resume` the
+scheduler prefills prompt + every token decoded so far with the new weights (one recompute prefill per request,
+chunked by vLLM's token budget like any prefill) and samples the next token from it; the request continues under
+the same caller id, n > 1 children each on their own, with the same random stream it would have had without the
+push (a push of unchanged weights leaves the sampled tokens unchanged). The caller sees one request: its final
+`Completion` holds every token, the log-prob each was sampled with (by the weights that sampled it) and
+`versions` per token. Every rank of a TP replica preempts and reschedules identically (same scheduler state); the
+`resume` digest includes the weight version and how many requests recompute. Refused: a push with requests in
+flight while not paused; routed-experts capture (refused by `submit`, so never in flight).
+
 Tensor parallelism under the external launcher: every rank of a TP replica runs its own scheduler and the model's
 collectives join them, so the ranks must make the same calls -- submit, abort, pause, resume and as many steps --
 with the same arguments in the same order (each rank then schedules, samples and finishes identically). Every call
@@ -69,6 +87,11 @@ def sampled_log_probs(logprobs, ids: list[int]) -> list[float]:
     return [float(logprobs[j][t].logprob) for j, t in enumerate(ids)]
 
 
+def check_weight_version(version: Any) -> None:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ValueError(f"weight version must be an int >= 0, got {version!r}")
+
+
 @dataclasses.dataclass
 class _InFlight:
     request: GenerationRequest
@@ -94,7 +117,12 @@ class VllmRequestApi:
         self._request_calls = 0  # ordinal of checked request-API calls (part of the TP digest)
         self._steps = 0  # engine iterations run by `step`
         # submitted (accepted), dropped (prompt policy), finished, aborted: counts of requests over the engine's life
-        self.request_counts: collections.Counter = collections.Counter(submitted=0, dropped=0, finished=0, aborted=0)
+        # recomputed: requests whose KV was dropped by a weight push while they were in flight (recomputed at resume)
+        self.request_counts: collections.Counter = collections.Counter(submitted=0, dropped=0, finished=0, aborted=0,
+                                                                       recomputed=0)
+        self._weight_version = 0
+        self._stale_kv: set[str] = set()  # ids of the requests whose KV a push dropped since the last resume
+        self.llm.llm_engine.set_weight_version("0")
 
     # -------------------------------------------------------------------------------------------- state
     @property
@@ -105,6 +133,43 @@ class VllmRequestApi:
     @property
     def paused(self) -> bool:
         return self._paused
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights the engine samples with now (0 at start; set by whoever pushes weights)."""
+        return self._weight_version
+
+    def set_weight_version(self, version: int) -> None:
+        """Label the weights now loaded `version` (an int >= 0): tokens sampled from the next step on record it."""
+        check_weight_version(version)
+        self._weight_version = version
+        self.llm.llm_engine.set_weight_version(str(version))
+
+    def _drop_stale_kv(self) -> None:
+        """After new weights are loaded: drop the prefix cache and, with requests in flight (paused: checked before
+        loading by `_check_push_allowed`), their KV; vLLM recomputes it at their next step (module docstring)."""
+        if not self._requests:
+            self.llm.reset_prefix_cache()
+            return
+        if not self._paused:
+            raise RuntimeError(self._push_refusal())
+        # preempts every running request (blocks freed, recompute from scratch); raises if a block stays in use
+        if not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM could not reset its prefix cache after the weight push although every running "
+                               f"request was preempted ({len(self._requests)} in flight)")
+        self._stale_kv.update(self._requests)
+        self.events.append(("push", len(self._requests)))
+
+    def _push_refusal(self) -> str:
+        return (f"a weight update with {len(self._requests)} request(s) of the request API in flight "
+                f"({self.in_flight[:5]}...) needs the engine paused: call pause() first, then update_weights, then "
+                "resume() (the requests keep their tokens and continue under the new weights)")
+
+    def _check_push_allowed(self, what: str) -> None:
+        if self._requests and not self._paused:
+            raise RuntimeError(f"{what}: {self._push_refusal()}")
+        if self._requests and self.settings.return_routed_experts:  # submit refuses them: cannot happen
+            raise NotImplementedError(f"{what}: routed-experts capture cannot span a weight push")
 
     def _check_same_calls(self, call: str, arguments: Any) -> None:
         """TP > 1: every rank of the replica made this call, with these arguments, as its same-numbered call after
@@ -176,7 +241,8 @@ class VllmRequestApi:
                     raise RuntimeError(f"vLLM finished request {out.request_id!r} sample {c.index} with "
                                        f"{c.finish_reason!r}")
                 flight.completions[c.index] = Completion(c.index, ids, sampled_log_probs(c.logprobs, ids),
-                                                         c.finish_reason if c.finished() else None)
+                                                         c.finish_reason if c.finished() else None,
+                                                         self._token_versions(flight, out.request_id, c, ids))
             if out.finished:
                 del self._requests[out.request_id]
                 self.request_counts["finished"] += 1
@@ -184,6 +250,23 @@ class VllmRequestApi:
             elif flight.request.stream:
                 results.append(flight.output(finished=False))
         return results
+
+    def _token_versions(self, flight: _InFlight, request_id: str, c: Any, ids: list[int]) -> list[int]:
+        """[len(ids)] the weight version that sampled each token: vLLM's spans on a completion's final output; on a
+        streamed partial, the versions reported before plus the current one for the tokens new in this step (a step
+        runs under one version: weights change only while paused)."""
+        spans = getattr(c, "weight_versions", None) if c.finished() else None
+        if spans is not None:
+            versions = [int(sp.version) for sp in spans for _ in range(sp.start, sp.end)]
+            if len(versions) != len(ids):
+                raise RuntimeError(f"request {request_id!r} sample {c.index}: vLLM's weight-version spans cover "
+                                   f"{len(versions)} of its {len(ids)} tokens")
+            return versions
+        if c.finished() and not flight.request.stream:
+            raise RuntimeError(f"request {request_id!r} sample {c.index} finished without vLLM weight-version spans")
+        prev = flight.completions.get(c.index)
+        known = list(prev.versions) if prev is not None and prev.versions is not None else []
+        return known[:len(ids)] + [self._weight_version] * max(0, len(ids) - len(known))
 
     def poll(self, min_finished: int = 1) -> list[GenerationOutput]:
         """`step` until `min_finished` requests finished (in these steps), none is left in flight, or the engine is
@@ -214,13 +297,20 @@ class VllmRequestApi:
         return len(live)
 
     def pause(self) -> None:
-        """Hold the requests in flight: `step`/`poll` run nothing until `resume`; `submit` and `abort` still work."""
+        """Hold the requests in flight with their progress: `step`/`poll` run nothing until `resume`; `submit`,
+        `abort` and a weight update (`update_weights`, the requests stay in flight) still work."""
         self._check_same_calls("pause", None)
         self._paused = True
         self.events.append(("pause", len(self._requests)))
 
     def resume(self) -> None:
-        """Let `step`/`poll` run the held requests again."""
-        self._check_same_calls("resume", None)
+        """Let `step`/`poll` run the held requests again. After a weight push the requests that were in flight
+        continue from the tokens they have: their next step recomputes prompt + tokens so far under the new weights
+        (one prefill each, by vLLM's preemption-recompute; see the module docstring). TP > 1: the ranks must agree
+        on the weight version and on how many requests recompute (checked)."""
+        recompute = sum(i in self._stale_kv for i in self._requests)  # not those aborted since the push
+        self._check_same_calls("resume", (self._weight_version, recompute))
         self._paused = False
+        self.request_counts["recomputed"] += recompute
+        self._stale_kv = set()
         self.events.append(("resume", len(self._requests)))

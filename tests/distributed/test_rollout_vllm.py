@@ -291,6 +291,105 @@ def test_requests_refusals(engine, models):
     assert _run_all(engine, 1)["fine"].completions[0].token_ids == models[2][0]
 
 
+# ---------------------------------------------------------------------- weight pushes with requests in flight (TP1)
+PRE_PUSH_STEPS = 3  # decode steps before the push: every request has sampled 3 tokens (prefill step included)
+
+
+def _restore(eng, base: str) -> None:
+    """Leave the shared engine as the other tests expect it: nothing in flight, not paused, the original weights."""
+    eng.abort(eng.in_flight)
+    if eng.paused:
+        eng.resume()
+    eng.update_weights(iter(_load_sd(base).items()), layout="hf")
+
+
+def _parts_log_probs(hf_first, hf_second, prompt, tokens, cut) -> list[float]:
+    """transformers' log-probs of tokens[:cut] under the first model and of tokens[cut:] under the second."""
+    return (hf_token_log_probs(hf_first, prompt, tokens[:cut])
+            + hf_token_log_probs(hf_second, prompt + tokens[:cut], tokens[cut:]))
+
+
+def test_push_while_paused_keeps_every_request_in_flight(engine, models):
+    """pause + update_weights (perturbed model) + resume: every request finishes with all its tokens; those sampled
+    before the push are the original model's (transformers' greedy / log-probs), those after the perturbed model's
+    continuation of prompt + the pre-push tokens; each token carries the version that sampled it."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.rollout import GenerationRequest
+
+    base, other, ref, _ = models
+    sampled = SamplingSettings(temperature=1.0, samples_per_prompt=2, max_new_tokens=NEW, seed=7, ignore_eos=True)
+    reqs = [GenerationRequest(f"greedy-{i}", p, GREEDY, seed_index=i, stream=i == 0) for i, p in enumerate(PROMPTS)]
+    reqs.append(GenerationRequest("sampled", PROMPTS[2], sampled, seed_index=2))
+    v0, recomputed = engine.weight_version, engine.request_counts["recomputed"]
+    try:
+        engine.submit(reqs)
+        streamed = [o for _ in range(PRE_PUSH_STEPS) for o in engine.step()]
+        assert [len(o.completions[0].token_ids) for o in streamed] == [1, 2, 3]  # greedy-0: one token a step
+        assert streamed[-1].completions[0].versions == [v0] * 3
+        changed = _load_sd(other)
+        with pytest.raises(RuntimeError, match=r"update_weights: a weight update with 5 request\(s\) .* needs the "
+                                               r"engine paused: call pause\(\) first"):
+            engine.update_weights(iter(changed.items()), layout="hf", version=v0 + 1)
+        engine.pause()
+        n = engine.update_weights(((p.name, build_shard(p, changed.__getitem__)) for p in engine.param_shards()),
+                                  layout="vllm_shard", version=v0 + 1)
+        assert n == 15 and engine.weight_version == v0 + 1
+        assert engine.in_flight == [r.request_id for r in reqs] and engine.step() == []
+        engine.resume()
+        done = _run_all(engine, len(reqs))
+        assert engine.request_counts["recomputed"] == recomputed + len(reqs)
+        assert not engine.llm.llm_engine.has_unfinished_requests()
+    finally:
+        _restore(engine, base)
+    cut = PRE_PUSH_STEPS
+    after_ref = hf_greedy(other, [p + r[:cut] for p, r in zip(PROMPTS, ref)], NEW - cut)
+    hf_base = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    hf_other = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()
+    worst = 0.0
+    for i, prompt in enumerate(PROMPTS):
+        (c,) = done[f"greedy-{i}"].completions
+        assert c.token_ids == ref[i][:cut] + after_ref[i] and c.finish_reason == "length"
+        assert c.versions == [v0] * cut + [v0 + 1] * (NEW - cut)
+        want = _parts_log_probs(hf_base, hf_other, prompt, c.token_ids, cut)
+        worst = max(worst, max(abs(a - b) for a, b in zip(want, c.log_probs)))
+    sampled_out = done["sampled"].completions
+    assert [c.sample_index for c in sampled_out] == [0, 1]
+    for c in sampled_out:  # each sample continues on its own: all NEW tokens, each part the log-prob of its model
+        assert len(c.token_ids) == len(c.log_probs) == NEW
+        assert c.versions == [v0] * cut + [v0 + 1] * (NEW - cut)
+        want = _parts_log_probs(hf_base, hf_other, PROMPTS[2], c.token_ids, cut)
+        worst = max(worst, max(abs(a - b) for a, b in zip(want, c.log_probs)))
+    assert worst < 1e-3, worst
+
+
+def test_push_of_the_same_weights_changes_no_sampled_token(engine, models):
+    """A push keeps each request's random stream (vLLM preempts it; its seeded generator stays): pushing the weights
+    the engine already has, mid-request, gives the tokens of the same request run without a push."""
+    from megarl.rollout import GenerationRequest
+
+    base = models[0]
+    sampled = SamplingSettings(temperature=1.0, samples_per_prompt=2, max_new_tokens=NEW, seed=9, ignore_eos=True)
+    engine.submit([GenerationRequest("plain", PROMPTS[1], sampled)])
+    plain = _run_all(engine, 1)["plain"].completions
+    v0 = engine.weight_version
+    try:
+        engine.submit([GenerationRequest("pushed", PROMPTS[1], sampled)])
+        for _ in range(PRE_PUSH_STEPS):
+            engine.step()
+        engine.pause()
+        engine.update_weights(iter(_load_sd(base).items()), layout="hf", version=v0 + 1)
+        engine.resume()
+        pushed = _run_all(engine, 1)["pushed"].completions
+    finally:
+        _restore(engine, base)
+    assert [c.token_ids for c in pushed] == [c.token_ids for c in plain]
+    assert len({tuple(c.token_ids) for c in plain}) == 2  # the two samples differ: the streams are really random
+    for a, b in zip(pushed, plain):  # recomputed KV: the same values up to float summation order
+        assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs)) < 1e-4
+        assert a.versions == [v0] * PRE_PUSH_STEPS + [v0 + 1] * (NEW - PRE_PUSH_STEPS) and b.versions == [v0] * NEW
+
+
 # ------------------------------------------------------------------------------------------ TP2 and 2 x TP2
 def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_per_replica, load_format: str):
     """load_format "dummy": start from vLLM's random weights and push the real ones as full HF tensors (vLLM
@@ -324,6 +423,7 @@ def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_pe
     except ValueError as e:
         info["mismatch"] = str(e)
     info.update(_tp_requests(eng, mine))
+    info.update(_tp_push(eng, mine, base))
     eng.close()
     info["varied"] = lengths[0]
     return info, greedy, [(s.prompt_ids, s.response_ids, s.response_log_probs) for s in sampled], n, greedy_after
@@ -349,10 +449,47 @@ def _tp_requests(eng, prompts) -> dict:
     return {"requests": [done[r.request_id] for r in reqs], "order": order, "in_flight": eng.in_flight}
 
 
+def _tp_push(eng, prompts, base: str) -> dict:
+    """A weight push with requests in flight on a TP replica (the engine holds `other`'s weights): 3 steps, pause,
+    the original weights as full HF tensors (version 1), resume, poll to the end. Before the good resume, rank 1
+    labels its weights 2: that resume is refused on every rank of the replica."""
+    from megarl.rollout import GenerationRequest
+
+    eng.submit([GenerationRequest(f"p{i}", p, GREEDY, seed_index=i) for i, p in enumerate(prompts)])
+    for _ in range(PRE_PUSH_STEPS):
+        eng.step()
+    eng.pause()
+    eng.update_weights(iter(_load_sd(base).items()), layout="hf", version=1)
+    if eng.tp_rank == 1:
+        eng.set_weight_version(2)
+    try:
+        eng.resume()
+        mismatch = "accepted"
+    except ValueError as e:
+        mismatch = str(e)
+    eng.set_weight_version(1)
+    eng.resume()
+    done = {}
+    while eng.in_flight:
+        done.update({o.request_id: o.completions[0] for o in eng.poll() if o.finished})
+    return {"push": [(done[f"p{i}"].token_ids, done[f"p{i}"].versions) for i in range(len(prompts))],
+            "push_mismatch": mismatch, "push_in_flight": eng.in_flight}
+
+
+def _push_refs(models) -> list:
+    """Per prompt: (`other`'s greedy tokens before the push + the original model's greedy continuation of prompt +
+    those, versions 0 then 1): what `_tp_push` must return."""
+    base, _, _, ref_other = models
+    cut = PRE_PUSH_STEPS
+    after = hf_greedy(base, [p + r[:cut] for p, r in zip(PROMPTS, ref_other)], NEW - cut)
+    return [(r[:cut] + a, [0] * cut + [1] * (NEW - cut)) for r, a in zip(ref_other, after)]
+
+
 def test_tp2_two_ranks_dummy_load_then_pushed_weights(models):
     base, other, ref, ref_other = models
     out = run_ranks(2, _tp_worker, 2, base, other, [PROMPTS], "dummy", timeout_s=300,
                     env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    push_refs = _push_refs(models)
     for rank, (info, greedy, sampled, n, after) in enumerate(out):
         assert info["tp_rank"] == rank and info["tp_ranks"] == [0, 1] and info["replica"] == 0
         shm = info["shm"]
@@ -375,12 +512,16 @@ def test_tp2_two_ranks_dummy_load_then_pushed_weights(models):
         assert info["requests"] == ref_other and info["in_flight"] == []
         assert "submit: ranks [1] of the TP replica [0, 1] made a different request-API call" in info["order"], \
             info["order"]
+        # a push with requests in flight: other's tokens before, the original model's after, each with its version
+        assert info["push"] == push_refs and info["push_in_flight"] == []
+        assert "resume: ranks [1] of the TP replica [0, 1] made a different" in info["push_mismatch"], info
 
 
 def test_two_replicas_of_tp2_on_four_ranks(models):
     base, other, ref, ref_other = models
     split = [PROMPTS[:1], PROMPTS[1:]]  # replicas get different prompts (and different step counts)
     out = run_ranks(4, _tp_worker, 2, base, other, split, "auto", timeout_s=400, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    push_refs = _push_refs(models)
     for rank, (info, greedy, _, n, after) in enumerate(out):
         r = rank // 2
         assert info["replica"] == r and info["tp_ranks"] == [2 * r, 2 * r + 1] and info["tp_rank"] == rank % 2
@@ -389,6 +530,8 @@ def test_two_replicas_of_tp2_on_four_ranks(models):
         assert greedy == want and after == want_after and n == 15
         assert info["requests"] == want_after and info["in_flight"] == []
         assert f"submit: ranks [{2 * r + 1}] of the TP replica [{2 * r}, {2 * r + 1}]" in info["order"], info["order"]
+        assert info["push"] == (push_refs[:1] if r == 0 else push_refs[1:]) and info["push_in_flight"] == []
+        assert f"resume: ranks [{2 * r + 1}] of the TP replica" in info["push_mismatch"], info["push_mismatch"]
         # replica 0 ran 3 decode steps, replica 1 ran 40 in the same call window; greedy prefixes match transformers
         assert len(info["varied"]) == (3 if r == 0 else 40)
         assert info["varied"][:3] == want[0][:3] and (r == 0 or info["varied"][:NEW] == want[0])
