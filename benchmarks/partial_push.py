@@ -49,7 +49,7 @@ def _machine() -> dict:
     return dict(host=platform.node(), cpu=cpu["model"], vendor=cpu["vendor"],
                 isa=[k for k, v in cpu["isa"].items() if v], cores=len(os.sched_getaffinity(0)),
                 torch=torch.__version__, vllm=vllm.__version__, python=platform.python_version(),
-                load_average_1min=round(os.getloadavg()[0], 2))
+                load_average_1min=round(os.getloadavg()[0], 2), host_cpu=host_cpu())
 
 
 class ScheduledTokens:
