@@ -224,6 +224,13 @@ class EngineServer:
             self._results.clear()
         return out
 
+    def post(self, result: RequestResult) -> None:
+        """Put an answer into the results store directly (a host that refused a request before it reached the
+        server, e.g. a duplicate id, answers it `failed` this way)."""
+        with self._cond:
+            self._results.append(result)
+            self._cond.notify_all()
+
     @property
     def in_flight(self) -> int:
         """Requests submitted and not yet answered (leader)."""
