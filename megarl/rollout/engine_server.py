@@ -134,7 +134,8 @@ class EngineServer:
         self._stopped = False
         self.error: Optional[BaseException] = None  # what killed the loop
         self.counts: collections.Counter = collections.Counter(
-            submitted=0, finished=0, aborted=0, dropped=0, failed=0, tokens=0, rounds=0, steps=0, broadcasts=0)
+            submitted=0, finished=0, aborted=0, dropped=0, failed=0, tokens=0, rounds=0, steps=0, broadcasts=0,
+            prefix_cache_requests=0, prefix_cache_queries=0, prefix_cache_hits=0)  # the last 3: vLLM's, if it counts
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> "EngineServer":
@@ -237,9 +238,10 @@ class EngineServer:
         return len(self._pending)
 
     def metrics(self) -> dict[str, float]:
-        """Counts over the server's life (requests, tokens generated, rounds, engine steps, round broadcasts) and
-        the requests in flight now; keys without a prefix (the client adds `rollout/server/`)."""
-        out = {f"{k}": float(v) for k, v in self.counts.items()}
+        """Counts over the server's life (requests, tokens generated, rounds, engine steps, round broadcasts, the
+        engine's prefix-cache lookups: requests, prompt tokens queried, tokens hit) and the requests in flight now;
+        keys without a prefix (the client adds `rollout/server/`)."""
+        out = {f"{k}": float(v) for k, v in list(self.counts.items())}
         out["in_flight"] = float(len(self._pending))
         return out
 
@@ -428,11 +430,15 @@ class EngineServer:
         """Engine steps until a request finishes, `round_steps` ran, or nothing is runnable (identical on every
         TP rank: see the module docstring)."""
         self.counts["rounds"] += 1
+        engine_counts = getattr(self.engine, "prefix_cache_counts", None)
         for _ in range(self.round_steps):
             if not self._runnable():
                 return
             outputs = self.engine.step()
             self.counts["steps"] += 1
+            if engine_counts is not None:  # read here, on the loop thread, before any answer of this step leaves
+                for key, value in engine_counts().items():
+                    self.counts[key] = value
             finished = [o for o in outputs if o.finished]
             for o in finished:
                 self.counts["finished"] += 1
@@ -500,7 +506,11 @@ class InProcessClient:
         return await asyncio.wrap_future(self.server.abort(list(request_ids)))
 
     def metrics(self) -> dict[str, float]:
-        return {f"rollout/server/{k}": v for k, v in self.server.metrics().items()}
+        out = {f"rollout/server/{k}": v for k, v in self.server.metrics().items()}
+        queries = out.get("rollout/server/prefix_cache_queries", 0.0)
+        out["rollout/server/prefix_cache_hit_rate"] = out.get("rollout/server/prefix_cache_hits", 0.0) / queries \
+            if queries else 0.0
+        return out
 
 
 def _settle(future: asyncio.Future, result: RequestResult) -> None:

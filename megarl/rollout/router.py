@@ -157,8 +157,10 @@ class RolloutRouter:
     def metrics(self) -> dict[str, float]:
         """`rollout/server/...`: requests routed, finished, aborted, failed, tokens generated, sessions bound, the
         requests in flight (all and per replica), dead replicas, the requests each replica's engine took
-        (`submitted/replica_i`, its server's count at the last poll) and the engines' counters summed over replicas
-        (`engine_steps`, `engine_rounds`, `round_broadcasts`)."""
+        (`submitted/replica_i`, its server's count at the last poll), the engines' counters summed over replicas
+        (`engine_steps`, `engine_rounds`, `round_broadcasts`) and vLLM's prefix-cache lookups (`prefix_cache_queries`
+        / `_hits`: prompt tokens looked up / found cached, `prefix_cache_hit_rate` = hits / queries, per replica
+        `prefix_cache_hits/replica_i`; counted over the engines' lives)."""
         with self._lock:
             out = {f"rollout/server/{k}": float(v) for k, v in self.counts.items()}
             out["rollout/server/in_flight"] = float(sum(self._load))
@@ -170,6 +172,12 @@ class RolloutRouter:
                 out[f"rollout/server/{name}"] = float(sum(m.get(key, 0.0) for m in self._server_metrics))
             for i, m in enumerate(self._server_metrics):  # what each engine took (its server's count)
                 out[f"rollout/server/submitted/replica_{i}"] = float(m.get("submitted", 0.0))
+                out[f"rollout/server/prefix_cache_hits/replica_{i}"] = float(m.get("prefix_cache_hits", 0.0))
+            queries = sum(m.get("prefix_cache_queries", 0.0) for m in self._server_metrics)
+            hits = sum(m.get("prefix_cache_hits", 0.0) for m in self._server_metrics)
+            out["rollout/server/prefix_cache_queries"] = float(queries)
+            out["rollout/server/prefix_cache_hits"] = float(hits)
+            out["rollout/server/prefix_cache_hit_rate"] = hits / queries if queries else 0.0
         return out
 
     def close(self, timeout_s: float = 30.0) -> None:

@@ -126,6 +126,8 @@ def test_a_dead_loop_fails_its_requests_with_replica_died(server):
             await client.generate(GenerationRequest("late", PROMPTS[1], SAMPLED))
 
     asyncio.run(main())
+    with pytest.raises(RuntimeError, match="the engine loop had died: RuntimeError"):
+        server.stop(timeout_s=30)  # joins the dead loop's thread
     assert not server.alive
 
 

