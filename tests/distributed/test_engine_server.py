@@ -145,3 +145,21 @@ def test_duplicate_ids_and_dropped_prompts_are_refused_by_name(server):
         return await first
 
     assert asyncio.run(main()).request_id == "twice"
+
+
+def test_requests_of_one_round_enter_the_engine_by_priority(server):
+    """Two requests queued while the loop is held at a boundary reach the engine in the same round: the lower
+    priority value first, whatever the submission order (the engine's in-flight list keeps submission order)."""
+    import threading
+
+    server.pause().result(timeout=30)  # nothing runs: the requests stay in flight to be looked at
+    release = threading.Event()
+    held = server.call(lambda eng: release.wait(30), key="hold")
+    server.submit(GenerationRequest("later", PROMPTS[0], ENDLESS), priority=5)
+    server.submit(GenerationRequest("sooner", PROMPTS[1], ENDLESS), priority=1)
+    release.set()
+    assert held.result(timeout=30) is True
+    assert _in_flight(server) == ["sooner", "later"]
+    assert server.abort(["sooner", "later"]).result(timeout=30) == 2
+    server.resume().result(timeout=30)
+    assert sorted(r.request_id for r in server.take_results(0)) == ["later", "sooner"]
