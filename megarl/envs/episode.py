@@ -676,9 +676,10 @@ def verify_trajectory(t: Trajectory, turns: Sequence[tuple]) -> None:
 def runner_from_config(cfg: Any, encoder: Any, reward_fn: Any) -> EpisodeRunner:
     """The `EpisodeRunner` of a job config with `rollout.env` set: the environment factory (`megarl.envs.registry`),
     the tool-call parser (`rollout.tool_parser`), the limits (`rollout.max_turns`, `max_tokens_per_turn`,
-    `max_new_tokens`, the engine's context = max_prompt_tokens + max_new_tokens) and the chat template of
-    `data.chat_template` (the tokenizer's, or a Jinja string). Refuses a template that rewrites earlier turns unless
-    rollout.on_template_mismatch=mask."""
+    `max_new_tokens`, the engine's context = max_prompt_tokens + max_new_tokens), the chat template of
+    `data.chat_template` (the tokenizer's, or a Jinja string) and the bounds on episodes in flight, tool threads and
+    sandbox runs (`rollout.max_concurrent_episodes`, `tool_threads`, `max_concurrent_sandboxes`). Refuses a template
+    that rewrites earlier turns unless rollout.on_template_mismatch=mask."""
     from megarl.envs.registry import build_env_factory
     from megarl.envs.tool_calls import get_parser
 
@@ -689,9 +690,15 @@ def runner_from_config(cfg: Any, encoder: Any, reward_fn: Any) -> EpisodeRunner:
     factory = build_env_factory(r.env, {"reward_fn": reward_fn, **dict(r.env_options)})
     pool = cfg.resources.pools[r.pool if r.pool is not None else cfg.actor.pool]
     replicas = max(1, pool.nodes * pool.devices_per_node // r.tp)
+    from megarl.envs.sandbox import set_max_concurrent_runs
+    from megarl.envs.tools import set_tool_threads
+
+    set_tool_threads(r.tool_threads)
+    set_max_concurrent_runs(r.max_concurrent_sandboxes)
     runner = EpisodeRunner(encoder.tokenizer, lambda record: factory(), get_parser(r.tool_parser), limits,
                            chat_template=template, on_template_mismatch=r.on_template_mismatch,
-                           min_requests=replicas, env_timeout_s=r.env_timeout_s)
+                           min_requests=replicas, env_timeout_s=r.env_timeout_s,
+                           max_concurrent_episodes=r.max_concurrent_episodes)
     if r.on_template_mismatch == "error":
         ChatRenderer(encoder.tokenizer, None, template).check_prefix_stable()
     return runner
