@@ -1,14 +1,28 @@
 """Multi-turn episodes, token in, token out: the loop that turns environments and an engine into `Trajectory`s.
 
     runner = EpisodeRunner(tokenizer, env_factory, parser, limits)
-    result = runner.run(records, n, generate, sampling, policy_version, uid_prefix)
+    result = runner.run(records, n, client, sampling, uid_prefix=...)     # client: a `RolloutClient`
     result.trajectories, result.scores, result.metrics
 
-Per turn, for every live episode at once (one engine call per turn, the episodes' requests batched):
+One coroutine per episode (`run_episode`; `schedule="episode"`, the default): each episode, from reset to done,
+submits its next turn to the client as soon as its previous observation is ready, and awaits only its own requests
+and its own environment, so a slow tool call or a long turn holds nobody else; at most `max_concurrent_episodes`
+are in flight (`rollout.max_concurrent_episodes`), the engine batching whatever requests are in flight. A turn is one
+request: id f"{uid}/t{turn}", session = the episode's uid (its later turns go to the replica holding its prefix),
+seed_index = the episode's place in the batch, sampling seed = `turn_seed(sampling.seed, turn)`; so a request's
+samples do not depend on what else is in flight. Per-token versions come from `Completion.versions` (a request that
+ran across a weight push records the version of each token), else the client's `weight_version`.
+`schedule="barrier"` drives the same client in lockstep (every live episode's turn t, then every step of turn t):
+today's per-turn barrier, kept for the benchmark's comparison only; same seeds, same trajectories. Single-turn
+generation is the one-turn case (`run_single_turn`: no environment, one request of samples_per_prompt per prompt).
+A batch `generate(prompts, sampling)` function instead of a client runs the legacy lockstep path (one batched engine
+call per turn, padded to `min_requests`), which the trainer uses until it holds a client.
+
+Per turn of an episode:
 1. the engine gets the tokens the episode holds (prompt, every sampled turn as sampled, every observation delta) and
    samples the next turn; the sampled ids are appended as they are (loss_mask 1, the engine's log-probs, the
    weights version); they are decoded only to be read (tool calls, the reward), never re-encoded;
-2. the environment answers (`Environment.step`, all live episodes concurrently with asyncio);
+2. the environment answers (`Environment.step`, on the event loop beside every other episode);
 3. the observation messages become tokens as the chat template's delta (`ChatRenderer.observation`): the template
    rendered over the conversation with and without them, the difference, plus what the template puts after the
    assistant's end-of-turn token (the separator verl PR #6921 lost at every assistant -> tool boundary); appended
@@ -33,11 +47,17 @@ Checks (on by default, no peer does them by default):
   trajectory's prefix, the ids it produced follow them exactly with loss_mask 1 and the engine's log-probs, and
   nothing else is trained on; a mismatch raises `EpisodeError` naming the trajectory and turn.
 
-Environment calls are bounded: `reset`, `step` and `close` each get `env_timeout_s` (an `EpisodeError` naming the
-episode, turn and call when one does not return); an environment must not block the event loop (run blocking work
-with `asyncio.to_thread`), or no bound can apply.
+Environment calls are bounded by `env_timeout_s`: a `reset` or `close` that does not return is an `EpisodeError`
+naming the episode and call (the run stops); a `step` that does not return is cancelled, ends its episode (kept for
+its group, trained on nothing) and is counted (`multi_turn/step_timeouts`, `multi_turn/tool_timeouts`): the run goes
+on. A single tool call has its own deadline inside the step (`ToolSet`: the model reads an "Error: ... timed out"
+observation and the episode goes on, counted in `multi_turn/tool_timeouts`). Async tools run on the event loop,
+blocking ones on the bounded tool thread pool (`megarl.envs.tools.tool_pool`, `rollout.tool_threads`), sandbox runs
+at most `rollout.max_concurrent_sandboxes` at once. An environment must not block the event loop (run blocking work
+on a thread), or no bound can apply.
 
-Metrics (`multi_turn/...`): turns_mean, tool_calls_per_episode, tool_errors, parse_errors, truncated_frac,
+Metrics (`multi_turn/...`): turns_mean, tool_calls_per_episode, tool_errors, tool_timeouts, step_timeouts,
+parse_errors, truncated_frac,
 template_mismatch, noncanonical_turns, undecodable_turns, tool_use_frac (episodes that wrote a tool call),
 tool_success_frac (episodes whose every tool call parsed and ran without an error, at least one).
 
