@@ -243,6 +243,9 @@ def test_a_hanging_tool_is_cancelled_and_counted_and_the_other_episodes_finish()
         stop.wait(60)
         return 0
 
+    from megarl.envs.tools import tool_pool
+
+    abandoned = tool_pool().abandoned
     try:
         for hang in (hang_async, hang_blocking):
             def factory(record, hang=hang):
@@ -258,6 +261,7 @@ def test_a_hanging_tool_is_cancelled_and_counted_and_the_other_episodes_finish()
             text = TOK.decode(result.trajectories[0].token_ids, skip_special_tokens=False)
             assert "Error: tool 'multiply' timed out after 0.2 s" in text  # the episode went on past it
             assert len(result.turns[0]) == 2
+        assert tool_pool().abandoned == abandoned + 1  # the blocking one, left on its (daemon) thread
     finally:
         stop.set()
 
@@ -318,3 +322,35 @@ def test_single_turn_generation_is_one_request_per_prompt_with_its_samples():
                   for r, s in client.requests) == [("v/0/t0", "v/0", 0, 7, 2), ("v/2/t0", "v/2", 2, 7, 2)]
     assert all(v == [2] * len(s.response_ids) for s, v in zip(samples, versions))
     assert TOK.decode(samples[0].response_ids, skip_special_tokens=True).startswith('<tool_call>{"name"')
+
+
+def test_blocking_tools_run_on_a_bounded_pool_of_threads():
+    """ToolPool(2): five blocking calls at once, never more than two running (counted inside the calls), all five
+    answered once released; a call queued past its deadline is dropped, never run."""
+    from megarl.envs.tools import ToolPool
+
+    pool, lock, release = ToolPool(2), threading.Lock(), threading.Event()
+    running, most = [0], [0]
+
+    def work(k):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        release.wait(30)
+        with lock:
+            running[0] -= 1
+        return k
+
+    async def main():
+        calls = [asyncio.ensure_future(pool.run(work, 60, k=k)) for k in range(5)]
+        late = asyncio.ensure_future(pool.run(work, 0.05, k=99))  # queued behind the five: times out queued
+        for _ in range(3000):  # until two run (a bound on the wait, not an assertion on time)
+            if running[0] == 2 and late.done():
+                break
+            await asyncio.sleep(0.01)
+        release.set()
+        return await asyncio.gather(*calls), await asyncio.gather(late, return_exceptions=True)
+
+    done, (late,) = asyncio.run(main())
+    assert done == [0, 1, 2, 3, 4] and most[0] == 2 and len(pool._started) == 2
+    assert isinstance(late, asyncio.TimeoutError) and pool.abandoned == 0  # dropped from the queue, not abandoned
