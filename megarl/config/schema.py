@@ -369,8 +369,26 @@ class RolloutConfig:
         "(multi_turn/noncanonical_turns, multi_turn/undecodable_turns)."
     )
     env_timeout_s: float = opt(
-        600.0, "Multi-turn: bound on each call into the environment (reset, step with its tool calls, close); one "
-        "that does not return stops the run naming the episode, turn and call.", unit="s", min=0.001,
+        600.0, "Multi-turn: bound on each call into the environment (reset, step with its tool calls, close). A "
+        "reset or close that does not return stops the run naming the episode and call; a step that does not return "
+        "is cancelled and ends its episode (trained on nothing), counted in multi_turn/step_timeouts and "
+        "multi_turn/tool_timeouts, and the run goes on (a single tool call has its own, shorter deadline: the "
+        "environment's tool_timeout_s, after which the model reads an error and the episode goes on).",
+        unit="s", min=0.001,
+    )
+    max_concurrent_episodes: int = opt(
+        256, "Multi-turn over a rollout client: episodes in flight at once, each its own coroutine that submits its "
+        "next turn as soon as its observation is ready (megarl.envs.episode); the others wait for a slot. Also the "
+        "bound on single-turn requests in flight.", unit="episodes", min=1,
+    )
+    tool_threads: int = opt(
+        16, "Multi-turn: threads of the pool that runs blocking (non-async) tools, shared by every episode of the "
+        "process; async tools run on the event loop. A call waits for a free thread within its deadline; a call past "
+        "its deadline is abandoned and holds its thread until it returns.", unit="threads", min=1,
+    )
+    max_concurrent_sandboxes: int = opt(
+        8, "Multi-turn, rollout.env=python: sandbox runs (process trees) in flight at once; the others wait for a "
+        "slot within their tool call's deadline.", unit="runs", min=1,
     )
     partial: Literal["finish", "continue"] = opt(
         "finish", "async: generations in flight at a weight push: finish = they complete on the old weights (the push "

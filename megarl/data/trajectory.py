@@ -153,14 +153,20 @@ class TrajectoryBuilder:
         self.log_probs = [0.0] * self.prompt_len
         self.policy_version = [CONTEXT_VERSION] * self.prompt_len
 
-    def sampled(self, ids: Sequence[int], log_probs: Sequence[float], policy_version: int) -> "TrajectoryBuilder":
-        """Append tokens the policy sampled, with the rollout engine's log-probs (nats) and the weights version."""
+    def sampled(self, ids: Sequence[int], log_probs: Sequence[float],
+                policy_version: "int | Sequence[int]") -> "TrajectoryBuilder":
+        """Append tokens the policy sampled, with the rollout engine's log-probs (nats) and the weights version: one
+        for all of them, or [len(ids)] per token (a request that ran across a weight push)."""
         if len(ids) != len(log_probs):
             raise ValueError(f"{len(ids)} sampled tokens but {len(log_probs)} log-probs")
+        versions = [int(v) for v in policy_version] if isinstance(policy_version, (list, tuple)) else \
+            [int(policy_version)] * len(ids)
+        if len(versions) != len(ids):
+            raise ValueError(f"{len(ids)} sampled tokens but {len(versions)} per-token versions")
         self.token_ids += list(ids)
         self.loss_mask += [1] * len(ids)
         self.log_probs += [float(x) for x in log_probs]
-        self.policy_version += [int(policy_version)] * len(ids)
+        self.policy_version += versions
         return self
 
     def context(self, ids: Sequence[int]) -> "TrajectoryBuilder":

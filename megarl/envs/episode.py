@@ -1,14 +1,28 @@
 """Multi-turn episodes, token in, token out: the loop that turns environments and an engine into `Trajectory`s.
 
     runner = EpisodeRunner(tokenizer, env_factory, parser, limits)
-    result = runner.run(records, n, generate, sampling, policy_version, uid_prefix)
+    result = runner.run(records, n, client, sampling, uid_prefix=...)     # client: a `RolloutClient`
     result.trajectories, result.scores, result.metrics
 
-Per turn, for every live episode at once (one engine call per turn, the episodes' requests batched):
+One coroutine per episode (`run_episode`; `schedule="episode"`, the default): each episode, from reset to done,
+submits its next turn to the client as soon as its previous observation is ready, and awaits only its own requests
+and its own environment, so a slow tool call or a long turn holds nobody else; at most `max_concurrent_episodes`
+are in flight (`rollout.max_concurrent_episodes`), the engine batching whatever requests are in flight. A turn is one
+request: id f"{uid}/t{turn}", session = the episode's uid (its later turns go to the replica holding its prefix),
+seed_index = the episode's place in the batch, sampling seed = `turn_seed(sampling.seed, turn)`; so a request's
+samples do not depend on what else is in flight. Per-token versions come from `Completion.versions` (a request that
+ran across a weight push records the version of each token), else the client's `weight_version`.
+`schedule="barrier"` drives the same client in lockstep (every live episode's turn t, then every step of turn t):
+today's per-turn barrier, kept for the benchmark's comparison only; same seeds, same trajectories. Single-turn
+generation is the one-turn case (`run_single_turn`: no environment, one request of samples_per_prompt per prompt).
+A batch `generate(prompts, sampling)` function instead of a client runs the legacy lockstep path (one batched engine
+call per turn, padded to `min_requests`), which the trainer uses until it holds a client.
+
+Per turn of an episode:
 1. the engine gets the tokens the episode holds (prompt, every sampled turn as sampled, every observation delta) and
    samples the next turn; the sampled ids are appended as they are (loss_mask 1, the engine's log-probs, the
    weights version); they are decoded only to be read (tool calls, the reward), never re-encoded;
-2. the environment answers (`Environment.step`, all live episodes concurrently with asyncio);
+2. the environment answers (`Environment.step`, on the event loop beside every other episode);
 3. the observation messages become tokens as the chat template's delta (`ChatRenderer.observation`): the template
    rendered over the conversation with and without them, the difference, plus what the template puts after the
    assistant's end-of-turn token (the separator verl PR #6921 lost at every assistant -> tool boundary); appended
@@ -33,11 +47,17 @@ Checks (on by default, no peer does them by default):
   trajectory's prefix, the ids it produced follow them exactly with loss_mask 1 and the engine's log-probs, and
   nothing else is trained on; a mismatch raises `EpisodeError` naming the trajectory and turn.
 
-Environment calls are bounded: `reset`, `step` and `close` each get `env_timeout_s` (an `EpisodeError` naming the
-episode, turn and call when one does not return); an environment must not block the event loop (run blocking work
-with `asyncio.to_thread`), or no bound can apply.
+Environment calls are bounded by `env_timeout_s`: a `reset` or `close` that does not return is an `EpisodeError`
+naming the episode and call (the run stops); a `step` that does not return is cancelled, ends its episode (kept for
+its group, trained on nothing) and is counted (`multi_turn/step_timeouts`, `multi_turn/tool_timeouts`): the run goes
+on. A single tool call has its own deadline inside the step (`ToolSet`: the model reads an "Error: ... timed out"
+observation and the episode goes on, counted in `multi_turn/tool_timeouts`). Async tools run on the event loop,
+blocking ones on the bounded tool thread pool (`megarl.envs.tools.tool_pool`, `rollout.tool_threads`), sandbox runs
+at most `rollout.max_concurrent_sandboxes` at once. An environment must not block the event loop (run blocking work
+on a thread), or no bound can apply.
 
-Metrics (`multi_turn/...`): turns_mean, tool_calls_per_episode, tool_errors, parse_errors, truncated_frac,
+Metrics (`multi_turn/...`): turns_mean, tool_calls_per_episode, tool_errors, tool_timeouts, step_timeouts,
+parse_errors, truncated_frac,
 template_mismatch, noncanonical_turns, undecodable_turns, tool_use_frac (episodes that wrote a tool call),
 tool_success_frac (episodes whose every tool call parsed and ran without an error, at least one).
 
@@ -51,19 +71,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import re
 from typing import Any, Callable, Optional, Sequence
 
 from megarl.data.trajectory import Trajectory, TrajectoryBuilder
 from megarl.envs.base import EpisodeError, ModelTurn
+from megarl.rollout.engine import GenerationRequest, OverlongPromptError, RolloutSamples
 
 logger = logging.getLogger("megarl.envs")
 
 # Sampling-seed offset of turn t of an episode batch: seed + t * this.
 TURN_SEED_STRIDE = 9_000_011
-# ... and of call k within a turn (the turn's episodes split into calls that fit the engine's length).
+# ... and of call k within a turn (the legacy batch path: a turn's episodes split into calls that fit the engine).
 CALL_SEED_STRIDE = 7_919
+# Episodes in flight at once on the "episode" schedule (rollout.max_concurrent_episodes).
+DEFAULT_MAX_CONCURRENT_EPISODES = 256
+SCHEDULES = ("episode", "barrier")
 
 
 # Stands for sampled turn k in a rendering (`ChatRenderer.spliced_ids`): private-use characters no tokenizer merges
@@ -183,6 +208,7 @@ class _Episode:
     group_uid: str
     record: Any
     env: Any
+    index: int = 0  # the episode's place in its batch: its requests' seed_index
     messages: list = dataclasses.field(default_factory=list)
     builder: Optional[TrajectoryBuilder] = None
     reward: float = 0.0
@@ -191,8 +217,46 @@ class _Episode:
     done: bool = False
     finish: str = "stop"
     mismatch: bool = False
+    step_timed_out: bool = False
     turns: list = dataclasses.field(default_factory=list)
     sampled: dict = dataclasses.field(default_factory=dict)  # message index -> the sampled content ids it holds
+
+
+@dataclasses.dataclass
+class _Tally:
+    """What the episodes of one batch share: the counts behind the metrics, the episodes that called a tool
+    (uid -> tool calls that ran, or -1 once one failed) and one `ChatRenderer` per environment type."""
+
+    counts: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(COUNT_NAMES, 0))
+    called: dict = dataclasses.field(default_factory=dict)
+    renderers: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sample:
+    """One sampled turn: the prompt ids the engine was given, the ids it produced (cut to the turn's budget), their
+    log-probs, its finish reason and [len(ids)] the weights version of each token."""
+
+    prompt: list
+    ids: list
+    log_probs: list
+    finish: str
+    versions: list
+
+
+COUNT_NAMES = ("tool_calls", "tool_errors", "tool_timeouts", "step_timeouts", "parse_errors", "truncated",
+               "template_mismatch", "turns", "turns_cut", "noncanonical_turns", "undecodable_turns")
+
+
+def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
+    """The sampling seed of turn `turn` of an episode batch (None: unseeded)."""
+    return None if seed is None else seed + turn * TURN_SEED_STRIDE
+
+
+def is_client(source: Any) -> bool:
+    """True for a `RolloutClient` (an object with a coroutine `generate(request, ...)`), False for a batch
+    `generate(prompts, sampling)` function."""
+    return inspect.iscoroutinefunction(getattr(source, "generate", None))
 
 
 def _calls(group: list, budget: dict, max_model_len: int) -> list[list]:
@@ -210,26 +274,54 @@ def _calls(group: list, budget: dict, max_model_len: int) -> list[list]:
     return calls
 
 
+async def _all_or_cancel(coroutines) -> list:
+    """Await every coroutine concurrently; when one raises, cancel the others (their `finally`s run) and raise it."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 class EpisodeRunner:
-    """Runs batches of episodes against an engine (module docstring).
+    """Runs batches of episodes against the rollout engines (module docstring).
 
     tokenizer: a HF tokenizer with the chat template (or pass `chat_template`). env_factory(record) -> a new
     `Environment` per episode. parser(text) -> (tool calls, errors) (`megarl.envs.tool_calls`). limits:
     `EpisodeLimits`. on_template_mismatch: "error" | "mask". verify: check every trajectory (`verify_trajectory`).
-    min_requests: the fewest requests an engine call may carry (the number of engine replicas: each needs one);
-    a turn with fewer live episodes is padded with copies whose samples are dropped. env_timeout_s: the bound on
-    each environment call (reset, step, close), seconds."""
+    env_timeout_s: the bound on each environment call (reset, step, close), seconds: a reset or close that does not
+    return stops the run; a step that does not return is cancelled, counted (`multi_turn/tool_timeouts`,
+    `multi_turn/step_timeouts`) and ends its episode, trained on nothing; the run goes on.
+    schedule: how a `RolloutClient` is driven: "episode" (one coroutine per episode, each submitting its next turn
+    as soon as its observation is ready) or "barrier" (every live episode's turn, then every step: the per-turn
+    lockstep, kept for the benchmark's comparison only). max_concurrent_episodes: episodes in flight at once on the
+    "episode" schedule (the others wait for a slot). request_timeout_s: each request's bound (None: the client's).
+    min_requests: batch `generate` functions only (the legacy lockstep path): the fewest prompts a call may carry
+    (the number of engine replicas: each needs one); a turn with fewer live episodes is padded with copies whose
+    samples are dropped."""
 
     def __init__(self, tokenizer: Any, env_factory: Callable[[Any], Any], parser: Callable[[str], tuple],
                  limits: EpisodeLimits, chat_template: Optional[str] = None, on_template_mismatch: str = "error",
-                 verify: bool = True, min_requests: int = 1, env_timeout_s: float = 600.0) -> None:
+                 verify: bool = True, min_requests: int = 1, env_timeout_s: float = 600.0,
+                 schedule: str = "episode", max_concurrent_episodes: int = DEFAULT_MAX_CONCURRENT_EPISODES,
+                 request_timeout_s: Optional[float] = None) -> None:
         if on_template_mismatch not in ("error", "mask"):
             raise ValueError(f"on_template_mismatch must be 'error' or 'mask', got {on_template_mismatch!r}")
         if not env_timeout_s > 0:
             raise ValueError(f"env_timeout_s must be > 0 seconds, got {env_timeout_s!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if max_concurrent_episodes < 1:
+            raise ValueError(f"max_concurrent_episodes (rollout.max_concurrent_episodes) must be >= 1, got "
+                             f"{max_concurrent_episodes}")
         self.tokenizer, self.env_factory, self.parser, self.limits = tokenizer, env_factory, parser, limits
         self.chat_template, self.on_template_mismatch, self.verify = chat_template, on_template_mismatch, verify
         self.min_requests, self.env_timeout_s = min_requests, env_timeout_s
+        self.schedule, self.max_concurrent_episodes = schedule, max_concurrent_episodes
+        self.request_timeout_s = request_timeout_s
         self._vocab = len(tokenizer)  # ids at or beyond it decode to nothing (padded embedding rows)
 
     async def _bounded(self, call, what: str):
@@ -241,50 +333,278 @@ class EpisodeRunner:
                                "(rollout.env_timeout_s); a hung tool or an environment blocking the event loop") \
                 from None
 
-    def run(self, records: Sequence[Any], n: int, generate: Callable, sampling: Any,
-            policy_version: "int | Callable[[], int]", uid_prefix: str = "") -> EpisodeResult:
-        """`n` episodes per record; `generate(prompts, sampling) -> RolloutSamples` is the rollout service's (one
-        call per turn); `sampling` its settings (samples_per_prompt and max_new_tokens are set per turn here).
-        `policy_version`: the engines' weights version, or a function read after each turn's generation (weights
-        pushed between turns: an episode's turns then carry the versions that sampled them)."""
-        return asyncio.run(self._run(records, n, generate, sampling, policy_version, uid_prefix))
+    def run(self, records: Sequence[Any], n: int, source: Any, sampling: Any,
+            policy_version: "int | Callable[[], int] | None" = None, uid_prefix: str = "") -> EpisodeResult:
+        """`n` episodes per record (in a new event loop; `arun` from a running one).
 
-    async def _run(self, records, n, generate, sampling, version, uid_prefix) -> EpisodeResult:
-        episodes = [_Episode(f"{uid_prefix}{i}/{k}", f"{uid_prefix}{i}", r, self.env_factory(r))
+        source: a `RolloutClient` (`megarl.rollout.client`: each episode its own coroutine, `schedule`), or a batch
+        `generate(prompts, sampling) -> RolloutSamples` (the legacy lockstep path: one call per turn for every live
+        episode). sampling: the settings (samples_per_prompt, max_new_tokens, seed are set per request here).
+        policy_version: the weights version of the sampled tokens where the engine does not report it (a client's
+        `Completion.versions`, else its `weight_version`, else this); a function is read after each generation
+        (weights pushed between turns). Required with a batch `generate`."""
+        return asyncio.run(self.arun(records, n, source, sampling, policy_version, uid_prefix))
+
+    async def arun(self, records: Sequence[Any], n: int, source: Any, sampling: Any,
+                   policy_version: "int | Callable[[], int] | None" = None, uid_prefix: str = "") -> EpisodeResult:
+        """`run` as a coroutine (for a caller whose event loop the client is bound to)."""
+        episodes = [_Episode(f"{uid_prefix}{i}/{k}", f"{uid_prefix}{i}", r, self.env_factory(r), index=i * n + k)
                     for i, r in enumerate(records) for k in range(n)]
-        counts = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "truncated": 0, "template_mismatch": 0,
-                  "turns": 0, "turns_cut": 0, "noncanonical_turns": 0, "undecodable_turns": 0}
-        renderers = {}
+        tally = _Tally()
+        if is_client(source):
+            if self.schedule == "barrier":
+                await self._run_barrier(episodes, source, sampling, policy_version, tally)
+            else:
+                slots = asyncio.Semaphore(self.max_concurrent_episodes)
+
+                async def in_slot(e: _Episode) -> None:
+                    try:
+                        async with slots:
+                            await self._play(e, source, sampling, policy_version, tally)
+                    finally:
+                        await self._close(e)
+
+                await _all_or_cancel(in_slot(e) for e in episodes)
+        else:
+            if policy_version is None:
+                raise ValueError("EpisodeRunner.run with a batch generate function needs policy_version (the "
+                                 "engines' weights version, or a function returning it)")
+            await self._run_batch(episodes, source, sampling, policy_version, tally)
+        return self._result(episodes, tally)
+
+    async def run_episode(self, episode: _Episode, client: Any, sampling: Any, tally: _Tally,
+                          policy_version: "int | Callable[[], int] | None" = None) -> None:
+        """One episode from reset to done against `client`, independent of every other episode: each turn is one
+        request (id f"{uid}/t{turn}", session = the episode's uid, seed_index = its place in the batch, sampling
+        seed `turn_seed(sampling.seed, turn)`), submitted as soon as the previous observation is ready; its
+        environment is closed at the end, whatever happened."""
         try:
-            firsts = await asyncio.gather(*(self._bounded(e.env.reset(e.record), f"episode {e.uid}: reset")
-                                            for e in episodes))
+            await self._play(episode, client, sampling, policy_version, tally)
+        finally:
+            await self._close(episode)
+
+    async def _play(self, e: _Episode, client, sampling, version, tally: _Tally) -> None:
+        self._begin(e, await self._bounded(e.env.reset(e.record), f"episode {e.uid}: reset"), tally)
+        for turn in range(self.limits.max_turns):
+            mt = await self._request_turn(e, turn, client, sampling, version, tally)
+            if mt is None:
+                return
+            await self._env_turn(e, turn, mt, tally)
+            if e.done:
+                return
+
+    async def _run_barrier(self, episodes, client, sampling, version, tally: _Tally) -> None:
+        """The per-turn barrier over a client: every live episode's request of turn t, then every step of turn t."""
+        try:
+            firsts = await _all_or_cancel(self._bounded(e.env.reset(e.record), f"episode {e.uid}: reset")
+                                          for e in episodes)
             for e, messages in zip(episodes, firsts):
-                renderer = renderers.setdefault(id(type(e.env)), ChatRenderer(
-                    self.tokenizer, e.env.tools(), self.chat_template))
-                e.messages = list(messages)
-                e.builder = TrajectoryBuilder(renderer.prompt(e.messages), uid=e.uid, group_uid=e.group_uid)
-            called: dict[str, int] = {}  # episode -> tool calls that ran (>0) or failed to (<0 once any did)
+                self._begin(e, messages, tally)
             for turn in range(self.limits.max_turns):
                 live = [e for e in episodes if not e.done]
                 if not live:
                     break
-                await self._turn(live, turn, generate, sampling, version, renderers, counts, called)
+                turns = await _all_or_cancel(self._request_turn(e, turn, client, sampling, version, tally)
+                                             for e in live)
+                await self._env_turns([(e, mt) for e, mt in zip(live, turns) if mt is not None], turn, tally)
         finally:
-            await asyncio.gather(*(self._bounded(e.env.close(), f"episode {e.uid}: close") for e in episodes),
-                                 return_exceptions=True)
+            await asyncio.gather(*(self._close(e) for e in episodes))
+
+    async def _run_batch(self, episodes, generate, sampling, version, tally: _Tally) -> None:
+        """The legacy lockstep path over a batch `generate` function: one engine call per turn for all live episodes
+        (split into calls that fit the engine's length, padded to `min_requests`)."""
+        try:
+            firsts = await asyncio.gather(*(self._bounded(e.env.reset(e.record), f"episode {e.uid}: reset")
+                                            for e in episodes))
+            for e, messages in zip(episodes, firsts):
+                self._begin(e, messages, tally)
+            for turn in range(self.limits.max_turns):
+                live = [e for e in episodes if not e.done]
+                if not live:
+                    break
+                group, budget = [], {}
+                for e in live:
+                    left = self._budget(e, tally)
+                    if left is not None:
+                        group.append(e)
+                        budget[e.uid] = left
+                for k, calls in enumerate(_calls(group, budget, self.limits.max_model_len)):
+                    await self._call(calls, budget, turn, k, generate, sampling, version, tally)
+        finally:
+            await asyncio.gather(*(self._close(e) for e in episodes))
+
+    async def _call(self, group, budget, turn, k, generate, sampling, version, tally: _Tally) -> None:
+        """One engine call for `group` (episodes whose requests fit the engine's length together, `_calls`):
+        the longest budget for all, each sample cut to its episode's own (the tokens after the cut were never part
+        of it: as if the engine had stopped there, finish_reason 'length'), then the environments' steps."""
+        if not group:
+            return
+        prompts = [list(e.builder.token_ids) for e in group]
+        # at least `min_requests` requests (the engine replicas each need one): padded with copies, dropped
+        padded = prompts + [prompts[0]] * max(0, self.min_requests - len(prompts))
+        seed = turn_seed(sampling.seed, turn)
+        s = dataclasses.replace(
+            sampling, samples_per_prompt=1, max_new_tokens=max(budget[e.uid] for e in group),
+            max_prompt_tokens=max(len(p) for p in prompts), seed=None if seed is None else seed + k * CALL_SEED_STRIDE)
+        out = generate(padded, s)
+        sampled_by = version() if callable(version) else version
+        by_index = {x.prompt_index: x for x in out if x.prompt_index < len(group)}
+        if len(by_index) != len(group):
+            raise EpisodeError(f"turn {turn}: the engine returned {len(by_index)} samples for {len(group)} "
+                               "episodes (a prompt dropped as overlong?)")
+        stepping = []
+        for i, e in enumerate(group):
+            x = by_index[i]
+            ids = list(x.response_ids)
+            sample = _Sample(prompts[i], ids, list(x.response_log_probs), x.finish_reason, [sampled_by] * len(ids))
+            stepping.append((e, self._take(e, turn, self._cut(sample, budget[e.uid]), tally)))
+        await self._env_turns(stepping, turn, tally)
+
+    async def _env_turns(self, stepping: list, turn: int, tally: _Tally) -> None:
+        """The steps of one turn, concurrently; the first failure in the episodes' order is raised."""
+        results = await asyncio.gather(*(self._env_turn(e, turn, mt, tally) for e, mt in stepping),
+                                       return_exceptions=True)
+        for failure in results:
+            if isinstance(failure, BaseException):
+                raise failure
+
+    async def _close(self, e: _Episode) -> None:
+        try:
+            await self._bounded(e.env.close(), f"episode {e.uid}: close")
+        except Exception as err:  # the episode's result stands; what it held is logged
+            logger.warning("episode %s: close failed: %s", e.uid, err)
+
+    def _begin(self, e: _Episode, messages, tally: _Tally) -> None:
+        renderer = tally.renderers.setdefault(id(type(e.env)), ChatRenderer(
+            self.tokenizer, e.env.tools(), self.chat_template))
+        e.messages = list(messages)
+        e.builder = TrajectoryBuilder(renderer.prompt(e.messages), uid=e.uid, group_uid=e.group_uid)
+
+    def _budget(self, e: _Episode, tally: _Tally) -> Optional[int]:
+        """Tokens the episode's next turn may sample; None (the episode ends, truncated) when none are left."""
+        lim = self.limits
+        left = min(lim.max_tokens_per_turn, lim.max_new_tokens - e.generated,
+                   lim.max_model_len - len(e.builder.token_ids))
+        if left < 1:
+            e.done, e.finish = True, "length"
+            tally.counts["truncated"] += 1
+            return None
+        return left
+
+    @staticmethod
+    def _cut(sample: _Sample, budget: int) -> _Sample:
+        """`sample` cut to `budget` tokens (as if the engine had stopped there, finish_reason 'length')."""
+        if len(sample.ids) <= budget:
+            return sample
+        return dataclasses.replace(sample, ids=sample.ids[:budget], log_probs=sample.log_probs[:budget],
+                                   versions=sample.versions[:budget], finish="length")
+
+    async def _request_turn(self, e: _Episode, turn: int, client, sampling, version,
+                            tally: _Tally) -> Optional[ModelTurn]:
+        """Turn `turn` of episode `e` as one request to `client`; None when the episode has no tokens left."""
+        left = self._budget(e, tally)
+        if left is None:
+            return None
+        prompt = list(e.builder.token_ids)
+        s = dataclasses.replace(sampling, samples_per_prompt=1, max_new_tokens=left, max_prompt_tokens=len(prompt),
+                                seed=turn_seed(sampling.seed, turn))
+        request = GenerationRequest(f"{e.uid}/t{turn}", prompt, s, seed_index=e.index)
+        try:
+            out = await client.generate(request, session_id=e.uid, timeout_s=self.request_timeout_s)
+        except ValueError as err:  # the prompt policy dropped it (it cannot: prompt + budget fit the context)
+            raise EpisodeError(f"episode {e.uid}, turn {turn}: the engine refused request {request.request_id!r}: "
+                               f"{err}") from err
+        if not out.finished or len(out.completions) != 1:
+            raise EpisodeError(f"episode {e.uid}, turn {turn}: request {request.request_id!r} came back "
+                               f"{'finished' if out.finished else 'unfinished'} with {len(out.completions)} "
+                               "completions (expected 1, finished)")
+        c = out.completions[0]
+        ids = list(c.token_ids)
+        if c.versions is not None:
+            versions = list(c.versions)
+        else:
+            current = getattr(client, "weight_version", None)
+            if current is None:
+                current = version() if callable(version) else (0 if version is None else version)
+            versions = [current] * len(ids)
+        sample = self._cut(_Sample(prompt, ids, list(c.log_probs), c.finish_reason or "length", versions), left)
+        return self._take(e, turn, sample, tally)
+
+    def _take(self, e: _Episode, turn: int, x: _Sample, tally: _Tally) -> ModelTurn:
+        """Append a sampled turn to the episode as sampled and read it (decoded, tool calls parsed)."""
+        counts = tally.counts
+        e.turns.append((x.prompt, list(x.ids), list(x.log_probs)))
+        e.builder.sampled(x.ids, x.log_probs, list(x.versions))
+        e.generated += len(x.ids)
+        e.turn = turn + 1
+        counts["turns"] += 1
+        ids = list(x.ids)
+        body = ids[:-1] if ids and ids[-1] in self._end_ids() else ids  # the end-of-turn token left out
+        text = self.tokenizer.decode(body, skip_special_tokens=False)
+        self._count_encoding(body, text, counts)
+        calls, errors = self.parser(text)
+        counts["parse_errors"] += len(errors)
+        if calls or errors:
+            tally.called.setdefault(e.uid, 0)
+        return ModelTurn(turn, text, tuple(ids), tuple(calls), tuple(errors), x.finish)
+
+    async def _env_turn(self, e: _Episode, turn: int, mt: ModelTurn, tally: _Tally) -> None:
+        """The environment's step for turn `mt` of episode `e` (bounded by env_timeout_s: a step that does not
+        return is cancelled, counted and ends the episode, masked), then the episode's limits and observation."""
+        counts = tally.counts
+        try:
+            step = await asyncio.wait_for(e.env.step(mt), self.env_timeout_s)
+        except asyncio.TimeoutError:
+            counts["tool_timeouts"] += 1
+            counts["step_timeouts"] += 1
+            e.done, e.finish, e.step_timed_out = True, "stop", True
+            logger.warning("episode %s, turn %d: the environment's step did not return within %g s "
+                           "(rollout.env_timeout_s): cancelled, the episode ends and is trained on nothing",
+                           e.uid, turn, self.env_timeout_s)
+            return
+        except EpisodeError:
+            raise
+        except Exception as err:
+            raise EpisodeError(f"episode {e.uid}, turn {turn}: the environment failed: {err!r}") from err
+        e.reward += float(step.reward)
+        ran, failed = int(step.info.get("tool_calls", 0)), int(step.info.get("tool_errors", 0))
+        counts["tool_calls"] += ran
+        counts["tool_errors"] += failed
+        counts["tool_timeouts"] += int(step.info.get("tool_timeouts", 0))
+        called = tally.called
+        if e.uid in called and called[e.uid] >= 0:
+            called[e.uid] = -1 if failed or mt.parse_errors else called[e.uid] + ran
+        if step.done:
+            e.done, e.finish = True, mt.finish_reason
+            return
+        cut = mt.finish_reason == "length"
+        if turn + 1 >= self.limits.max_turns or (cut and (e.generated >= self.limits.max_new_tokens
+                                                          or self.tokenizer.eos_token_id is None)):
+            # the last turn allowed, or the episode's token budget spent: the episode is truncated
+            e.done, e.finish = True, "length"
+            counts["truncated"] += 1
+            return
+        if cut:  # cut at max_tokens_per_turn: the template's end-of-turn token closes it, as context
+            e.builder.context([self.tokenizer.eos_token_id])
+            counts["turns_cut"] += 1
+        self._observe(e, list(mt.token_ids), step, turn, tally, closed=cut)
+
+    def _result(self, episodes: list, tally: _Tally) -> EpisodeResult:
         trajectories = []
         for e in episodes:
             t = e.builder.build(e.finish)
             if self.verify:
                 verify_trajectory(t, e.turns)
-            if e.mismatch:  # on_template_mismatch=mask: kept for the group, trained on nothing
+            if e.mismatch or e.step_timed_out:  # kept for the group, trained on nothing
                 t = dataclasses.replace(t, loss_mask=[0] * len(t), log_probs=[0.0] * len(t),
                                         policy_version=[-1] * len(t))
             trajectories.append(t)
-        total = len(episodes)
+        total, counts, called = len(episodes), tally.counts, tally.called
         metrics = {"multi_turn/turns_mean": counts["turns"] / total,
                    "multi_turn/tool_calls_per_episode": counts["tool_calls"] / total,
                    "multi_turn/tool_errors": float(counts["tool_errors"]),
+                   "multi_turn/tool_timeouts": float(counts["tool_timeouts"]),
+                   "multi_turn/step_timeouts": float(counts["step_timeouts"]),
                    "multi_turn/parse_errors": float(counts["parse_errors"]),
                    "multi_turn/truncated_frac": counts["truncated"] / total,
                    "multi_turn/turns_cut": float(counts["turns_cut"]),
@@ -295,95 +615,11 @@ class EpisodeRunner:
                    "multi_turn/tool_success_frac": sum(1 for v in called.values() if v > 0) / total}
         return EpisodeResult(trajectories, [e.reward for e in episodes], metrics, [e.turns for e in episodes])
 
-    async def _turn(self, live, turn, generate, sampling, version, renderers, counts, called) -> None:
-        lim = self.limits
-        group, budget = [], {}
-        for e in live:
-            left = min(lim.max_tokens_per_turn, lim.max_new_tokens - e.generated,
-                       lim.max_model_len - len(e.builder.token_ids))
-            if left < 1:
-                e.done, e.finish = True, "length"
-                counts["truncated"] += 1
-            else:
-                group.append(e)
-                budget[e.uid] = left
-        for k, calls in enumerate(_calls(group, budget, lim.max_model_len)):
-            await self._call(calls, budget, turn, k, generate, sampling, version, renderers, counts, called)
-
-    async def _call(self, group, budget, turn, k, generate, sampling, version, renderers, counts, called) -> None:
-        """One engine call for `group` (episodes whose requests fit the engine's length together, `_calls`):
-        the longest budget for all, each sample cut to its episode's own (the tokens after the cut were never part
-        of it: as if the engine had stopped there, finish_reason 'length'), then the environments' steps."""
-        if group:
-            prompts = [list(e.builder.token_ids) for e in group]
-            # at least `min_requests` requests (the engine replicas each need one): padded with copies, dropped
-            padded = prompts + [prompts[0]] * max(0, self.min_requests - len(prompts))
-            s = dataclasses.replace(
-                sampling, samples_per_prompt=1, max_new_tokens=max(budget[e.uid] for e in group),
-                max_prompt_tokens=max(len(p) for p in prompts),
-                seed=None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE + k * CALL_SEED_STRIDE)
-            out = generate(padded, s)
-            sampled_by = version() if callable(version) else version
-            by_index = {x.prompt_index: x for x in out if x.prompt_index < len(group)}
-            if len(by_index) != len(group):
-                raise EpisodeError(f"turn {turn}: the engine returned {len(by_index)} samples for {len(group)} "
-                                   "episodes (a prompt dropped as overlong?)")
-            steps = []
-            for i, e in enumerate(group):
-                x = by_index[i]
-                if len(x.response_ids) > budget[e.uid]:
-                    cut = budget[e.uid]
-                    x = dataclasses.replace(x, response_ids=list(x.response_ids)[:cut],
-                                            response_log_probs=list(x.response_log_probs)[:cut],
-                                            finish_reason="length")
-                e.turns.append((prompts[i], list(x.response_ids), list(x.response_log_probs)))
-                e.builder.sampled(x.response_ids, x.response_log_probs, sampled_by)
-                e.generated += len(x.response_ids)
-                e.turn = turn + 1
-                counts["turns"] += 1
-                ids = list(x.response_ids)
-                body = ids[:-1] if ids and ids[-1] in self._end_ids() else ids  # the end-of-turn token left out
-                text = self.tokenizer.decode(body, skip_special_tokens=False)
-                self._count_encoding(body, text, counts)
-                calls, errors = self.parser(text)
-                counts["parse_errors"] += len(errors)
-                if calls or errors:
-                    called.setdefault(e.uid, 0)
-                steps.append((e, x, ModelTurn(turn, text, tuple(x.response_ids), tuple(calls), tuple(errors),
-                                              x.finish_reason)))
-            results = await asyncio.gather(*(self._bounded(e.env.step(mt), f"episode {e.uid}, turn {turn}: step")
-                                             for e, _, mt in steps), return_exceptions=True)
-            for (e, x, mt), step in zip(steps, results):
-                if isinstance(step, EpisodeError):
-                    raise step
-                if isinstance(step, BaseException):
-                    raise EpisodeError(f"episode {e.uid}, turn {turn}: the environment failed: {step!r}") from step
-                e.reward += float(step.reward)
-                ran, failed = int(step.info.get("tool_calls", 0)), int(step.info.get("tool_errors", 0))
-                counts["tool_calls"] += ran
-                counts["tool_errors"] += failed
-                if e.uid in called and called[e.uid] >= 0:
-                    called[e.uid] = -1 if failed or mt.parse_errors else called[e.uid] + ran
-                if step.done:
-                    e.done, e.finish = True, x.finish_reason
-                    continue
-                cut = x.finish_reason == "length"
-                if turn + 1 >= self.limits.max_turns or (cut and (e.generated >= self.limits.max_new_tokens
-                                                                  or self.tokenizer.eos_token_id is None)):
-                    # the last turn allowed, or the episode's token budget spent: the episode is truncated
-                    e.done, e.finish = True, "length"
-                    counts["truncated"] += 1
-                    continue
-                if cut:  # cut at max_tokens_per_turn: the template's end-of-turn token closes it, as context
-                    e.builder.context([self.tokenizer.eos_token_id])
-                    counts["turns_cut"] += 1
-                self._observe(e, x, mt, step, turn, renderers, counts, closed=cut)
-
-    def _observe(self, e, x, mt, step, turn, renderers, counts, closed: bool = False) -> None:
-        """Append the observation tokens of `step` after the sampled turn (`closed`: a turn cut at its token limit,
-        already closed by an end-of-turn token appended as context), and check the delta rule."""
-        renderer = renderers[id(type(e.env))]
-        ids = list(x.response_ids)
+    def _observe(self, e, ids, step, turn, tally: _Tally, closed: bool = False) -> None:
+        """Append the observation tokens of `step` after the sampled turn `ids` (`closed`: a turn cut at its token
+        limit, already closed by an end-of-turn token appended as context), and check the delta rule."""
+        renderer = tally.renderers[id(type(e.env))]
+        counts = tally.counts
         if closed:
             content_ids, end_id = ids, self.tokenizer.eos_token_id
         else:
@@ -460,9 +696,10 @@ def verify_trajectory(t: Trajectory, turns: Sequence[tuple]) -> None:
 def runner_from_config(cfg: Any, encoder: Any, reward_fn: Any) -> EpisodeRunner:
     """The `EpisodeRunner` of a job config with `rollout.env` set: the environment factory (`megarl.envs.registry`),
     the tool-call parser (`rollout.tool_parser`), the limits (`rollout.max_turns`, `max_tokens_per_turn`,
-    `max_new_tokens`, the engine's context = max_prompt_tokens + max_new_tokens) and the chat template of
-    `data.chat_template` (the tokenizer's, or a Jinja string). Refuses a template that rewrites earlier turns unless
-    rollout.on_template_mismatch=mask."""
+    `max_new_tokens`, the engine's context = max_prompt_tokens + max_new_tokens), the chat template of
+    `data.chat_template` (the tokenizer's, or a Jinja string) and the bounds on episodes in flight, tool threads and
+    sandbox runs (`rollout.max_concurrent_episodes`, `tool_threads`, `max_concurrent_sandboxes`). Refuses a template
+    that rewrites earlier turns unless rollout.on_template_mismatch=mask."""
     from megarl.envs.registry import build_env_factory
     from megarl.envs.tool_calls import get_parser
 
@@ -473,9 +710,60 @@ def runner_from_config(cfg: Any, encoder: Any, reward_fn: Any) -> EpisodeRunner:
     factory = build_env_factory(r.env, {"reward_fn": reward_fn, **dict(r.env_options)})
     pool = cfg.resources.pools[r.pool if r.pool is not None else cfg.actor.pool]
     replicas = max(1, pool.nodes * pool.devices_per_node // r.tp)
+    from megarl.envs.sandbox import set_max_concurrent_runs
+    from megarl.envs.tools import set_tool_threads
+
+    set_tool_threads(r.tool_threads)
+    set_max_concurrent_runs(r.max_concurrent_sandboxes)
     runner = EpisodeRunner(encoder.tokenizer, lambda record: factory(), get_parser(r.tool_parser), limits,
                            chat_template=template, on_template_mismatch=r.on_template_mismatch,
-                           min_requests=replicas, env_timeout_s=r.env_timeout_s)
+                           min_requests=replicas, env_timeout_s=r.env_timeout_s,
+                           max_concurrent_episodes=r.max_concurrent_episodes)
     if r.on_template_mismatch == "error":
         ChatRenderer(encoder.tokenizer, None, template).check_prefix_stable()
     return runner
+
+
+async def run_single_turn(client: Any, prompts: Sequence[Sequence[int]], sampling: Any, *, uid_prefix: str = "",
+                          policy_version: "int | Callable[[], int] | None" = None,
+                          max_concurrent: int = DEFAULT_MAX_CONCURRENT_EPISODES,
+                          timeout_s: Optional[float] = None) -> tuple[RolloutSamples, list[list[list[int]]]]:
+    """Single-turn generation as the one-turn case of the episode path: no environment, no observation; prompt i is
+    one request (id f"{uid_prefix}{i}/t0", session f"{uid_prefix}{i}", seed_index i, the sampling seed of turn 0
+    = `sampling.seed`, `sampling.samples_per_prompt` completions), in flight `max_concurrent` at a time.
+
+    Returns (samples, versions): a `RolloutSamples` ordered by (prompt_index, sample_index) as a batch
+    `generate(prompts, sampling)` returns it (prompts the prompt policy dropped in `dropped_prompt_indices`, cut
+    ones in `truncated_prompt_indices`), and per sample [len(response_ids)] the weights version of each token
+    (`Completion.versions`, else the client's `weight_version`, else `policy_version`)."""
+    slots = asyncio.Semaphore(max_concurrent)
+    s = dataclasses.replace(sampling, seed=turn_seed(sampling.seed, 0))
+
+    async def one(i: int, prompt: Sequence[int]):
+        request = GenerationRequest(f"{uid_prefix}{i}/t0", list(prompt), s, seed_index=i)
+        async with slots:
+            try:
+                return await client.generate(request, session_id=f"{uid_prefix}{i}", timeout_s=timeout_s)
+            except OverlongPromptError:
+                raise
+            except ValueError:  # dropped by the prompt policy (rollout.overlong_prompt: drop)
+                return None
+
+    outs = await _all_or_cancel(one(i, p) for i, p in enumerate(prompts))
+    samples, versions, dropped, truncated = [], [], [], []
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        if out is None:
+            dropped.append(i)
+            continue
+        if len(out.prompt_ids) < len(prompt):
+            truncated.append(i)
+        for sample, c in zip(out.samples(i), out.completions):
+            samples.append(sample)
+            if c.versions is not None:
+                versions.append(list(c.versions))
+            else:
+                current = getattr(client, "weight_version", None)
+                if current is None:
+                    current = policy_version() if callable(policy_version) else (policy_version or 0)
+                versions.append([current] * len(c.token_ids))
+    return RolloutSamples(samples, dropped_prompt_indices=dropped, truncated_prompt_indices=truncated), versions

@@ -77,6 +77,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from typing import Optional, Sequence
 
 logger = logging.getLogger("megarl.envs")
@@ -90,6 +91,30 @@ USER_UNSHARE = ("unshare", "-U", "-r", "-n", "-m", "-p", "-f", "-u", "-i")
 FIRST_UID = 200_000
 SANDBOX_DIR = "/sandbox"  # the run's directory, as the child sees it
 _READ_CHUNK = 1 << 16
+
+
+# Sandbox runs in flight at once per event loop (rollout.max_concurrent_sandboxes): the others wait for a slot,
+# within their tool call's deadline. Each run is a process tree of its own (up to max_processes x memory_mb).
+DEFAULT_MAX_CONCURRENT_RUNS = 8
+_max_concurrent_runs = DEFAULT_MAX_CONCURRENT_RUNS
+_run_slots: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # event loop -> its asyncio.Semaphore
+
+
+def set_max_concurrent_runs(runs: int) -> None:
+    """Bound the sandbox runs in flight at once (per event loop: the episodes of a batch share one), from
+    `rollout.max_concurrent_sandboxes`; loops that already hold a semaphore keep theirs."""
+    global _max_concurrent_runs
+    if runs < 1:
+        raise ValueError(f"rollout.max_concurrent_sandboxes must be >= 1, got {runs}")
+    _max_concurrent_runs = runs
+
+
+def _run_slot() -> asyncio.Semaphore:
+    loop = asyncio.get_running_loop()
+    slots = _run_slots.get(loop)
+    if slots is None:
+        slots = _run_slots[loop] = asyncio.Semaphore(_max_concurrent_runs)
+    return slots
 
 
 class SandboxUnavailable(RuntimeError):
@@ -338,7 +363,12 @@ class PythonSandbox:
         return asyncio.run(self.arun(code))
 
     async def arun(self, code: str) -> SandboxResult:
-        """Run `code` in a fresh sandbox; never raises for anything the code does."""
+        """Run `code` in a fresh sandbox; never raises for anything the code does. At most
+        `rollout.max_concurrent_sandboxes` runs at once (`set_max_concurrent_runs`); the others wait for a slot."""
+        async with _run_slot():
+            return await self._arun(code)
+
+    async def _arun(self, code: str) -> SandboxResult:
         start = time.monotonic()
         tmp = tempfile.mkdtemp(prefix="megarl-sandbox-")
         try:

@@ -10,16 +10,25 @@ tool that misses its deadline each become an "Error: ..." string, the observatio
 in the call's info (`COUNT_KEYS`). Output longer than `max_output_chars` is cut, with a marker saying how much was
 dropped.
 
-Deadlines: an `async` tool is cancelled at `timeout_s`; a sync tool runs on a thread (`asyncio.to_thread`) and is
-*abandoned* at `timeout_s` (a thread cannot be interrupted: it finishes in the background, holding a worker of the
-default executor until then, and its result is dropped). Tools that can block for long should time themselves out.
+Where tools run: an `async` tool on the event loop, concurrently with the episodes' generation; a blocking (sync)
+tool on the bounded tool thread pool (`tool_pool()`, `rollout.tool_threads` threads, shared by every episode of the
+process; a call waits for a free thread within its deadline).
+
+Deadlines: an `async` tool is cancelled at `timeout_s`; a sync tool is *abandoned* at `timeout_s` (a thread cannot
+be interrupted: it finishes in the background, holding one of the pool's threads until then, and its result is
+dropped; counted in `ToolPool.abandoned`). The pool's threads are daemon threads: an abandoned call holds neither the
+event loop's shutdown nor the process's exit. Tools that can block for long should time themselves out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import inspect
 import json
+import queue
+import threading
 from typing import Any, Callable, Iterable, Optional, Union
 
 from transformers.utils import get_json_schema
@@ -33,6 +42,77 @@ COUNT_KEYS = ("tool_calls", "tool_errors", "unknown_tool", "bad_arguments", "too
 _JSON_TYPES: dict[str, tuple[type, ...]] = {"string": (str,), "integer": (int,), "number": (int, float),
                                              "boolean": (bool,), "array": (list, tuple), "object": (dict,),
                                              "null": (type(None),)}
+
+
+DEFAULT_TOOL_THREADS = 16
+
+
+class ToolPool:
+    """A bounded pool of daemon threads for blocking tool calls: at most `threads` run at once, the rest queue.
+
+    Unlike `concurrent.futures.ThreadPoolExecutor` (whose threads the interpreter joins at exit, and which
+    `asyncio.run` waits for), a call that never returns here holds one thread and nothing else."""
+
+    def __init__(self, threads: int = DEFAULT_TOOL_THREADS) -> None:
+        if threads < 1:
+            raise ValueError(f"the tool thread pool needs >= 1 thread (rollout.tool_threads), got {threads}")
+        self.threads = threads
+        self.abandoned = 0  # calls given up at their deadline (their thread busy until they return)
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._started: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, functools.partial(fn, *args, **kwargs)))
+        with self._lock:
+            if len(self._started) < self.threads:
+                t = threading.Thread(target=self._work, name=f"megarl-tool-{len(self._started)}", daemon=True)
+                self._started.append(t)
+                t.start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, call = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while queued (its deadline passed before a thread was free)
+            try:
+                future.set_result(call())
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+                future.set_exception(e)
+
+    async def run(self, fn: Callable, timeout_s: Optional[float], **arguments: Any) -> Any:
+        """`fn(**arguments)` on a pool thread, awaited within `timeout_s` (asyncio.TimeoutError past it: a queued
+        call is dropped, a running one abandoned)."""
+        future = self.submit(fn, **arguments)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except asyncio.TimeoutError:
+            if not future.cancel():
+                self.abandoned += 1
+            raise
+
+
+_POOL: Optional[ToolPool] = None
+_POOL_LOCK = threading.Lock()
+
+
+def tool_pool() -> ToolPool:
+    """The process's tool thread pool (created on first use with `DEFAULT_TOOL_THREADS`, or `set_tool_threads`)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ToolPool()
+        return _POOL
+
+
+def set_tool_threads(threads: int) -> None:
+    """Size the process's tool thread pool (`rollout.tool_threads`); calls already running keep their threads."""
+    global _POOL
+    pool = ToolPool(threads)
+    with _POOL_LOCK:
+        _POOL = pool
 
 
 def function_schema(fn: Callable, name: Optional[str] = None) -> dict:
@@ -248,10 +328,9 @@ class ToolSet:
                                           f"Expected: {_signature(tool.schema)}")
         try:
             if tool.is_async:
-                pending = tool(**call.arguments)
+                result = await asyncio.wait_for(tool(**call.arguments), self.timeout_s)
             else:
-                pending = asyncio.to_thread(tool, **call.arguments)
-            result = await asyncio.wait_for(pending, self.timeout_s)
+                result = await tool_pool().run(tool, self.timeout_s, **call.arguments)
         except asyncio.TimeoutError:
             return error("tool_timeouts", f"tool {call.name!r} timed out after {self.timeout_s:g} s")
         except Exception as e:

@@ -137,7 +137,8 @@ def test_an_injected_retokenization_is_caught_naming_the_trajectory_and_turn(mon
     class Retokenizing(episode.TrajectoryBuilder):
         def sampled(self, ids, log_probs, policy_version):  # decode and re-encode, dropping the special end token
             again = TOK(TOK.decode(ids, skip_special_tokens=True), add_special_tokens=False)["input_ids"]
-            return super().sampled(again, list(log_probs)[:len(again)], policy_version)
+            versions = policy_version if isinstance(policy_version, int) else list(policy_version)[:len(again)]
+            return super().sampled(again, list(log_probs)[:len(again)], versions)
 
     monkeypatch.setattr(episode, "TrajectoryBuilder", Retokenizing)
     with pytest.raises(EpisodeError, match=r"episode s1/0/0, turn 0"):
@@ -346,16 +347,31 @@ def test_on_a_bpe_vocabulary_a_template_delta_other_than_the_templates_is_still_
 
 
 class HangingEnv(CalcEnv):
-    """A tool that never returns on the second turn."""
+    """A step that never returns for record 0; a reset that never returns for record 9."""
+
+    async def reset(self, record):
+        import asyncio
+
+        if record.index == 9:
+            await asyncio.Event().wait()
+        return await super().reset(record)
 
     async def step(self, turn):
         import asyncio
 
-        await asyncio.Event().wait()
+        if self.record.index == 0:
+            await asyncio.Event().wait()
+        return await super().step(turn)
 
 
-def test_an_environment_call_that_does_not_return_is_bounded_and_named():
+def test_an_environment_call_that_does_not_return_is_bounded_counted_or_named():
+    """A hung step is cancelled at env_timeout_s and ends its episode (trained on nothing), counted; the other
+    episodes go on. A hung reset stops the run naming the episode."""
     r = EpisodeRunner(TOK, HangingEnv, parse, LIMITS, env_timeout_s=0.2)
-    with pytest.raises(EpisodeError, match=r"episode s1/0/0, turn 0: step: the environment did not return within "
+    result = run(r, ScriptedPolicy())
+    assert result.metrics["multi_turn/step_timeouts"] == 2 and result.metrics["multi_turn/tool_timeouts"] == 2
+    assert result.scores == [0.0, 0.0, 1.0, 1.0]
+    assert [sum(t.loss_mask) == 0 for t in result.trajectories] == [True, True, False, False]
+    with pytest.raises(EpisodeError, match=r"episode s1/1/0: reset: the environment did not return within "
                                            r"0.2 s \(rollout.env_timeout_s\)"):
-        run(r, ScriptedPolicy())
+        run(r, ScriptedPolicy(), [RECORDS[0], PromptRecord(9, "2*2=", "4", {})])

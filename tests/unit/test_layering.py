@@ -16,9 +16,10 @@ import is still a dependency). The order, lowest first:
   checkpoint   HF <-> Megatron, distributed checkpoints of an engine
   data         datasets, tokenization, the batch protocol, micro-batching
   rewards      rule rewards and user reward functions: they score decoded samples (data), nothing above
-  envs         multi-turn environments, tools and tool-call parsers: an episode's final answer is scored by a
-               reward function (rewards); the rollout loop drives them, so they sit below rollout
-  rollout      the rollout engine protocol and vLLM
+  rollout      the rollout engine protocol, the request-level client protocol and vLLM
+  envs         multi-turn environments, tools and tool-call parsers, and the episode loop that drives them against a
+               rollout client (one request per turn): an episode's final answer is scored by a reward function
+               (rewards); nothing in rollout knows of episodes
   reshard      actor shards -> rollout engine layout (reads checkpoint's name maps, writes into rollout)
   roles        actor / critic / reference / reward model over the engine
   controller   Ray single controller: pools, worker groups, dispatch
@@ -39,7 +40,7 @@ import pathlib
 import pytest
 
 LAYERS = ["registry", "platform", "parallel", "algorithms", "models", "config", "engine", "checkpoint", "data",
-          "rewards", "envs", "rollout", "reshard", "roles", "controller", "workers", "trainer", "api", "cli"]
+          "rewards", "rollout", "envs", "reshard", "roles", "controller", "workers", "trainer", "api", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megarl"
 

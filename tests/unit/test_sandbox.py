@@ -388,3 +388,29 @@ def test_the_python_environment_runs_a_models_tool_call_in_the_sandbox():
     assert last.done and last.reward == 1.0
     counters = env.toolset.counters()
     assert counters["python/calls"] == 2 and counters["python/errors"] == 1, counters
+
+
+def test_concurrent_runs_are_bounded_by_max_concurrent_sandboxes(sandbox, monkeypatch):
+    """rollout.max_concurrent_sandboxes=2: five runs started at once, never more than two in flight (counted inside
+    the run, after its slot), all five finish."""
+    import megarl.envs.sandbox as sandbox_module
+
+    inner, in_flight, most = PythonSandbox._arun, [0], [0]
+
+    async def counted(self, code):
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        try:
+            return await inner(self, code)
+        finally:
+            in_flight[0] -= 1
+
+    monkeypatch.setattr(PythonSandbox, "_arun", counted)
+    monkeypatch.setattr(sandbox_module, "_max_concurrent_runs", 2)
+
+    async def five():
+        return await asyncio.gather(*(sandbox.arun("print(1)") for _ in range(5)))
+
+    results = asyncio.run(five())
+    assert [r.stdout for r in results] == ["1\n"] * 5
+    assert most[0] == 2
