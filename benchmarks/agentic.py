@@ -37,6 +37,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megarl.platform.host import host_cpu  # noqa: E402
+
 VOCAB = 300
 STOP_IDS = tuple(range(40, 46))  # 6 of ~300 ids stop a turn: mean length ~ 50 tokens before the cap
 MEDIAN_S, SIGMA, CAP_S = 0.2, 1.2, 4.0
@@ -102,6 +104,7 @@ class ReplayClient:
     async def generate(self, request, **kw):
         await asyncio.sleep(0)
         return self.outputs[request.request_id]
+
 
 
 def machine() -> dict:
@@ -190,6 +193,7 @@ def write_report(args, sizes: list, per_turn: int) -> dict:
     report = {
         "command": "python benchmarks/agentic.py " + " ".join(sys.argv[1:]),
         "machine": machine(),
+        "host_cpu": host_cpu(),
         "job": {"turns": args.turns, "max_turn_tokens": per_turn, "stop_ids": list(STOP_IDS),
                 "tool_latency": f"lognormal median {MEDIAN_S} s sigma {SIGMA} cap {CAP_S} s, after each turn but "
                 "the last", "model": "random tiny Llama (4 layers, hidden 256, vocab 300), fp32",

@@ -485,7 +485,7 @@ class InProcessClient:
 
         def resolve(result: RequestResult) -> None:
             try:
-                loop.call_soon_threadsafe(_settle, future, result)
+                loop.call_soon_threadsafe(settle_future, future, result)
             except RuntimeError:  # the caller's event loop closed: nobody waits
                 pass
 
@@ -513,7 +513,7 @@ class InProcessClient:
         return out
 
 
-def _settle(future: asyncio.Future, result: RequestResult) -> None:
+def settle_future(future: asyncio.Future, result: RequestResult) -> None:
     """Resolve a client's future with a server answer (on the client's event loop)."""
     if future.done():
         return

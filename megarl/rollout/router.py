@@ -29,7 +29,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 from megarl.rollout.client import ReplicaDied, RolloutTimeout
 from megarl.rollout.engine import GenerationOutput, GenerationRequest
-from megarl.rollout.engine_server import RequestResult, _settle
+from megarl.rollout.engine_server import RequestResult, settle_future
 
 logger = logging.getLogger("megarl.rollout")
 
@@ -259,7 +259,7 @@ class RolloutRouter:
         if result.status == "died":
             result = dataclasses.replace(result, error=f"{self._handles[w.replica].name}: {result.error}")
         try:
-            w.loop.call_soon_threadsafe(_settle, w.future, result)
+            w.loop.call_soon_threadsafe(settle_future, w.future, result)
         except RuntimeError:  # the caller's loop closed
             pass
 
