@@ -72,6 +72,7 @@ def test_concurrent_requests_match_the_batch_path(server, engine):
     assert m["rollout/server/tokens"] == 4 * 2 * 8
     # round_steps 3 and 8 tokens per request: more than one round, fewer steps than one per request per token
     assert m["rollout/server/rounds"] >= 3 and m["rollout/server/steps"] <= 4 * 8
+    assert m["rollout/server/step_s"] > 0  # the steps' seconds are counted
 
 
 def test_cancel_aborts_the_request_and_others_go_on(server, engine):
