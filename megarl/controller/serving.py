@@ -78,14 +78,15 @@ class RayReplica:
 
 
 def start_serving(group: Any, *, round_steps: int = 16, weight_version: Optional[int] = 0,
-                  default_timeout_s: float = 600.0, poll_wait_s: float = 0.5) -> RolloutRouter:
+                  default_timeout_s: float = 600.0, poll_wait_s: float = 0.5,
+                  sticky_sessions: bool = True) -> RolloutRouter:
     """Start every rank's request server (`RolloutHost.start_server`) and return a router over the replicas'
-    first ranks, in replica order."""
+    first ranks, in replica order (`sticky_sessions`: `RolloutRouter`'s)."""
     infos = group.start_server(round_steps=round_steps, weight_version=weight_version)
     leaders = sorted((info["replica"], rank) for rank, info in enumerate(infos) if info["tp_rank"] == 0)
     handles = [RayReplica(group, rank, f"replica {replica} (rank {rank})") for replica, rank in leaders]
     return RolloutRouter(handles, default_timeout_s=default_timeout_s, poll_wait_s=poll_wait_s,
-                         weight_version=weight_version)
+                         weight_version=weight_version, sticky_sessions=sticky_sessions)
 
 
 def stop_serving(group: Any, router: RolloutRouter, timeout_s: float = 60.0) -> list[dict[str, float]]:

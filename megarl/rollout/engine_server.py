@@ -135,7 +135,8 @@ class EngineServer:
         self.error: Optional[BaseException] = None  # what killed the loop
         self.counts: collections.Counter = collections.Counter(
             submitted=0, finished=0, aborted=0, dropped=0, failed=0, tokens=0, rounds=0, steps=0, broadcasts=0,
-            prefix_cache_requests=0, prefix_cache_queries=0, prefix_cache_hits=0)  # the last 3: vLLM's, if it counts
+            prefix_cache_requests=0, prefix_cache_queries=0, prefix_cache_hits=0,  # these 3: vLLM's, if it counts
+            step_s=0.0, idle_s=0.0)  # seconds in engine steps; seconds the loop waited with nothing runnable
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> "EngineServer":
@@ -239,7 +240,8 @@ class EngineServer:
 
     def metrics(self) -> dict[str, float]:
         """Counts over the server's life (requests, tokens generated, rounds, engine steps, round broadcasts, the
-        engine's prefix-cache lookups: requests, prompt tokens queried, tokens hit) and the requests in flight now;
+        engine's prefix-cache lookups: requests, prompt tokens queried, tokens hit; `step_s`: seconds inside engine
+        steps, `idle_s`: seconds the loop waited for ops with nothing runnable) and the requests in flight now;
         keys without a prefix (the client adds `rollout/server/`)."""
         out = {f"{k}": float(v) for k, v in list(self.counts.items())}
         out["in_flight"] = float(len(self._pending))
@@ -319,7 +321,12 @@ class EngineServer:
 
     def _lead(self) -> None:
         while True:
-            ops = self._take_ops(0.0 if self._runnable() else self.idle_round_s)
+            if self._runnable():
+                ops = self._take_ops(0.0)
+            else:
+                idle_from = time.perf_counter()
+                ops = self._take_ops(self.idle_round_s)
+                self.counts["idle_s"] += time.perf_counter() - idle_from
             if self.tp > 1:
                 self.engine.tp_broadcast([op.wire() for op in ops])
                 self.counts["broadcasts"] += 1
@@ -434,7 +441,9 @@ class EngineServer:
         for _ in range(self.round_steps):
             if not self._runnable():
                 return
+            step_from = time.perf_counter()
             outputs = self.engine.step()
+            self.counts["step_s"] += time.perf_counter() - step_from
             self.counts["steps"] += 1
             if engine_counts is not None:  # read here, on the loop thread, before any answer of this step leaves
                 for key, value in engine_counts().items():

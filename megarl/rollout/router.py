@@ -6,7 +6,9 @@
 Routing: a request of a new session goes to the least-loaded live replica (requests in flight; ties: the lowest
 index); every later request of that session goes to the same replica, whose prefix cache still holds the session's
 earlier turns (a session whose replica died fails with `ReplicaDied`: its cache is gone with it and the run stops).
-`session_id=None`: a session of its own (least-loaded, not remembered). `priority` travels with the request: requests
+`session_id=None`: a session of its own (least-loaded, not remembered). `sticky_sessions=False` routes every request
+as a new session (least-loaded, nothing remembered): the comparison without stickiness (benchmarks/prefix_cache.py).
+`priority` travels with the request: requests
 reaching a replica in the same round enter its engine lowest value first (`megarl.rollout.engine_server`).
 
 Results: one collector thread per replica long-polls it (`ReplicaHandle.poll(max_wait_s)`, a bounded wait) and
@@ -65,16 +67,20 @@ class RolloutRouter:
 
     replicas: one handle per replica, in replica order. default_timeout_s: the bound of a `generate` whose
     `timeout_s` is None (seconds). poll_wait_s: how long one long-poll waits for results (a dead replica is noticed
-    within about this plus the handle's own bound). weight_version: the engines' weights version (set by pushes)."""
+    within about this plus the handle's own bound). weight_version: the engines' weights version (set by pushes).
+    sticky_sessions: True (the default): a session's later requests go to the replica of its first; False: every
+    request goes to the least-loaded live replica, whatever its session (for measuring what stickiness buys: the
+    prefix-cache hit rate of multi-turn sessions, benchmarks/prefix_cache.py)."""
 
     def __init__(self, replicas: Sequence[ReplicaHandle], *, default_timeout_s: float = 600.0,
-                 poll_wait_s: float = 0.5, weight_version: Optional[int] = 0) -> None:
+                 poll_wait_s: float = 0.5, weight_version: Optional[int] = 0, sticky_sessions: bool = True) -> None:
         if not replicas:
             raise ValueError("RolloutRouter: no replicas to route to")
         self._handles = list(replicas)
         self.replicas = len(self._handles)
         self.default_timeout_s = default_timeout_s
         self.poll_wait_s = poll_wait_s
+        self.sticky_sessions = sticky_sessions
         self._weight_version = weight_version
         self._lock = threading.Lock()
         self._sessions: dict[str, int] = {}  # session id -> replica
@@ -199,6 +205,8 @@ class RolloutRouter:
     # ------------------------------------------------------------------------------------------- internals
     def _pick(self, session_id: Optional[str]) -> int:
         """The replica of a request (under the lock): its session's, or the least-loaded live one."""
+        if not self.sticky_sessions:
+            session_id = None
         if session_id is not None and session_id in self._sessions:
             replica = self._sessions[session_id]
             if replica in self._dead:

