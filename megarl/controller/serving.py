@@ -77,10 +77,11 @@ class RayReplica:
             ray.get(ref)
 
 
-def start_serving(group: Any, *, round_steps: int = 16, weight_version: Optional[int] = 0,
+def start_serving(group: Any, *, round_steps: int = 16, weight_version: Optional[int] = None,
                   default_timeout_s: float = 600.0, poll_wait_s: float = 0.5,
                   sticky_sessions: bool = True) -> RolloutRouter:
-    """Start every rank's request server (`RolloutHost.start_server`) and return a router over the replicas'
+    """Start every rank's request server (`RolloutHost.start_server`; `weight_version`: the version of the weights
+    the engines hold, which their tokens record; None: the engines' own) and return a router over the replicas'
     first ranks, in replica order (`sticky_sessions`: `RolloutRouter`'s)."""
     infos = group.start_server(round_steps=round_steps, weight_version=weight_version)
     leaders = sorted((info["replica"], rank) for rank, info in enumerate(infos) if info["tp_rank"] == 0)

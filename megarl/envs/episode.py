@@ -78,7 +78,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from megarl.data.trajectory import Trajectory, TrajectoryBuilder
 from megarl.envs.base import EpisodeError, ModelTurn
-from megarl.rollout.engine import GenerationRequest, OverlongPromptError, RolloutSamples
+from megarl.rollout.client import RequestDropped
+from megarl.rollout.engine import GenerationRequest, RolloutSamples
 
 logger = logging.getLogger("megarl.envs")
 
@@ -744,9 +745,7 @@ async def run_single_turn(client: Any, prompts: Sequence[Sequence[int]], samplin
         async with slots:
             try:
                 return await client.generate(request, session_id=f"{uid_prefix}{i}", timeout_s=timeout_s)
-            except OverlongPromptError:
-                raise
-            except ValueError:  # dropped by the prompt policy (rollout.overlong_prompt: drop)
+            except RequestDropped:  # dropped by the prompt policy (rollout.overlong_prompt: drop)
                 return None
 
     outs = await _all_or_cancel(one(i, p) for i, p in enumerate(prompts))

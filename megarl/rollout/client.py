@@ -32,6 +32,11 @@ class RolloutTimeout(TimeoutError):
     the bound."""
 
 
+class RequestDropped(ValueError):
+    """The prompt policy dropped a request (rollout.overlong_prompt: drop; its prompt is longer than its
+    max_prompt_tokens): it produced no output."""
+
+
 class ReplicaDied(RuntimeError):
     """A rollout replica stopped answering (its process died or its engine loop failed); the message names it."""
 
@@ -51,7 +56,8 @@ class RolloutClient(Protocol):
         """Run one request to its end and return its finished output. `session_id`: requests of one session go to
         one replica (its prefix cache); None = a session of its own. `priority`: lower runs first where the engine
         has to choose (a batch's stragglers can be ordered or aborted). Raises `RolloutTimeout` / `ReplicaDied`;
-        a request the prompt policy dropped raises `ValueError` naming it."""
+        a request the prompt policy dropped raises `RequestDropped` (a ValueError) naming it, one the engine refused a
+        `ValueError` with its reason."""
         ...
 
     async def abort(self, request_ids: Sequence[str]) -> int:

@@ -27,8 +27,9 @@ other ops or ran other steps) is caught by the engine's digest check, which runs
 leader's death shows on the followers as a failed collective, not a silent hang).
 
 Only the leader takes requests and reports results (followers compute the same ones): finished outputs, with
-`Completion.versions` filled from the server's `weight_version`, go to the request's callback (`InProcessClient`)
-or to a results store drained by `take_results(max_wait_s)` (the Ray host's long-poll, `RolloutHost.server_poll`).
+`Completion.versions` as the engine recorded them (else the engine's `weight_version`), go to the request's callback
+(`InProcessClient`) or to a results store drained by `take_results(max_wait_s)` (the Ray host's long-poll,
+`RolloutHost.server_poll`). `submit_many` queues several requests at once: they enter the engine in one round.
 `priority`: requests submitted in the same round enter the engine lowest priority value first (vLLM's FCFS
 scheduler then serves them in that order); the request API has no per-request priority inside the engine.
 
@@ -53,7 +54,7 @@ import threading
 import time
 from typing import Any, Callable, Literal, Optional, Sequence
 
-from megarl.rollout.client import ReplicaDied, RolloutTimeout
+from megarl.rollout.client import ReplicaDied, RequestDropped, RolloutTimeout
 from megarl.rollout.engine import GenerationOutput, GenerationRequest
 
 logger = logging.getLogger("megarl.rollout")
@@ -108,12 +109,13 @@ class EngineServer:
     name: the replica's name in messages ("replica 0").
     round_steps: engine steps a round runs at most (>= 1). idle_round_s: an idle leader's wait before an empty
         round. follower_call_wait_s: how long a follower waits for its own `call(fn, key)` once the leader's round
-        names the key. weight_version: the version of the weights the engine holds (`Completion.versions`).
+        names the key. weight_version: label the weights the engine holds now with this version (the engine's
+        `set_weight_version`; None: keep the engine's); the server reads the engine's version, never its own.
     """
 
     def __init__(self, engine: Any, *, name: Optional[str] = None, round_steps: int = DEFAULT_ROUND_STEPS,
                  idle_round_s: float = DEFAULT_IDLE_ROUND_S, follower_call_wait_s: float = 120.0,
-                 weight_version: Optional[int] = 0) -> None:
+                 weight_version: Optional[int] = None) -> None:
         if round_steps < 1:
             raise ValueError(f"EngineServer: round_steps must be >= 1, got {round_steps}")
         if idle_round_s <= 0:
@@ -125,7 +127,8 @@ class EngineServer:
         self.round_steps = round_steps
         self.idle_round_s = idle_round_s
         self.follower_call_wait_s = follower_call_wait_s
-        self.weight_version = weight_version
+        if weight_version is not None and weight_version != getattr(engine, "weight_version", weight_version):
+            engine.set_weight_version(weight_version)  # before the loop owns the engine
         self._cond = threading.Condition()
         self._ops: collections.deque[_Op] = collections.deque()  # leader: queued ops; follower: its own calls
         self._pending: dict[str, _Pending] = {}  # leader: submitted, not yet answered
@@ -137,6 +140,12 @@ class EngineServer:
             submitted=0, finished=0, aborted=0, dropped=0, failed=0, tokens=0, rounds=0, steps=0, broadcasts=0,
             prefix_cache_requests=0, prefix_cache_queries=0, prefix_cache_hits=0,  # these 3: vLLM's, if it counts
             step_s=0.0, idle_s=0.0)  # seconds in engine steps; seconds the loop waited with nothing runnable
+
+    @property
+    def weight_version(self) -> Optional[int]:
+        """The version of the weights the engine holds (the engine's own `weight_version`, which the weight pushes
+        set and vLLM records per token; None for an engine without versions)."""
+        return getattr(self.engine, "weight_version", None)
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> "EngineServer":
@@ -176,20 +185,33 @@ class EngineServer:
         """Queue `request` (leader only). Its answer goes to `on_done(result)` (called on the loop thread: keep it
         short, e.g. `loop.call_soon_threadsafe`) or, without one, to `take_results`. A request id already pending
         raises ValueError; a dead server answers `died` at once."""
+        self.submit_many([(request, priority)], on_done=on_done)
+
+    def submit_many(self, entries: Sequence[tuple[GenerationRequest, int]], *,
+                    on_done: Optional[Callable[[RequestResult], None]] = None) -> list[str]:
+        """Queue (request, priority) pairs at once (leader only): they enter the engine in the same round, as one
+        engine submit, lowest priority first -- as a batch `generate` adds its prompts. A request whose id is
+        already pending is refused (not queued) and its id returned; the others are queued. Answers as `submit`."""
         self._require_leader("submit")
+        refused, queued = [], []
         with self._cond:
-            if request.request_id in self._pending:
-                raise ValueError(f"EngineServer {self.name}: request id {request.request_id!r} is already in flight; "
-                                 "request ids must be unique among the requests in flight")
-            self._pending[request.request_id] = _Pending(request, priority, on_done, time.monotonic())
-            if self.error is not None or not self.alive or self._stopped:
-                dead = True
-            else:
-                dead = False
-                self._ops.append(_Op("submit", (request, priority)))
+            for request, priority in entries:
+                if request.request_id in self._pending:
+                    refused.append(request.request_id)
+                    continue
+                self._pending[request.request_id] = _Pending(request, priority, on_done, time.monotonic())
+                queued.append((request, priority))
+            dead = self.error is not None or not self.alive or self._stopped
+            if not dead:
+                self._ops.extend(_Op("submit", entry) for entry in queued)
                 self._cond.notify_all()
         if dead:
-            self._answer(RequestResult(request.request_id, "died", error=self._death_message()))
+            for request, _ in queued:
+                self._answer(RequestResult(request.request_id, "died", error=self._death_message()))
+        if refused and len(entries) == 1:
+            raise ValueError(f"EngineServer {self.name}: request id {refused[0]!r} is already in flight; request ids "
+                             "must be unique among the requests in flight")
+        return refused
 
     def abort(self, request_ids: Sequence[str]) -> concurrent.futures.Future:
         """Queue an abort of these requests (leader only); the future gives how many were in the engine. Each
@@ -532,5 +554,7 @@ def settle_future(future: asyncio.Future, result: RequestResult) -> None:
         future.cancel()
     elif result.status == "died":
         future.set_exception(ReplicaDied(f"request {result.request_id!r}: {result.error}"))
+    elif result.status == "dropped":
+        future.set_exception(RequestDropped(result.error))
     else:  # dropped (prompt policy) or refused by the engine
         future.set_exception(ValueError(result.error))

@@ -8,8 +8,10 @@ index); every later request of that session goes to the same replica, whose pref
 earlier turns (a session whose replica died fails with `ReplicaDied`: its cache is gone with it and the run stops).
 `session_id=None`: a session of its own (least-loaded, not remembered). `sticky_sessions=False` routes every request
 as a new session (least-loaded, nothing remembered): the comparison without stickiness (benchmarks/prefix_cache.py).
-`priority` travels with the request: requests
-reaching a replica in the same round enter its engine lowest value first (`megarl.rollout.engine_server`).
+`priority` travels with the request: requests reaching a replica in the same round enter its engine lowest value
+first (`megarl.rollout.engine_server`). The requests made in one turn of the caller's event loop (e.g. a single-turn
+batch started with `gather`) go to each replica as one submit and enter its engine in the same round, in the order
+they were made.
 
 Results: one collector thread per replica long-polls it (`ReplicaHandle.poll(max_wait_s)`, a bounded wait) and
 resolves the waiting coroutines' futures on their event loops (`call_soon_threadsafe`). A replica whose poll raises
@@ -91,6 +93,8 @@ class RolloutRouter:
         self.counts: collections.Counter = collections.Counter(
             requests=0, finished=0, aborted=0, failed=0, tokens=0, sessions=0)
         self.routed: collections.Counter = collections.Counter()  # replica -> requests routed to it
+        self._outbox: dict[int, list] = collections.defaultdict(list)  # replica -> (request, priority) to send
+        self._flush_scheduled = False
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._collect, args=(i,), name=f"megarl-router-{i}", daemon=True)
                          for i in range(self.replicas)]
@@ -131,11 +135,7 @@ class RolloutRouter:
             self.counts["requests"] += 1
             self.routed[replica] += 1
         handle = self._handles[replica]
-        try:
-            handle.submit([(request, priority)])
-        except BaseException:
-            self._release(rid)
-            raise
+        self._queue_submit(loop, replica, request, priority)
         bound = self.default_timeout_s if timeout_s is None else timeout_s
         try:
             return await asyncio.wait_for(future, bound)
@@ -221,6 +221,38 @@ class RolloutRouter:
             self._sessions[session_id] = replica
             self.counts["sessions"] += 1
         return replica
+
+    def _queue_submit(self, loop: asyncio.AbstractEventLoop, replica: int, request: GenerationRequest,
+                      priority: int) -> None:
+        """Put a request into its replica's outbox; the outboxes go out at the event loop's next turn, one
+        `submit` per replica: the requests of every coroutine that submitted in the same turn (a single-turn batch
+        started with `gather`) reach the replica in one call and enter its engine in the same round, in the order
+        they were made -- as a batch `generate` adds its prompts."""
+        with self._lock:
+            self._outbox[replica].append((request, priority))
+            first = not self._flush_scheduled
+            self._flush_scheduled = True
+        if first:
+            loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Send every outbox (see `_queue_submit`); a replica whose submit raises fails the requests sent to it."""
+        with self._lock:
+            boxes, self._outbox = self._outbox, collections.defaultdict(list)
+            self._flush_scheduled = False
+            # a request cancelled or timed out before its turn came is not sent at all
+            boxes = {r: [e for e in entries if e[0].request_id in self._waiters] for r, entries in boxes.items()}
+        for replica, entries in boxes.items():
+            if not entries:
+                continue
+            try:
+                self._handles[replica].submit(entries)
+            except Exception as e:  # noqa: BLE001 -- each request's caller gets the failure
+                for request, _ in entries:
+                    w = self._release(request.request_id)
+                    if w is not None:
+                        _fail(w, ReplicaDied(f"request {request.request_id!r}: its submit to "
+                                             f"{self._handles[replica].name} failed: {e!r}"))
 
     def _release(self, rid: str) -> Optional[_Waiter]:
         with self._lock:

@@ -87,6 +87,12 @@ def sampled_log_probs(logprobs, ids: list[int]) -> list[float]:
     return [float(logprobs[j][t].logprob) for j, t in enumerate(ids)]
 
 
+def _max_prompt(settings: Any, sampling: SamplingSettings) -> int:
+    """A request's longest prompt: its sampling settings' `max_prompt_tokens`, else the engine's
+    rollout.max_prompt_tokens."""
+    return settings.max_prompt_tokens if sampling.max_prompt_tokens is None else sampling.max_prompt_tokens
+
+
 def check_weight_version(version: Any) -> None:
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
         raise ValueError(f"weight version must be an int >= 0, got {version!r}")
@@ -205,21 +211,29 @@ class VllmRequestApi:
         clash = sorted({i for i in ids if ids.count(i) > 1} | (set(ids) & set(self._requests)))
         if clash:
             raise ValueError(f"submit: request ids {clash[:10]} are repeated or already in flight")
-        for r in requests:
-            if s.max_prompt_tokens + r.sampling.max_new_tokens > s.max_model_len:
-                raise ValueError(f"submit: request {r.request_id!r}: rollout.max_prompt_tokens ({s.max_prompt_tokens})"
-                                 f" + max_new_tokens ({r.sampling.max_new_tokens}) exceeds the engine's max_model_len"
-                                 f" ({s.max_model_len})")
-        plan = plan_prompts([list(r.prompt_ids) for r in requests], s.max_prompt_tokens, s.overlong_prompt)
+        limits = [_max_prompt(s, r.sampling) for r in requests]
+        for r, max_prompt in zip(requests, limits):
+            if max_prompt + r.sampling.max_new_tokens > s.max_model_len:
+                raise ValueError(f"submit: request {r.request_id!r}: its max_prompt_tokens ({max_prompt}: the "
+                                 "request's sampling.max_prompt_tokens, else rollout.max_prompt_tokens) + "
+                                 f"max_new_tokens ({r.sampling.max_new_tokens}) exceeds the engine's max_model_len "
+                                 f"({s.max_model_len})")
+        # the prompt policy per request, each against its own limit (an episode's later turns are longer than
+        # rollout.max_prompt_tokens and say so in their sampling settings, as the batch path's continuations do)
+        plans = [plan_prompts([list(r.prompt_ids)], max_prompt, s.overlong_prompt)
+                 for r, max_prompt in zip(requests, limits)]
         engine = self.llm.llm_engine
-        for i, prompt in zip(plan.kept_indices, plan.prompts):
-            r = requests[i]
+        dropped = []
+        for r, plan in zip(requests, plans):
+            if not plan.kept_indices:
+                dropped.append(r.request_id)
+                continue
+            prompt = plan.prompts[0]
             params = sampling_params(r.sampling, r.seed_index, "cumulative" if r.stream else "final")
             # rendered as LLM.generate renders a token prompt, then added under the caller's id
             engine.add_request(r.request_id, self.llm._preprocess_cmpl_one({"prompt_token_ids": prompt}), params)
             self._requests[r.request_id] = _InFlight(r, prompt)
-        dropped = [ids[i] for i in plan.dropped_indices]
-        self.request_counts["submitted"] += len(plan.kept_indices)
+        self.request_counts["submitted"] += len(requests) - len(dropped)
         self.request_counts["dropped"] += len(dropped)
         self.events.append(("submit", len(requests)))
         return dropped

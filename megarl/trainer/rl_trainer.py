@@ -252,8 +252,9 @@ class RLLoop:
         """One RL step (`step` is 1-based; it also offsets the sampling seed: `rollout.seed + step`).
 
         Data path, all on the controller except the worker calls: next prompt batch from the loader ->
-        `rollout.generate` (samples, n per prompt) -> trajectories (`megarl.data.trajectory`; weights version
-        step - 1, group = prompt) -> `trajectories_to_batch` ([B, S] token tensors and `loss_mask`, B = samples)
+        the rollout service's request servers (`_generate`: samples, n per prompt) -> trajectories
+        (`megarl.data.trajectory`; weights version step - 1, group = prompt) -> `trajectories_to_batch` ([B, S]
+        token tensors and `loss_mask`, B = samples)
         -> rule scores [B] (or the learned reward model's, the rule mean then logged as `reward/rule_mean`; with
         `algorithm.dynamic_sampling`, more rounds of prompts until the groups with unequal scores fill the step:
         `_dynamic_sampling`) ->
@@ -422,8 +423,8 @@ class RLLoop:
         version step - 1, scored, with dynamic sampling's extra rounds when it is on (or multi-turn episodes)."""
         if self.episodes is not None:
             records, _, sampling = self._draw(step)
-            with _timer(t, "rollout"):
-                return self._episode_batch(step, records, sampling, step - 1, self.rollout.generate)
+            with _timer(t, "rollout"), self.rollout.serving() as client:
+                return self._episode_batch(step, records, sampling, step - 1, client)
         metrics: dict[str, float] = {}
         records, samples, dropped, scores, reward_metrics = self._rollout_round(step, 0, t)
         if self.cfg.algorithm.dynamic_sampling.enabled:
@@ -451,12 +452,15 @@ class RLLoop:
                             token_versions=token_versions, rollout_s=rollout_s,
                             reward_s=time.perf_counter() - started)
 
-    def _episode_batch(self, index: int, records, sampling: SamplingSettings, version, generate) -> RolloutBatch:
-        """rollout.samples_per_prompt multi-turn episodes per record (`megarl.envs.episode.EpisodeRunner`, one
-        `generate` call per turn), every trajectory verified against the engine's tokens; scores = the episodes'
-        summed rewards (their environments call the reward function)."""
+    def _episode_batch(self, index: int, records, sampling: SamplingSettings, version, source) -> RolloutBatch:
+        """rollout.samples_per_prompt multi-turn episodes per record (`megarl.envs.episode.EpisodeRunner`), every
+        trajectory verified against the engine's tokens; scores = the episodes' summed rewards (their environments
+        call the reward function). `source`: a `RolloutClient` (`RolloutService.serving()`: one coroutine per
+        episode; the sync step) or a batch `generate` function (one call per turn for every live episode; what the
+        async schedule's rollout driver still passes, `megarl.trainer.schedule`). `version`: the weights version of
+        the sampled tokens where the engine does not report it (a function: read after each turn)."""
         started = time.perf_counter()
-        result = self.episodes.run(records, self.cfg.rollout.samples_per_prompt, generate, sampling, version,
+        result = self.episodes.run(records, self.cfg.rollout.samples_per_prompt, source, sampling, version,
                                    uid_prefix=f"{index}/")
         if callable(version):  # weights pushed between turns: the batch's version is its oldest token's
             version = min((v for t in result.trajectories for v in t.policy_version if v >= 0), default=version())
@@ -472,7 +476,7 @@ class RLLoop:
         generation and the samples' rule scores [B] with the reward metrics."""
         records, prompts, sampling = self._draw(step, k)
         with _timer(t, "rollout"):
-            samples, dropped = self._generate(prompts, sampling)
+            samples, dropped = self._generate(prompts, sampling, uid_prefix=f"{step}/{k}/")
         with _timer(t, "reward"):
             scores, reward_metrics = self._scores(samples, records, f"step {step}" + (f" round {k + 1}" if k else ""))
         return records, samples, dropped, scores, reward_metrics
@@ -565,9 +569,20 @@ class RLLoop:
                     f"at trainer.max_skipped_steps={limit}. Check the rewards/advantages and lower the learning rate"
                 )
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingSettings):
-        """(samples ordered by (prompt_index, sample_index), dropped prompt indices) from the rollout service."""
-        return self._checked(self.rollout.generate(prompts, sampling))
+    def _generate(self, prompts: list[list[int]], sampling: SamplingSettings, uid_prefix: str = ""):
+        """(samples ordered by (prompt_index, sample_index), dropped prompt indices) from the rollout service's
+        request servers (`RolloutService.serving`): single-turn generation as the one-turn case of the episode path
+        (`megarl.envs.episode.run_single_turn`: prompt i one request of samples_per_prompt samples, seed_index i).
+        Every prompt is in flight at once: the requests enter each engine in one round, as the batch `generate`
+        added its prompts, so the samples are the batch path's (on one replica: the same seeds, bit for bit)."""
+        import asyncio
+
+        from megarl.envs.episode import run_single_turn
+
+        with self.rollout.serving() as client:
+            out, _ = asyncio.run(run_single_turn(client, prompts, sampling, uid_prefix=uid_prefix,
+                                                 max_concurrent=max(1, len(prompts))))
+        return self._checked(out)
 
     def _checked(self, out):
         """(samples, dropped prompt indices) of a `RolloutSamples`, warning about dropped prompts."""
@@ -627,8 +642,8 @@ class RLLoop:
         rollout.env); mean reward."""
         sampling = SamplingSettings.from_config(self.cfg.rollout, validation=True)
         if self.episodes is not None:  # one greedy episode per validation record
-            with self.schedule.exclusive():
-                result = self.episodes.run(self.val_records, 1, self.rollout.generate, sampling,
+            with self.schedule.exclusive(), self.rollout.serving() as client:
+                result = self.episodes.run(self.val_records, 1, client, sampling,
                                            self.rollout.weight_version or 0, uid_prefix="val/")
             out = {"val/reward_mean": sum(result.scores) / max(len(result.scores), 1), "val/reward_errors": 0.0}
             out.update({f"val/{k.split('/', 1)[1]}": v for k, v in result.metrics.items()
@@ -636,7 +651,7 @@ class RLLoop:
             return out
         prompts = [self.encoder.encode(r.prompt) for r in self.val_records]
         with self.schedule.exclusive():  # in async mode the engines are shared with the rollout driver
-            samples, _ = self._generate(prompts, sampling)
+            samples, _ = self._generate(prompts, sampling, uid_prefix="val/")
         scores, reward_metrics = self._scores(samples, self.val_records, "validation")
         return {"val/reward_mean": float(scores.mean()) if len(scores) else float("nan"),
                 "val/reward_errors": reward_metrics["reward/errors"]}

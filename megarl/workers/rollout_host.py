@@ -108,10 +108,12 @@ class RolloutHost:
 
     # ---------------------------------------------------------------------------------------- request server
     @dispatch(Dispatch.ONE_TO_ALL)
-    def start_server(self, round_steps: int = 16, weight_version: Optional[int] = 0,
+    def start_server(self, round_steps: int = 16, weight_version: Optional[int] = None,
                      idle_round_s: float = 0.05) -> dict[str, int]:
-        """Start serving (every rank, same arguments): wake the engine and run its `EngineServer` loop. Returns
-        {"replica", "tp_rank"} of this rank (the controller sends requests to tp_rank 0 of each replica)."""
+        """Start serving (every rank, same arguments): wake the engine and run its `EngineServer` loop.
+        `weight_version`: the version of the weights the engine holds (the controller's record of the last push;
+        the engine labels its tokens with it); None: the engine's own. Returns {"replica", "tp_rank"} of this rank
+        (the controller sends requests to tp_rank 0 of each replica)."""
         from megarl.rollout.engine_server import EngineServer
 
         if self.server is not None:
@@ -146,11 +148,10 @@ class RolloutHost:
         from megarl.rollout.engine_server import RequestResult
 
         server = self._serving("server_submit")
-        for request, priority in entries:
-            try:
-                server.submit(request, priority=priority)
-            except ValueError as e:
-                server.post(RequestResult(request.request_id, "failed", error=str(e)))
+        for rid in server.submit_many(list(entries)):  # one round: they enter the engine together
+            server.post(RequestResult(rid, "failed", error=f"request id {rid!r} is already in flight on replica "
+                                      f"{self.engine.replica_index}; request ids must be unique among the requests "
+                                      "in flight"))
 
     def server_abort(self, request_ids: Sequence[str], timeout_s: float = 60.0) -> int:
         """Abort requests on this replica's server; waits up to `timeout_s` for the round that applies it."""

@@ -293,3 +293,25 @@ def test_single_turn_on_the_server_is_the_batch_generate(server):
     assert [(x.prompt_index, x.sample_index, x.response_ids, x.response_log_probs) for x in samples] == \
         [(x.prompt_index, x.sample_index, x.response_ids, x.response_log_probs) for x in batch]
     assert all(v == [0] * len(x.response_ids) for x, v in zip(samples, versions))
+
+
+def test_the_servers_weight_version_is_the_engines_and_a_request_may_be_longer_than_the_default(engine):
+    """One source of truth for versions: a server started with `weight_version=5` labels the engine itself, a label
+    set on the engine later (as a push does) is what the server reports and what the tokens record. And `submit`
+    takes a request's own `sampling.max_prompt_tokens` (an episode's later turns): a 60-token prompt past the
+    engine's max_prompt_tokens=48 runs whole, not cut or refused."""
+    before = engine.weight_version
+    srv = EngineServer(engine, name="replica 0", round_steps=3, weight_version=5).start()
+    try:
+        assert engine.weight_version == 5 and srv.weight_version == 5
+        srv.call(lambda eng: eng.set_weight_version(6), key="label").result(timeout=30)
+        assert srv.weight_version == 6
+        client = InProcessClient(srv, default_timeout_s=120)
+        long_prompt = [1] + [3 + (5 * i) % 290 for i in range(59)]
+        turn = SamplingSettings(temperature=0.0, max_new_tokens=4, ignore_eos=True, max_prompt_tokens=64)
+        out = asyncio.run(client.generate(GenerationRequest("long", long_prompt, turn)))
+        assert out.prompt_ids == long_prompt and len(out.completions[0].token_ids) == 4
+        assert out.completions[0].versions == [6] * 4
+    finally:
+        srv.stop(timeout_s=60)
+        engine.set_weight_version(before)

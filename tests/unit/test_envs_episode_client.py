@@ -20,6 +20,7 @@ from megarl.envs.base import EnvStep, EpisodeError
 from megarl.envs.episode import TURN_SEED_STRIDE, EpisodeLimits, EpisodeRunner, run_single_turn, verify_trajectory
 from megarl.envs.tool_calls import parse_hermes
 from megarl.envs.tool_env import ToolEnvironment
+from megarl.rollout.client import RequestDropped
 from megarl.rollout.engine import Completion, GenerationOutput, SamplingSettings
 
 TOK = build_chat_char_tokenizer()
@@ -307,7 +308,7 @@ def test_single_turn_generation_is_one_request_per_prompt_with_its_samples():
     class Dropping(ScriptedClient):
         async def generate(self, request, **kw):
             if request.seed_index == 1:
-                raise ValueError(f"request {request.request_id!r}: prompt dropped (rollout.overlong_prompt=drop)")
+                raise RequestDropped(f"request {request.request_id!r}: prompt dropped (rollout.overlong_prompt=drop)")
             return await super().generate(request, **kw)
 
     prompts = [TOK(TOK.apply_chat_template([{"role": "user", "content": r.prompt}], tokenize=False,
