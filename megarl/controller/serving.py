@@ -78,10 +78,11 @@ class RayReplica:
 
 
 def start_serving(group: Any, *, round_steps: int = 16, weight_version: Optional[int] = 0,
-                  default_timeout_s: float = 600.0, poll_wait_s: float = 0.5) -> RolloutRouter:
-    """Start every rank's request server (`RolloutHost.start_server`) and return a router over the replicas'
-    first ranks, in replica order."""
-    infos = group.start_server(round_steps=round_steps, weight_version=weight_version)
+                  default_timeout_s: float = 600.0, poll_wait_s: float = 0.5,
+                  step_delay_s: float = 0.0) -> RolloutRouter:
+    """Start every rank's request server (`RolloutHost.start_server`; `step_delay_s`: tests only, see
+    `EngineServer`) and return a router over the replicas' first ranks, in replica order."""
+    infos = group.start_server(round_steps=round_steps, weight_version=weight_version, step_delay_s=step_delay_s)
     leaders = sorted((info["replica"], rank) for rank, info in enumerate(infos) if info["tp_rank"] == 0)
     handles = [RayReplica(group, rank, f"replica {replica} (rank {rank})") for replica, rank in leaders]
     return RolloutRouter(handles, default_timeout_s=default_timeout_s, poll_wait_s=poll_wait_s,

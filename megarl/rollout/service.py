@@ -129,16 +129,56 @@ class PoolRollout:
         rank's) and the pool's figures under `reshard/pool/`: bytes sent max/mean over the actor ranks, received
         max/mean over the rollout ranks (each rank's too), the rollout ranks' lower bound, and `verified` = 1 when
         every rollout rank checked every piece the plan routes into it.
+    Serving (`start_serving` .. `stop_serving`, the async schedule's whole run): every rollout rank runs its request
+        server (`megarl.rollout.engine_server`) and `client` is a `RolloutRouter` over the replicas. `generate` then
+        goes through the router (`megarl.envs.episode.run_single_turn`: one request per prompt, the batch path's
+        seeds), and `push_weights` lands as a server op at a round boundary of every rollout rank
+        (`RolloutWorker.serve_receive_weights`: pause(keep), receive, label the version, resume): the requests in
+        flight keep their tokens and continue on the new weights, each token recording its version. The summary
+        then also holds `reshard/pool/continued_requests`: requests in the engines across the push, summed over
+        the replicas.
     """
 
-    def __init__(self, actor_workers: Any, rollout_workers: Any) -> None:
+    def __init__(self, actor_workers: Any, rollout_workers: Any, push_timeout_s: float = 1800.0) -> None:
         self.actor_workers = actor_workers
         self.workers = rollout_workers
         self.weight_version: Optional[int] = None
+        self.client = None  # the RolloutRouter while serving
+        self.push_timeout_s = push_timeout_s
+        self._calls = 0  # generate calls through the router (unique request ids)
+
+    def start_serving(self, **server_options: Any):
+        """Start every rollout rank's request server at the engines' weights version; returns the `RolloutRouter`
+        (also `self.client`). `server_options`: `RolloutHost.start_server`'s (round_steps, step_delay_s)."""
+        from megarl.controller.serving import start_serving
+
+        if self.client is not None:
+            raise RuntimeError("PoolRollout.start_serving: the rollout pool is already serving")
+        self.client = start_serving(self.workers, weight_version=self.weight_version or 0, **server_options)
+        return self.client
+
+    def stop_serving(self) -> list[dict[str, float]]:
+        """Close the router and stop every rank's server (requests in flight are aborted); idempotent."""
+        from megarl.controller.serving import stop_serving
+
+        client, self.client = self.client, None
+        return [] if client is None else stop_serving(self.workers, client)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutSamples:
-        """`RolloutService.generate` through the rollout pool's DP_SPLIT `generate` (replica k: the k-th chunk)."""
-        return _merged(self.workers.generate(prompts, sampling), len(prompts))
+        """`RolloutService.generate` through the rollout pool's DP_SPLIT `generate` (replica k: the k-th chunk), or
+        while serving through the router (one request per prompt, seed index = its place, as the batch path)."""
+        if self.client is None:
+            return _merged(self.workers.generate(prompts, sampling), len(prompts))
+        import asyncio
+        import time
+
+        from megarl.envs.episode import run_single_turn
+
+        self._calls += 1
+        started = time.perf_counter()
+        out, _ = asyncio.run(run_single_turn(self.client, prompts, sampling, uid_prefix=f"generate{self._calls}/"))
+        out.generate_s = time.perf_counter() - started
+        return out
 
     def submit_generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> PendingRollout:
         """`generate` without waiting: the rollout pool generates while the actor pool trains."""
@@ -146,10 +186,19 @@ class PoolRollout:
 
     def push_weights(self, version: int) -> list[dict[str, float]]:
         sending = self.actor_workers.send_weights.submit(version)
-        receiving = self.workers.receive_weights.submit(version)
+        if self.client is None:
+            receiving = self.workers.receive_weights.submit(version)
+        else:  # a server op at a round boundary of every rank: pause(keep) -> receive -> resume
+            receiving = self.workers.serve_receive_weights.submit(version, self.push_timeout_s)
         sent, received = sending.result(), receiving.result()
         self.weight_version = version
-        return [pool_sync_summary(sent, received)] + list(sent) + list(received)
+        if self.client is not None:
+            self.client.weight_version = version
+        summary = pool_sync_summary(sent, received)
+        if self.client is not None:
+            summary["reshard/pool/continued_requests"] = float(sum(m.get("reshard/continued_requests", 0.0)
+                                                                   for m in received if m.get("reshard/tp_rank") == 0))
+        return [summary] + list(sent) + list(received)
 
 
 def pool_sync_summary(sent: list[dict[str, float]], received: list[dict[str, float]]) -> dict[str, float]:
