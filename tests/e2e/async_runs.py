@@ -61,30 +61,51 @@ class SlowEngine:
 
 
 PROBE_STEP_DELAY_S = 0.1  # the probe's engines: 32 decode steps take > 3.2 s
-PROBE_PUSH_AFTER_S = 0.8  # when the probe's push is sent: some tokens decoded, most not
+PROBE_ROUND_STEPS = 4  # a push queued on a server lands within this many decode steps
+PROBE_WAIT_S = 60.0  # bound on each of the probe's waits for the servers' counters
 
 
 def push_mid_request_probe(service, prompts: list[list[int]]) -> dict:
     """A weight push landing mid-request on the serving rollout pool (`PoolRollout.push_weights` while serving: the
     server op pause(keep) -> receive -> resume): the same seeded requests (32 tokens, ignore_eos) twice through the
-    router, first without a push ("a"), then with a push sent PROBE_PUSH_AFTER_S after they were submitted ("b").
-    Returns {"a"|"b": [{"tokens", "versions"}] per request, "pushed": the version pushed, "before": the engines'
-    version before, "continued_requests": the push's count of requests in the engines across it}."""
+    router, first without a push ("a"), then with a push ("b") sent once the servers report that they took every
+    request of b and ran 2 decode steps per replica since (read off the servers' own counters, not timed). Returns
+    {"a"|"b": [{"tokens", "versions"}] per request, "pushed": the version pushed, "before": the engines' version
+    before, "continued_requests": the push's count of requests in the engines across it}."""
     import asyncio
 
     from megarl.rollout.engine import GenerationRequest, SamplingSettings
 
     sampling = SamplingSettings(max_new_tokens=32, ignore_eos=True, seed=2026)
     before = service.weight_version
-    client = service.start_serving(step_delay_s=PROBE_STEP_DELAY_S)
+    client = service.start_serving(step_delay_s=PROBE_STEP_DELAY_S, round_steps=PROBE_ROUND_STEPS)
+
+    def counters() -> tuple[float, float]:
+        m = client.metrics()
+        return (sum(v for k, v in m.items() if k.startswith("rollout/server/submitted/replica_")),
+                m["rollout/server/engine_steps"])
+
+    async def until(ready, what: str) -> tuple[float, float]:
+        deadline = time.monotonic() + PROBE_WAIT_S
+        while True:
+            got = counters()
+            if ready(*got):
+                return got
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"push probe: waited {PROBE_WAIT_S} s for {what} (servers' counters {got})")
+            await asyncio.sleep(0.02)
+
     try:
         async def batch(tag: str, push: bool):
+            taken = counters()[0]
             tasks = [asyncio.ensure_future(client.generate(GenerationRequest(f"probe-{tag}{i}", p, sampling,
                                                                              seed_index=i), timeout_s=120))
                      for i, p in enumerate(prompts)]
             summary = None
             if push:
-                await asyncio.sleep(PROBE_PUSH_AFTER_S)
+                _, steps = await until(lambda n, _: n >= taken + len(prompts),
+                                       f"the servers to take the {len(prompts)} requests")
+                await until(lambda _, k: k >= steps + 2 * client.replicas, "2 decode steps per replica")
                 summary = (await asyncio.to_thread(service.push_weights, before + 1))[0]
             outs = await asyncio.gather(*tasks)
             return [{"tokens": list(o.completions[0].token_ids), "versions": list(o.completions[0].versions)}
