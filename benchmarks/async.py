@@ -109,7 +109,7 @@ def summarize(rows: list[dict]) -> dict:
     out["train_s"] = step - sum(out["split_s"].get(p, 0.0) for p in ("rollout", "rollout_wait", "reward",
                                                                      "sync_weights"))
     for key in ("async/staleness_mean", "async/staleness_max", "async/rollout_busy_frac", "async/train_busy_frac",
-                "async/dropped_batches", "async/buffer_batches", "async/pieces"):
+                "async/dropped_batches", "async/buffer_batches", "async/continued_requests"):
         if key in rows[-1]:
             out[key.split("/", 1)[1]] = mean(key) if "frac" in key or "mean" in key else rows[-1][key]
     return out

@@ -1,7 +1,7 @@
 """What a weight push in the middle of generation costs: pause(keep) + push + resume (vLLM recomputes each request's
-KV once, from prompt + tokens so far) against today's chunked partial rollout (`rollout.partial: continue`:
-`megarl.trainer.schedule._generate_in_pieces` re-sends prompt + tokens so far as a new prompt every
-`partial_chunk_tokens`, so a push can happen between pieces), on the in-process vLLM engine of this machine.
+KV once, from prompt + tokens so far) against the chunked partial rollout it replaced (the former `rollout.partial:
+continue`, deleted since: it re-sent prompt + tokens so far as a new prompt every `partial_chunk_tokens`, so a push
+could happen between pieces; reproduced here for the comparison), on the in-process vLLM engine of this machine.
 
 N requests of P prompt tokens and L new tokens (greedy, EOS ignored: every response has exactly L tokens), one push
 when the requests hold L/2 tokens. The pushed weights are the ones already loaded (a push of new weights costs the
@@ -109,7 +109,7 @@ def run_keep(eng, counter, prompts, greedy, weights, version) -> dict:
 
 
 def run_chunked(eng, counter, prompts, greedy, weights, version, chunk) -> dict:
-    """Today's `rollout.partial: continue` pieces (`_generate_in_pieces`; greedy, so no per-piece seeds)."""
+    """The former `rollout.partial: continue` pieces (greedy, so no per-piece seeds)."""
     total, half = greedy.max_new_tokens, greedy.max_new_tokens // 2
     tokens = [[] for _ in prompts]
     load_s, pieces, pushed = 0.0, 0, False

@@ -391,14 +391,12 @@ class RolloutConfig:
         "slot within their tool call's deadline.", unit="runs", min=1,
     )
     partial: Literal["finish", "continue"] = opt(
-        "finish", "async: generations in flight at a weight push: finish = they complete on the old weights (the push "
-        "waits for them); continue = generation runs in pieces of partial_chunk_tokens and a push between pieces "
-        "applies at once: each unfinished response continues from the tokens it has (its KV cache recomputed under "
-        "the new weights), every token recording the version that sampled it. Multi-turn episodes (rollout.env): a "
-        "push lands between two turns."
-    )
-    partial_chunk_tokens: int = opt(
-        16, "rollout.partial=continue: new tokens per piece (a push waits at most one piece).", unit="tokens", min=1,
+        "finish", "async: requests in flight at a weight push: finish = they complete on the old weights (the push "
+        "waits for the batch in flight); continue = the push lands at once, mid-request (the engine servers pause "
+        "with the requests kept, load the weights, resume): each request continues from the tokens it has (its KV "
+        "recomputed under the new weights), every token recording the version that sampled it. Multi-turn episodes "
+        "(rollout.env): a turn in the engine continues the same way; an episode in a tool call samples its next turn "
+        "with the new weights."
     )
 
 

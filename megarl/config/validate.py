@@ -509,10 +509,6 @@ def _check_schedule(cfg: JobConfig) -> None:
         if t.mode != "async":
             raise ConfigError(f"rollout.partial=continue applies to trainer.mode=async (mode is {t.mode!r}): the "
                               "other modes never push weights during a generation")
-        if r.stop:
-            raise ConfigError("rollout.partial=continue generates in pieces of rollout.partial_chunk_tokens and "
-                              "cannot see a stop string cut across two pieces; drop rollout.stop or use "
-                              "rollout.partial=finish")
 
 
 def _check_multi_turn(cfg: JobConfig) -> None:

@@ -79,11 +79,12 @@ class RayReplica:
 
 def start_serving(group: Any, *, round_steps: int = 16, weight_version: Optional[int] = None,
                   default_timeout_s: float = 600.0, poll_wait_s: float = 0.5,
-                  sticky_sessions: bool = True) -> RolloutRouter:
+                  sticky_sessions: bool = True, step_delay_s: float = 0.0) -> RolloutRouter:
     """Start every rank's request server (`RolloutHost.start_server`; `weight_version`: the version of the weights
-    the engines hold, which their tokens record; None: the engines' own) and return a router over the replicas'
-    first ranks, in replica order (`sticky_sessions`: `RolloutRouter`'s)."""
-    infos = group.start_server(round_steps=round_steps, weight_version=weight_version)
+    the engines hold, which their tokens record; None: the engines' own; `step_delay_s`: tests only, see
+    `EngineServer`) and return a router over the replicas' first ranks, in replica order (`sticky_sessions`:
+    `RolloutRouter`'s)."""
+    infos = group.start_server(round_steps=round_steps, weight_version=weight_version, step_delay_s=step_delay_s)
     leaders = sorted((info["replica"], rank) for rank, info in enumerate(infos) if info["tp_rank"] == 0)
     handles = [RayReplica(group, rank, f"replica {replica} (rank {rank})") for replica, rank in leaders]
     return RolloutRouter(handles, default_timeout_s=default_timeout_s, poll_wait_s=poll_wait_s,

@@ -111,11 +111,14 @@ class EngineServer:
         round. follower_call_wait_s: how long a follower waits for its own `call(fn, key)` once the leader's round
         names the key. weight_version: label the weights the engine holds now with this version (the engine's
         `set_weight_version`; None: keep the engine's); the server reads the engine's version, never its own.
+        step_delay_s: seconds slept after each engine step (0: none): an engine slower than the trainer, for the
+        tests that need a weight push to land while requests are in flight (the tiny CPU model decodes faster
+        than it trains).
     """
 
     def __init__(self, engine: Any, *, name: Optional[str] = None, round_steps: int = DEFAULT_ROUND_STEPS,
                  idle_round_s: float = DEFAULT_IDLE_ROUND_S, follower_call_wait_s: float = 120.0,
-                 weight_version: Optional[int] = None) -> None:
+                 weight_version: Optional[int] = None, step_delay_s: float = 0.0) -> None:
         if round_steps < 1:
             raise ValueError(f"EngineServer: round_steps must be >= 1, got {round_steps}")
         if idle_round_s <= 0:
@@ -129,6 +132,9 @@ class EngineServer:
         self.follower_call_wait_s = follower_call_wait_s
         if weight_version is not None and weight_version != getattr(engine, "weight_version", weight_version):
             engine.set_weight_version(weight_version)  # before the loop owns the engine
+        if step_delay_s < 0:
+            raise ValueError(f"EngineServer: step_delay_s must be >= 0 seconds, got {step_delay_s}")
+        self.step_delay_s = step_delay_s
         self._cond = threading.Condition()
         self._ops: collections.deque[_Op] = collections.deque()  # leader: queued ops; follower: its own calls
         self._pending: dict[str, _Pending] = {}  # leader: submitted, not yet answered
@@ -467,6 +473,8 @@ class EngineServer:
             outputs = self.engine.step()
             self.counts["step_s"] += time.perf_counter() - step_from
             self.counts["steps"] += 1
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
             if engine_counts is not None:  # read here, on the loop thread, before any answer of this step leaves
                 for key, value in engine_counts().items():
                     self.counts[key] = value

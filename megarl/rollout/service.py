@@ -105,10 +105,13 @@ class RequestRolloutService(RolloutService, Protocol):
 class ColocatedRollout:
     """`RolloutService` over the actor pool's `HybridWorker` group (see the module docstring).
 
-    `workers`: the group (any object with the group's `generate` and `sync_weights` controller methods)."""
+    `workers`: the group (any object with the group's `generate` and `sync_weights` controller methods).
+    `serving_backend`: what starts and stops the group's request servers (`megarl.controller.serving`, passed by the
+    trainer: the controller layer sits above this one); None: `serving` refuses."""
 
-    def __init__(self, workers: Any) -> None:
+    def __init__(self, workers: Any, serving_backend: Any = None) -> None:
         self.workers = workers
+        self.serving_backend = serving_backend
         self.weight_version: Optional[int] = None
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutSamples:
@@ -124,7 +127,7 @@ class ColocatedRollout:
     def serving(self) -> ContextManager[Any]:
         """The request-level path for one phase (`serve_group`): every rank's server starts with its engine woken
         and stops with it put back to sleep, as `generate` wakes and sleeps it."""
-        return serve_group(self.workers, self.weight_version)
+        return serve_group(self.serving_backend, self.workers, self.weight_version)
 
     def push_weights(self, version: int) -> list[dict[str, float]]:
         """The local reshard of every rank (`HybridWorker.sync_weights`); returns each rank's reshard metrics."""
@@ -145,15 +148,45 @@ class PoolRollout:
         rank's) and the pool's figures under `reshard/pool/`: bytes sent max/mean over the actor ranks, received
         max/mean over the rollout ranks (each rank's too), the rollout ranks' lower bound, and `verified` = 1 when
         every rollout rank checked every piece the plan routes into it.
+    Serving (`start_serving` .. `stop_serving`, the async schedule's whole run): every rollout rank runs its request
+        server (`megarl.rollout.engine_server`) and `client` is a `RolloutRouter` over the replicas. `generate` then
+        goes through the router (`megarl.envs.episode.run_single_turn`: one request per prompt, the batch path's
+        seeds), and `push_weights` lands as a server op at a round boundary of every rollout rank
+        (`RolloutWorker.serve_receive_weights`: pause(keep), receive, label the version, resume): the requests in
+        flight keep their tokens and continue on the new weights, each token recording its version. The summary
+        then also holds `reshard/pool/continued_requests`: requests in the engines across the push, summed over
+        the replicas.
     """
 
-    def __init__(self, actor_workers: Any, rollout_workers: Any) -> None:
+    def __init__(self, actor_workers: Any, rollout_workers: Any, push_timeout_s: float = 1800.0,
+                 serving_backend: Any = None) -> None:
+        self.serving_backend = serving_backend  # as ColocatedRollout's
         self.actor_workers = actor_workers
         self.workers = rollout_workers
         self.weight_version: Optional[int] = None
+        self.client = None  # the RolloutRouter while serving
+        self.push_timeout_s = push_timeout_s
+
+    def start_serving(self, **server_options: Any):
+        """Start every rollout rank's request server at the engines' weights version; returns the `RolloutRouter`
+        (also `self.client`). `server_options`: `RolloutHost.start_server`'s (round_steps, step_delay_s)."""
+        if self.client is not None:
+            raise RuntimeError("PoolRollout.start_serving: the rollout pool is already serving")
+        self.client = _backend(self.serving_backend).start_serving(
+            self.workers, weight_version=self.weight_version or 0, **server_options)
+        return self.client
+
+    def stop_serving(self) -> list[dict[str, float]]:
+        """Close the router and stop every rank's server (requests in flight are aborted); idempotent."""
+        client, self.client = self.client, None
+        return [] if client is None else _backend(self.serving_backend).stop_serving(self.workers, client)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutSamples:
-        """`RolloutService.generate` through the rollout pool's DP_SPLIT `generate` (replica k: the k-th chunk)."""
+        """`RolloutService.generate` through the rollout pool's DP_SPLIT `generate` (replica k: the k-th chunk); while
+        the pool serves, generation goes through `serving()`'s router instead."""
+        if self.client is not None:
+            raise RuntimeError("PoolRollout.generate: the rollout pool is serving requests (the async schedule); "
+                               "generate through `with service.serving() as client` instead")
         return _merged(self.workers.generate(prompts, sampling), len(prompts))
 
     def submit_generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> PendingRollout:
@@ -161,15 +194,27 @@ class PoolRollout:
         return PendingRollout(self.workers.generate.submit(prompts, sampling), len(prompts))
 
     def serving(self) -> ContextManager[Any]:
-        """The request-level path for one phase over the rollout pool's replicas (`serve_group`)."""
-        return serve_group(self.workers, self.weight_version)
+        """The request-level path for one phase over the rollout pool's replicas (`serve_group`); while the pool
+        already serves (the async schedule), its router, left serving at the end."""
+        if self.client is not None:
+            return contextlib.nullcontext(self.client)
+        return serve_group(self.serving_backend, self.workers, self.weight_version)
 
     def push_weights(self, version: int) -> list[dict[str, float]]:
         sending = self.actor_workers.send_weights.submit(version)
-        receiving = self.workers.receive_weights.submit(version)
+        if self.client is None:
+            receiving = self.workers.receive_weights.submit(version)
+        else:  # a server op at a round boundary of every rank: pause(keep) -> receive -> resume
+            receiving = self.workers.serve_receive_weights.submit(version, self.push_timeout_s)
         sent, received = sending.result(), receiving.result()
         self.weight_version = version
-        return [pool_sync_summary(sent, received)] + list(sent) + list(received)
+        if self.client is not None:
+            self.client.weight_version = version
+        summary = pool_sync_summary(sent, received)
+        if self.client is not None:
+            summary["reshard/pool/continued_requests"] = float(sum(m.get("reshard/continued_requests", 0.0)
+                                                                   for m in received if m.get("reshard/tp_rank") == 0))
+        return [summary] + list(sent) + list(received)
 
 
 # Seconds one long-poll of a replica waits for results in `serve_group` (it answers at once when one is ready): the
@@ -179,18 +224,24 @@ SERVE_POLL_WAIT_S = 0.05
 
 
 @contextlib.contextmanager
-def serve_group(group: Any, weight_version: Optional[int]) -> Iterator[Any]:
+def serve_group(backend: Any, group: Any, weight_version: Optional[int]) -> Iterator[Any]:
     """Serve through `group`'s engines for the `with` block: every rank's request server started
     (`megarl.controller.serving.start_serving`, the engines' tokens labelled `weight_version`), a `RolloutRouter`
     over the replicas yielded, and at the end the router closed and every server stopped (requests still in flight
     aborted; a colocated engine goes back to sleep)."""
-    from megarl.controller.serving import start_serving, stop_serving
-
-    router = start_serving(group, weight_version=weight_version, poll_wait_s=SERVE_POLL_WAIT_S)
+    backend = _backend(backend)
+    router = backend.start_serving(group, weight_version=weight_version, poll_wait_s=SERVE_POLL_WAIT_S)
     try:
         yield router
     finally:
-        stop_serving(group, router)
+        backend.stop_serving(group, router)
+
+
+def _backend(backend: Any) -> Any:
+    if backend is None:
+        raise RuntimeError("this rollout service was built without a serving backend (serving_backend="
+                           "megarl.controller.serving, which the trainer passes): it cannot start request servers")
+    return backend
 
 
 def pool_sync_summary(sent: list[dict[str, float]], received: list[dict[str, float]]) -> dict[str, float]:

@@ -34,6 +34,7 @@ from megarl.algorithms.dynamic_sampling import enough_groups, informative_groups
 from megarl.algorithms.rollout_correction import mismatch_from_rows
 from megarl.config.loader import to_dict
 from megarl.config.schema import JobConfig
+from megarl.controller import serving
 from megarl.controller.shares import BatchShares
 from megarl.data.batch import Batch
 from megarl.data.trajectory import trajectories_to_batch
@@ -91,7 +92,7 @@ class RLLoop:
         self.stop = stop
         self.cfg = cfg
         self.workers = workers
-        self.rollout = rollout if rollout is not None else ColocatedRollout(workers)
+        self.rollout = rollout if rollout is not None else ColocatedRollout(workers, serving_backend=serving)
         self.role_groups = dict(role_groups or {})
         self.loader = loader
         self.encoder = encoder

@@ -16,20 +16,25 @@ where its `RolloutBatch` comes from and when the actor's weights go into the eng
   batch is part of a checkpoint, so a resumed run repeats the uninterrupted one exactly. Colocated, the engines share
   the actor's processes: the generation queues with the forwards there and only the controller's own work (rewards,
   advantages) overlaps it; on a rollout pool, generation overlaps the whole training step.
-- `AsyncSchedule` (needs rollout.pool): a driver thread on the controller generates batch after batch into a
-  bounded buffer; the trainer takes the oldest batch whose oldest token is at most `trainer.max_staleness`
-  versions behind the weights it updates (per sample). `stale_policy: wait` keeps the driver from starting a batch
-  that would be too stale when trained (so nothing is wasted); `drop` lets it run ahead and drops (counts) what
-  became too stale. Weights are pushed every `trainer.sync_every` updates. `rollout.partial`: `finish` = a push
-  waits for the batch in flight (it completes on the old weights); `continue` = batches are generated in pieces of
-  `rollout.partial_chunk_tokens` tokens, a push lands between two pieces, and each unfinished response continues
-  from the tokens it has (a new request whose prompt is prompt + tokens so far: its KV cache is recomputed under the
-  new weights, vLLM's prefix cache cannot hold KV of older weights), every token recording the version that sampled
-  it.
+- `AsyncSchedule` (needs rollout.pool): the rollout pool serves requests for the whole run (its engines' request
+  servers, started by `start` and stopped by `close`; `PoolRollout.start_serving`) and a driver thread on the
+  controller generates batch after batch through the router (`PoolRollout.client`: single-turn one request per
+  prompt, `megarl.envs.episode.run_single_turn`; multi-turn one coroutine per episode, `EpisodeRunner.run` over
+  the client) into a bounded buffer; the trainer takes the oldest batch whose oldest token is at most
+  `trainer.max_staleness` versions behind the weights it updates (per sample). `stale_policy: wait` keeps the
+  driver from starting a batch that would be too stale when trained (so nothing is wasted); `drop` lets it run
+  ahead and drops (counts) what became too stale. Weights are pushed every `trainer.sync_every` updates, as a
+  server op at a round boundary of every rollout rank (pause(keep) -> receive -> resume).
+  `rollout.partial`: `finish` = a push waits for the batch in flight (it completes on the old weights);
+  `continue` = a push lands at once, mid-request: every request in flight keeps the tokens it has and continues on
+  the new weights (vLLM recomputes its KV), every token recording the version that sampled it (`Completion.
+  versions` -> `RolloutBatch.token_versions`); a request in a tool call is not in the engines and its next turn is
+  simply sampled by the new weights. Requests that crossed a push are counted (`async/continued_requests`).
 
-The engines are used by one caller at a time: the driver thread and the trainer (a push, a validation) take turns
-through `exclusive()`; the trainer's turn comes before the driver's next batch or piece. Every wait is bounded
-(`wait_timeout_s`) and names what it waited for; an error on the driver thread is raised in the trainer's next call.
+The trainer's own use of the engines (a push, a validation) goes through `exclusive()`: with `finish` it waits for
+the batch in flight and the driver starts nothing until the trainer is done; with `continue` nothing waits (the
+servers order a push against the requests themselves). Every wait is bounded (`wait_timeout_s`) and names what it
+waited for; an error on the driver thread is raised in the trainer's next call.
 
 Checkpoints: `pause()` holds the driver between batches (the batch in flight is finished first, so nothing is in
 flight at a save); a schedule's `state_dict()` (plain data: the finished batches not yet trained on, as
@@ -51,14 +56,8 @@ import torch
 
 logger = logging.getLogger("megarl.trainer")
 
-# Sampling-seed offset of piece p of a partial rollout (continue): seed + index + p * this.
-PIECE_SEED_STRIDE = 7_000_001
 # Bound on every wait of a schedule (a batch, the engines' turn, the driver's pause), seconds.
 WAIT_TIMEOUT_S = 1800.0
-
-
-class _Stopped(Exception):
-    """The schedule was closed while its driver was between two pieces of a partial rollout."""
 
 
 @dataclasses.dataclass
@@ -335,7 +334,8 @@ class OneStepOffSchedule(Schedule):
 class AsyncSchedule(Schedule):
     """trainer.mode=async (see the module docstring). State shared with the driver thread is guarded by `cond`:
     `buffer` (finished batches, oldest first), `engine_version`, `push_wanted` / `engine_busy` (turns on the
-    engines), `paused`, `error` (the driver's exception, raised in the trainer)."""
+    engines: with partial=finish the driver holds them for a batch, a push or a validation for its call), `paused`,
+    `error` (the driver's exception, raised in the trainer). `client`: the rollout pool's router while serving."""
 
     mode = "async"
 
@@ -346,7 +346,7 @@ class AsyncSchedule(Schedule):
         self.stale_policy = cfg.trainer.stale_policy
         self.sync_every = cfg.trainer.sync_every
         self.partial = cfg.rollout.partial
-        self.chunk = cfg.rollout.partial_chunk_tokens
+        self.client = None  # the RolloutClient of the serving engines (start .. close)
         self.capacity = self.max_staleness + 1  # batches; also the most 'wait' lets the driver run ahead
         self.cond = threading.Condition()
         self.buffer: collections.deque = collections.deque()
@@ -360,17 +360,22 @@ class AsyncSchedule(Schedule):
         self.stopping = False
         self.error: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
-        self.counts = collections.Counter()  # dropped_batches/samples, restored_batches, pieces, continued
+        self.counts = collections.Counter()  # dropped_batches/samples, restored_batches, continued_requests
         self.busy_s = 0.0  # the engines' generating seconds since the last step's metrics
         self.mark = time.perf_counter()
 
     # trainer side ---------------------------------------------------------------------------------------------
     def start(self, next_step: int) -> None:
+        """Start serving on the rollout pool (`start_serving`: its servers stay up until `close`) and the driver."""
+        if not hasattr(self.rollout, "start_serving"):
+            raise RuntimeError("trainer.mode=async needs engines that serve requests (a rollout pool: set "
+                               f"rollout.pool); {type(self.rollout).__name__} does not")
         with self.cond:
             self.trained_upto = next_step - 1
             self.engine_version = self.rollout.weight_version or 0
             if self.next_index < next_step:
                 self.next_index = next_step
+        self.client = self.rollout.start_serving()
         self.thread = threading.Thread(target=self._drive, name="megarl-rollout-driver", daemon=True)
         self.thread.start()
         self.mark = time.perf_counter()
@@ -421,6 +426,7 @@ class AsyncSchedule(Schedule):
             out = self.rollout.push_weights(version=step)
             with self.cond:
                 self.engine_version = step
+                self.counts["continued_requests"] += int(out[0].get("reshard/pool/continued_requests", 0)) if out else 0
                 self.cond.notify_all()
         return out
 
@@ -435,14 +441,15 @@ class AsyncSchedule(Schedule):
         out = self._staleness_metrics(batch, step)
         out.update({"async/buffer_batches": float(getattr(self, "buffered_at_take", 0)),
                     "async/engine_version": float(version), "async/rollout_busy_frac": min(busy / wall, 1.0)})
-        for key in ("dropped_batches", "dropped_samples", "restored_batches", "pieces", "continued_samples"):
+        for key in ("dropped_batches", "dropped_samples", "restored_batches", "continued_requests"):
             out[f"async/{key}"] = float(counts.get(key, 0))
         return out
 
     @contextlib.contextmanager
     def exclusive(self):
-        """The engines for the trainer: waits for the batch (finish) or piece (continue) in flight; the driver
-        starts nothing until the trainer is done."""
+        """The engines for the trainer (a push, a validation). partial=finish: waits for the batch in flight, and the
+        driver starts nothing until the trainer is done; continue: only one such caller at a time (the driver's
+        requests stay in flight: the servers apply a push between two of their rounds)."""
         with self.cond:
             self.push_wanted = True
             try:
@@ -484,7 +491,7 @@ class AsyncSchedule(Schedule):
 
     def state_dict(self) -> dict:
         """{"mode", "batches": the buffered finished batches (oldest first), "next_index": the driver's next batch,
-        "counts": dropped / pieces / continued counters}. Taken inside `pause()` (nothing in flight)."""
+        "counts": dropped / restored / continued counters}. Taken inside `pause()` (nothing in flight)."""
         with self.cond:
             return {"mode": self.mode, "batches": [b.state_dict() for b in self.buffer],
                     "next_index": int(self.next_index), "counts": {k: int(v) for k, v in self.counts.items()}}
@@ -500,9 +507,18 @@ class AsyncSchedule(Schedule):
                     len(batches), [b.index for b in batches], self.next_index)
 
     def close(self) -> None:
+        """Stop the driver and the servers (a batch in flight is aborted: its requests fail and the driver ends)."""
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
+        try:
+            if self.client is not None:
+                self.client = None
+                self.rollout.stop_serving()
+        finally:
+            self._join()
+
+    def _join(self) -> None:
         if self.thread is not None:
             self.thread.join(timeout=self.wait_timeout_s)
             if self.thread.is_alive():
@@ -526,15 +542,20 @@ class AsyncSchedule(Schedule):
         return True
 
     def _turn(self, ready) -> bool:
-        """Wait (holding `cond`) for the engines' turn under `ready`; False when stopping."""
+        """Wait (holding `cond`) for the engines' turn under `ready`; False when stopping. partial=finish: the
+        driver then holds the engines (`engine_busy`) until its batch is generated."""
         while not self.stopping and not ready():
             self.cond.wait(1.0)
         if self.stopping:
             return False
-        self.engine_busy = True
+        self.engine_busy = self.partial == "finish"
         return True
 
     def _drive(self) -> None:
+        import asyncio
+
+        from megarl.envs.episode import run_single_turn
+
         try:
             while True:
                 with self.cond:
@@ -545,118 +566,40 @@ class AsyncSchedule(Schedule):
                     self.in_batch = True
                     version = self.engine_version
                 records, prompts, sampling = self.trainer._draw(index)
+                started = time.perf_counter()
                 try:
-                    if self.trainer.episodes is not None:  # multi-turn: one engine call per turn, then the batch
-                        started = time.perf_counter()
-                        if self.partial == "continue":  # a push may land between two turns of the episodes
-                            batch = self.trainer._episode_batch(index, records, sampling,
-                                                                lambda: self.engine_version, self._turn_generate)
-                        else:
-                            batch = self.trainer._episode_batch(index, records, sampling, version,
-                                                                self.rollout.generate)
-                        with self.cond:
-                            self.busy_s += time.perf_counter() - started
-                            self.buffer.append(batch)
-                            self.in_batch = False
-                            self.cond.notify_all()
-                        continue
-                    if self.partial == "continue":
-                        out, token_versions, version = self._generate_in_pieces(prompts, sampling, version)
+                    if self.trainer.episodes is not None:  # one coroutine per episode through the router
+                        batch = self.trainer._episode_batch(index, records, sampling, lambda: self.engine_version,
+                                                            self.client)
                     else:
-                        started = time.perf_counter()
-                        out, token_versions = self.rollout.generate(prompts, sampling), None
-                        with self.cond:
-                            self.busy_s += time.perf_counter() - started
+                        out, token_versions = asyncio.run(run_single_turn(
+                            self.client, prompts, sampling, uid_prefix=f"{index}/",
+                            policy_version=lambda: self.engine_version))
+                        out.generate_s = time.perf_counter() - started
                 finally:
                     with self.cond:
+                        self.busy_s += time.perf_counter() - started
                         self.engine_busy = False
                         self.cond.notify_all()
-                batch = self.trainer._scored_batch(index, records, out, version, token_versions=token_versions,
-                                                   rollout_s=out.generate_s or 0.0)
+                if self.trainer.episodes is None:
+                    oldest = min((min(v) for v in token_versions if v), default=version)
+                    batch = self.trainer._scored_batch(index, records, out, oldest, token_versions=token_versions,
+                                                       rollout_s=out.generate_s)
                 with self.cond:
                     self.buffer.append(batch)
                     self.in_batch = False
                     self.cond.notify_all()
-        except _Stopped:
-            return
         except BaseException as e:  # raised in the trainer's next take / push
+            with self.cond:
+                if self.stopping:  # closed with a batch in flight: its requests were aborted, nothing waits for it
+                    self.engine_busy = self.in_batch = False
+                    self.cond.notify_all()
+                    return
             logger.exception("the rollout driver thread failed")
             with self.cond:
                 self.error = e
                 self.engine_busy = self.in_batch = False
                 self.cond.notify_all()
-
-    def _generate_in_pieces(self, prompts: list[list[int]], sampling: Any, version: int):
-        """rollout.partial=continue: the batch in pieces of `chunk` new tokens (the driver holds the engines'
-        turn on entry and between pieces gives it to a waiting push). Returns (RolloutSamples of whole responses,
-        per-sample per-token versions, the oldest version)."""
-        from megarl.rollout.engine import RolloutSample, RolloutSamples
-
-        total = sampling.max_new_tokens
-        first = dataclasses.replace(sampling, max_new_tokens=min(self.chunk, total))
-        started = time.perf_counter()
-        out = self.rollout.generate(prompts, first)
-        self._piece_done(started)
-        state = {(s.prompt_index, s.sample_index): [s, list(s.response_ids), list(s.response_log_probs),
-                                                    [version] * len(s.response_ids), s.finish_reason]
-                 for s in out}
-        piece = 1
-        while True:
-            todo = [k for k, v in state.items() if v[4] == "length" and len(v[1]) < total]
-            if not todo:
-                break
-            with self.cond:  # hand the engines to a waiting push, then take them back
-                self.engine_busy = False
-                self.cond.notify_all()
-                if not self._turn(lambda: not self.push_wanted and not self.engine_busy):
-                    raise _Stopped()  # closed inside a partial rollout: the batch is not needed
-                piece_version = self.engine_version
-            longest = max(len(state[k][1]) for k in todo)
-            cont = dataclasses.replace(
-                sampling, samples_per_prompt=1, max_new_tokens=min(self.chunk, total - longest),
-                seed=None if sampling.seed is None else sampling.seed + piece * PIECE_SEED_STRIDE,
-                max_prompt_tokens=max(len(state[k][0].prompt_ids) + len(state[k][1]) for k in todo))
-            started = time.perf_counter()
-            more = self.rollout.generate([list(state[k][0].prompt_ids) + state[k][1] for k in todo], cont)
-            self._piece_done(started)
-            with self.cond:
-                self.counts["continued_samples"] += len(todo)
-            by_prompt = {s.prompt_index: s for s in more}
-            for i, k in enumerate(todo):
-                s = by_prompt[i]
-                st = state[k]
-                st[1].extend(s.response_ids)
-                st[2].extend(s.response_log_probs)
-                st[3].extend([piece_version] * len(s.response_ids))
-                st[4] = s.finish_reason
-            piece += 1
-        samples, versions = [], []
-        for k in sorted(state):
-            s, ids, lps, vs, reason = state[k]
-            samples.append(RolloutSample(s.prompt_index, s.sample_index, list(s.prompt_ids), ids, lps, reason,
-                                         s.routed_experts))
-            versions.append(vs)
-        result = RolloutSamples(samples, dropped_prompt_indices=out.dropped_prompt_indices,
-                                truncated_prompt_indices=out.truncated_prompt_indices)
-        result.generate_s = None
-        oldest = min((min(v) for v in versions if v), default=version)
-        return result, versions, oldest
-
-    def _turn_generate(self, prompts: list[list[int]], sampling: Any):
-        """A turn of multi-turn episodes with rollout.partial=continue: a waiting push gets the engines first (the
-        driver holds them on entry), so an episode's next turn may be sampled by newer weights than its last."""
-        with self.cond:
-            self.engine_busy = False
-            self.cond.notify_all()
-            if not self._turn(lambda: not self.push_wanted and not self.engine_busy):
-                raise _Stopped()
-            self.counts["pieces"] += 1
-        return self.rollout.generate(prompts, sampling)
-
-    def _piece_done(self, started: float) -> None:
-        with self.cond:
-            self.busy_s += time.perf_counter() - started
-            self.counts["pieces"] += 1
 
 
 SCHEDULES = {"sync": Schedule, "one_step_off": OneStepOffSchedule, "async": AsyncSchedule}
@@ -673,12 +616,11 @@ def describe_schedule(cfg: Any) -> str:
     if t.mode == "one_step_off":
         return (f"one_step_off: step k+1's batch is generated {where} on the weights before update k while step k "
                 f"trains (staleness 1); {correction}")
-    partial = (f"rollout.partial=continue: generation in pieces of {r.partial_chunk_tokens} tokens, a push lands "
-               "between pieces" if r.partial == "continue" else "rollout.partial=finish: a push waits for the batch "
-               "in flight")
-    return (f"async: a driver generates {where} into a buffer of at most {t.max_staleness + 1} batches; trained "
-            f"tokens at most {t.max_staleness} version(s) old (stale_policy={t.stale_policy}); weights pushed every "
-            f"{t.sync_every} update(s); {partial}; {correction}")
+    partial = ("rollout.partial=continue: a push lands mid-request (the requests in flight keep their tokens)"
+               if r.partial == "continue" else "rollout.partial=finish: a push waits for the batch in flight")
+    return (f"async: a driver generates through the serving engines {where} into a buffer of at most "
+            f"{t.max_staleness + 1} batches; trained tokens at most {t.max_staleness} version(s) old "
+            f"(stale_policy={t.stale_policy}); weights pushed every {t.sync_every} update(s); {partial}; {correction}")
 
 
 def build_schedule(trainer: Any) -> Schedule:

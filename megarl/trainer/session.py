@@ -256,6 +256,7 @@ class TrainingSession:
         """`rollout.pool` set: an `ActorWorker` group on the actor's pool (the actor and the roles placed there), a
         `RolloutWorker` group on the rollout pool, the bridge between them (its store on actor rank 0's node, at a
         port the controller picks there) -> (actor group, rollout group, `PoolRollout`)."""
+        from megarl.controller import serving
         from megarl.controller.bridge import BridgeSpec
         from megarl.rollout.service import PoolRollout
         from megarl.workers.pool_sync import ActorWorker, RolloutWorker
@@ -273,7 +274,7 @@ class TrainingSession:
         ranks = [r for call in joining for r in call.result()]
         logger.info("bridge %r over %s:%d: actor ranks -> bridge %s, rollout ranks -> bridge %s", spec.name, host,
                     port, ranks[:spec.train_ranks], ranks[spec.train_ranks:])
-        return actors, engines, PoolRollout(actors, engines)
+        return actors, engines, PoolRollout(actors, engines, serving_backend=serving)
 
     def signals(self):
         """SIGTERM/SIGINT handlers around training (`megarl.trainer.stop`); none off the main thread, where Python

@@ -129,4 +129,37 @@ class RolloutWorker(RolloutHost):
                                  transport=self.bridge.transport, rank=self.bridge.rank,
                                  verify=self.cfg.rollout.verify_sync, dtype=WIRE_DTYPES[self.cfg.model.dtype])
         self.weight_version = version
+        self.engine.set_weight_version(version)  # the label of the tokens sampled from now on
         return _sync_metrics(report, self.plan, self.bridge.rank, version)
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def serve_receive_weights(self, version: int, timeout_s: float = 1800.0) -> dict[str, float]:
+        """`receive_weights` while serving (`RolloutHost.start_server`): queued on this rank's server as a call at a
+        round boundary (`EngineServer.call`, key "push-<version>": every TP rank of a replica runs it in the same
+        round) that pauses the engine with the requests in flight kept, receives the weights over the bridge (the
+        actor ranks' `send_weights` pairs with it), labels them `version` and resumes: each request in flight
+        continues from its tokens under the new weights (its KV recomputed), its tokens recording their versions.
+        Waits up to `timeout_s` for the round to run it. Returns `receive_weights`'s metrics plus
+        `reshard/continued_requests` (requests in this rank's engine across the push) and `reshard/tp_rank`."""
+        server = self._serving("serve_receive_weights")
+        crossed: list[int] = []
+
+        def push(engine) -> dict[str, float]:
+            engine.pause()
+            try:
+                crossed.append(len(engine.in_flight))
+                metrics = self.receive_weights(version)  # labels the engine's tokens `version` from now on
+            finally:
+                engine.resume()
+            return metrics
+
+        future = server.call(push, key=f"push-{version}")
+        try:
+            metrics = future.result(timeout=timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"serve_receive_weights: replica {self.engine.replica_index} (TP rank "
+                               f"{self.engine.tp_rank}) did not run the push of version {version} within {timeout_s} "
+                               "s (waited for its engine server's next round boundary and the bridge transfer)") \
+                from None
+        return {**metrics, "reshard/continued_requests": float(crossed[0]),
+                "reshard/tp_rank": float(self.engine.tp_rank)}

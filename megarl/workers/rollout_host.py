@@ -109,18 +109,19 @@ class RolloutHost:
     # ---------------------------------------------------------------------------------------- request server
     @dispatch(Dispatch.ONE_TO_ALL)
     def start_server(self, round_steps: int = 16, weight_version: Optional[int] = None,
-                     idle_round_s: float = 0.05) -> dict[str, int]:
-        """Start serving (every rank, same arguments): wake the engine and run its `EngineServer` loop.
-        `weight_version`: the version of the weights the engine holds (the controller's record of the last push;
-        the engine labels its tokens with it); None: the engine's own. Returns {"replica", "tp_rank"} of this rank
-        (the controller sends requests to tp_rank 0 of each replica)."""
+                     idle_round_s: float = 0.05, step_delay_s: float = 0.0) -> dict[str, int]:
+        """Start serving (every rank, same arguments): wake the engine and run its `EngineServer` loop (its
+        `step_delay_s`: tests only). `weight_version`: the version of the weights the engine holds (the controller's
+        record of the last push; the engine labels its tokens with it); None: the engine's own. Returns
+        {"replica", "tp_rank"} of this rank (the controller sends requests to tp_rank 0 of each replica)."""
         from megarl.rollout.engine_server import EngineServer
 
         if self.server is not None:
             raise RuntimeError(f"start_server: replica {self.engine.replica_index}'s server is already running")
         self._wake_for_rollout()
         self.server = EngineServer(self.engine, name=f"replica {self.engine.replica_index}", round_steps=round_steps,
-                                   weight_version=weight_version, idle_round_s=idle_round_s).start()
+                                   weight_version=weight_version, idle_round_s=idle_round_s,
+                                   step_delay_s=step_delay_s).start()
         return {"replica": self.engine.replica_index, "tp_rank": self.engine.tp_rank}
 
     @dispatch(Dispatch.ONE_TO_ALL)

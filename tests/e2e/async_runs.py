@@ -34,21 +34,21 @@ RUNS = {
     "async1": (["trainer.mode=async", "trainer.max_staleness=1", *TIS], 20, None, 0),
     "async4": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 30, None, 25),
     "async4_resumed": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 30, ("async4", 25), 0),
-    # pieces of 2 tokens over full-length responses (ignore_eos), each continuation piece held PIECE_DELAY_S longer
-    # (`SlowPieces`): generating a batch (16 pieces, > 2 s) takes longer than a training step (< 1.5 s here), so
-    # every push lands inside a generation and responses mix two versions
+    # full-length responses (ignore_eos) on engines slowed to STEP_DELAY_S per decode step (`SlowEngine`): generating
+    # a batch (32 steps, > 2 s) takes longer than a training step (< 1.5 s here), so every push lands while the
+    # batch's requests are in the engines and responses mix two versions
     "continue": (["trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=continue",
-                  "rollout.partial_chunk_tokens=2", "rollout.ignore_eos=true", *TIS], 5, None, 0),
+                  "rollout.ignore_eos=true", *TIS], 5, None, 0),
 }
 
 
-PIECE_DELAY_S = 0.15
+STEP_DELAY_S = 0.07
 
 
-class SlowPieces:
-    """The session's rollout service, each continuation piece of a partial rollout (a call with max_prompt_tokens
-    set) followed by PIECE_DELAY_S of sleep: an engine slower than the trainer, as a long generation makes it (the
-    tiny model here generates a batch faster than the trainer trains on it). Everything else is the service's."""
+class SlowEngine:
+    """The session's rollout service, its engine servers sleeping STEP_DELAY_S after each decode step
+    (`EngineServer.step_delay_s`): an engine slower than the trainer, as a long generation makes it (the tiny model
+    here generates a batch faster than the trainer trains on it). Everything else is the service's."""
 
     def __init__(self, service) -> None:
         self.service = service
@@ -56,11 +56,67 @@ class SlowPieces:
     def __getattr__(self, name):
         return getattr(self.service, name)
 
-    def generate(self, prompts, sampling):
-        out = self.service.generate(prompts, sampling)
-        if sampling.max_prompt_tokens is not None:
-            time.sleep(PIECE_DELAY_S)
-        return out
+    def start_serving(self, **options):
+        return self.service.start_serving(**options, step_delay_s=STEP_DELAY_S)
+
+
+PROBE_STEP_DELAY_S = 0.1  # the probe's engines: 32 decode steps take > 3.2 s
+PROBE_ROUND_STEPS = 4  # a push queued on a server lands within this many decode steps
+PROBE_WAIT_S = 60.0  # bound on each of the probe's waits for the servers' counters
+
+
+def push_mid_request_probe(service, prompts: list[list[int]]) -> dict:
+    """A weight push landing mid-request on the serving rollout pool (`PoolRollout.push_weights` while serving: the
+    server op pause(keep) -> receive -> resume): the same seeded requests (32 tokens, ignore_eos) twice through the
+    router, first without a push ("a"), then with a push ("b") sent once the servers report that they took every
+    request of b and ran 2 decode steps per replica since (read off the servers' own counters, not timed). Returns
+    {"a"|"b": [{"tokens", "versions"}] per request, "pushed": the version pushed, "before": the engines' version
+    before, "continued_requests": the push's count of requests in the engines across it}."""
+    import asyncio
+
+    from megarl.rollout.engine import GenerationRequest, SamplingSettings
+
+    sampling = SamplingSettings(max_new_tokens=32, ignore_eos=True, seed=2026)
+    before = service.weight_version
+    client = service.start_serving(step_delay_s=PROBE_STEP_DELAY_S, round_steps=PROBE_ROUND_STEPS)
+
+    def counters() -> tuple[float, float]:
+        m = client.metrics()
+        return (sum(v for k, v in m.items() if k.startswith("rollout/server/submitted/replica_")),
+                m["rollout/server/engine_steps"])
+
+    async def until(ready, what: str) -> tuple[float, float]:
+        deadline = time.monotonic() + PROBE_WAIT_S
+        while True:
+            got = counters()
+            if ready(*got):
+                return got
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"push probe: waited {PROBE_WAIT_S} s for {what} (servers' counters {got})")
+            await asyncio.sleep(0.02)
+
+    try:
+        async def batch(tag: str, push: bool):
+            taken = counters()[0]
+            tasks = [asyncio.ensure_future(client.generate(GenerationRequest(f"probe-{tag}{i}", p, sampling,
+                                                                             seed_index=i), timeout_s=120))
+                     for i, p in enumerate(prompts)]
+            summary = None
+            if push:
+                _, steps = await until(lambda n, _: n >= taken + len(prompts),
+                                       f"the servers to take the {len(prompts)} requests")
+                await until(lambda _, k: k >= steps + 2 * client.replicas, "2 decode steps per replica")
+                summary = (await asyncio.to_thread(service.push_weights, before + 1))[0]
+            outs = await asyncio.gather(*tasks)
+            return [{"tokens": list(o.completions[0].token_ids), "versions": list(o.completions[0].versions)}
+                    for o in outs], summary
+
+        a, _ = asyncio.run(batch("a", False))
+        b, summary = asyncio.run(batch("b", True))
+    finally:
+        service.stop_serving()
+    return {"a": a, "b": b, "before": before, "pushed": before + 1,
+            "continued_requests": summary["reshard/pool/continued_requests"]}
 
 
 def main(out: str) -> None:
@@ -92,10 +148,13 @@ def main(out: str) -> None:
             session.train_from(source, os.path.join(out, name),
                                [*overrides, f"trainer.total_steps={steps}", f"checkpoint.save_every={save_every}",
                                 "checkpoint.keep_last=0"],
-                               raw=data, rollout=SlowPieces(first.rollout) if name == "continue" else None)
+                               raw=data, rollout=SlowEngine(first.rollout) if name == "continue" else None)
             seconds = time.monotonic() - run_started
             report[name] = {"seconds": seconds, "steps": steps, "resumed_from": resumed_from}
             print(f"[async_runs] {name}: {seconds:.1f} s", flush=True)
+        probe_prompts = [first.encoder.encode(r.prompt) for r in first.val_records[:4]]
+        with open(os.path.join(out, "push_probe.json"), "w") as f:
+            json.dump(push_mid_request_probe(first.rollout, probe_prompts), f)
         report["_session"] = {"start_s": start_s}
     finally:
         session.close()

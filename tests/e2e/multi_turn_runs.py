@@ -7,9 +7,10 @@ merged and unmerged spellings alike, so most turns are not the canonical encodin
 the tokenizer cannot decode: what a real BPE model does, which must not stop or mask an episode.
 
 Runs (each from the session's step-0 checkpoint): "sync" (20 steps) and "async" (trainer.mode=async, max_staleness 1,
-rollout.partial=continue: weight pushes land between turns; 5 steps). Each engine call of the async run is held
-TURN_DELAY_S longer (`SlowTurns`): the tiny model samples a batch's turns faster than the trainer trains, and pushes
-land inside an episode only when generating takes longer than a training step, as it does with real models.
+rollout.partial=continue: weight pushes land inside episodes, mid-turn or between turns; 5 steps). The async run's
+engine servers sleep STEP_DELAY_S after each decode step (`SlowEngine`): the tiny model samples a batch's turns
+faster than the trainer trains, and pushes land inside an episode only when generating takes longer than a training
+step, as it does with real models.
 
     python tests/e2e/multi_turn_runs.py OUT_DIR     # OUT_DIR/<run>/metrics.jsonl, runs.json
 """
@@ -25,16 +26,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 CONFIG = os.path.join(ROOT, "yaml_configs", "cpu_tools_quickstart.yaml")
 ECHO = os.path.join(ROOT, "tests", "e2e", "echo_env.py") + ":echo_env"
-# 0.8 s: a batch's three turns then take ~2x a training step here (0.3 s made them equal, and whether a push landed
-# inside a batch depended on the machine's load)
-TURN_DELAY_S = 0.8
+# 0.1 s: a batch's three turns of 8 tokens then take ~2x a training step here (the former per-call delay of 0.8 s x 3
+# turns; 0.3 s per call made them equal, and whether a push landed inside a batch depended on the machine's load)
+STEP_DELAY_S = 0.1
 RUNS = {"sync": (["trainer.mode=sync"], 20),
         "async": (["trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=continue",
                    "algorithm.rollout_correction.tis=token"], 5)}
 
 
-class SlowTurns:
-    """The rollout service with every `generate` held TURN_DELAY_S longer (see the module docstring)."""
+class SlowEngine:
+    """The rollout service with its engine servers slowed by STEP_DELAY_S per decode step (see the module
+    docstring)."""
 
     def __init__(self, service) -> None:
         self.service = service
@@ -42,10 +44,8 @@ class SlowTurns:
     def __getattr__(self, name):
         return getattr(self.service, name)
 
-    def generate(self, prompts, sampling):
-        out = self.service.generate(prompts, sampling)
-        time.sleep(TURN_DELAY_S)
-        return out
+    def start_serving(self, **options):
+        return self.service.start_serving(**options, step_delay_s=STEP_DELAY_S)
 
 
 def main(out: str) -> None:
@@ -72,7 +72,7 @@ def main(out: str) -> None:
         for name, (overrides, steps) in RUNS.items():
             run_started = time.monotonic()
             session.train_from(step0, os.path.join(out, name), [*overrides, f"trainer.total_steps={steps}"], raw=raw,
-                               rollout=SlowTurns(first.rollout) if name == "async" else None)
+                               rollout=SlowEngine(first.rollout) if name == "async" else None)
             seconds = time.monotonic() - run_started
             report[name] = {"seconds": seconds}
     finally:

@@ -130,3 +130,25 @@ def test_rewards_rise_like_the_colocated_quickstart(pool_run):
         colocated = golden["reward_mean"]
         assert abs(last - sum(colocated[-5:]) / 5) <= 0.15, (got, colocated)
     print(f"rewards: first 5 steps {first:.3f}, last 5 {last:.3f}: {[round(x, 3) for x in got]}")
+
+
+def test_a_push_lands_mid_request_on_the_serving_pool_keeping_every_decoded_token(pool_runs):
+    """The probe of the shared session (`tests/e2e/async_runs.py::push_mid_request_probe`): the same seeded requests
+    (32 tokens, ignore_eos) through the serving pool's router without a push ("a") and with a push sent while they
+    decode ("b": once the servers' counters show them taken and decoding). Checked against the requests themselves:
+    each of b's responses is 32 tokens long (nothing decoded is thrown away), its versions are one run of the old
+    version then one of the pushed version (the push landed mid-request: every request continued after it); the
+    tokens before the push are exactly the tokens a's request with the same seed sampled (kept, not re-sampled: a
+    request restarted after the push would sample its first tokens under the new version); and the push counted
+    every request as in flight across it."""
+    probe = json.load(open(pool_runs["out"] / "push_probe.json"))
+    old, new = probe["before"], probe["pushed"]
+    assert len(probe["a"]) == len(probe["b"]) == 4
+    for a, b in zip(probe["a"], probe["b"]):
+        assert len(a["tokens"]) == len(b["tokens"]) == len(b["versions"]) == 32
+        assert set(a["versions"]) == {old}
+        cut = b["versions"].index(new)
+        assert 0 < cut and b["versions"] == [old] * cut + [new] * (32 - cut), b["versions"]
+        assert b["tokens"][:cut] == a["tokens"][:cut]
+    assert probe["continued_requests"] == 4
+    print("tokens before the push per request:", [b["versions"].count(old) for b in probe["b"]])

@@ -22,32 +22,33 @@ BOUND_S = 30.0  # bound on every wait of the test (never reached when the code i
 
 
 class HeldRollout(ScriptedRollout):
-    """The driver thread's first generation waits for `release`; every call's start and end are recorded in order,
-    with the thread that made it; an overlap of two calls is recorded instead of raised."""
+    """The driver's first request waits for `release`; every request's start and end are recorded in order, with
+    whose it is ("driver": ids "<batch>/<prompt>/t0"; "user": the API's "<prompt>/t0"); a user request overlapping a
+    driver request is counted instead of raised."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.events: list[tuple[str, str]] = []  # ("start" | "end", thread name)
+        self.events: list[tuple[str, str]] = []  # ("start" | "end", "driver" | "user")
         self.overlaps = 0
         self.driver_in = threading.Event()
         self.release = threading.Event()
-        self.active = 0
+        self.active = {"driver": 0, "user": 0}
 
-    def generate(self, prompts, sampling):
-        me = threading.current_thread().name
+    def answer(self, request):
+        me = "user" if request.request_id.count("/") == 1 else "driver"
+        other = "driver" if me == "user" else "user"
         with self.lock:
-            self.overlaps += self.active > 0
-            self.active += 1
+            self.overlaps += self.active[other] > 0
+            self.active[me] += 1
             self.events.append(("start", me))
         try:
-            if me == "megarl-rollout-driver" and not self.driver_in.is_set():
+            if me == "driver" and not self.driver_in.is_set():
                 self.driver_in.set()
-                assert self.release.wait(BOUND_S), "the test never released the driver's generation"
-            self.busy = False  # the base class's own overlap assertion is replaced by the count above
-            return super().generate(prompts, sampling)
+                assert self.release.wait(BOUND_S), "the test never released the driver's request"
+            return super().answer(request)
         finally:
             with self.lock:
-                self.active -= 1
+                self.active[me] -= 1
                 self.events.append(("end", me))
 
 
@@ -88,7 +89,7 @@ def test_generate_waits_for_the_async_drivers_generation():
                                 name="user-generate")
         user.start()
         # the user's call either waits its turn (the schedule has a turn wanted) or has entered the engines
-        wait_until(lambda: schedule.push_wanted or any(t == "user-generate" for _, t in rollout.events),
+        wait_until(lambda: schedule.push_wanted or any(who == "user" for _, who in rollout.events),
                    "the user's generate to ask for the engines or reach them")
         rollout.release.set()
         user.join(BOUND_S)
@@ -98,5 +99,5 @@ def test_generate_waits_for_the_async_drivers_generation():
         schedule.close()
     assert answers == [["100 100 100"]], answers  # version 0 sampled 3 tokens (max_new_tokens)
     assert rollout.overlaps == 0, rollout.events
-    first_user = rollout.events.index(("start", "user-generate"))
-    assert ("end", "megarl-rollout-driver") in rollout.events[:first_user], rollout.events
+    first_user = rollout.events.index(("start", "user"))
+    assert ("end", "driver") in rollout.events[:first_user], rollout.events

@@ -134,8 +134,6 @@ TIS = "algorithm.rollout_correction.tis=token"
     ("cpu_quickstart.yaml", ["trainer.max_staleness=3"], "trainer.max_staleness=3 applies to trainer.mode=async only"),
     ("cpu_quickstart_rollout_pool.yaml", ["trainer.mode=one_step_off", TIS, "rollout.partial=continue"],
      "rollout.partial=continue applies to trainer.mode=async"),
-    ("cpu_quickstart_rollout_pool.yaml", ["trainer.mode=async", TIS, "rollout.partial=continue", "rollout.stop=[x]"],
-     "rollout.partial=continue generates in pieces"),
     ("cpu_quickstart.yaml", ["trainer.mode=one_step_off", TIS, "algorithm.dynamic_sampling.enabled=true",
                              "rollout.samples_per_prompt=4"], "algorithm.dynamic_sampling with trainer.mode="),
 ])
@@ -152,6 +150,8 @@ def test_schedule_options_are_refused_by_key_where_they_cannot_work(config, over
     ("cpu_quickstart_rollout_pool.yaml", ["trainer.mode=async", TIS, "trainer.max_staleness=4",
                                           "trainer.sync_every=5", "trainer.stale_policy=drop",
                                           "rollout.partial=continue"]),
+    # a stop string with partial=continue: a push no longer cuts a response into pieces (the request continues)
+    ("cpu_quickstart_rollout_pool.yaml", ["trainer.mode=async", TIS, "rollout.partial=continue", "rollout.stop=[x]"]),
 ])
 def test_schedule_options_accepted_where_they_work(config, overrides):
     cfg = load_config(REPO / "yaml_configs" / config, overrides)

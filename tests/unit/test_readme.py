@@ -42,7 +42,7 @@ def test_step_diagram_and_the_two_commands():
     for name in ("rl_trainer.py", "schedule.py"):  # the step body and where its rollout and weight push happen
         with open(os.path.join(ROOT, "megarl", "trainer", name)) as f:
             loop += f.read()
-    for call in ("generate", "compute_log_probs", "compute_ref_log_probs", "compute_values", "score",
+    for call in ("serving", "compute_log_probs", "compute_ref_log_probs", "compute_values", "score",
                  "update_critic", "update_actor", "push_weights"):
         assert call in diagram.group(1), f"the diagram lacks {call}"
         assert f".{call}(" in loop or f".{call}." in loop, f"the step no longer calls {call}: redraw the diagram"

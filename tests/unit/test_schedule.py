@@ -3,7 +3,9 @@
 The service is a stand-in for the `RolloutService` protocol (not for vLLM: the end-to-end runs with real engines are
 `tests/e2e/test_async_modes.py`); it writes the weights version it holds into every token it samples (token id
 100 + version, log-prob -(version + 1) / 10), so a test reads off each token which weights sampled it and checks the
-schedules' bookkeeping against that, not against the schedules' own figures.
+schedules' bookkeeping against that, not against the schedules' own figures. While serving (the async schedule) it
+answers requests through a client as the rollout pool's router does, sampling a request's tokens one at a time and
+reading the held version at each, so a push that lands mid-request shows in the tokens themselves.
 
 No test depends on timing: where the order of the driver thread and the trainer matters, the test fixes it with
 events (a generate call held until released, the trainer waiting for what the driver must have buffered, a push
@@ -12,6 +14,8 @@ requested while a call is held), so every figure asserted is exact.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
@@ -21,7 +25,7 @@ import pytest
 import torch
 
 from megarl.envs.episode import EpisodeRunner
-from megarl.rollout.engine import RolloutSample, RolloutSamples, SamplingSettings
+from megarl.rollout.engine import Completion, GenerationOutput, RolloutSample, RolloutSamples, SamplingSettings
 from megarl.trainer.rl_trainer import RLLoop
 from megarl.trainer.schedule import AsyncSchedule, OneStepOffSchedule, RolloutBatch, Schedule
 from tests.unit import test_envs_episode as episode_tests
@@ -39,38 +43,50 @@ BOUND_S = 30.0  # bound on every wait of a test for the driver thread (never rea
 
 
 class ScriptedRollout:
-    """`generate` / `submit_generate` / `push_weights` / `weight_version` over no engine: the response of a prompt is
-    RESPONSE tokens (counting the sampled tokens already in the prompt, as a partial rollout's continuation holds
-    them), each 100 + the held version; `gen_s` seconds per call; `fail_at`: the call number that raises.
+    """`generate` / `submit_generate` / `push_weights` / `weight_version` over no engine, and serving
+    (`start_serving` -> a client, `stop_serving`): the response of a prompt is RESPONSE tokens, each 100 + the held
+    version; `gen_s` seconds per call or request; `fail_at`: the call (request, while serving) number that raises.
 
     `policy(prompts, sampling) -> RolloutSamples`: the responses come from it instead (multi-turn episodes), their
-    log-probs replaced by -(version + 1) / 10. `hold`: call numbers (1-based) that wait at entry until `release(n)`
-    (`entered[n]` is set when call n waits there)."""
+    log-probs replaced by -(version + 1) / 10. `hold`: call/request numbers (1-based) that wait at entry until
+    `release(n)` (`entered[n]` is set when n waits there); `hold_at`: {request number: token index} -- the request
+    waits before sampling that token of its completions (a push can land there). A push while a batch call or a
+    request is in flight asserts unless `pushes_in_flight` (partial=continue: the servers take it mid-request)."""
 
-    def __init__(self, gen_s: float = 0.0, fail_at: int | None = None, policy=None, hold=()) -> None:
+    def __init__(self, gen_s: float = 0.0, fail_at: int | None = None, policy=None, hold=(), hold_at=None,
+                 pushes_in_flight: bool = False) -> None:
         self.weight_version = None
         self.gen_s, self.fail_at, self.policy = gen_s, fail_at, policy
         self.calls: list[tuple[str, int]] = []  # ("generate", version) / ("push", version), in order
         self.lock = threading.Lock()
         self.busy = False
-        self.entered = {n: threading.Event() for n in hold}
-        self.released = {n: threading.Event() for n in hold}
+        self.in_flight = 0  # requests being answered
+        self.hold_at = {n: 0 for n in hold} | dict(hold_at or {})
+        self.entered = {n: threading.Event() for n in self.hold_at}
+        self.released = {n: threading.Event() for n in self.hold_at}
+        self.pushes_in_flight = pushes_in_flight
+        self.client = None
+        self.requests = 0
 
     def release(self, n: int) -> None:
         self.released[n].set()
 
+    def _wait_if_held(self, n: int) -> None:
+        if n in self.released:
+            self.entered[n].set()
+            assert self.released[n].wait(BOUND_S), f"call {n} was never released"
+
     def generate(self, prompts, sampling: SamplingSettings) -> RolloutSamples:
         with self.lock:
-            assert not self.busy, "two callers used the engines at once"
+            assert not self.busy and not self.in_flight, "two callers used the engines at once"
             self.busy = True
             n = len([c for c in self.calls if c[0] == "generate"]) + 1
         try:
-            if n in self.released:
-                self.entered[n].set()
-                assert self.released[n].wait(BOUND_S), f"generate call {n} was never released"
+            if self.client is None:
+                self._wait_if_held(n)
             with self.lock:
                 self.calls.append(("generate", self.weight_version))
-            if self.fail_at == n:
+            if self.fail_at == n and self.client is None:
                 raise RuntimeError("engine rank 1 died")
             time.sleep(self.gen_s)
             v = self.weight_version
@@ -81,10 +97,9 @@ class ScriptedRollout:
                 return out
             samples = []
             for i, p in enumerate(prompts):
-                have = sum(1 for t in p if t >= 100)
                 for j in range(sampling.samples_per_prompt):
-                    k = min(RESPONSE - have, sampling.max_new_tokens)
-                    reason = "stop" if have + k == RESPONSE else "length"
+                    k = min(RESPONSE, sampling.max_new_tokens)
+                    reason = "stop" if k == RESPONSE else "length"
                     samples.append(RolloutSample(i, j, list(p), [100 + v] * k, [-(v + 1) / 10] * k, reason))
             out = RolloutSamples(samples)
             out.generate_s = self.gen_s
@@ -96,23 +111,102 @@ class ScriptedRollout:
         result = self.generate(prompts, sampling)  # runs now; the schedule only needs the protocol
         return types.SimpleNamespace(result=lambda: result, done=lambda: True, generate_s=self.gen_s)
 
+    def start_serving(self):
+        assert self.client is None, "start_serving twice"
+        self.client = ScriptedClient(self)
+        return self.client
+
+    def serving(self):
+        """`RolloutService.serving`: the running client while serving (async), else a phase of its own."""
+        if self.client is not None:
+            return contextlib.nullcontext(self.client)
+
+        @contextlib.contextmanager
+        def phase():
+            client = self.start_serving()
+            try:
+                yield client
+            finally:
+                self.stop_serving()
+        return phase()
+
+    def stop_serving(self):
+        self.client = None
+        for event in self.released.values():  # nothing is answered after the stop: let held requests end
+            event.set()
+        return []
+
+    def answer(self, request) -> GenerationOutput:
+        """A request while serving (on a thread of the client): its completions' tokens sampled one at a time."""
+        with self.lock:
+            assert not self.busy, "a request while a batch call holds the engines"
+            self.requests += 1
+            self.in_flight += 1
+            n = self.requests
+        try:
+            if self.hold_at.get(n) == 0:
+                self._wait_if_held(n)
+            with self.lock:
+                self.calls.append(("generate", self.weight_version))
+            if self.fail_at == n:
+                raise RuntimeError("engine rank 1 died")
+            time.sleep(self.gen_s)
+            k = request.sampling.samples_per_prompt
+            if self.policy is not None:
+                ids = [list(s.response_ids) for s in self.policy([list(request.prompt_ids)], request.sampling)] * k
+            else:
+                ids = [[None] * min(RESPONSE, request.sampling.max_new_tokens)] * k
+            versions: list[list[int]] = [[] for _ in range(k)]
+            for t in range(max(len(x) for x in ids)):
+                if t and self.hold_at.get(n) == t:
+                    self._wait_if_held(n)
+                v = self.weight_version
+                for j in range(k):
+                    if t < len(ids[j]):
+                        versions[j].append(v)
+            completions = []
+            for j in range(k):
+                toks = [100 + v if x is None else x for x, v in zip(ids[j], versions[j])]
+                reason = "stop" if self.policy is not None or len(toks) == RESPONSE else "length"
+                completions.append(Completion(j, toks, [-(v + 1) / 10 for v in versions[j]], reason, versions[j]))
+            return GenerationOutput(request.request_id, list(request.prompt_ids), completions, True)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
     def push_weights(self, version: int):
         with self.lock:
             assert not self.busy, "a push while the engines generate"
+            assert self.pushes_in_flight or not self.in_flight, "a push while requests are in flight (finish)"
+            crossed = self.in_flight
             self.calls.append(("push", version))
         self.weight_version = version
-        return [{"reshard/time_s": 0.0}]
+        return [{"reshard/time_s": 0.0, "reshard/pool/continued_requests": float(crossed)}]
+
+
+class ScriptedClient:
+    """The `RolloutClient` of a serving `ScriptedRollout` (each request answered on a thread of its own)."""
+
+    def __init__(self, rollout: ScriptedRollout) -> None:
+        self.rollout = rollout
+
+    @property
+    def weight_version(self):
+        return self.rollout.weight_version
+
+    async def generate(self, request, *, session_id=None, priority=0, timeout_s=None):
+        return await asyncio.to_thread(self.rollout.answer, request)
 
 
 class FakeTrainer:
     """What a schedule uses of `RLLoop`: cfg, rollout, episodes, `_draw`, `_scored_batch`, `_sync_batch`."""
 
     def __init__(self, rollout, mode="sync", total=10, max_staleness=1, stale_policy="wait", sync_every=1,
-                 partial="finish", chunk=2) -> None:
+                 partial="finish") -> None:
         self.cfg = types.SimpleNamespace(
             trainer=types.SimpleNamespace(mode=mode, total_steps=total, max_staleness=max_staleness,
                                           stale_policy=stale_policy, sync_every=sync_every),
-            rollout=types.SimpleNamespace(partial=partial, partial_chunk_tokens=chunk))
+            rollout=types.SimpleNamespace(partial=partial))
         self.rollout = rollout
         self.episodes = None  # single-turn
         self.drawn: list[int] = []
@@ -140,14 +234,22 @@ def wait_until(schedule: AsyncSchedule, ready, what: str) -> None:
             schedule.cond.wait(0.01)
 
 
-def push_during_call(schedule: AsyncSchedule, step: int, rollout: ScriptedRollout, call: int) -> None:
-    """`after_update(step)` requested while generate call `call` is held: the push is waiting for the engines
-    before the call is released, so it lands at the first point the schedule hands the engines over after it."""
-    assert rollout.entered[call].wait(BOUND_S), f"generate call {call} never started"
+def push_during_call(schedule: AsyncSchedule, step: int, rollout: ScriptedRollout, calls) -> None:
+    """`after_update(step)` requested while the requests (or batch calls) `calls` are held. partial=finish: the push
+    waits for the engines, so it is requested first and lands once they are released; continue: it must land while
+    they are still held (the servers take it mid-request), then they are released."""
+    calls = [calls] if isinstance(calls, int) else list(calls)
+    for call in calls:
+        assert rollout.entered[call].wait(BOUND_S), f"call {call} never started"
     pusher = threading.Thread(target=schedule.after_update, args=(step,))
     pusher.start()
-    wait_until(schedule, lambda: schedule.push_wanted, f"the push of step {step} to wait for the engines")
-    rollout.release(call)
+    if schedule.partial == "continue":
+        pusher.join(BOUND_S)
+        assert not pusher.is_alive(), f"the push of step {step} waited for the requests in flight"
+    else:
+        wait_until(schedule, lambda: schedule.push_wanted, f"the push of step {step} to wait for the engines")
+    for call in calls:
+        rollout.release(call)
     pusher.join(BOUND_S)
     assert not pusher.is_alive(), f"the push of step {step} never landed"
 
@@ -155,7 +257,7 @@ def push_during_call(schedule: AsyncSchedule, step: int, rollout: ScriptedRollou
 def run(schedule: Schedule, trainer: FakeTrainer, steps, before_update=None, push_during=None):
     """The trainer loop's calls: initial push, then take / (train) / after_update per step; the batches taken.
     `before_update(schedule, step)`: what 'training' waits for (the order of events a test needs);
-    `push_during`: {step: generate call number held until that step's push waits for the engines}."""
+    `push_during`: {step: the held request(s) that step's push comes during (`push_during_call`)}."""
     first = steps[0]
     trainer.rollout.push_weights(first - 1)
     schedule.start(first)
@@ -257,15 +359,16 @@ def test_async_drop_drops_and_counts_what_became_too_stale():
     assert taken[-1][2]["async/dropped_samples"] == 2 * 7  # 2 samples per batch
 
 
-def test_async_partial_continue_records_both_versions_and_each_part_keeps_its_engine_log_probs():
-    # batch 1 = generate calls 1-3 (pieces of 2, 2, 1 tokens); call 4 (batch 2's first piece) is held until step
-    # 1's push waits for the engines, so the push lands between batch 2's first and second piece
-    trainer = FakeTrainer(ScriptedRollout(hold=(4,)), "async", total=6, max_staleness=2, partial="continue",
-                          chunk=2)
-    taken = run(AsyncSchedule(trainer), trainer, range(1, 7), push_during={1: 4})
+def test_async_partial_continue_lands_a_push_mid_request_keeping_every_token():
+    """Request 2 (batch 2, one prompt x 2 completions) is held before its third token; step 1's push lands while it is
+    held (it does not wait for it) and the request then continues: its first two tokens were sampled by version 0,
+    the other three by version 1, none lost, each part with the log-probs of the weights that sampled it."""
+    rollout = ScriptedRollout(hold_at={2: 2}, pushes_in_flight=True)
+    trainer = FakeTrainer(rollout, "async", total=6, max_staleness=2, partial="continue")
+    taken = run(AsyncSchedule(trainer), trainer, range(1, 7), push_during={1: 2})
     for step, b, _ in taken:
-        for s, vs in zip(b.samples, b.token_versions):
-            assert len(s.response_ids) == RESPONSE and s.finish_reason == "stop"
+        for s, vs in zip(b.samples, b.token_versions, strict=True):
+            assert len(s.response_ids) == RESPONSE and s.finish_reason == "stop"  # nothing decoded is lost
             assert vs == [t - 100 for t in s.response_ids]  # the recorded version is the one that sampled it
             assert s.response_log_probs == [-(v + 1) / 10 for v in vs]  # each part's log-probs: its engine's
         assert b.version == min(min(vs) for vs in b.token_versions)
@@ -273,7 +376,15 @@ def test_async_partial_continue_records_both_versions_and_each_part_keeps_its_en
     second = taken[1][1]
     assert second.index == 2 and second.token_versions == [[0, 0, 1, 1, 1]] * 2
     assert second.lags(1) == [1, 1] and taken[1][2]["async/lag_frac/1"] == pytest.approx(2 / 5)
-    assert taken[-1][2]["async/continued_samples"] > 0
+    assert taken[0][2]["async/continued_requests"] == 1.0  # request 2 alone was in flight across step 1's push
+
+
+def test_async_partial_finish_push_waits_for_the_request_in_flight():
+    """The same held request with partial=finish: the push waits until it finished, so batch 2 is all version 0."""
+    trainer = FakeTrainer(ScriptedRollout(hold_at={2: 2}), "async", total=4, max_staleness=2)
+    taken = run(AsyncSchedule(trainer), trainer, range(1, 5), push_during={1: 2})
+    assert taken[1][1].index == 2 and taken[1][1].token_versions == [[0] * RESPONSE] * 2
+    assert taken[0][2]["async/continued_requests"] == 0.0
 
 
 def full(schedule: AsyncSchedule) -> bool:
@@ -454,14 +565,16 @@ def episode_rollout(**kw) -> ScriptedRollout:
 
 
 @pytest.mark.parametrize("partial", ["finish", "continue"])
-def test_async_episodes_take_pushes_between_turns_only_with_partial_continue(partial):
-    """Batch 1 = generate calls 1-2 (one per turn); call 3 (batch 2's first turn) is held until step 1's push waits
-    for the engines. With partial=continue the push lands between batch 2's two turns, so its second turn is sampled
-    by version 1; with finish it waits for the whole batch. Every token's recorded version must be the one that
-    sampled it (read off its log-prob), and the lags the oldest token's."""
-    rollout = episode_rollout(hold=(3,))  # asserts that a push never overlaps a generation
+def test_async_episodes_take_pushes_mid_request_only_with_partial_continue(partial):
+    """Batch 1 = requests 1-8 (4 episodes x 2 turns); requests 9-12 (batch 2's first turns) are held after their
+    first token while step 1's push comes. With partial=continue it lands there: each first turn's first token is
+    version 0's, the rest of the turn and the second turn version 1's; with finish it waits for the whole batch.
+    Every token's recorded version must be the one that sampled it (read off its log-prob), and the lags the oldest
+    token's."""
+    batch2 = (9, 10, 11, 12)
+    rollout = episode_rollout(hold_at={n: 1 for n in batch2}, pushes_in_flight=partial == "continue")
     trainer = EpisodeTrainer(rollout, "async", total=4, max_staleness=2, partial=partial)
-    taken = run(AsyncSchedule(trainer), trainer, range(1, 5), push_during={1: 3})
+    taken = run(AsyncSchedule(trainer), trainer, range(1, 5), push_during={1: batch2})
     for step, b, m in taken:
         assert len(b.trajectories) == 4 and b.samples == []
         for t in b.trajectories:
@@ -472,15 +585,18 @@ def test_async_episodes_take_pushes_between_turns_only_with_partial_continue(par
         assert m["async/staleness_max"] == max(step - 1 - v for v in oldest)
         assert b.version == min(oldest)
     second = taken[1][1]
-    per_turn = [sorted(set(token_versions_read_off(t))) for t in second.trajectories]
+    per_episode = [token_versions_read_off(t) for t in second.trajectories]
     if partial == "continue":
-        assert per_turn == [[0, 1]] * 4  # turn 1 on version 0, turn 2 on version 1
+        assert all(vs[0] == 0 and set(vs[1:]) == {1} for vs in per_episode), per_episode
         assert second.lags(1) == [1] * 4  # from the oldest token (version 0), not the newest
         assert taken[1][2]["async/staleness_max"] == 1.0
+        assert taken[0][2]["async/continued_requests"] == 4.0  # the 4 held requests crossed step 1's push
     else:
-        assert per_turn == [[0]] * 4
-    assert rollout.calls[:6] == [("push", 0), ("generate", 0), ("generate", 0), ("generate", 0)] + (
-        [("push", 1), ("generate", 1)] if partial == "continue" else [("generate", 0), ("push", 1)])
+        assert all(set(vs) == {0} for vs in per_episode), per_episode
+        assert taken[0][2]["async/continued_requests"] == 0.0
+    turn2 = [("generate", 1)] * 4 if partial == "continue" else [("generate", 0)] * 4
+    assert rollout.calls[:1 + 12] == [("push", 0)] + [("generate", 0)] * 12
+    assert rollout.calls[13:18] == ([("push", 1)] + turn2 if partial == "continue" else turn2 + [("push", 1)])
 
 
 def test_async_episodes_dropped_as_too_stale_are_counted_as_episodes():
