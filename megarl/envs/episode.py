@@ -4,19 +4,18 @@
     result = runner.run(records, n, client, sampling, uid_prefix=...)     # client: a `RolloutClient`
     result.trajectories, result.scores, result.metrics
 
-One coroutine per episode (`run_episode`; `schedule="episode"`, the default): each episode, from reset to done,
+One coroutine per episode (`run_episode`): each episode, from reset to done,
 submits its next turn to the client as soon as its previous observation is ready, and awaits only its own requests
 and its own environment, so a slow tool call or a long turn holds nobody else; at most `max_concurrent_episodes`
 are in flight (`rollout.max_concurrent_episodes`), the engine batching whatever requests are in flight. A turn is one
 request: id f"{uid}/t{turn}", session = the episode's uid (its later turns go to the replica holding its prefix),
 seed_index = the episode's place in the batch, sampling seed = `turn_seed(sampling.seed, turn)`; so a request's
 samples do not depend on what else is in flight. Per-token versions come from `Completion.versions` (a request that
-ran across a weight push records the version of each token), else the client's `weight_version`.
-`schedule="barrier"` drives the same client in lockstep (every live episode's turn t, then every step of turn t):
-today's per-turn barrier, kept for the benchmark's comparison only; same seeds, same trajectories. Single-turn
+ran across a weight push records the version of each token), else the client's `weight_version`. Single-turn
 generation is the one-turn case (`run_single_turn`: no environment, one request of samples_per_prompt per prompt).
-A batch `generate(prompts, sampling)` function instead of a client runs the legacy lockstep path (one batched engine
-call per turn, padded to `min_requests`), which the trainer uses until it holds a client.
+A batch `generate(prompts, sampling)` function is refused (TypeError): a caller holding a `RolloutService` gets a
+client from `with service.serving() as client`. (The per-turn barrier, every live episode's turn t then every step
+of turn t, and the batch lockstep path were deleted after `benchmarks/results/agentic.md` compared them, issue 31.)
 
 Per turn of an episode:
 1. the engine gets the tokens the episode holds (prompt, every sampled turn as sampled, every observation delta) and
@@ -85,11 +84,8 @@ logger = logging.getLogger("megarl.envs")
 
 # Sampling-seed offset of turn t of an episode batch: seed + t * this.
 TURN_SEED_STRIDE = 9_000_011
-# ... and of call k within a turn (the legacy batch path: a turn's episodes split into calls that fit the engine).
-CALL_SEED_STRIDE = 7_919
-# Episodes in flight at once on the "episode" schedule (rollout.max_concurrent_episodes).
+# Episodes in flight at once (rollout.max_concurrent_episodes).
 DEFAULT_MAX_CONCURRENT_EPISODES = 256
-SCHEDULES = ("episode", "barrier")
 
 
 # Stands for sampled turn k in a rendering (`ChatRenderer.spliced_ids`): private-use characters no tokenizer merges
@@ -255,24 +251,18 @@ def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
 
 
 def is_client(source: Any) -> bool:
-    """True for a `RolloutClient` (an object with a coroutine `generate(request, ...)`), False for a batch
-    `generate(prompts, sampling)` function."""
+    """True for a `RolloutClient` (an object with a coroutine `generate(request, ...)`)."""
     return inspect.iscoroutinefunction(getattr(source, "generate", None))
 
 
-def _calls(group: list, budget: dict, max_model_len: int) -> list[list]:
-    """The live episodes of a turn as few engine calls as fit: a call takes its longest budget and its longest
-    prompt, so together they must fit `max_model_len` (each episode's own prompt + budget always does). Largest
-    budgets first; an episode whose prompt would not fit beside the call's budget starts the next call."""
-    calls: list[list] = []
-    for e in sorted(group, key=lambda e: -budget[e.uid]):
-        if calls:
-            top = budget[calls[-1][0].uid]
-            if max(len(x.builder.token_ids) for x in calls[-1] + [e]) + top <= max_model_len:
-                calls[-1].append(e)
-                continue
-        calls.append([e])
-    return calls
+def check_client(source: Any, caller: str) -> None:
+    """Raise a TypeError naming `caller` and what to pass when `source` is not a `RolloutClient` (e.g. a batch
+    `generate(prompts, sampling)` function, which the episode path no longer takes)."""
+    if not is_client(source):
+        raise TypeError(f"{caller} takes a RolloutClient (megarl.rollout.client: an object with a coroutine "
+                        f"generate(request, ...)), got {type(source).__name__} {source!r:.80}; from a RolloutService "
+                        "use `with service.serving() as client: ...`, the batch generate(prompts, sampling) path was "
+                        "deleted (issue 31)")
 
 
 async def _all_or_cancel(coroutines) -> list:
@@ -296,32 +286,24 @@ class EpisodeRunner:
     env_timeout_s: the bound on each environment call (reset, step, close), seconds: a reset or close that does not
     return stops the run; a step that does not return is cancelled, counted (`multi_turn/tool_timeouts`,
     `multi_turn/step_timeouts`) and ends its episode, trained on nothing; the run goes on.
-    schedule: how a `RolloutClient` is driven: "episode" (one coroutine per episode, each submitting its next turn
-    as soon as its observation is ready) or "barrier" (every live episode's turn, then every step: the per-turn
-    lockstep, kept for the benchmark's comparison only). max_concurrent_episodes: episodes in flight at once on the
-    "episode" schedule (the others wait for a slot). request_timeout_s: each request's bound (None: the client's).
-    min_requests: batch `generate` functions only (the legacy lockstep path): the fewest prompts a call may carry
-    (the number of engine replicas: each needs one); a turn with fewer live episodes is padded with copies whose
-    samples are dropped."""
+    max_concurrent_episodes: episodes in flight at once (the others wait for a slot). request_timeout_s: each
+    request's bound (None: the client's)."""
 
     def __init__(self, tokenizer: Any, env_factory: Callable[[Any], Any], parser: Callable[[str], tuple],
                  limits: EpisodeLimits, chat_template: Optional[str] = None, on_template_mismatch: str = "error",
-                 verify: bool = True, min_requests: int = 1, env_timeout_s: float = 600.0,
-                 schedule: str = "episode", max_concurrent_episodes: int = DEFAULT_MAX_CONCURRENT_EPISODES,
+                 verify: bool = True, env_timeout_s: float = 600.0,
+                 max_concurrent_episodes: int = DEFAULT_MAX_CONCURRENT_EPISODES,
                  request_timeout_s: Optional[float] = None) -> None:
         if on_template_mismatch not in ("error", "mask"):
             raise ValueError(f"on_template_mismatch must be 'error' or 'mask', got {on_template_mismatch!r}")
         if not env_timeout_s > 0:
             raise ValueError(f"env_timeout_s must be > 0 seconds, got {env_timeout_s!r}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if max_concurrent_episodes < 1:
             raise ValueError(f"max_concurrent_episodes (rollout.max_concurrent_episodes) must be >= 1, got "
                              f"{max_concurrent_episodes}")
         self.tokenizer, self.env_factory, self.parser, self.limits = tokenizer, env_factory, parser, limits
         self.chat_template, self.on_template_mismatch, self.verify = chat_template, on_template_mismatch, verify
-        self.min_requests, self.env_timeout_s = min_requests, env_timeout_s
-        self.schedule, self.max_concurrent_episodes = schedule, max_concurrent_episodes
+        self.env_timeout_s, self.max_concurrent_episodes = env_timeout_s, max_concurrent_episodes
         self.request_timeout_s = request_timeout_s
         self._vocab = len(tokenizer)  # ids at or beyond it decode to nothing (padded embedding rows)
 
@@ -334,43 +316,35 @@ class EpisodeRunner:
                                "(rollout.env_timeout_s); a hung tool or an environment blocking the event loop") \
                 from None
 
-    def run(self, records: Sequence[Any], n: int, source: Any, sampling: Any,
+    def run(self, records: Sequence[Any], n: int, client: Any, sampling: Any,
             policy_version: "int | Callable[[], int] | None" = None, uid_prefix: str = "") -> EpisodeResult:
-        """`n` episodes per record (in a new event loop; `arun` from a running one).
+        """`n` episodes per record (in a new event loop; `arun` from a running one), each its own coroutine.
 
-        source: a `RolloutClient` (`megarl.rollout.client`: each episode its own coroutine, `schedule`), or a batch
-        `generate(prompts, sampling) -> RolloutSamples` (the legacy lockstep path: one call per turn for every live
-        episode). sampling: the settings (samples_per_prompt, max_new_tokens, seed are set per request here).
-        policy_version: the weights version of the sampled tokens where the engine does not report it (a client's
+        client: a `RolloutClient` (`megarl.rollout.client`; from a `RolloutService`: `with service.serving() as
+        client`). sampling: the settings (samples_per_prompt, max_new_tokens, seed are set per request here).
+        policy_version: the weights version of the sampled tokens where the engine does not report it (the client's
         `Completion.versions`, else its `weight_version`, else this); a function is read after each generation
-        (weights pushed between turns). Required with a batch `generate`."""
-        return asyncio.run(self.arun(records, n, source, sampling, policy_version, uid_prefix))
+        (weights pushed between turns)."""
+        check_client(client, "EpisodeRunner.run")
+        return asyncio.run(self.arun(records, n, client, sampling, policy_version, uid_prefix))
 
-    async def arun(self, records: Sequence[Any], n: int, source: Any, sampling: Any,
+    async def arun(self, records: Sequence[Any], n: int, client: Any, sampling: Any,
                    policy_version: "int | Callable[[], int] | None" = None, uid_prefix: str = "") -> EpisodeResult:
         """`run` as a coroutine (for a caller whose event loop the client is bound to)."""
+        check_client(client, "EpisodeRunner.arun")
         episodes = [_Episode(f"{uid_prefix}{i}/{k}", f"{uid_prefix}{i}", r, self.env_factory(r), index=i * n + k)
                     for i, r in enumerate(records) for k in range(n)]
         tally = _Tally()
-        if is_client(source):
-            if self.schedule == "barrier":
-                await self._run_barrier(episodes, source, sampling, policy_version, tally)
-            else:
-                slots = asyncio.Semaphore(self.max_concurrent_episodes)
+        slots = asyncio.Semaphore(self.max_concurrent_episodes)
 
-                async def in_slot(e: _Episode) -> None:
-                    try:
-                        async with slots:
-                            await self._play(e, source, sampling, policy_version, tally)
-                    finally:
-                        await self._close(e)
+        async def in_slot(e: _Episode) -> None:
+            try:
+                async with slots:
+                    await self._play(e, client, sampling, policy_version, tally)
+            finally:
+                await self._close(e)
 
-                await _all_or_cancel(in_slot(e) for e in episodes)
-        else:
-            if policy_version is None:
-                raise ValueError("EpisodeRunner.run with a batch generate function needs policy_version (the "
-                                 "engines' weights version, or a function returning it)")
-            await self._run_batch(episodes, source, sampling, policy_version, tally)
+        await _all_or_cancel(in_slot(e) for e in episodes)
         return self._result(episodes, tally)
 
     async def run_episode(self, episode: _Episode, client: Any, sampling: Any, tally: _Tally,
@@ -393,81 +367,6 @@ class EpisodeRunner:
             await self._env_turn(e, turn, mt, tally)
             if e.done:
                 return
-
-    async def _run_barrier(self, episodes, client, sampling, version, tally: _Tally) -> None:
-        """The per-turn barrier over a client: every live episode's request of turn t, then every step of turn t."""
-        try:
-            firsts = await _all_or_cancel(self._bounded(e.env.reset(e.record), f"episode {e.uid}: reset")
-                                          for e in episodes)
-            for e, messages in zip(episodes, firsts):
-                self._begin(e, messages, tally)
-            for turn in range(self.limits.max_turns):
-                live = [e for e in episodes if not e.done]
-                if not live:
-                    break
-                turns = await _all_or_cancel(self._request_turn(e, turn, client, sampling, version, tally)
-                                             for e in live)
-                await self._env_turns([(e, mt) for e, mt in zip(live, turns) if mt is not None], turn, tally)
-        finally:
-            await asyncio.gather(*(self._close(e) for e in episodes))
-
-    async def _run_batch(self, episodes, generate, sampling, version, tally: _Tally) -> None:
-        """The legacy lockstep path over a batch `generate` function: one engine call per turn for all live episodes
-        (split into calls that fit the engine's length, padded to `min_requests`)."""
-        try:
-            firsts = await asyncio.gather(*(self._bounded(e.env.reset(e.record), f"episode {e.uid}: reset")
-                                            for e in episodes))
-            for e, messages in zip(episodes, firsts):
-                self._begin(e, messages, tally)
-            for turn in range(self.limits.max_turns):
-                live = [e for e in episodes if not e.done]
-                if not live:
-                    break
-                group, budget = [], {}
-                for e in live:
-                    left = self._budget(e, tally)
-                    if left is not None:
-                        group.append(e)
-                        budget[e.uid] = left
-                for k, calls in enumerate(_calls(group, budget, self.limits.max_model_len)):
-                    await self._call(calls, budget, turn, k, generate, sampling, version, tally)
-        finally:
-            await asyncio.gather(*(self._close(e) for e in episodes))
-
-    async def _call(self, group, budget, turn, k, generate, sampling, version, tally: _Tally) -> None:
-        """One engine call for `group` (episodes whose requests fit the engine's length together, `_calls`):
-        the longest budget for all, each sample cut to its episode's own (the tokens after the cut were never part
-        of it: as if the engine had stopped there, finish_reason 'length'), then the environments' steps."""
-        if not group:
-            return
-        prompts = [list(e.builder.token_ids) for e in group]
-        # at least `min_requests` requests (the engine replicas each need one): padded with copies, dropped
-        padded = prompts + [prompts[0]] * max(0, self.min_requests - len(prompts))
-        seed = turn_seed(sampling.seed, turn)
-        s = dataclasses.replace(
-            sampling, samples_per_prompt=1, max_new_tokens=max(budget[e.uid] for e in group),
-            max_prompt_tokens=max(len(p) for p in prompts), seed=None if seed is None else seed + k * CALL_SEED_STRIDE)
-        out = generate(padded, s)
-        sampled_by = version() if callable(version) else version
-        by_index = {x.prompt_index: x for x in out if x.prompt_index < len(group)}
-        if len(by_index) != len(group):
-            raise EpisodeError(f"turn {turn}: the engine returned {len(by_index)} samples for {len(group)} "
-                               "episodes (a prompt dropped as overlong?)")
-        stepping = []
-        for i, e in enumerate(group):
-            x = by_index[i]
-            ids = list(x.response_ids)
-            sample = _Sample(prompts[i], ids, list(x.response_log_probs), x.finish_reason, [sampled_by] * len(ids))
-            stepping.append((e, self._take(e, turn, self._cut(sample, budget[e.uid]), tally)))
-        await self._env_turns(stepping, turn, tally)
-
-    async def _env_turns(self, stepping: list, turn: int, tally: _Tally) -> None:
-        """The steps of one turn, concurrently; the first failure in the episodes' order is raised."""
-        results = await asyncio.gather(*(self._env_turn(e, turn, mt, tally) for e, mt in stepping),
-                                       return_exceptions=True)
-        for failure in results:
-            if isinstance(failure, BaseException):
-                raise failure
 
     async def _close(self, e: _Episode) -> None:
         try:
@@ -709,8 +608,6 @@ def runner_from_config(cfg: Any, encoder: Any, reward_fn: Any) -> EpisodeRunner:
                            max_new_tokens=r.max_new_tokens, max_model_len=r.max_prompt_tokens + r.max_new_tokens)
     template = encoder.chat_template if getattr(encoder, "mode", "hf") == "jinja" else None
     factory = build_env_factory(r.env, {"reward_fn": reward_fn, **dict(r.env_options)})
-    pool = cfg.resources.pools[r.pool if r.pool is not None else cfg.actor.pool]
-    replicas = max(1, pool.nodes * pool.devices_per_node // r.tp)
     from megarl.envs.sandbox import set_max_concurrent_runs
     from megarl.envs.tools import set_tool_threads
 
@@ -718,7 +615,7 @@ def runner_from_config(cfg: Any, encoder: Any, reward_fn: Any) -> EpisodeRunner:
     set_max_concurrent_runs(r.max_concurrent_sandboxes)
     runner = EpisodeRunner(encoder.tokenizer, lambda record: factory(), get_parser(r.tool_parser), limits,
                            chat_template=template, on_template_mismatch=r.on_template_mismatch,
-                           min_requests=replicas, env_timeout_s=r.env_timeout_s,
+                           env_timeout_s=r.env_timeout_s,
                            max_concurrent_episodes=r.max_concurrent_episodes)
     if r.on_template_mismatch == "error":
         ChatRenderer(encoder.tokenizer, None, template).check_prefix_stable()
@@ -737,6 +634,7 @@ async def run_single_turn(client: Any, prompts: Sequence[Sequence[int]], samplin
     `generate(prompts, sampling)` returns it (prompts the prompt policy dropped in `dropped_prompt_indices`, cut
     ones in `truncated_prompt_indices`), and per sample [len(response_ids)] the weights version of each token
     (`Completion.versions`, else the client's `weight_version`, else `policy_version`)."""
+    check_client(client, "run_single_turn")
     slots = asyncio.Semaphore(max_concurrent)
     s = dataclasses.replace(sampling, seed=turn_seed(sampling.seed, 0))
 

@@ -92,15 +92,24 @@ def job_config(s: QuickstartSettings, data: dict[str, str]) -> dict:
     }
 
 
-def greedy_answers(workers, encoder, records, pad_seed: int = 0) -> list[str]:
-    """Greedy (temperature 0) decoded responses of the rollout engine to `records`' prompts, in order."""
+def greedy_answers(workers, encoder, records, seed: int = 0) -> list[str]:
+    """Greedy (temperature 0) decoded responses of the rollout engines to `records`' prompts, in order, through the
+    engines' request servers (`ColocatedRollout.serving`): one request per prompt, all in flight at once
+    (`megarl.envs.episode.run_single_turn`, as the trainer's validation generates)."""
+    import asyncio
+
+    from megarl.controller import serving
+    from megarl.envs.episode import run_single_turn
     from megarl.rollout.engine import SamplingSettings
     from megarl.rollout.service import ColocatedRollout
 
     prompts = [encoder.encode(r.prompt) for r in records]
-    sampling = SamplingSettings(samples_per_prompt=1, temperature=0.0, max_new_tokens=4, seed=pad_seed)
+    sampling = SamplingSettings(samples_per_prompt=1, temperature=0.0, max_new_tokens=4, seed=seed)
     texts: list[Optional[str]] = [None] * len(prompts)
-    for s in ColocatedRollout(workers).generate(prompts, sampling):
+    with ColocatedRollout(workers, serving_backend=serving).serving() as client:
+        samples, _ = asyncio.run(run_single_turn(client, prompts, sampling, uid_prefix="eval/",
+                                                 max_concurrent=max(1, len(prompts))))
+    for s in samples:
         texts[s.prompt_index] = encoder.decode(s.response_ids)
     return ["" if t is None else t for t in texts]
 

@@ -72,13 +72,16 @@ def demonstration(tokenizer, record, tools, uid: str = "demo", with_tool: bool =
             .sampled(answer_ids, [0.0] * len(answer_ids), 0).build("stop"))
 
 
-def greedy_episodes(runner, workers, records, version: int) -> dict:
-    """Greedy episodes of every record through the workers' engines: {"accuracy", "tool_success_frac", ...}."""
+def greedy_episodes(runner, service, records, version: int) -> dict:
+    """Greedy (temperature 0) episodes of every record through `service`'s request servers (a `RolloutService`:
+    `with service.serving() as client`, one coroutine per episode): {"accuracy": mean episode reward,
+    "multi_turn/...": the episodes' metrics}. `version`: the weights version the tokens record where the engines
+    report none."""
     from megarl.rollout.engine import SamplingSettings
-    from megarl.rollout.service import ColocatedRollout
 
     sampling = SamplingSettings(temperature=0.0, seed=0)
-    result = runner.run(records, 1, ColocatedRollout(workers).generate, sampling, version, uid_prefix="eval/")
+    with service.serving() as client:
+        result = runner.run(records, 1, client, sampling, version, uid_prefix="eval/")
     return {"accuracy": sum(result.scores) / max(len(result.scores), 1), **result.metrics}
 
 
@@ -91,10 +94,12 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
 
     from megarl.config.loader import apply_overrides, parse_config
     from megarl.config.validate import validate
+    from megarl.controller import serving
     from megarl.data.dataset import PromptDataset
     from megarl.data.tool_task import build_tool_task
     from megarl.data.trajectory import trajectories_to_batch
     from megarl.envs.episode import runner_from_config
+    from megarl.rollout.service import ColocatedRollout
     from megarl.trainer.plots import PlotsUnavailable, plot_run
     from megarl.trainer.session import TrainingSession
 
@@ -128,7 +133,8 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
         workers = session.start_workers()
         workers.sync_weights()
         times["setup_s"] = time.perf_counter() - t
-        initial = greedy_episodes(runner, workers, val, 0)
+        service = ColocatedRollout(workers, serving_backend=serving)  # the evaluations' request servers
+        initial = greedy_episodes(runner, service, val, 0)
         logger.info("random model: accuracy %.3f, tool calls ok %.3f", initial["accuracy"],
                     initial["multi_turn/tool_success_frac"])
 
@@ -146,14 +152,14 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
                 logger.info("sft step %d loss %.4f", step, m["loss"])
         workers.sync_weights()
         times["sft_s"] = time.perf_counter() - t
-        after_sft = greedy_episodes(runner, workers, val, 0)
+        after_sft = greedy_episodes(runner, service, val, 0)
         logger.info("after SFT (%d steps): accuracy %.3f, tool calls ok %.3f", s.sft_steps, after_sft["accuracy"],
                     after_sft["multi_turn/tool_success_frac"])
 
         t = time.perf_counter()
         results = session.fit()
         times["grpo_s"] = time.perf_counter() - t
-        after_grpo = greedy_episodes(runner, workers, val, len(results))
+        after_grpo = greedy_episodes(runner, service, val, len(results))
         logger.info("after GRPO (%d steps): accuracy %.3f, tool calls ok %.3f", len(results),
                     after_grpo["accuracy"], after_grpo["multi_turn/tool_success_frac"])
         rows = [r.metrics for r in results]

@@ -200,61 +200,24 @@ def test_a_step_of_more_prompt_tokens_than_the_budget_keeps_seeded_requests_exac
 
 # ---- episodes over the server (`megarl.envs.episode`): one coroutine per episode against the real engine ---------
 
-def _chat_tokenizer():
-    """The character chat tokenizer filled to the tiny model's 300 ids (every id the model samples decodes to a
-    character that re-encodes to it), with <|im_end|> = id 2 = the model's EOS. The engine only sees ids."""
+def _episodes(server, slow_s, n=2):
+    """`n` episodes of each of 2 records on `server`, each 2 turns of `SlowFirstToolEnv` (record 0's first tool sleeps
+    until record 1's episodes reached their last turn, or `slow_s`); the tokenizer: the character chat tokenizer
+    filled to the tiny model's 300 ids (every id the model samples decodes to a character that re-encodes to it), with
+    <|im_end|> = id 2 = the model's EOS. The engine only sees ids."""
     from megarl.data.chat_chars import build_chat_char_tokenizer
-
-    return build_chat_char_tokenizer(fill_to=300)
-
-
-class _GoOnEnv:
-    """Two turns: the user answers the first with "g", the second ends the episode (reward 1). Records ("step",
-    record, turn) when a step starts and ("stepped", record, turn) when it returns, in `events`; record 0's first
-    step is a slow tool that returns once record 1's last step has started (bounded by `slow_s`)."""
-
-    def __init__(self, record, events, holder, slow_s):
-        self.record, self.events, self.holder, self.slow_s = record, events, holder, slow_s
-
-    async def reset(self, record):
-        self.release = self.holder.setdefault("release", asyncio.Event())  # made inside the run's event loop
-        return [{"role": "user", "content": "1"}]
-
-    def tools(self):
-        return None
-
-    async def step(self, turn):
-        from megarl.envs.base import EnvStep
-
-        me = self.record.index
-        self.events.append(("step", me, turn.index))
-        if me == 1 and turn.index == 1:
-            self.release.set()
-        if me == 0 and turn.index == 0:
-            try:
-                await asyncio.wait_for(self.release.wait(), self.slow_s)
-            except asyncio.TimeoutError:
-                pass
-        self.events.append(("stepped", me, turn.index))
-        if turn.index == 1:
-            return EnvStep(reward=1.0, done=True)
-        return EnvStep(({"role": "user", "content": "g"},))
-
-    async def close(self):
-        pass
-
-
-def _episodes(server, schedule, slow_s, n=2):
     from megarl.data.dataset import PromptRecord
     from megarl.envs.episode import EpisodeLimits, EpisodeRunner
     from megarl.envs.tool_calls import parse_hermes
+    from tests.episode_helpers import SlowFirstToolEnv
 
     events, holder = [], {}
     records = [PromptRecord(i, "1", "", {}) for i in range(2)]
     # prompts of 20 + 3 + 21 tokens fit the engine's max_prompt_tokens (48) on the second turn
     limits = EpisodeLimits(max_turns=2, max_tokens_per_turn=3, max_new_tokens=6, max_model_len=128)
-    runner = EpisodeRunner(_chat_tokenizer(), lambda r: _GoOnEnv(r, events, holder, slow_s), parse_hermes, limits,
-                           schedule=schedule)
+    runner = EpisodeRunner(build_chat_char_tokenizer(fill_to=300),
+                           lambda r: SlowFirstToolEnv(r, events, holder, slow_s, turns=2, reply="g"), parse_hermes,
+                           limits)
     client = InProcessClient(server, default_timeout_s=120)
     sampling = SamplingSettings(temperature=1.0, seed=13)
     return runner.run(records, n, client, sampling, uid_prefix="b/"), events
@@ -263,11 +226,10 @@ def _episodes(server, schedule, slow_s, n=2):
 def test_episodes_on_the_server_do_not_wait_for_each_others_tools_and_stay_token_exact(server):
     """Record 0's tool sleeps until record 1's episodes reached their last turn: with one coroutine per episode they
     do (the environment's events), every trajectory is token-exact against the engine's requests (verified in
-    `run`) and carries the server's version; the barrier schedule on the same seeds samples the same trajectories
-    (a request's seed is its episode's place and turn, not its batch), its events in lockstep."""
+    `run`) and carries the server's version; distinct seeds give distinct samples."""
     from megarl.envs.episode import verify_trajectory
 
-    free, events = _episodes(server, "episode", slow_s=60.0)
+    free, events = _episodes(server, slow_s=60.0)
     slow_done = events.index(("stepped", 0, 0))
     assert {(kind, turn) for kind, me, turn in events[:slow_done] if me == 1} == {
         ("step", 0), ("stepped", 0), ("step", 1), ("stepped", 1)}
@@ -275,10 +237,6 @@ def test_episodes_on_the_server_do_not_wait_for_each_others_tools_and_stay_token
         verify_trajectory(t, turns)
         assert len(turns) == 2 and set(v for v, m in zip(t.policy_version, t.loss_mask) if m) == {0}
     assert free.scores == [1.0] * 4
-    barrier, events = _episodes(server, "barrier", slow_s=0.5)
-    assert events.index(("stepped", 0, 0)) < events.index(("step", 1, 1))  # lockstep: record 1 waited
-    for a, b in zip(free.trajectories, barrier.trajectories):
-        assert (a.token_ids, a.loss_mask, a.log_probs) == (b.token_ids, b.loss_mask, b.log_probs)
     assert len({tuple(t.token_ids) for t in free.trajectories}) == 4  # distinct seeds: distinct samples
 
 

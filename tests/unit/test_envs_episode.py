@@ -2,8 +2,9 @@
 final conversation, the separator after each end-of-turn token, verification failing on an injected
 retokenization, templates that rewrite earlier turns, limits.
 
-The engine is scripted (what a policy that has learned to call the calculator would sample; the real engine runs in
-tests/e2e/test_multi_turn.py); the tokenizer, its chat template and the rendering are transformers' own.
+The engine is a scripted `RolloutClient` (`tests.episode_helpers.ScriptedClient`: what a policy that has learned to
+call the calculator would sample; the real engine runs in tests/e2e/test_multi_turn.py); the tokenizer, its chat
+template and the rendering are transformers' own.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from megarl.data.chat_chars import build_chat_char_tokenizer
 from megarl.data.dataset import PromptRecord
 from megarl.envs.base import EnvStep, EpisodeError
 from megarl.envs.episode import ChatRenderer, EpisodeLimits, EpisodeRunner, TemplateMismatch, verify_trajectory
-from megarl.rollout.engine import RolloutSample, RolloutSamples, SamplingSettings
+from megarl.rollout.engine import SamplingSettings
+from tests.episode_helpers import ScriptedClient
 
 TOK = build_chat_char_tokenizer()
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
@@ -60,30 +62,27 @@ class CalcEnv:
         pass
 
 
-class ScriptedPolicy:
-    """generate(prompts, sampling): the first turn calls the calculator (or writes `first` when given), a turn after
-    a tool result answers with it; every turn ends with <|im_end|>; log-prob of token j is -(j + 1) / 100."""
+def fixed_log_probs(request, n: int) -> list[float]:
+    """Log-prob of token j of every turn: -(j + 1) / 100."""
+    return [-(j + 1) / 100 for j in range(n)]
+
+
+class ScriptedPolicy(ScriptedClient):
+    """The first turn calls the calculator (or writes `first` when given), a turn after a tool result answers with
+    it (+ `answer_suffix`); every turn ends with <|im_end|>; log-probs `fixed_log_probs`; no weights version of its
+    own (the runner's policy_version is recorded). `requests`: every request, one per episode-turn."""
 
     def __init__(self, first=None, answer_suffix=""):
-        self.first, self.answer_suffix, self.calls = first, answer_suffix, []
+        super().__init__(TOK, self.write, log_probs=fixed_log_probs)
+        self.first, self.answer_suffix = first, answer_suffix
 
-    def __call__(self, prompts, sampling: SamplingSettings):
-        self.calls.append((prompts, sampling))
-        out = []
-        for i, p in enumerate(prompts):
-            text = TOK.decode(p, skip_special_tokens=False)
-            question = re.search(r"user\n(\d+)\*(\d+)=", text)
-            results = re.findall(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", text)
-            if results:
-                reply = results[-1] + self.answer_suffix
-            else:
-                reply = self.first or ('<tool_call>{"name": "calculator", "arguments": {"expression": "%s*%s"}}'
-                                       '</tool_call>' % question.groups())
-            ids = TOK(reply, add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
-            ids = ids[:sampling.max_new_tokens]
-            reason = "stop" if ids[-1] == TOK.eos_token_id else "length"
-            out.append(RolloutSample(i, 0, list(p), ids, [-(j + 1) / 100 for j in range(len(ids))], reason))
-        return RolloutSamples(out)
+    def write(self, text: str) -> str:
+        results = re.findall(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", text)
+        if results:
+            return results[-1] + self.answer_suffix
+        question = re.search(r"user\n(\d+)\*(\d+)=", text)
+        return self.first or ('<tool_call>{"name": "calculator", "arguments": {"expression": "%s*%s"}}'
+                              '</tool_call>' % question.groups())
 
 
 LIMITS = EpisodeLimits(max_turns=3, max_tokens_per_turn=128, max_new_tokens=256, max_model_len=1024)
@@ -128,7 +127,7 @@ def test_two_turn_episode_is_the_templates_rendering_token_for_token_with_the_po
     assert [t.group_uid for t in result.trajectories] == ["s1/0", "s1/0", "s1/1", "s1/1"]
     assert result.metrics["multi_turn/turns_mean"] == 2 and result.metrics["multi_turn/tool_use_frac"] == 1
     assert result.metrics["multi_turn/tool_success_frac"] == 1
-    assert len(policy.calls) == 2  # one engine call per turn, all episodes batched
+    assert len(policy.requests) == 8  # one request per episode-turn: 4 episodes x 2 turns
 
 
 def test_an_injected_retokenization_is_caught_naming_the_trajectory_and_turn(monkeypatch):
@@ -205,40 +204,17 @@ def test_a_malformed_tool_call_is_an_observation_and_counted():
     assert result.metrics["multi_turn/tool_use_frac"] == 1 and result.metrics["multi_turn/tool_success_frac"] == 0
 
 
-def test_a_turn_with_fewer_episodes_than_engine_replicas_is_padded_and_budgets_cut_each_sample():
-    policy = ScriptedPolicy()
-    limits = EpisodeLimits(max_turns=3, max_tokens_per_turn=128, max_new_tokens=256, max_model_len=1024)
-    result = runner(limits=limits, min_requests=4).run(RECORDS[:1], 1, policy, SamplingSettings(seed=3), 0)
-    assert [len(prompts) for prompts, _ in policy.calls] == [4, 4]  # 1 episode + 3 copies, each turn
-    assert len(result.trajectories) == 1 and result.scores == [1.0]
-    # one call per turn with the longest budget; an episode with less left has its sample cut to it
+def test_a_turn_asks_for_no_more_tokens_than_its_episode_has_left():
+    """An episode with fewer tokens left than max_tokens_per_turn asks for that many: the answer turn ("408" + end
+    token) of an episode with 2 tokens left is cut to them, finish_reason 'length'."""
     call = len(TOK('<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>',
                    add_special_tokens=False)["input_ids"]) + 1
     tight = EpisodeLimits(max_turns=3, max_tokens_per_turn=128, max_new_tokens=call + 2, max_model_len=1024)
     policy = ScriptedPolicy()
     result = runner(limits=tight).run(RECORDS[:1], 1, policy, SamplingSettings(seed=3), 0)
-    t = result.trajectories[0]  # the answer turn ("408" + end token) cut to the 2 tokens left
+    t = result.trajectories[0]
     assert sum(t.loss_mask) == call + 2 and t.finish_reason == "length" and result.scores == [0.0]
-    assert policy.calls[1][1].max_new_tokens == 2
-
-
-def test_a_turns_calls_each_fit_the_engines_length():
-    """`_calls`: every call's longest prompt + its largest budget fits max_model_len (what the engine checks), and
-    episodes share calls where they can."""
-    import types
-
-    from megarl.envs.episode import _calls
-
-    def ep(uid, n):
-        return types.SimpleNamespace(uid=uid, builder=types.SimpleNamespace(token_ids=[0] * n))
-
-    group = [ep("a", 100), ep("b", 150), ep("c", 40), ep("d", 120)]
-    budget = {"a": 60, "b": 30, "c": 60, "d": 20}  # each prompt + its own budget <= 192
-    calls = _calls(group, budget, 192)
-    for call in calls:
-        assert max(len(e.builder.token_ids) for e in call) + max(budget[e.uid] for e in call) <= 192
-    assert sorted(e.uid for call in calls for e in call) == ["a", "b", "c", "d"]
-    assert [[e.uid for e in call] for call in calls] == [["a", "c"], ["b", "d"]]
+    assert [r.sampling.max_new_tokens for r, _ in policy.requests] == [call + 2, 2]  # all it has left, each turn
 
 
 class ChattyEnv(CalcEnv):
@@ -279,29 +255,22 @@ def byte_ids(text: str) -> list[int]:
     return [i for ch in text for i in BPE(ch, add_special_tokens=False)["input_ids"]]
 
 
-class NonCanonicalPolicy:
+class NonCanonicalPolicy(ScriptedClient):
     """The calculator policy over the BPE vocabulary, sampling what a model may: the tool call byte by byte (not
     the merged encoding `BPE(text)` gives), the answer with an id beyond the tokenizer (decodes to nothing) in
     front; each turn ends with <|im_end|>."""
 
     def __init__(self):
-        self.sampled = []
+        super().__init__(BPE, reply_ids=self.write, log_probs=lambda request, n: [-0.5] * n)
 
-    def __call__(self, prompts, sampling):
-        out = []
-        for i, p in enumerate(prompts):
-            text = BPE.decode(p, skip_special_tokens=False)
-            results = re.findall(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", text)
-            if results:
-                ids = [BPE_ROWS - 1] + BPE(results[-1], add_special_tokens=False)["input_ids"]
-            else:
-                a, b = re.search(r"user\n(\d+)\*(\d+)=", text).groups()
-                ids = byte_ids('<tool_call>{"name": "calculator", "arguments": {"expression": "%s*%s"}}'
-                               '</tool_call>' % (a, b))
-            ids = ids + [BPE.eos_token_id]
-            self.sampled.append(ids)
-            out.append(RolloutSample(i, 0, list(p), ids, [-0.5] * len(ids), "stop"))
-        return RolloutSamples(out)
+    @staticmethod
+    def write(prompt_ids: list) -> list:
+        text = BPE.decode(prompt_ids, skip_special_tokens=False)
+        results = re.findall(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", text)
+        if results:
+            return [BPE_ROWS - 1] + BPE(results[-1], add_special_tokens=False)["input_ids"]
+        a, b = re.search(r"user\n(\d+)\*(\d+)=", text).groups()
+        return byte_ids('<tool_call>{"name": "calculator", "arguments": {"expression": "%s*%s"}}</tool_call>' % (a, b))
 
 
 def test_non_canonical_and_undecodable_sampled_ids_are_kept_as_sampled_and_counted_not_masked():

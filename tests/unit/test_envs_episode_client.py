@@ -1,9 +1,10 @@
-"""Episodes over a `RolloutClient` (`megarl.envs.episode`): one coroutine per episode, the per-turn barrier kept for
-comparison, single-turn generation as the one-turn case, tools that sleep or hang.
+"""Episodes over a `RolloutClient` (`megarl.envs.episode`): one coroutine per episode, single-turn generation as the
+one-turn case, tools that sleep or hang, anything but a client refused.
 
-The client is scripted (what a policy that has learned the task would sample, one request at a time, each request's
-log-probs a function of its seed so that a wrong seed shows); the real engine behind `InProcessClient` runs in
-tests/e2e. Order, not time: an environment records the order of its calls, and the assertions read that order.
+The client is scripted (`tests.episode_helpers.ScriptedClient`: what a policy that has learned the task would sample,
+one request at a time, each request's log-probs a function of its seed so that a wrong seed shows); the real engine
+behind `InProcessClient` runs in tests/distributed/test_engine_server.py and tests/e2e. Order, not time: an
+environment records the order of its calls, and the assertions read that order.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from megarl.envs.episode import TURN_SEED_STRIDE, EpisodeLimits, EpisodeRunner, 
 from megarl.envs.tool_calls import parse_hermes
 from megarl.envs.tool_env import ToolEnvironment
 from megarl.rollout.client import RequestDropped
-from megarl.rollout.engine import Completion, GenerationOutput, SamplingSettings
+from megarl.rollout.engine import SamplingSettings
+from tests import episode_helpers
 
 TOK = build_chat_char_tokenizer()
 RECORDS = [PromptRecord(0, "12*34=", "408", {}), PromptRecord(1, "7*8=", "56", {})]
@@ -37,48 +39,11 @@ def calculator_reply(text: str) -> str:
     return '<tool_call>{"name": "multiply", "arguments": {"a": %s, "b": %s}}</tool_call>' % (a, b)
 
 
-def seeded_log_probs(request, n: int) -> list[float]:
-    """Log-probs that depend on the request's seed (its sampling seed and seed_index), as a real engine's samples
-    do: two paths that seed a request differently disagree here."""
-    base = (request.sampling.seed % 1000) / 10_000 + request.seed_index / 100
-    return [-(base + (j + 1) / 1000) for j in range(n)]
-
-
-class ScriptedClient:
-    """A `RolloutClient` whose completions `reply(prompt text)` writes (+ <|im_end|>, cut at max_new_tokens).
-    Records every request and the most requests it held at once; `versions`: per-token versions it reports
-    (None: it reports none, `weight_version` is read)."""
-
-    replicas = 1
+class ScriptedClient(episode_helpers.ScriptedClient):
+    """The calculator policy (`calculator_reply`) on the character tokenizer, reporting weights version 3."""
 
     def __init__(self, reply=calculator_reply, versions=None, weight_version=3):
-        self.reply, self.versions, self.weight_version = reply, versions, weight_version
-        self.requests, self.in_flight, self.most_in_flight = [], 0, 0
-
-    async def generate(self, request, *, session_id=None, priority=0, timeout_s=None):
-        self.requests.append((request, session_id))
-        self.in_flight += 1
-        self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        try:
-            await asyncio.sleep(0)  # others run meanwhile, as on a server
-            await asyncio.sleep(0)
-            text = TOK.decode(list(request.prompt_ids), skip_special_tokens=False)
-            completions = []
-            for k in range(request.sampling.samples_per_prompt):
-                ids = (TOK(self.reply(text), add_special_tokens=False)["input_ids"] + [TOK.eos_token_id])
-                ids = ids[:request.sampling.max_new_tokens]
-                reason = "stop" if ids[-1] == TOK.eos_token_id else "length"
-                versions = None if self.versions is None else [self.versions(j) for j in range(len(ids))]
-                completions.append(Completion(k, ids, seeded_log_probs(request, len(ids)), reason, versions))
-            return GenerationOutput(request.request_id, list(request.prompt_ids), completions, True)
-        finally:
-            self.in_flight -= 1
-
-    async def abort(self, request_ids):
-        return 0
-
-    def metrics(self):
-        return {}
+        super().__init__(TOK, reply, versions=versions, weight_version=weight_version)
 
 
 def multiply(a: int, b: int) -> int:
@@ -105,8 +70,7 @@ def episode_runner(factory=calculator_env, limits=LIMITS, **kw):
 
 def test_each_episode_is_its_own_requests_seeded_by_its_place_and_turn_and_token_exact():
     """Request ids f"{uid}/t{turn}", session = the episode, seed_index = its place in the batch, turn t's sampling
-    seed = seed + t * TURN_SEED_STRIDE; per-token versions as the client reports them; every trajectory verified
-    and equal to the legacy batch path's token for token (the scripted policy samples the same ids)."""
+    seed = seed + t * TURN_SEED_STRIDE; per-token versions as the client reports them; every trajectory verified."""
     client = ScriptedClient(versions=lambda j: 4 + j % 2)  # a push mid-request: versions alternate
     result = episode_runner().run(RECORDS, 2, client, SamplingSettings(seed=11), uid_prefix="s/")
     assert result.scores == [1.0] * 4
@@ -119,20 +83,6 @@ def test_each_episode_is_its_own_requests_seeded_by_its_place_and_turn_and_token
         sampled = [v for v, m in zip(t.policy_version, t.loss_mask) if m]
         assert sampled[:4] == [4, 5, 4, 5]  # each token's own version, not one per turn
 
-    def batch_generate(prompts, sampling):  # the same policy as a batch generate function (the legacy path)
-        from megarl.rollout.engine import RolloutSample, RolloutSamples
-        out = []
-        for i, p in enumerate(prompts):
-            ids = TOK(calculator_reply(TOK.decode(p, skip_special_tokens=False)), add_special_tokens=False)[
-                "input_ids"] + [TOK.eos_token_id]
-            out.append(RolloutSample(i, 0, list(p), ids, [-0.5] * len(ids), "stop"))
-        return RolloutSamples(out)
-
-    legacy = episode_runner().run(RECORDS, 2, batch_generate, SamplingSettings(seed=11), 4, uid_prefix="s/")
-    assert [t.token_ids for t in result.trajectories] == [t.token_ids for t in legacy.trajectories]
-    assert [t.loss_mask for t in result.trajectories] == [t.loss_mask for t in legacy.trajectories]
-    assert result.metrics == legacy.metrics
-
 
 def test_without_per_token_versions_the_clients_weight_version_is_recorded():
     result = episode_runner().run(RECORDS[:1], 1, ScriptedClient(versions=None, weight_version=9),
@@ -142,81 +92,52 @@ def test_without_per_token_versions_the_clients_weight_version_is_recorded():
 
 
 @pytest.mark.parametrize("bound", [1, 3])
-def test_barrier_and_episode_schedules_give_identical_trajectories_for_the_same_seeds(bound):
-    """A request's seed is its episode's place and its turn, never the batch it went in: the barrier, the episode
-    schedule and any concurrency bound sample the same tokens (here: the same seed-dependent log-probs)."""
+def test_any_concurrency_bound_gives_identical_trajectories_for_the_same_seeds(bound):
+    """A request's seed is its episode's place and its turn, never what else is in flight: a bound of 1 or 3 episodes
+    at once samples the same tokens (here: the same seed-dependent log-probs) as all of them at once."""
     sampling = SamplingSettings(seed=5)
-    barrier = episode_runner(schedule="barrier").run(RECORDS, 2, ScriptedClient(), sampling)
+    unbounded = episode_runner().run(RECORDS, 2, ScriptedClient(), sampling)
     client = ScriptedClient()
-    free = episode_runner(max_concurrent_episodes=bound).run(RECORDS, 2, client, sampling)
+    bounded = episode_runner(max_concurrent_episodes=bound).run(RECORDS, 2, client, sampling)
     assert client.most_in_flight == bound  # the bound held, and reached
-    for a, b in zip(barrier.trajectories, free.trajectories):
+    for a, b in zip(unbounded.trajectories, bounded.trajectories):
         assert (a.token_ids, a.loss_mask, a.log_probs, a.policy_version) == \
             (b.token_ids, b.loss_mask, b.log_probs, b.policy_version)
-    assert barrier.metrics == free.metrics
+    assert unbounded.metrics == bounded.metrics
 
 
-class ChattyEnv:
-    """Three turns: the user says "go on" twice, the third turn ends the episode. Records ("step", record, turn)
-    when a step starts and ("stepped", record, turn) when it returns, in `events`. Record 0's first step is a slow
-    tool: it returns once record 1's last step has started (or after `slow_s`, whichever first)."""
+def test_a_batch_generate_function_is_refused_naming_what_to_pass():
+    """The batch `generate(prompts, sampling)` path was deleted: a function (or a `RolloutService`'s bound
+    `generate`) is a TypeError that says to pass a client from `service.serving()`."""
+    def generate(prompts, sampling):
+        raise AssertionError("never called")
 
-    def __init__(self, record, events, release, slow_s):
-        self.record, self.events, self.release, self.slow_s = record, events, release, slow_s
-
-    async def reset(self, record):
-        return [{"role": "user", "content": record.prompt}]
-
-    def tools(self):
-        return None
-
-    async def step(self, turn):
-        me = self.record.index
-        self.events.append(("step", me, turn.index))
-        if me == 1 and turn.index == 2:
-            self.release.set()
-        if me == 0 and turn.index == 0:
-            try:
-                await asyncio.wait_for(self.release.wait(), self.slow_s)
-            except asyncio.TimeoutError:
-                pass
-        self.events.append(("stepped", me, turn.index))
-        if turn.index == 2:
-            return EnvStep(reward=1.0, done=True)
-        return EnvStep(({"role": "user", "content": "go on"},))
-
-    async def close(self):
-        pass
+    for source in (generate, object()):
+        with pytest.raises(TypeError, match=r"EpisodeRunner.run takes a RolloutClient .*service.serving\(\)"):
+            episode_runner().run(RECORDS, 1, source, SamplingSettings(seed=0), 0)
+    with pytest.raises(TypeError, match=r"run_single_turn takes a RolloutClient"):
+        asyncio.run(run_single_turn(generate, [[1, 2]], SamplingSettings(seed=0)))
 
 
-def chatty_run(schedule, slow_s):
+def chatty_run(slow_s):
     events, holder = [], {}
 
-    class Env(ChattyEnv):
-        def __init__(self, record):
-            super().__init__(record, events, None, slow_s)
-
-        async def reset(self, record):  # the Event is made inside the run's event loop
-            self.release = holder.setdefault("release", asyncio.Event())
-            return await super().reset(record)
+    def env(record):
+        return episode_helpers.SlowFirstToolEnv(record, events, holder, slow_s)
 
     client = ScriptedClient(reply=lambda text: "ok")
-    result = episode_runner(Env, schedule=schedule).run(RECORDS, 1, client, SamplingSettings(seed=0))
+    result = episode_runner(env).run(RECORDS, 1, client, SamplingSettings(seed=0))
     return result, events
 
 
 def test_an_episode_whose_tool_sleeps_does_not_delay_another_episodes_turns():
     """Record 0's first tool call waits until record 1 has reached its last turn: with one coroutine per episode,
     record 1 takes all its turns while record 0's tool sleeps (the events say so), and both finish."""
-    result, events = chatty_run("episode", slow_s=30.0)
+    result, events = chatty_run(slow_s=30.0)
     assert result.scores == [1.0, 1.0]
     slow_done = events.index(("stepped", 0, 0))
     assert [e for e in events[:slow_done] if e[1] == 1] == [
         ("step", 1, 0), ("stepped", 1, 0), ("step", 1, 1), ("stepped", 1, 1), ("step", 1, 2), ("stepped", 1, 2)]
-    # the barrier (the schedule the test tells apart): record 1's second turn waits for record 0's slow tool
-    result, events = chatty_run("barrier", slow_s=0.3)
-    assert result.scores == [1.0, 1.0]
-    assert events.index(("stepped", 0, 0)) < events.index(("step", 1, 1))
 
 
 def test_a_hanging_tool_is_cancelled_and_counted_and_the_other_episodes_finish():
@@ -266,9 +187,9 @@ def test_a_hanging_tool_is_cancelled_and_counted_and_the_other_episodes_finish()
     finally:
         stop.set()
 
-    class HangingStep(ChattyEnv):
+    class HangingStep(episode_helpers.SlowFirstToolEnv):
         def __init__(self, record):
-            super().__init__(record, [], None, 0)
+            super().__init__(record, [], {}, 0)
 
         async def step(self, turn):
             if self.record.index == 0:
@@ -284,9 +205,9 @@ def test_a_hanging_tool_is_cancelled_and_counted_and_the_other_episodes_finish()
 
 
 def test_an_environment_reset_that_does_not_return_stops_the_run_naming_it():
-    class HangingReset(ChattyEnv):
+    class HangingReset(episode_helpers.SlowFirstToolEnv):
         def __init__(self, record):
-            super().__init__(record, [], None, 0)
+            super().__init__(record, [], {}, 0)
 
         async def reset(self, record):
             if record.index == 1:

@@ -47,11 +47,12 @@ class ScriptedRollout:
     (`start_serving` -> a client, `stop_serving`): the response of a prompt is RESPONSE tokens, each 100 + the held
     version; `gen_s` seconds per call or request; `fail_at`: the call (request, while serving) number that raises.
 
-    `policy(prompts, sampling) -> RolloutSamples`: the responses come from it instead (multi-turn episodes), their
-    log-probs replaced by -(version + 1) / 10. `hold`: call/request numbers (1-based) that wait at entry until
-    `release(n)` (`entered[n]` is set when n waits there); `hold_at`: {request number: token index} -- the request
-    waits before sampling that token of its completions (a push can land there). A push while a batch call or a
-    request is in flight asserts unless `pushes_in_flight` (partial=continue: the servers take it mid-request)."""
+    `policy`: a `tests.episode_helpers.ScriptedClient` whose `sample(prompt ids)` writes the responses instead
+    (multi-turn episodes), cut at max_new_tokens, their log-probs -(version + 1) / 10. `hold`: call/request numbers
+    (1-based) that wait at entry until `release(n)` (`entered[n]` is set when n waits there); `hold_at`: {request
+    number: token index} -- the request waits before sampling that token of its completions (a push can land
+    there). A push while a batch call or a request is in flight asserts unless `pushes_in_flight`
+    (partial=continue: the servers take it mid-request)."""
 
     def __init__(self, gen_s: float = 0.0, fail_at: int | None = None, policy=None, hold=(), hold_at=None,
                  pushes_in_flight: bool = False) -> None:
@@ -67,6 +68,9 @@ class ScriptedRollout:
         self.pushes_in_flight = pushes_in_flight
         self.client = None
         self.requests = 0
+
+    def _policy_ids(self, prompt_ids, sampling: SamplingSettings) -> list[int]:
+        return self.policy.sample(list(prompt_ids))[:sampling.max_new_tokens]
 
     def release(self, n: int) -> None:
         self.released[n].set()
@@ -91,8 +95,8 @@ class ScriptedRollout:
             time.sleep(self.gen_s)
             v = self.weight_version
             if self.policy is not None:
-                out = RolloutSamples([dataclasses.replace(s, response_log_probs=[-(v + 1) / 10] * len(s.response_ids))
-                                      for s in self.policy(prompts, sampling)])
+                out = RolloutSamples([RolloutSample(i, 0, list(p), ids, [-(v + 1) / 10] * len(ids), "stop")
+                                      for i, p in enumerate(prompts) for ids in [self._policy_ids(p, sampling)]])
                 out.generate_s = self.gen_s
                 return out
             samples = []
@@ -153,7 +157,7 @@ class ScriptedRollout:
             time.sleep(self.gen_s)
             k = request.sampling.samples_per_prompt
             if self.policy is not None:
-                ids = [list(s.response_ids) for s in self.policy([list(request.prompt_ids)], request.sampling)] * k
+                ids = [self._policy_ids(request.prompt_ids, request.sampling)] * k
             else:
                 ids = [[None] * min(RESPONSE, request.sampling.max_new_tokens)] * k
             versions: list[list[int]] = [[] for _ in range(k)]
