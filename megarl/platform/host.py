@@ -63,6 +63,14 @@ def host_cpu() -> dict:
     return {**info, "source": source}
 
 
+def describe_host(info: dict) -> str:
+    """One line for a results page from a `host_cpu()` dict, e.g. "Intel(R) Xeon(R) Processor (intel; avx2, avx512f,
+    amx_bf16), 2 CPUs"."""
+    isa = ", ".join(f for f, on in info.get("isa", {}).items() if on and f != "amx") or "no listed ISA extensions"
+    cpus = info.get("logical_cpus") or "?"
+    return f"{info.get('model') or '?'} ({info.get('vendor') or '?'}; {isa}), {cpus} CPUs"
+
+
 def _read_proc() -> str:
     try:
         with open("/proc/cpuinfo") as f:

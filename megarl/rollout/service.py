@@ -8,8 +8,9 @@
     with service.serving() as client: ...                    the request-level path: a `RolloutClient` (a router
                                                              over the replicas' request servers) for one phase
 
-The synchronous step and validation generate through `serving()` (`megarl.envs.episode`: one coroutine per episode,
-single-turn its one-turn case); the batch `generate` stays for the one_step_off and async schedules.
+The synchronous step, validation, the async schedule and the quickstarts' evaluations generate through `serving()`
+(`megarl.envs.episode`: one coroutine per episode, single-turn its one-turn case); the batch `submit_generate` stays
+for the one_step_off schedule.
 
 `ColocatedRollout` is today's shape: the engines live in the actor's processes (`megarl.workers.HybridWorker`), the
 step's prompts are split over the engine replicas by the controller (DP_SPLIT by `rollout_replica`) and a weight push

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from megarl.platform.host import ISA_FLAGS, host_cpu, parse_cpuinfo
+from megarl.platform.host import ISA_FLAGS, describe_host, host_cpu, parse_cpuinfo
 
 SAPPHIRE_RAPIDS = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -71,6 +71,14 @@ def test_host_cpu_reads_this_host():
         assert info["isa"]["avx2"] is ("avx2" in first_flags)
 
 
+def test_describe_host_names_the_model_vendor_isa_and_cpus():
+    """The line a results page prints (benchmarks/agentic.py, prefix_cache.py): from the parsed Sapphire Rapids text,
+    its flags in ISA_FLAGS order; an unknown host says so."""
+    assert describe_host(parse_cpuinfo(SAPPHIRE_RAPIDS)) == (
+        "Intel(R) Xeon(R) Platinum 8480+ (intel; avx2, avx512f, avx512_bf16, amx_tile, amx_bf16, amx_int8), 2 CPUs")
+    assert describe_host({}) == "? (?; no listed ISA extensions), ? CPUs"
+
+
 def test_every_benchmark_that_writes_json_records_the_host():
     """Each benchmarks/*.py that writes a result JSON puts `host_cpu()` under a "host_cpu" key (a new benchmark must
     too)."""
@@ -83,5 +91,5 @@ def test_every_benchmark_that_writes_json_records_the_host():
     for path in scripts:
         text = open(path).read()
         if "json.dump(" in text:
-            assert "megarl.platform.host import host_cpu" in text, path
+            assert re.search(r"megarl\.platform\.host import [^\n]*\bhost_cpu\b", text), path
             assert re.search(r"""["']host_cpu["']\s*[:\]]|host_cpu=host_cpu\(\)""", text), path
