@@ -12,8 +12,11 @@ per rollout, fp32, the same reward (`token_fraction`). The model is a random HF 
 
 TRL: `trl.GRPOTrainer` (transformers' `generate`, one process using every core: torch intra-op threads), with
 num_iterations=1 and one generation per optimizer step (TRL then skips the old-policy forward). megarl:
-`megarl train` (local Ray cluster, `--devices` worker processes: Megatron actor TP=devices + reference, vLLM TP=devices,
-reshard), the run's `metrics.jsonl`. Each framework runs in its own subprocess, one after the other (never both at
+`megarl train` (local Ray cluster, `--devices` worker processes, every role colocated on them, in each of `--layouts`:
+`tp` = actor, reference and vLLM tensor parallel over the processes; `dp` = actor and reference data parallel (TP1),
+one vLLM TP1 replica per process), the run's `metrics.jsonl`. Both are layouts a user chooses by config; TRL's
+single process uses every core, so megarl gets every core too (cores / processes threads each).
+Each framework runs in its own subprocess, one after the other (never both at
 once: they would share the cores). Reported per framework: the median step time over the steps after the first
 (warm-up: compilation, allocator, first sync), and each one's split (megarl: its `time/*_s` metrics; TRL: its own
 profiling contexts, captured from `trl.extras.profiling`), and megarl / TRL.
@@ -132,12 +135,33 @@ def run_trl(inputs: dict, steps: int, new_tokens: int, out_dir: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------- megarl
-def megarl_config(inputs: dict, steps: int, new_tokens: int, devices: int, run_dir: str, extra: list[str]) -> list:
-    """`megarl train` overrides on top of yaml_configs/cpu_quickstart.yaml for the same work as TRL's run."""
+# megarl layouts of the `devices` worker processes (one pool, actor + reference + vLLM colocated; each process gets
+# cores / devices torch and vLLM threads, `resources.threads_per_worker`'s default). Both are layouts a user picks
+# with config keys only; TRL's side is the same in both (one process, every core).
+LAYOUTS = {
+    "tp": "actor TP{d} + reference TP{d} + vLLM TP{d}: tensor parallel across the processes (per-layer all-reduces)",
+    "dp": "actor DP{d} (TP1) + reference DP{d} (TP1) + {d} vLLM TP1 replicas: data parallel, one gradient all-reduce "
+          "per step and no collective in generation",
+}
+
+
+def layout_overrides(layout: str, devices: int) -> list[str]:
+    """The `megarl train` keys of one `LAYOUTS` entry on `devices` worker processes."""
+    if layout == "tp":
+        return [f"actor.parallel.tp={devices}", "actor.parallel.dp=1", f"reference.parallel.tp={devices}",
+                f"rollout.tp={devices}"]
+    if layout == "dp":
+        return ["actor.parallel.tp=1", f"actor.parallel.dp={devices}", "reference.parallel.tp=1", "rollout.tp=1"]
+    raise ValueError(f"unknown megarl layout {layout!r}; choose one of {sorted(LAYOUTS)}")
+
+
+def megarl_config(inputs: dict, steps: int, new_tokens: int, devices: int, run_dir: str, extra: list[str],
+                  layout: str = "tp") -> list:
+    """`megarl train` overrides on top of yaml_configs/cpu_quickstart.yaml for the same work as TRL's run, in
+    `layout` (`LAYOUTS`) on `devices` worker processes."""
     return [
         f"model.path={inputs['model']}", "model.tokenizer=null", "model.arch=null", "model.dtype=fp32",
-        f"resources.pools.default.devices_per_node={devices}",
-        f"actor.parallel.tp={devices}", f"reference.parallel.tp={devices}", f"rollout.tp={devices}",
+        f"resources.pools.default.devices_per_node={devices}", *layout_overrides(layout, devices),
         f"actor.optimizer.lr={LR}", f"actor.mini_batch_prompts={PROMPTS_PER_STEP}",
         "actor.micro_batch_samples=null", "actor.micro_batch_tokens=8192",
         "reference.micro_batch_samples=null", "reference.micro_batch_tokens=8192",
@@ -149,9 +173,10 @@ def megarl_config(inputs: dict, steps: int, new_tokens: int, devices: int, run_d
     ]
 
 
-def run_megarl(inputs: dict, steps: int, new_tokens: int, devices: int, run_dir: str, extra: list[str]) -> dict:
+def run_megarl(inputs: dict, steps: int, new_tokens: int, devices: int, run_dir: str, extra: list[str],
+               layout: str = "tp") -> dict:
     cmd = [sys.executable, "-m", "megarl", "train", os.path.join(ROOT, "yaml_configs", "cpu_quickstart.yaml"),
-           *megarl_config(inputs, steps, new_tokens, devices, run_dir, extra)]
+           *megarl_config(inputs, steps, new_tokens, devices, run_dir, extra, layout)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"megarl train failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -167,7 +192,8 @@ def run_megarl(inputs: dict, steps: int, new_tokens: int, devices: int, run_dir:
                                                                  if k.startswith("time/") and k != "time/step_s")}
                       for r in rows],
             "old_log_probs_path": rows[-1].get("actor/old_log_probs_fused"),
-            "tokens": [r["tokens"] for r in rows], "command": " ".join(cmd[1:])}
+            "tokens": [r["tokens"] for r in rows], "command": " ".join(cmd[1:]), "layout": layout,
+            "layout_text": LAYOUTS[layout].format(d=devices)}
 
 
 # ------------------------------------------------------------------------------------------------------------ main
@@ -201,8 +227,10 @@ def _summary(run: dict) -> dict:
     return out
 
 
-def measure(shape: str, new_tokens: int, steps: int, devices: int, only, overrides: list[str]) -> dict:
-    """One size: TRL then megarl (each in its own subprocess, one after the other) on the same inputs."""
+def measure(shape: str, new_tokens: int, steps: int, devices: int, only, overrides: list[str],
+            layouts: tuple[str, ...] = ("tp",)) -> dict:
+    """One size: TRL then megarl in each of `layouts` (each in its own subprocess, one after the other) on the same
+    inputs. `result["megarl"]` is the first layout's run, `result["megarl_layouts"]` every layout's."""
     with tempfile.TemporaryDirectory() as work:
         inputs = build_inputs(work, shape)
         result = {"shape": shape, **SHAPES[shape], "vocab_size": VOCAB, "params": _params(inputs["model"]),
@@ -220,9 +248,16 @@ def measure(shape: str, new_tokens: int, steps: int, devices: int, only, overrid
             result["trl"] = {**json.loads(lines[-1][len("TRL_RESULT "):])}
             result["trl"].update(_summary(result["trl"]))
         if only in (None, "megarl"):
-            result["megarl"] = run_megarl(inputs, steps, new_tokens, devices, os.path.join(work, "megarl_run"),
-                                          overrides)
-            result["megarl"].update(_summary(result["megarl"]))
+            result["megarl_layouts"] = {}
+            for layout in layouts:
+                run = run_megarl(inputs, steps, new_tokens, devices, os.path.join(work, f"megarl_run_{layout}"),
+                                 overrides, layout)
+                run.update(_summary(run))
+                if "trl" in result:
+                    run["megarl_over_trl"] = run["median_step_s"] / result["trl"]["median_step_s"]
+                    run["megarl_over_trl_min"] = run["min_step_s"] / result["trl"]["min_step_s"]
+                result["megarl_layouts"][layout] = run
+            result["megarl"] = result["megarl_layouts"][layouts[0]]
         if "trl" in result and "megarl" in result:
             result["megarl_over_trl"] = result["megarl"]["median_step_s"] / result["trl"]["median_step_s"]
             result["megarl_over_trl_min"] = result["megarl"]["min_step_s"] / result["trl"]["min_step_s"]
@@ -260,32 +295,46 @@ def markdown(report: dict) -> str:
         f"Work per step (both): {PROMPTS_PER_STEP} prompts x {SAMPLES} samples, exactly N new tokens each (EOS "
         f"ignored), temperature 1, KL {KL_COEF} to a frozen reference (k3 in the loss), one AdamW step, lr {LR}, fp32, "
         "reward `token_fraction`; a random HF Llama both load. TRL: `transformers.generate` in one process using "
-        "every core. megarl: `megarl train`, one pool of 2 worker processes (actor TP2 + reference TP2 + vLLM TP2, "
-        "colocated). Median (and min) over the steps after the first; the min is the figure least moved by other "
-        "jobs on a shared machine.", "",
-        "| model | params | new tokens | steps (steady) | TRL s/step median (min) | megarl s/step median (min) "
-        "| megarl / TRL median (min) | load before/after |",
-        "|---|---|---|---|---|---|---|---|",
+        "every core. megarl: `megarl train`, one pool of "
+        f"{report.get('devices', 2)} worker processes (actor, reference and vLLM colocated), each with cores / "
+        "processes threads, in the layout of the row:", "",
+        *[f"- `{name}`: {text.format(d=report.get('devices', 2))}" for name, text in LAYOUTS.items()
+          if name in report.get("layouts", ("tp",))], "",
+        "Median (and min) over the steps after the first; the min is the figure least moved by other jobs on a "
+        "shared machine.", "",
+        "| model | params | new tokens | steps (steady) | megarl layout | TRL s/step median (min) "
+        "| megarl s/step median (min) | megarl / TRL median (min) | load before/after |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def cell(x: dict) -> str:
+        return f"{x['median_step_s']:.3f} ({x['min_step_s']:.3f})" if x else "-"
+
+    def layouts_of(r: dict) -> dict:
+        if r.get("megarl_layouts"):
+            return r["megarl_layouts"]
+        if "megarl" not in r:
+            return {}
+        ratios = {k: r[k] for k in ("megarl_over_trl", "megarl_over_trl_min") if k in r}  # a report of one layout
+        return {r["megarl"].get("layout", "tp"): {**r["megarl"], **ratios}}
+
     for r in report["runs"]:
-        trl, mr = r.get("trl", {}), r.get("megarl", {})
-
-        def cell(x: dict) -> str:
-            return f"{x['median_step_s']:.3f} ({x['min_step_s']:.3f})" if x else "-"
-
-        ratio = (f"**{r['megarl_over_trl']:.2f}** ({r['megarl_over_trl_min']:.2f})" if "megarl_over_trl" in r
-                 else "-")
-        lines.append(f"| {r['shape']} (L{r['num_layers']} H{r['hidden_size']}) | {r['params'] / 1e6:.2f}M | "
-                     f"{r['new_tokens']} | {r['steps']} ({(trl or mr).get('steady_steps', '-')}) | {cell(trl)} | "
-                     f"{cell(mr)} | {ratio} | {r['load_avg_1m_before']:.1f} / {r['load_avg_1m_after']:.1f} |")
+        trl = r.get("trl", {})
+        for layout, mr in (layouts_of(r) or {"-": {}}).items():
+            ratio = (f"**{mr['megarl_over_trl']:.2f}** ({mr['megarl_over_trl_min']:.2f})" if "megarl_over_trl" in mr
+                     else "-")
+            lines.append(f"| {r['shape']} (L{r['num_layers']} H{r['hidden_size']}) | {r['params'] / 1e6:.2f}M | "
+                         f"{r['new_tokens']} | {r['steps']} ({(trl or mr).get('steady_steps', '-')}) | {layout} | "
+                         f"{cell(trl)} | {cell(mr)} | {ratio} | "
+                         f"{r['load_avg_1m_before']:.1f} / {r['load_avg_1m_after']:.1f} |")
     lines += ["", "Median split per step (seconds):", ""]
     for r in report["runs"]:
-        for name in ("trl", "megarl"):
-            if name in r:
-                split = ", ".join(f"{k} {x:.4f}" for k, x in r[name]["split_s"].items())
-                if "inner_s" in r[name]:
-                    split += "; of which " + ", ".join(f"{k} {x:.4f}" for k, x in r[name]["inner_s"].items())
-                lines.append(f"- {r['shape']} {name}: {split}")
+        runs = ([("trl", r["trl"])] if "trl" in r else []) + [(f"megarl {k}", v) for k, v in layouts_of(r).items()]
+        for name, x in runs:
+            split = ", ".join(f"{k} {v:.4f}" for k, v in x["split_s"].items())
+            if "inner_s" in x:
+                split += "; of which " + ", ".join(f"{k} {v:.4f}" for k, v in x["inner_s"].items())
+            lines.append(f"- {r['shape']} {name}: {split}")
     return "\n".join(lines) + "\n"
 
 
@@ -296,7 +345,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, help="optimizer steps per framework (the first is a warm-up); "
                    "default: DEFAULT_RUNS' for the shape")
     p.add_argument("--new-tokens", type=int, help="default: DEFAULT_RUNS' for the shape")
-    p.add_argument("--devices", type=int, default=2, help="megarl worker processes (actor and rollout TP)")
+    p.add_argument("--devices", type=int, default=2, help="megarl worker processes (one pool, every role on it)")
+    p.add_argument("--layouts", default="tp,dp", help="megarl layouts to run, comma-separated, each against the "
+                   "same TRL run: " + "; ".join(f"{k}: {v.format(d='N')}" for k, v in LAYOUTS.items())
+                   + ". The table's first row per size is the first layout's")
     p.add_argument("--only", choices=["trl", "megarl"], help="run one framework (the other's figures stay empty)")
     p.add_argument("--megarl-override", action="append", default=[], help="extra `megarl train` override")
     p.add_argument("--json", help="write the results here")
@@ -309,22 +361,29 @@ def main(argv=None) -> int:
         print("TRL_RESULT " + json.dumps(res))
         return 0
 
+    layouts = tuple(x.strip() for x in a.layouts.split(",") if x.strip())
+    unknown = [x for x in layouts if x not in LAYOUTS]
+    if unknown or not layouts:
+        p.error(f"--layouts {a.layouts!r}: unknown {unknown}; choose from {sorted(LAYOUTS)} (comma-separated)")
     defaults = {shape: (tokens, steps) for shape, tokens, steps in DEFAULT_RUNS}
     shapes = [s for s, _, _ in DEFAULT_RUNS] if a.shape == "all" else [a.shape]
     report = {"benchmark": "vs_trl", "command": " ".join(["python", os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
               "date": time.strftime("%Y-%m-%d %H:%M"), "cores": len(os.sched_getaffinity(0)),
-              "machine": _machine(), "host_cpu": host_cpu(), "versions": _versions(), "runs": []}
+              "machine": _machine(), "host_cpu": host_cpu(), "versions": _versions(), "devices": a.devices,
+              "layouts": list(layouts), "runs": []}
     for shape in shapes:
         tokens = a.new_tokens or defaults[shape][0]
         steps = a.steps or defaults[shape][1]
-        r = measure(shape, tokens, steps, a.devices, a.only, a.megarl_override)
+        r = measure(shape, tokens, steps, a.devices, a.only, a.megarl_override, layouts)
         report["runs"].append(r)
-        for name in ("trl", "megarl"):
-            if name in r:
-                print(f"{shape} {name:7s} median step {r[name]['median_step_s']:.3f} s  split {r[name]['split_s']}",
+        runs = ([("trl", r["trl"])] if "trl" in r else []) + [(f"megarl {k}", v)
+                                                              for k, v in r.get("megarl_layouts", {}).items()]
+        for name, x in runs:
+            print(f"{shape} {name:10s} median step {x['median_step_s']:.3f} s (min {x['min_step_s']:.3f})  "
+                  f"split {x['split_s']}", flush=True)
+            if "megarl_over_trl" in x:
+                print(f"{shape} {name} / TRL = {x['megarl_over_trl']:.2f} (min {x['megarl_over_trl_min']:.2f})",
                       flush=True)
-        if "megarl_over_trl" in r:
-            print(f"{shape} megarl / TRL = {r['megarl_over_trl']:.2f}", flush=True)
     for path, text in ((a.json, json.dumps(report, indent=2)), (a.md, markdown(report) if a.md else "")):
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -92,7 +92,11 @@ def start_serving(group: Any, *, round_steps: int = 16, weight_version: Optional
 
 
 def stop_serving(group: Any, router: RolloutRouter, timeout_s: float = 60.0) -> list[dict[str, float]]:
-    """Close the router, then stop every rank's server (requests still in flight are aborted); returns each rank's
-    server counters."""
-    router.close()
-    return group.stop_server(timeout_s=timeout_s)
+    """Stop every rank's server (requests still in flight are aborted) and close the router; returns each rank's
+    server counters. The router's collectors are told to end first (`RolloutRouter.begin_close`): the long-poll each
+    has in flight then answers as its server stops instead of after its full wait (`poll_wait_s` per phase)."""
+    router.begin_close()
+    try:
+        return group.stop_server(timeout_s=timeout_s)
+    finally:
+        router.close()

@@ -178,6 +178,8 @@ class EngineServer:
             self._stopped = True
             if self.leader:
                 self._enqueue(_Op("stop"))
+            with self._cond:  # a long-poll waiting in `take_results` answers now
+                self._cond.notify_all()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise TimeoutError(f"EngineServer {self.name}: the engine loop did not stop within {timeout_s} s "
@@ -242,12 +244,13 @@ class EngineServer:
 
     def take_results(self, max_wait_s: float = 0.0) -> list[RequestResult]:
         """The answers of requests submitted without a callback, waiting up to `max_wait_s` for at least one (a
-        long-poll); [] when none came in time."""
+        long-poll); [] when none came in time. A server being stopped answers at once (the poll in flight when a
+        serving phase ends does not hold up the stop)."""
         deadline = time.monotonic() + max_wait_s
         with self._cond:
             while not self._results:
                 left = deadline - time.monotonic()
-                if left <= 0 or (self.error is not None and not self._pending):
+                if left <= 0 or self._stopped or (self.error is not None and not self._pending):
                     break
                 self._cond.wait(left)
             out = list(self._results)

@@ -186,6 +186,12 @@ class RolloutRouter:
             out["rollout/server/prefix_cache_hit_rate"] = hits / queries if queries else 0.0
         return out
 
+    def begin_close(self) -> None:
+        """Let the collector threads end after the long-poll each has in flight, without waiting for them (`close`
+        waits). A caller that stops the replicas' servers next (`megarl.controller.serving.stop_serving`) calls this
+        first: a stopping server answers its poll at once, so `close` then returns without a poll's wait."""
+        self._stop.set()
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the collector threads (each within one poll); requests still awaited fail with `ReplicaDied`."""
         self._stop.set()
@@ -254,6 +260,10 @@ class RolloutRouter:
                         _fail(w, ReplicaDied(f"request {request.request_id!r}: its submit to "
                                              f"{self._handles[replica].name} failed: {e!r}"))
 
+    def _has_waiters(self, replica: int) -> bool:
+        with self._lock:
+            return self._load[replica] > 0
+
     def _release(self, rid: str) -> Optional[_Waiter]:
         with self._lock:
             w = self._waiters.pop(rid, None)
@@ -278,6 +288,8 @@ class RolloutRouter:
                 self._replica_died(replica, str(e))
                 return
             except Exception as e:  # noqa: BLE001 -- any failure of the long-poll ends the replica
+                if self._stop.is_set() and not self._has_waiters(replica):  # its server stopped under a last poll
+                    return
                 self._replica_died(replica, f"{handle.name}: its long-poll failed: {e!r}")
                 return
             self._server_metrics[replica] = dict(got.get("metrics", {}))

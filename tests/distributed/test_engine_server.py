@@ -132,6 +132,22 @@ def test_a_dead_loop_fails_its_requests_with_replica_died(server):
     assert not server.alive
 
 
+def test_a_long_poll_in_flight_answers_when_the_server_stops(engine):
+    """The poll a router has in flight when a serving phase ends (`megarl.controller.serving.stop_serving`) answers
+    as its server stops, not after its full wait: a 600 s poll has returned by the time the stop has joined the loop
+    and 60 s more have passed."""
+    import threading
+
+    srv = EngineServer(engine, name="replica 0", round_steps=3).start()
+    answered: list = []
+    poll = threading.Thread(target=lambda: answered.append(srv.take_results(max_wait_s=600.0)), daemon=True)
+    poll.start()
+    srv.stop(timeout_s=60)
+    poll.join(timeout=60)
+    assert not poll.is_alive(), "the long-poll still waits after its server stopped"
+    assert answered == [[]]
+
+
 def test_duplicate_ids_and_dropped_prompts_are_refused_by_name(server):
     client = InProcessClient(server, default_timeout_s=60)
     too_long = [1] + [4 + i % 200 for i in range(59)]  # 60 tokens > max_prompt_tokens 48 (policy drop)
