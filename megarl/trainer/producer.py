@@ -33,12 +33,13 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from megarl.algorithms import soft_overlong_penalty
 from megarl.algorithms.dynamic_sampling import enough_groups, informative_groups, select_groups
+from megarl.rollout.client import WatchedClient
 from megarl.rollout.engine import RolloutSamples, SamplingSettings
 from megarl.trainer.schedule import RolloutBatch
 
@@ -68,30 +69,6 @@ class GenerationRound:
     reward_s: float = 0.0
     reward_overlap_s: float = 0.0
     aborted: int = 0
-
-
-class _Watched:
-    """A `RolloutClient` that passes every request to `client` and calls `finished(request, output)` the moment one
-    finishes (on the event loop, before its caller resumes)."""
-
-    def __init__(self, client: Any, finished: Callable[[Any, Any], None]) -> None:
-        self.client, self.finished = client, finished
-        self.replicas = getattr(client, "replicas", 1)
-
-    @property
-    def weight_version(self) -> Optional[int]:
-        return getattr(self.client, "weight_version", None)
-
-    async def generate(self, request, **kw):
-        out = await self.client.generate(request, **kw)
-        self.finished(request, out)
-        return out
-
-    async def abort(self, request_ids: Sequence[str]) -> int:
-        return await self.client.abort(request_ids)
-
-    def metrics(self) -> dict[str, float]:
-        return self.client.metrics()
 
 
 class BatchProducer:
@@ -294,7 +271,7 @@ class BatchProducer:
             if len(finished) == keep:
                 enough.set()
 
-        watched = _Watched(client, on_finished)
+        watched = WatchedClient(client, on_finished)
         generation = asyncio.ensure_future(run_single_turn(
             watched, prompts, sampling, uid_prefix=uid_prefix, policy_version=version,
             max_concurrent=max(1, len(prompts))))
