@@ -74,8 +74,9 @@ class RolloutBatch:
     token_versions: None (every response token has `version`), or per sample the version of each response token.
     trajectories: with rollout.env, the episodes' `Trajectory`s (`samples` is then empty; `lags` read their
         per-token versions).
-    metrics: the batch's own metrics (dynamic sampling's counts). rollout_s / reward_s: seconds generating (the
-        engines' wall time) and scoring.
+    metrics: the batch's own metrics (dynamic sampling's counts; single-turn `time/reward_overlap_s`, the scoring
+        seconds that ran while requests were generating; with rollout.oversample `rollout/oversampled_aborted_groups`).
+        rollout_s / reward_s: seconds generating (the engines' wall time) and scoring (summed over groups).
     """
 
     index: int
