@@ -141,6 +141,18 @@ class BatchProducer:
                             metrics=dict(result.metrics), rollout_s=time.perf_counter() - started,
                             trajectories=result.trajectories)
 
+    def generate(self, prompts: list[list[int]], client: Any, sampling: SamplingSettings, uid_prefix: str = ""):
+        """(samples ordered by (prompt_index, sample_index), dropped prompt indices) of `prompts` through `client`,
+        unscored (the Python API's `generate`): one request per prompt, every prompt in flight at once."""
+        from megarl.envs.episode import run_single_turn
+
+        out, _ = asyncio.run(run_single_turn(client, prompts, sampling, uid_prefix=uid_prefix,
+                                             max_concurrent=max(1, len(prompts))))
+        samples, dropped = list(out), list(out.dropped_prompt_indices)
+        if dropped:
+            self._warn_dropped(dropped)
+        return samples, dropped
+
     def validate(self, records: list, client: Any, version: int) -> dict[str, float]:
         """`val/reward_mean` (and `val/reward_errors`, multi-turn `val/tool_success_frac|turns_mean`) of greedy
         (rollout.val_temperature) responses to `records`, or one episode each with rollout.env."""
@@ -318,14 +330,17 @@ class BatchProducer:
         check_failures(merged, self.cfg.reward.max_error_fraction, what)
         samples, dropped = list(out), list(out.dropped_prompt_indices)
         if dropped:
-            logger.warning("%d prompt(s) longer than rollout.max_prompt_tokens=%d were dropped this step "
-                           "(rollout.overlong_prompt=%s)", len(dropped), self.cfg.rollout.max_prompt_tokens,
-                           self.cfg.rollout.overlong_prompt)
+            self._warn_dropped(dropped)
         spans = [(b, e) for _, b, e in results.values()]
         scores = torch.tensor(merged.scores, dtype=torch.float32)
         return GenerationRound(kept_records, samples, dropped, scores, merged.metrics(), versions,
                       generate_s=end - started, reward_s=sum(e - b for b, e in spans),
                       reward_overlap_s=sum(max(0.0, min(e, end) - b) for b, e in spans), aborted=aborted)
+
+    def _warn_dropped(self, dropped: list) -> None:
+        logger.warning("%d prompt(s) longer than rollout.max_prompt_tokens=%d were dropped this step "
+                       "(rollout.overlong_prompt=%s)", len(dropped), self.cfg.rollout.max_prompt_tokens,
+                       self.cfg.rollout.overlong_prompt)
 
     @staticmethod
     def _version_now(client: Any, version: Version) -> int:
