@@ -381,6 +381,14 @@ class RolloutConfig:
         "next turn as soon as its observation is ready (megarl.envs.episode); the others wait for a slot. Also the "
         "bound on single-turn requests in flight.", unit="episodes", min=1,
     )
+    oversample: int = opt(
+        0, "Single-turn: extra prompts drawn per step (and per dynamic-sampling round); the first "
+        "data.prompts_per_step groups whose requests finish are trained on (in the order of their prompt index), the "
+        "others' requests are aborted and counted in rollout/oversampled_aborted_groups (slime's over-sampling: the "
+        "slowest groups no longer hold the step). The extra prompts are consumed from the loader. Which groups are "
+        "kept depends on the engines' timing, so a run is no longer repeatable bit for bit; 0 = off.",
+        unit="groups", min=0,
+    )
     tool_threads: int = opt(
         16, "Multi-turn: threads of the pool that runs blocking (non-async) tools, shared by every episode of the "
         "process; async tools run on the event loop. A call waits for a free thread within its deadline; a call past "

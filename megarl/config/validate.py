@@ -522,6 +522,9 @@ def _check_multi_turn(cfg: JobConfig) -> None:
                           "data.chat_template to hf (the tokenizer's) or a Jinja template")
     if cfg.algorithm.dynamic_sampling.enabled:
         raise ConfigError("algorithm.dynamic_sampling with rollout.env: extra sampling rounds are single-turn only")
+    if r.oversample:
+        raise ConfigError(f"rollout.oversample={r.oversample} with rollout.env: over-sampling is single-turn only "
+                          "for now (a group of episodes has no one request to abort); set rollout.oversample=0")
     if cfg.trainer.mode == "one_step_off":
         raise ConfigError("rollout.env with trainer.mode=one_step_off is not supported yet (episodes take one engine "
                           "call per turn); use trainer.mode=sync, or async with rollout.pool")

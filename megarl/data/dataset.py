@@ -176,15 +176,19 @@ class PromptLoader:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
-    def next_batch(self) -> list[PromptRecord]:
-        """The next step's records (always exactly `prompts_per_step`)."""
+    def next_batch(self, size: Optional[int] = None) -> list[PromptRecord]:
+        """The next step's records: exactly `size` (default `prompts_per_step`; more when the rollout over-samples,
+        `rollout.oversample`), crossing into the next epoch's order when this one runs out."""
+        size = self.prompts_per_step if size is None else size
+        if size < 1:
+            raise ValueError(f"PromptLoader.next_batch: size must be >= 1 record, got {size}")
         out: list[PromptRecord] = []
-        while len(out) < self.prompts_per_step:
+        while len(out) < size:
             if self.position == len(self._order):
                 self.epoch += 1
                 self.position = 0
                 self._order = self._epoch_order(self.epoch)
-            take = min(self.prompts_per_step - len(out), len(self._order) - self.position)
+            take = min(size - len(out), len(self._order) - self.position)
             out.extend(self.dataset[i] for i in self._order[self.position:self.position + take])
             self.position += take
         return out

@@ -22,7 +22,7 @@ Nothing here imports vLLM, Ray or the HTTP stack.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from megarl.rollout.engine import GenerationOutput, GenerationRequest
 
@@ -68,3 +68,29 @@ class RolloutClient(Protocol):
         """Counters under `rollout/server/...` (requests, tokens, per-replica load, prefix-cache hits where the
         engine reports them)."""
         ...
+
+
+class WatchedClient:
+    """A `RolloutClient` that passes every call to `client` and calls `finished(request, output)` the moment a
+    request finishes, on the caller's event loop before the awaiting coroutine resumes (the batch producer scores a
+    group there while the rest of the batch generates, `megarl.trainer.producer`). Requests that fail or are aborted
+    are not reported."""
+
+    def __init__(self, client: Any, finished: Callable[[GenerationRequest, GenerationOutput], None]) -> None:
+        self.client, self.finished = client, finished
+        self.replicas = getattr(client, "replicas", 1)
+
+    @property
+    def weight_version(self) -> Optional[int]:
+        return getattr(self.client, "weight_version", None)
+
+    async def generate(self, request: GenerationRequest, **options: Any) -> GenerationOutput:
+        out = await self.client.generate(request, **options)
+        self.finished(request, out)
+        return out
+
+    async def abort(self, request_ids: Sequence[str]) -> int:
+        return await self.client.abort(request_ids)
+
+    def metrics(self) -> dict[str, float]:
+        return self.client.metrics()

@@ -28,9 +28,7 @@ from megarl.algorithms import (
     filter_truncated,
     get_advantage,
     scores_to_token_rewards,
-    soft_overlong_penalty,
 )
-from megarl.algorithms.dynamic_sampling import enough_groups, informative_groups, select_groups
 from megarl.algorithms.rollout_correction import mismatch_from_rows
 from megarl.config.loader import to_dict
 from megarl.config.schema import JobConfig
@@ -43,17 +41,16 @@ from megarl.rollout.service import ColocatedRollout, RolloutService
 from megarl.trainer import checkpointing
 from megarl.trainer.checkpoint_manager import CheckpointManager, ProcessRNG
 from megarl.trainer.faults import RunAborted
+from megarl.trainer.producer import BatchProducer
 from megarl.trainer.progress import ConsoleProgress
 from megarl.trainer.samples import samples_to_trajectories
-from megarl.trainer.schedule import RolloutBatch, build_schedule
+from megarl.trainer.schedule import build_schedule
 from megarl.trainer.stop import StopRequest
 from megarl.trainer.tracking import build_sinks
 
 logger = logging.getLogger("megarl.trainer")
 
 SCORE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
-# Sampling-seed offset of each extra dynamic-sampling round within a step (round k: rollout.seed + step + k * this).
-ROUND_SEED_STRIDE = 1_000_003
 # What each step logs of rank 0's reshard report (`megarl.reshard.executor.ReshardReport`): bytes received and the
 # layouts' lower bound (equal when the plan is optimal), seconds (verification included, and its share), pieces
 # verified against their senders' checksums (0 with rollout.verify_sync=false), and the actor's offloaded bytes.
@@ -122,8 +119,10 @@ class RLLoop:
             from megarl.envs.episode import runner_from_config
 
             self.episodes = runner_from_config(cfg, encoder, reward_fn)
-        # when rollouts run against training (trainer.mode, `megarl.trainer.schedule`)
-        self.schedule = build_schedule(self)
+        # where every rollout batch comes from (draw -> requests -> scores -> filters), and when rollouts run
+        # against training (trainer.mode, `megarl.trainer.schedule`)
+        self.producer = BatchProducer(cfg, loader, encoder, reward_fn, self.episodes, self.sampling)
+        self.schedule = build_schedule(cfg, self.rollout, self.producer)
         # everything a checkpoint holds: the controller's Stateful objects, restored in this order (the RNG last),
         # and the trained roles' groups, which save their own distributed checkpoints and RNG
         self.checkpoints = CheckpointManager(
@@ -252,13 +251,13 @@ class RLLoop:
     def step(self, step: int) -> StepResult:
         """One RL step (`step` is 1-based; it also offsets the sampling seed: `rollout.seed + step`).
 
-        Data path, all on the controller except the worker calls: next prompt batch from the loader ->
-        the rollout service's request servers (`_generate`: samples, n per prompt) -> trajectories
-        (`megarl.data.trajectory`; weights version step - 1, group = prompt) -> `trajectories_to_batch` ([B, S]
-        token tensors and `loss_mask`, B = samples)
-        -> rule scores [B] (or the learned reward model's, the rule mean then logged as `reward/rule_mean`; with
-        `algorithm.dynamic_sampling`, more rounds of prompts until the groups with unequal scores fill the step:
-        `_dynamic_sampling`) ->
+        Data path, all on the controller except the worker calls: the schedule's batch (`megarl.trainer.producer.
+        BatchProducer`: next prompt batch from the loader -> the rollout service's request servers, samples n per
+        prompt -> rule scores [B], each group scored as it finishes; with `algorithm.dynamic_sampling`, more rounds of
+        prompts until the groups with unequal scores fill the step) -> trajectories (`megarl.data.trajectory`;
+        weights version step - 1, group = prompt) -> `trajectories_to_batch` ([B, S] token tensors and `loss_mask`,
+        B = samples) -> the learned reward model's scores when enabled (the rule mean then logged as
+        `reward/rule_mean`) + the soft overlong penalty ->
         old log-probs [B, S] from the actor (skipped when the update takes them from its own forward:
         `old_log_probs_from_update`) -> reference log-probs and critic values [B, S] when enabled ->
         advantages (and returns) on the controller -> critic update (overlapping the actor's when the critic has
@@ -284,7 +283,7 @@ class RLLoop:
                 if "reward_model" in self.role_groups:  # the learned reward is what is trained on
                     metrics["reward/rule_mean"] = float(scores.mean())
                     scores = self.role_groups["reward_model"].score(batch).tensors["scores"].float()
-                scores = scores + self._overlong_penalty(trajectories, metrics)
+                scores = scores + self.producer.overlong_penalty(trajectories, metrics)
             batch.tensors["scores"] = scores
             stay = self._results_stay(len(batch))
             kept_actor: dict[str, tuple[str, str]] = {}  # batch key -> (name, result key) kept on the actor's ranks
@@ -419,125 +418,6 @@ class RLLoop:
             "values": critic is not None and critic.results_stay("compute_values", "update_critic", rows),
         }
 
-    def _sync_batch(self, step: int, t: dict[str, float]) -> RolloutBatch:
-        """The synchronous step's rollout (`megarl.trainer.schedule.Schedule`): generated now with the weights of
-        version step - 1, scored, with dynamic sampling's extra rounds when it is on (or multi-turn episodes)."""
-        if self.episodes is not None:
-            records, _, sampling = self._draw(step)
-            with _timer(t, "rollout"), self.rollout.serving() as client:
-                return self._episode_batch(step, records, sampling, step - 1, client)
-        metrics: dict[str, float] = {}
-        records, samples, dropped, scores, reward_metrics = self._rollout_round(step, 0, t)
-        if self.cfg.algorithm.dynamic_sampling.enabled:
-            samples, dropped, scores, reward_metrics = self._dynamic_sampling(
-                step, t, (records, samples, dropped, scores, reward_metrics), metrics)
-        return RolloutBatch(step, records, samples, dropped, scores, reward_metrics, version=step - 1,
-                            metrics=metrics)
-
-    def _draw(self, index: int, k: int = 0):
-        """The loader's next prompts for batch `index` (round `k`): (records, prompt token ids, sampling settings
-        with seed `rollout.seed + index`, plus k * ROUND_SEED_STRIDE)."""
-        records = self.loader.next_batch()
-        prompts = [self.encoder.encode(r.prompt) for r in records]
-        sampling = dataclasses.replace(self.sampling, seed=self.sampling.seed + index + k * ROUND_SEED_STRIDE)
-        return records, prompts, sampling
-
-    def _scored_batch(self, index: int, records, out, version: int, token_versions=None,
-                      rollout_s: float = 0.0) -> RolloutBatch:
-        """A generation's `RolloutSamples` (`out`) for `records` as a scored `RolloutBatch` (the one_step_off and
-        async schedules; may run on the rollout driver thread)."""
-        samples, dropped = self._checked(out)
-        started = time.perf_counter()
-        scores, reward_metrics = self._scores(samples, records, f"rollout batch {index}")
-        return RolloutBatch(index, records, samples, dropped, scores, reward_metrics, version=version,
-                            token_versions=token_versions, rollout_s=rollout_s,
-                            reward_s=time.perf_counter() - started)
-
-    def _episode_batch(self, index: int, records, sampling: SamplingSettings, version, source) -> RolloutBatch:
-        """rollout.samples_per_prompt multi-turn episodes per record (`megarl.envs.episode.EpisodeRunner`), every
-        trajectory verified against the engine's tokens; scores = the episodes' summed rewards (their environments
-        call the reward function). `source`: a `RolloutClient` (`RolloutService.serving()`: one coroutine per
-        episode; the sync step) or a batch `generate` function (one call per turn for every live episode; what the
-        async schedule's rollout driver still passes, `megarl.trainer.schedule`). `version`: the weights version of
-        the sampled tokens where the engine does not report it (a function: read after each turn)."""
-        started = time.perf_counter()
-        result = self.episodes.run(records, self.cfg.rollout.samples_per_prompt, source, sampling, version,
-                                   uid_prefix=f"{index}/")
-        if callable(version):  # weights pushed between turns: the batch's version is its oldest token's
-            version = min((v for t in result.trajectories for v in t.policy_version if v >= 0), default=version())
-        scores = torch.tensor(result.scores, dtype=torch.float32)
-        reward_metrics = {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/error_frac": 0.0}
-        return RolloutBatch(index, list(records), [], [], scores, reward_metrics, version=version,
-                            metrics=dict(result.metrics), rollout_s=time.perf_counter() - started,
-                            trajectories=result.trajectories)
-
-    def _rollout_round(self, step: int, k: int, t: dict[str, float]):
-        """Round `k` of step `step`'s generation (k > 0 only with dynamic sampling): the loader's next prompts, their
-        samples (sampling seed `rollout.seed + step`, plus k * ROUND_SEED_STRIDE), the prompts dropped before
-        generation and the samples' rule scores [B] with the reward metrics."""
-        records, prompts, sampling = self._draw(step, k)
-        with _timer(t, "rollout"):
-            samples, dropped = self._generate(prompts, sampling, uid_prefix=f"{step}/{k}/")
-        with _timer(t, "reward"):
-            scores, reward_metrics = self._scores(samples, records, f"step {step}" + (f" round {k + 1}" if k else ""))
-        return records, samples, dropped, scores, reward_metrics
-
-    def _dynamic_sampling(self, step: int, t: dict[str, float], first, metrics: dict[str, float]):
-        """DAPO's dynamic sampling (`algorithm.dynamic_sampling`, `megarl.algorithms.dynamic_sampling`): from the
-        first round (`_rollout_round`'s result), more rounds until data.prompts_per_step groups have unequal final
-        scores (rule score + soft overlong penalty) or max_rounds ran; returns the selected groups' samples (prompt
-        indices renumbered in training order), the dropped prompts of every round, their rule scores [B] and the
-        reward metrics over every round. Logs `dynamic_sampling/{rounds,dropped_groups,filled_groups,
-        surplus_groups}` (counts of groups)."""
-        target = self.cfg.data.prompts_per_step
-        rounds, flags = [first], []
-        while True:
-            records, samples, dropped, scores, _ = rounds[-1]
-            scores = scores + self._overlong_penalty(samples, {})
-            group_ids = torch.tensor([s.prompt_index for s in samples], dtype=torch.long)
-            informative = informative_groups(scores, group_ids, len(records))
-            flags.append([None if p in set(dropped) else f for p, f in enumerate(informative)])
-            if enough_groups(flags, target) or len(rounds) == self.cfg.algorithm.dynamic_sampling.max_rounds:
-                break
-            rounds.append(self._rollout_round(step, len(rounds), t))
-        chosen = select_groups(flags, target)
-        samples, scores = [], []
-        for new_index, (r, p) in enumerate(chosen.selected):
-            for s, score in zip(rounds[r][1], rounds[r][3].tolist()):
-                if s.prompt_index == p:
-                    samples.append(dataclasses.replace(s, prompt_index=new_index))
-                    scores.append(score)
-        n = sum(len(r[1]) for r in rounds)
-        errors = sum(r[4]["reward/errors"] for r in rounds)
-        reward_metrics = {"reward/errors": errors, "reward/timeouts": sum(r[4]["reward/timeouts"] for r in rounds),
-                          "reward/error_frac": errors / n if n else 0.0}
-        metrics.update({"dynamic_sampling/rounds": float(len(rounds)),
-                        "dynamic_sampling/dropped_groups": float(chosen.dropped),
-                        "dynamic_sampling/filled_groups": float(chosen.filled),
-                        "dynamic_sampling/surplus_groups": float(chosen.surplus)})
-        if chosen.filled:
-            logger.warning("step %d: %d of %d groups have all-equal scores after algorithm.dynamic_sampling."
-                           "max_rounds=%d rounds; they fill the batch", step, chosen.filled, target, len(rounds))
-        dropped = [(k, p) for k, r in enumerate(rounds) for p in r[2]]
-        return samples, dropped, torch.tensor(scores, dtype=torch.float32), reward_metrics
-
-    def _overlong_penalty(self, samples, metrics: dict[str, float]) -> torch.Tensor:
-        """[B] float32 DAPO soft overlong penalty of each sample or trajectory (0 when
-        `algorithm.overlong.soft_cache_tokens` is null), on its generated tokens (a trajectory's loss-mask count:
-        all its turns); logs `overlong/truncated_frac` (finish_reason 'length') and, when on,
-        `overlong/penalty_mean`."""
-        truncated = [s.finish_reason == "length" for s in samples]
-        metrics["overlong/truncated_frac"] = sum(truncated) / max(len(samples), 1)
-        o = self.cfg.algorithm.overlong
-        if o.soft_cache_tokens is None:
-            return torch.zeros(len(samples), dtype=torch.float32)
-        lengths = torch.tensor([sum(s.loss_mask) if hasattr(s, "loss_mask") else len(s.response_ids)
-                                for s in samples])
-        penalty = soft_overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, o.soft_cache_tokens,
-                                        o.penalty_factor)
-        metrics["overlong/penalty_mean"] = float(penalty.mean())
-        return penalty
-
     def _filter_overlong(self, batch: Batch, trajectories, metrics: dict[str, float]) -> Batch:
         """The batch the updates train on: with `algorithm.overlong.filter`, truncated trajectories' (finish_reason
         'length') sampled tokens masked out of the loss (`overlong/filtered_samples`); else `batch` itself."""
@@ -570,43 +450,6 @@ class RLLoop:
                     f"at trainer.max_skipped_steps={limit}. Check the rewards/advantages and lower the learning rate"
                 )
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingSettings, uid_prefix: str = ""):
-        """(samples ordered by (prompt_index, sample_index), dropped prompt indices) from the rollout service's
-        request servers (`RolloutService.serving`): single-turn generation as the one-turn case of the episode path
-        (`megarl.envs.episode.run_single_turn`: prompt i one request of samples_per_prompt samples, seed_index i).
-        Every prompt is in flight at once: the requests enter each engine in one round, as the batch `generate`
-        added its prompts, so the samples are the batch path's (on one replica: the same seeds, bit for bit)."""
-        import asyncio
-
-        from megarl.envs.episode import run_single_turn
-
-        with self.rollout.serving() as client:
-            out, _ = asyncio.run(run_single_turn(client, prompts, sampling, uid_prefix=uid_prefix,
-                                                 max_concurrent=max(1, len(prompts))))
-        return self._checked(out)
-
-    def _checked(self, out):
-        """(samples, dropped prompt indices) of a `RolloutSamples`, warning about dropped prompts."""
-        samples, dropped = list(out), list(out.dropped_prompt_indices)
-        if dropped:
-            logger.warning("%d prompt(s) longer than rollout.max_prompt_tokens=%d were dropped this step "
-                           "(rollout.overlong_prompt=%s)", len(dropped), self.cfg.rollout.max_prompt_tokens,
-                           self.cfg.rollout.overlong_prompt)
-        return samples, dropped
-
-    def _scores(self, samples, records, what: str) -> tuple[torch.Tensor, dict[str, float]]:
-        """[B] float32 rule scores of the decoded responses, and `reward/errors|timeouts|error_frac`; failures follow
-        `reward.on_error` / `timeout_s`, and more than `reward.max_error_fraction` failed stops the run
-        (`megarl.rewards.scoring`)."""
-        from megarl.rewards import check_failures, score_responses
-
-        r = self.cfg.reward
-        texts = [self.encoder.decode(s.response_ids) for s in samples]
-        per_sample_records = [records[s.prompt_index] for s in samples]
-        scored = score_responses(self.reward_fn, texts, per_sample_records, on_error=r.on_error, timeout_s=r.timeout_s)
-        check_failures(scored, r.max_error_fraction, what)
-        return torch.tensor(scored.scores, dtype=torch.float32), scored.metrics()
-
     def _advantages(self, batch: Batch) -> dict[str, float]:
         """Fill `advantages` (and `returns` with a critic); returns KL metrics when KL is in the reward."""
         algo = self.cfg.algorithm
@@ -638,24 +481,18 @@ class RLLoop:
         tensors["returns"] = returns
         return metrics
 
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings):
+        """(samples ordered by (prompt_index, sample_index), dropped prompt indices) of `prompts` through the engines'
+        request servers (`BatchProducer.generate`), unscored: the Python API's `generate`. The caller holds
+        `schedule.exclusive()` where the engines are shared (async)."""
+        with self.rollout.serving() as client:
+            return self.producer.generate(prompts, client, sampling)
+
     def validate(self) -> dict[str, float]:
         """Greedy (rollout.val_temperature) responses to the validation prompts (or one episode each, with
-        rollout.env); mean reward."""
-        sampling = SamplingSettings.from_config(self.cfg.rollout, validation=True)
-        if self.episodes is not None:  # one greedy episode per validation record
-            with self.schedule.exclusive(), self.rollout.serving() as client:
-                result = self.episodes.run(self.val_records, 1, client, sampling,
-                                           self.rollout.weight_version or 0, uid_prefix="val/")
-            out = {"val/reward_mean": sum(result.scores) / max(len(result.scores), 1), "val/reward_errors": 0.0}
-            out.update({f"val/{k.split('/', 1)[1]}": v for k, v in result.metrics.items()
-                        if k in ("multi_turn/tool_success_frac", "multi_turn/turns_mean")})
-            return out
-        prompts = [self.encoder.encode(r.prompt) for r in self.val_records]
-        with self.schedule.exclusive():  # in async mode the engines are shared with the rollout driver
-            samples, _ = self._generate(prompts, sampling, uid_prefix="val/")
-        scores, reward_metrics = self._scores(samples, self.val_records, "validation")
-        return {"val/reward_mean": float(scores.mean()) if len(scores) else float("nan"),
-                "val/reward_errors": reward_metrics["reward/errors"]}
+        rollout.env), through the engines' request servers; mean reward (`BatchProducer.validate`)."""
+        with self.schedule.exclusive(), self.rollout.serving() as client:  # async: the engines are shared
+            return self.producer.validate(self.val_records, client, self.rollout.weight_version or 0)
 
     def _log(self, result: StepResult) -> None:
         m = result.metrics

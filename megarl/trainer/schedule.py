@@ -1,7 +1,8 @@
 """When rollouts run against training: the schedules of `trainer.mode` behind one interface (docs/async.md).
 
-The trainer's step body (scoring, advantages, updates) is written once (`RLLoop.step`); a schedule only decides
-where its `RolloutBatch` comes from and when the actor's weights go into the engines:
+The trainer's step body (advantages, updates) is written once (`RLLoop.step`); every batch comes from one
+`megarl.trainer.producer.BatchProducer` (draw -> requests -> scores -> filters), and a schedule only decides when it
+is produced, on which weights, and when the actor's weights go into the engines:
 
     batch = schedule.take(step, timers)      # the rollout batch step `step` trains on
     ... old / reference log-probs, advantages, updates (weights version step - 1 -> step) ...
@@ -10,21 +11,21 @@ where its `RolloutBatch` comes from and when the actor's weights go into the eng
 
 - `Schedule` (sync): generate step k's batch with the weights of version k - 1, train, push version k. Today's
   loop, call for call (the golden curve holds).
-- `OneStepOffSchedule`: step k+1's batch is submitted to the engines (still holding version k - 1) before step k
-  trains; after update k the trainer waits for it, then pushes version k. Every batch but the first is one version
-  stale; deterministic for a seed (the generation of batch k+1 always sees version k - 1), and the finished next
-  batch is part of a checkpoint, so a resumed run repeats the uninterrupted one exactly. Colocated, the engines share
-  the actor's processes: the generation queues with the forwards there and only the controller's own work (rewards,
-  advantages) overlaps it; on a rollout pool, generation overlaps the whole training step.
+- `OneStepOffSchedule`: step k+1's batch is produced on a background thread through the engines' request servers
+  (`rollout.serving()`, the engines still holding version k - 1) while step k trains; after update k the trainer
+  joins it, then pushes version k. Every batch but the first is one version stale; deterministic for a seed (the
+  generation of batch k+1 always sees version k - 1), and the finished next batch is part of a checkpoint, so a
+  resumed run repeats the uninterrupted one exactly. On a rollout pool generation overlaps the whole training step;
+  colocated, the engine's server runs in the actor's processes beside the training calls (its engine awake).
 - `AsyncSchedule` (needs rollout.pool): the rollout pool serves requests for the whole run (its engines' request
   servers, started by `start` and stopped by `close`; `PoolRollout.start_serving`) and a driver thread on the
-  controller generates batch after batch through the router (`PoolRollout.client`: single-turn one request per
-  prompt, `megarl.envs.episode.run_single_turn`; multi-turn one coroutine per episode, `EpisodeRunner.run` over
-  the client) into a bounded buffer; the trainer takes the oldest batch whose oldest token is at most
-  `trainer.max_staleness` versions behind the weights it updates (per sample). `stale_policy: wait` keeps the
-  driver from starting a batch that would be too stale when trained (so nothing is wasted); `drop` lets it run
-  ahead and drops (counts) what became too stale. Weights are pushed every `trainer.sync_every` updates, as a
-  server op at a round boundary of every rollout rank (pause(keep) -> receive -> resume).
+  controller produces batch after batch through the router (`PoolRollout.client`, `BatchProducer.produce`: single-turn
+  one request per prompt; multi-turn one coroutine per episode) into a bounded buffer; the trainer takes the oldest
+  batch whose oldest token is at most `trainer.max_staleness` versions behind the weights it updates (per sample).
+  `stale_policy: wait` keeps the driver from starting a batch that would be too stale when trained (so nothing is
+  wasted); `drop` lets it run ahead and drops (counts) what became too stale. Weights are pushed every
+  `trainer.sync_every` updates, as a server op at a round boundary of every rollout rank (pause(keep) -> receive ->
+  resume).
   `rollout.partial`: `finish` = a push waits for the batch in flight (it completes on the old weights);
   `continue` = a push lands at once, mid-request: every request in flight keeps the tokens it has and continues on
   the new weights (vLLM recomputes its KV), every token recording the version that sampled it (`Completion.
@@ -73,8 +74,9 @@ class RolloutBatch:
     token_versions: None (every response token has `version`), or per sample the version of each response token.
     trajectories: with rollout.env, the episodes' `Trajectory`s (`samples` is then empty; `lags` read their
         per-token versions).
-    metrics: the batch's own metrics (dynamic sampling's counts). rollout_s / reward_s: seconds generating (the
-        engines' wall time) and scoring.
+    metrics: the batch's own metrics (dynamic sampling's counts; single-turn `time/reward_overlap_s`, the scoring
+        seconds that ran while requests were generating; with rollout.oversample `rollout/oversampled_aborted_groups`).
+        rollout_s / reward_s: seconds generating (the engines' wall time) and scoring (summed over groups).
     """
 
     index: int
@@ -190,15 +192,16 @@ def wait_for(cond: threading.Condition, ready, what: str, timeout_s: float) -> N
 class Schedule:
     """trainer.mode=sync: generate, train, push (see the module docstring). Also the base of the other schedules.
 
-    `trainer`: the `RLLoop`; a schedule uses its rollout service (`trainer.rollout`) and its `_draw` (the next
-    prompts and sampling settings), `_scored_batch` (samples -> `RolloutBatch`) and `_sync_batch` (the synchronous
-    step's rollout, dynamic sampling included)."""
+    `cfg`: the job's config; `rollout`: the rollout service (`megarl.rollout.service`: its `serving()` client, its
+    pushes); `producer`: the `megarl.trainer.producer.BatchProducer` every batch comes from (`produce(index, client,
+    version)`: draw -> requests -> scores -> filters)."""
 
     mode = "sync"
 
-    def __init__(self, trainer: Any, wait_timeout_s: float = WAIT_TIMEOUT_S) -> None:
-        self.trainer = trainer
-        self.rollout = trainer.rollout
+    def __init__(self, cfg: Any, rollout: Any, producer: Any, wait_timeout_s: float = WAIT_TIMEOUT_S) -> None:
+        self.cfg = cfg
+        self.rollout = rollout
+        self.producer = producer
         self.wait_timeout_s = wait_timeout_s
 
     # the interface -------------------------------------------------------------------------------------------
@@ -206,8 +209,15 @@ class Schedule:
         """Called once after the initial push (engines at version next_step - 1)."""
 
     def take(self, step: int, t: dict[str, float]) -> RolloutBatch:
-        """The batch step `step` trains on; `t` collects the step's phase seconds (`time/<phase>_s`)."""
-        return self.trainer._sync_batch(step, t)
+        """The batch step `step` trains on; `t` collects the step's phase seconds (`time/<phase>_s`): generated now
+        through the engines' request servers with the weights of version step - 1, each group scored as it finishes
+        (dynamic sampling's extra rounds, or multi-turn episodes, included)."""
+        started, reward_before = time.perf_counter(), t.get("reward", 0.0)
+        with self.rollout.serving() as client:
+            batch = self.producer.produce(step, client, step - 1, t)
+        # the rollout phase: all but the scoring left after the last request (the servers' start and stop included)
+        t["rollout"] = time.perf_counter() - started - (t.get("reward", 0.0) - reward_before)
+        return batch
 
     def after_update(self, step: int) -> list[dict[str, float]]:
         """After update `step` (weights now version `step`): push them (or not); the push's metrics (or [])."""
@@ -264,14 +274,15 @@ class Schedule:
 
 
 class OneStepOffSchedule(Schedule):
-    """trainer.mode=one_step_off (see the module docstring): `pending` is the next step's batch, submitted before
-    this step trains."""
+    """trainer.mode=one_step_off (see the module docstring): the next step's batch is produced on a background
+    thread (`producing`) through the engines' request servers (`rollout.serving()`) while this step trains, and
+    joined before the push."""
 
     mode = "one_step_off"
 
-    def __init__(self, trainer: Any, wait_timeout_s: float = WAIT_TIMEOUT_S) -> None:
-        super().__init__(trainer, wait_timeout_s)
-        self.pending: Optional[tuple] = None  # (index, records, PendingRollout, version) in flight
+    def __init__(self, cfg: Any, rollout: Any, producer: Any, wait_timeout_s: float = WAIT_TIMEOUT_S) -> None:
+        super().__init__(cfg, rollout, producer, wait_timeout_s)
+        self.producing: Optional[tuple] = None  # (index, thread, {"batch" | "error": ...}) in flight
         self.ready: Optional[RolloutBatch] = None  # the next batch, finished (after the update, or restored)
         self.restored = 0
 
@@ -279,19 +290,18 @@ class OneStepOffSchedule(Schedule):
         started = time.perf_counter()
         if self.ready is not None and self.ready.index == step:
             batch, self.ready = self.ready, None
-        elif self.pending is not None and self.pending[0] == step:
+        elif self.producing is not None and self.producing[0] == step:
             batch = self._finish()
         else:  # the first step (or after a resume without a saved batch): nothing was generated ahead
-            index, records, pending, version = self._submit(step)
-            self.pending = (index, records, pending, version)
+            self._start(step)
             batch = self._finish()
         t["rollout_wait"] = time.perf_counter() - started
-        if step < self.trainer.cfg.trainer.total_steps:  # the next step's batch, on the weights this step trains
-            self.pending = self._submit(step + 1)
+        if step < self.cfg.trainer.total_steps:  # the next step's batch, on the weights this step trains
+            self._start(step + 1)
         return batch
 
     def after_update(self, step: int) -> list[dict[str, float]]:
-        if self.pending is not None:  # it must finish on version step - 1 before version `step` goes in
+        if self.producing is not None:  # it must finish on version step - 1 before version `step` goes in
             self.ready = self._finish()
         return self.rollout.push_weights(version=step)
 
@@ -319,16 +329,44 @@ class OneStepOffSchedule(Schedule):
             logger.info("one_step_off: restored the next step's finished batch (index %d, version %d)",
                         self.ready.index, self.ready.version)
 
-    def _submit(self, index: int) -> tuple:
-        records, prompts, sampling = self.trainer._draw(index)
-        version = self.rollout.weight_version
-        return index, records, self.rollout.submit_generate(prompts, sampling), version
+    def close(self) -> None:
+        """Wait (bounded) for a batch still being produced (its serving phase ends with it)."""
+        if self.producing is not None:
+            _, thread, _ = self.producing
+            thread.join(self.wait_timeout_s)
+            if thread.is_alive():
+                logger.warning("one_step_off: the thread producing the next batch did not end within %.0f s",
+                               self.wait_timeout_s)
+            self.producing = None
+
+    def _start(self, index: int) -> None:
+        """Produce batch `index` on a thread of its own, on the weights the engines hold now."""
+        version = self.rollout.weight_version or 0
+        result: dict[str, Any] = {}
+
+        def produce() -> None:
+            try:
+                with self.rollout.serving() as client:
+                    result["batch"] = self.producer.produce(index, client, version)
+            except BaseException as e:  # raised in the trainer's next take / after_update
+                result["error"] = e
+
+        thread = threading.Thread(target=produce, name=f"megarl-one-step-off-{index}", daemon=True)
+        self.producing = (index, thread, result)
+        thread.start()
 
     def _finish(self) -> RolloutBatch:
-        index, records, pending, version = self.pending
-        self.pending = None
-        out = pending.result()
-        return self.trainer._scored_batch(index, records, out, version, rollout_s=out.generate_s or 0.0)
+        index, thread, result = self.producing
+        self.producing = None
+        thread.join(self.wait_timeout_s)
+        if thread.is_alive():
+            raise TimeoutError(f"waited {self.wait_timeout_s:.0f} s for rollout batch {index} (one_step_off: the "
+                               "next step's batch); the rollout schedule is stuck (see the worker logs for a dead or "
+                               "hung engine)")
+        if "error" in result:
+            raise RuntimeError(f"one_step_off: producing rollout batch {index} failed: {result['error']!r}") \
+                from result["error"]
+        return result["batch"]
 
 
 class AsyncSchedule(Schedule):
@@ -339,9 +377,8 @@ class AsyncSchedule(Schedule):
 
     mode = "async"
 
-    def __init__(self, trainer: Any, wait_timeout_s: float = WAIT_TIMEOUT_S) -> None:
-        super().__init__(trainer, wait_timeout_s)
-        cfg = trainer.cfg
+    def __init__(self, cfg: Any, rollout: Any, producer: Any, wait_timeout_s: float = WAIT_TIMEOUT_S) -> None:
+        super().__init__(cfg, rollout, producer, wait_timeout_s)
         self.max_staleness = cfg.trainer.max_staleness
         self.stale_policy = cfg.trainer.stale_policy
         self.sync_every = cfg.trainer.sync_every
@@ -552,10 +589,6 @@ class AsyncSchedule(Schedule):
         return True
 
     def _drive(self) -> None:
-        import asyncio
-
-        from megarl.envs.episode import run_single_turn
-
         try:
             while True:
                 with self.cond:
@@ -564,27 +597,14 @@ class AsyncSchedule(Schedule):
                         return
                     self.next_index += 1
                     self.in_batch = True
-                    version = self.engine_version
-                records, prompts, sampling = self.trainer._draw(index)
                 started = time.perf_counter()
-                try:
-                    if self.trainer.episodes is not None:  # one coroutine per episode through the router
-                        batch = self.trainer._episode_batch(index, records, sampling, lambda: self.engine_version,
-                                                            self.client)
-                    else:
-                        out, token_versions = asyncio.run(run_single_turn(
-                            self.client, prompts, sampling, uid_prefix=f"{index}/",
-                            policy_version=lambda: self.engine_version))
-                        out.generate_s = time.perf_counter() - started
+                try:  # single-turn one request per prompt, multi-turn one coroutine per episode, through the router
+                    batch = self.producer.produce(index, self.client, lambda: self.engine_version)
                 finally:
                     with self.cond:
                         self.busy_s += time.perf_counter() - started
                         self.engine_busy = False
                         self.cond.notify_all()
-                if self.trainer.episodes is None:
-                    oldest = min((min(v) for v in token_versions if v), default=version)
-                    batch = self.trainer._scored_batch(index, records, out, oldest, token_versions=token_versions,
-                                                       rollout_s=out.generate_s)
                 with self.cond:
                     self.buffer.append(batch)
                     self.in_batch = False
@@ -623,6 +643,7 @@ def describe_schedule(cfg: Any) -> str:
             f"(stale_policy={t.stale_policy}); weights pushed every {t.sync_every} update(s); {partial}; {correction}")
 
 
-def build_schedule(trainer: Any) -> Schedule:
-    """The schedule of `trainer.cfg.trainer.mode`."""
-    return SCHEDULES[trainer.cfg.trainer.mode](trainer)
+def build_schedule(cfg: Any, rollout: Any, producer: Any) -> Schedule:
+    """The schedule of `cfg.trainer.mode` over the rollout service `rollout`, its batches from `producer` (a
+    `megarl.trainer.producer.BatchProducer`)."""
+    return SCHEDULES[cfg.trainer.mode](cfg, rollout, producer)

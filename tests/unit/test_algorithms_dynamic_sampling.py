@@ -9,7 +9,7 @@ import torch
 
 from megarl.algorithms.dynamic_sampling import enough_groups, informative_groups, select_groups
 from megarl.rollout.engine import RolloutSample
-from megarl.trainer.rl_trainer import RLLoop
+from megarl.trainer.producer import BatchProducer, GenerationRound
 from tests.unit.test_config import base, error, load
 
 
@@ -71,21 +71,21 @@ def test_config_default_off_and_refusals(tmp_path):
 
 
 class _Rounds:
-    """`RLLoop._dynamic_sampling` over hand-written rounds: `_rollout_round` returns the next prepared round (4
+    """`BatchProducer.dynamic_sampling` over hand-written rounds: `_round` returns the next prepared round (4
     prompts x 2 samples each; the scores are chosen so which groups are all-equal is known)."""
 
-    _dynamic_sampling = RLLoop._dynamic_sampling
-    _overlong_penalty = RLLoop._overlong_penalty
+    dynamic_sampling = BatchProducer.dynamic_sampling
+    overlong_penalty = BatchProducer.overlong_penalty
 
     def __init__(self, round_scores, max_rounds, dropped=()):
         self.cfg = SimpleNamespace(data=SimpleNamespace(prompts_per_step=4), rollout=SimpleNamespace(max_new_tokens=8),
                                    algorithm=SimpleNamespace(dynamic_sampling=SimpleNamespace(max_rounds=max_rounds),
                                                              overlong=SimpleNamespace(soft_cache_tokens=None)))
-        self.prepared = [self._round(k, sc, dropped if k == 0 else ()) for k, sc in enumerate(round_scores)]
+        self.prepared = [self._prepared(k, sc, dropped if k == 0 else ()) for k, sc in enumerate(round_scores)]
         self.calls = []
 
     @staticmethod
-    def _round(k, scores, dropped):
+    def _prepared(k, scores, dropped):
         records = [f"r{k}p{p}" for p in range(len(scores))]
         samples, flat = [], []
         for p, pair in enumerate(scores):
@@ -96,16 +96,16 @@ class _Rounds:
                                              response_log_probs=[0.0], finish_reason="stop"))
                 flat.append(sc)
         metrics = {"reward/errors": 1.0 if k == 1 else 0.0, "reward/timeouts": 0.0, "reward/error_frac": 0.0}
-        return records, samples, list(dropped), torch.tensor(flat), metrics
+        return GenerationRound(records, samples, list(dropped), torch.tensor(flat), metrics, [])
 
-    def _rollout_round(self, step, k, t):
+    def _round(self, index, k, client, version, t):
         self.calls.append(k)
         return self.prepared[k]
 
 
 def _run(rounds):
     metrics = {}
-    samples, dropped, scores, reward = rounds._dynamic_sampling(7, {}, rounds.prepared[0], metrics)
+    samples, dropped, scores, reward = rounds.dynamic_sampling(7, None, 6, {}, rounds.prepared[0], metrics)
     groups = [(s.prompt_ids[0], s.prompt_ids[1]) for s in samples[::2]]  # (round, prompt) of each selected group
     assert [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]  # renumbered in training order
     return groups, scores.tolist(), dropped, reward, metrics

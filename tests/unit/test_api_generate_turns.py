@@ -71,9 +71,8 @@ def test_generate_waits_for_the_async_drivers_generation():
     rollout = HeldRollout()
     loop = FakeTrainer(rollout, "async", total=10, max_staleness=1)
     loop.encoder = Encoder()
-    loop._generate = types.MethodType(LoopTrainer._generate, loop)  # the trainer's own engine call
-    loop._checked = types.MethodType(LoopTrainer._checked, loop)
-    schedule = AsyncSchedule(loop)
+    loop.generate = types.MethodType(LoopTrainer.generate, loop)  # the trainer's own engine call
+    schedule = AsyncSchedule(*loop.parts)
     loop.schedule = schedule
     loop.start = lambda: None  # the session already started: push and driver below
     api = ApiTrainer.__new__(ApiTrainer)  # the public object without a session: no workers to start

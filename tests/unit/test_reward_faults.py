@@ -1,5 +1,5 @@
 """Reward faults: `reward.on_error` (raise | zero), `reward.max_error_fraction`, `reward.timeout_s`, with hand-written
-failing reward functions; and the trainer's `_scores` applying them to a step's samples."""
+failing reward functions; and the producer's `scores` applying them to a step's samples."""
 
 from __future__ import annotations
 
@@ -98,21 +98,21 @@ def test_trainer_scores_apply_the_config():
     import torch
 
     from megarl.config.schema import RewardConfig
-    from megarl.trainer.rl_trainer import RLLoop
+    from megarl.trainer.producer import BatchProducer
 
     samples = [SimpleNamespace(prompt_index=p, response_ids=ids) for p, ids in ((0, [1]), (0, [2]), (1, [3]), (1, [1]))]
     words = {1: "a", 2: "bad", 3: "ccc"}
     host = SimpleNamespace(encoder=SimpleNamespace(decode=lambda ids: words[ids[0]]), reward_fn=flaky,
                            cfg=SimpleNamespace(reward=RewardConfig(on_error="zero", max_error_fraction=0.25)))
-    scores, metrics = RLLoop._scores(host, samples, _recs(2), "step 3")
+    scores, metrics = BatchProducer.scores(host, samples, _recs(2), "step 3")
     assert torch.equal(scores, torch.tensor([1.0, 0.0, 3.0, 1.0]))
     assert metrics == {"reward/errors": 1.0, "reward/timeouts": 0.0, "reward/error_frac": 0.25}
     host.cfg = SimpleNamespace(reward=RewardConfig(on_error="zero", max_error_fraction=0.2))
     with pytest.raises(RewardError, match=re.escape("1 of 4 reward calls failed in step 3 (25.0% > ")):
-        RLLoop._scores(host, samples, _recs(2), "step 3")
+        BatchProducer.scores(host, samples, _recs(2), "step 3")
     host.cfg = SimpleNamespace(reward=RewardConfig())  # default: raise
     with pytest.raises(RewardError, match=re.escape("raised on response 1 (dataset record 100)")):
-        RLLoop._scores(host, samples, _recs(2), "step 3")
+        BatchProducer.scores(host, samples, _recs(2), "step 3")
 
 
 @pytest.mark.parametrize("override, message", [

@@ -24,9 +24,11 @@ import types
 import pytest
 import torch
 
+from megarl.config.schema import RewardConfig
+from megarl.data.dataset import PromptRecord
 from megarl.envs.episode import EpisodeRunner
 from megarl.rollout.engine import Completion, GenerationOutput, RolloutSample, RolloutSamples, SamplingSettings
-from megarl.trainer.rl_trainer import RLLoop
+from megarl.trainer.producer import BatchProducer
 from megarl.trainer.schedule import AsyncSchedule, OneStepOffSchedule, RolloutBatch, Schedule
 from tests.unit import test_envs_episode as episode_tests
 
@@ -43,7 +45,7 @@ BOUND_S = 30.0  # bound on every wait of a test for the driver thread (never rea
 
 
 class ScriptedRollout:
-    """`generate` / `submit_generate` / `push_weights` / `weight_version` over no engine, and serving
+    """`generate` / `push_weights` / `weight_version` over no engine, and serving
     (`start_serving` -> a client, `stop_serving`): the response of a prompt is RESPONSE tokens, each 100 + the held
     version; `gen_s` seconds per call or request; `fail_at`: the call (request, while serving) number that raises.
 
@@ -110,10 +112,6 @@ class ScriptedRollout:
             return out
         finally:
             self.busy = False
-
-    def submit_generate(self, prompts, sampling):
-        result = self.generate(prompts, sampling)  # runs now; the schedule only needs the protocol
-        return types.SimpleNamespace(result=lambda: result, done=lambda: True, generate_s=self.gen_s)
 
     def start_serving(self):
         assert self.client is None, "start_serving twice"
@@ -202,31 +200,60 @@ class ScriptedClient:
         return await asyncio.to_thread(self.rollout.answer, request)
 
 
+class RecordingProducer(BatchProducer):
+    """The real `BatchProducer`, recording the batch index of every draw."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drawn: list[int] = []
+
+    def draw(self, index, k=0, extra=0):
+        self.drawn.append(index)
+        return super().draw(index, k, extra)
+
+
+class OnePromptLoader:
+    """A loader of one record per step (prompt ids [1, 2, 3] through `FakeEncoder`)."""
+
+    def next_batch(self, size=None):
+        return [PromptRecord(0, "p", "a", {})] * (size or 1)
+
+
+class FakeEncoder:
+    pad_token_id = 0
+
+    def encode(self, prompt):
+        return [1, 2, 3]
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
 class FakeTrainer:
-    """What a schedule uses of `RLLoop`: cfg, rollout, episodes, `_draw`, `_scored_batch`, `_sync_batch`."""
+    """What the loop hands a schedule: cfg, the rollout service and the real `BatchProducer` (`parts`), here over a
+    one-prompt loader, 2 samples of at most 8 tokens per prompt, sampling seed = the batch index, every score 0."""
 
     def __init__(self, rollout, mode="sync", total=10, max_staleness=1, stale_policy="wait", sync_every=1,
                  partial="finish") -> None:
         self.cfg = types.SimpleNamespace(
             trainer=types.SimpleNamespace(mode=mode, total_steps=total, max_staleness=max_staleness,
                                           stale_policy=stale_policy, sync_every=sync_every),
-            rollout=types.SimpleNamespace(partial=partial))
+            rollout=types.SimpleNamespace(partial=partial, oversample=0, samples_per_prompt=2, max_prompt_tokens=8,
+                                          overlong_prompt="error", max_new_tokens=8),
+            data=types.SimpleNamespace(prompts_per_step=1),
+            algorithm=types.SimpleNamespace(dynamic_sampling=types.SimpleNamespace(enabled=False)),
+            reward=RewardConfig())
         self.rollout = rollout
-        self.episodes = None  # single-turn
-        self.drawn: list[int] = []
+        self.producer = RecordingProducer(self.cfg, OnePromptLoader(), FakeEncoder(), lambda text, answer, record: 0.0,
+                                          None, SamplingSettings(samples_per_prompt=2, max_new_tokens=8, seed=0))
 
-    def _draw(self, index, k=0):
-        self.drawn.append(index)
-        return [f"record{index}"], [[1, 2, 3]], SamplingSettings(samples_per_prompt=2, max_new_tokens=8, seed=index)
+    @property
+    def parts(self) -> tuple:
+        return self.cfg, self.rollout, self.producer
 
-    def _scored_batch(self, index, records, out, version, token_versions=None, rollout_s=0.0):
-        return RolloutBatch(index, records, list(out), [], torch.zeros(len(out)), {}, version=version,
-                            token_versions=token_versions, rollout_s=rollout_s)
-
-    def _sync_batch(self, step, t):
-        records, prompts, sampling = self._draw(step)
-        out = self.rollout.generate(prompts, sampling)
-        return self._scored_batch(step, records, out, step - 1)
+    @property
+    def drawn(self) -> list[int]:
+        return self.producer.drawn
 
 
 def wait_until(schedule: AsyncSchedule, ready, what: str) -> None:
@@ -288,7 +315,7 @@ def versions_of(batch: RolloutBatch) -> set[int]:
 
 def test_sync_generates_each_batch_on_the_weights_it_trains():
     trainer = FakeTrainer(ScriptedRollout(), "sync")
-    taken = run(Schedule(trainer), trainer, range(1, 5))
+    taken = run(Schedule(*trainer.parts), trainer, range(1, 5))
     assert [versions_of(b) for _, b, _ in taken] == [{0}, {1}, {2}, {3}]
     assert trainer.rollout.calls == [("push", 0)] + [c for k in range(4) for c in (("generate", k), ("push", k + 1))]
     assert all(m == {} for _, _, m in taken)  # sync adds no metric: its step is today's
@@ -296,7 +323,7 @@ def test_sync_generates_each_batch_on_the_weights_it_trains():
 
 def test_one_step_off_samples_step_k_plus_1_with_the_weights_before_update_k():
     trainer = FakeTrainer(ScriptedRollout(), "one_step_off", total=5)
-    taken = run(OneStepOffSchedule(trainer), trainer, range(1, 6))
+    taken = run(OneStepOffSchedule(*trainer.parts), trainer, range(1, 6))
     # step 1: version 0 (nothing ran ahead); step k >= 2: generated while step k-1 trained, on version k-2
     assert [versions_of(b) for _, b, _ in taken] == [{0}, {0}, {1}, {2}, {3}]
     assert [b.version for _, b, _ in taken] == [0, 0, 1, 2, 3]
@@ -311,13 +338,13 @@ def test_one_step_off_samples_step_k_plus_1_with_the_weights_before_update_k():
 
 def test_one_step_off_checkpoint_holds_the_next_batch_and_resume_repeats_the_run(tmp_path):
     full = FakeTrainer(ScriptedRollout(), "one_step_off", total=6)
-    uninterrupted = run(OneStepOffSchedule(full), full, range(1, 7))
+    uninterrupted = run(OneStepOffSchedule(*full.parts), full, range(1, 7))
     first = FakeTrainer(ScriptedRollout(), "one_step_off", total=6)
-    schedule = OneStepOffSchedule(first)
+    schedule = OneStepOffSchedule(*first.parts)
     run(schedule, first, range(1, 4))
     state = through_checkpoint(schedule.state_dict(), tmp_path)
     second = FakeTrainer(ScriptedRollout(), "one_step_off", total=6)
-    resumed_schedule = OneStepOffSchedule(second)
+    resumed_schedule = OneStepOffSchedule(*second.parts)
     resumed_schedule.load_state_dict(state)
     resumed = run(resumed_schedule, second, range(4, 7))
     assert [(b.index, b.version, [s.response_ids for s in b.samples]) for _, b, _ in resumed] == \
@@ -336,7 +363,7 @@ def ran_ahead(schedule: AsyncSchedule, step: int) -> None:
 @pytest.mark.parametrize("max_staleness", [1, 3])
 def test_async_wait_never_trains_beyond_the_bound_and_runs_ahead_up_to_it(max_staleness):
     trainer = FakeTrainer(ScriptedRollout(), "async", total=12, max_staleness=max_staleness)
-    taken = run(AsyncSchedule(trainer), trainer, range(1, 13), before_update=ran_ahead)
+    taken = run(AsyncSchedule(*trainer.parts), trainer, range(1, 13), before_update=ran_ahead)
     # batch k <= 1 + max_staleness: generated on version 0 before any push; later ones on version k - 1 - bound
     assert [versions_of(b) for _, b, _ in taken] == [{max(0, k - 1 - max_staleness)} for k in range(1, 13)]
     assert [max(b.lags(step - 1)) for step, b, _ in taken] == [min(k - 1, max_staleness) for k in range(1, 13)]
@@ -354,7 +381,7 @@ def one_buffered(schedule: AsyncSchedule, step: int) -> None:
 
 def test_async_drop_drops_and_counts_what_became_too_stale():
     trainer = FakeTrainer(ScriptedRollout(), "async", total=8, max_staleness=0, stale_policy="drop")
-    taken = run(AsyncSchedule(trainer), trainer, range(1, 9), before_update=one_buffered)
+    taken = run(AsyncSchedule(*trainer.parts), trainer, range(1, 9), before_update=one_buffered)
     assert all(max(b.lags(step - 1)) == 0 for step, b, _ in taken)  # never trained on a stale batch
     assert all(versions_of(b) == {step - 1} for step, b, _ in taken)
     # during step k the driver generated batch 2k on version k - 1: too stale for step k + 1, dropped
@@ -369,7 +396,7 @@ def test_async_partial_continue_lands_a_push_mid_request_keeping_every_token():
     the other three by version 1, none lost, each part with the log-probs of the weights that sampled it."""
     rollout = ScriptedRollout(hold_at={2: 2}, pushes_in_flight=True)
     trainer = FakeTrainer(rollout, "async", total=6, max_staleness=2, partial="continue")
-    taken = run(AsyncSchedule(trainer), trainer, range(1, 7), push_during={1: 2})
+    taken = run(AsyncSchedule(*trainer.parts), trainer, range(1, 7), push_during={1: 2})
     for step, b, _ in taken:
         for s, vs in zip(b.samples, b.token_versions, strict=True):
             assert len(s.response_ids) == RESPONSE and s.finish_reason == "stop"  # nothing decoded is lost
@@ -386,7 +413,7 @@ def test_async_partial_continue_lands_a_push_mid_request_keeping_every_token():
 def test_async_partial_finish_push_waits_for_the_request_in_flight():
     """The same held request with partial=finish: the push waits until it finished, so batch 2 is all version 0."""
     trainer = FakeTrainer(ScriptedRollout(hold_at={2: 2}), "async", total=4, max_staleness=2)
-    taken = run(AsyncSchedule(trainer), trainer, range(1, 5), push_during={1: 2})
+    taken = run(AsyncSchedule(*trainer.parts), trainer, range(1, 5), push_during={1: 2})
     assert taken[1][1].index == 2 and taken[1][1].token_versions == [[0] * RESPONSE] * 2
     assert taken[0][2]["async/continued_requests"] == 0.0
 
@@ -397,7 +424,7 @@ def full(schedule: AsyncSchedule) -> bool:
 
 def test_async_checkpoint_keeps_finished_batches_and_resume_trains_them_first(tmp_path):
     trainer = FakeTrainer(ScriptedRollout(), "async", total=10, max_staleness=2)
-    schedule = AsyncSchedule(trainer)
+    schedule = AsyncSchedule(*trainer.parts)
     trainer.rollout.push_weights(0)
     schedule.start(1)
     for step in (1, 2):
@@ -410,7 +437,7 @@ def test_async_checkpoint_keeps_finished_batches_and_resume_trains_them_first(tm
     schedule.close()
     assert buffered == [3, 4, 5]  # capacity max_staleness + 1
     again = FakeTrainer(ScriptedRollout(), "async", total=10, max_staleness=2)
-    resumed = AsyncSchedule(again)
+    resumed = AsyncSchedule(*again.parts)
     resumed.load_state_dict(state)
     taken = run(resumed, again, range(3, 7))
     assert [b.index for _, b, _ in taken] == [3, 4, 5, 6]
@@ -436,7 +463,7 @@ def test_a_checkpoint_taken_while_a_batch_is_in_flight_waits_for_it_and_holds_it
     released only once the trainer waits inside pause(), so a pause that did not wait would save an empty buffer."""
     rollout = ScriptedRollout(hold=(1,))
     trainer = FakeTrainer(rollout, "async", total=10, max_staleness=0)
-    schedule = AsyncSchedule(trainer)
+    schedule = AsyncSchedule(*trainer.parts)
     trainer_thread = threading.current_thread()
     order: list[str] = []
 
@@ -460,7 +487,7 @@ def test_a_checkpoint_taken_while_a_batch_is_in_flight_waits_for_it_and_holds_it
     assert order == ["pause waits", "paused"]
     assert buffered == [(1, {0})]
     again = FakeTrainer(ScriptedRollout(), "async", total=10, max_staleness=0)
-    resumed = AsyncSchedule(again)
+    resumed = AsyncSchedule(*again.parts)
     resumed.load_state_dict(state)
     (_, batch, metrics), = run(resumed, again, [1])
     assert batch.index == 1 and versions_of(batch) == {0} and metrics["async/restored_batches"] == 1.0
@@ -473,7 +500,7 @@ def test_take_dropping_only_too_stale_batches_is_bounded_and_names_them():
     (3 s at least, 10 times the bound)."""
     rollout = ScriptedRollout(gen_s=0.001, fail_at=3000)
     trainer = FakeTrainer(rollout, "async", total=10, max_staleness=0, stale_policy="drop")
-    schedule = AsyncSchedule(trainer, wait_timeout_s=0.3)
+    schedule = AsyncSchedule(*trainer.parts, wait_timeout_s=0.3)
     rollout.push_weights(0)
     schedule.start(1)
     try:
@@ -488,13 +515,13 @@ def test_take_dropping_only_too_stale_batches_is_bounded_and_names_them():
 def test_a_failing_engine_stops_the_trainer_naming_it():
     trainer = FakeTrainer(ScriptedRollout(fail_at=3), "async", total=10, max_staleness=1)
     with pytest.raises(RuntimeError, match="rollout driver thread failed.*engine rank 1 died"):
-        run(AsyncSchedule(trainer), trainer, range(1, 11))
+        run(AsyncSchedule(*trainer.parts), trainer, range(1, 11))
 
 
 def test_every_wait_is_bounded_and_named():
     rollout = ScriptedRollout(hold=(1,))  # batch 1 never finishes while the trainer waits
     trainer = FakeTrainer(rollout, "async", total=10)
-    schedule = AsyncSchedule(trainer, wait_timeout_s=0.3)
+    schedule = AsyncSchedule(*trainer.parts, wait_timeout_s=0.3)
     rollout.push_weights(0)
     schedule.start(1)
     try:
@@ -521,7 +548,7 @@ def test_every_wait_is_bounded_and_named():
 def test_validation_and_pushes_take_turns_with_the_driver():
     rollout = ScriptedRollout(gen_s=0.005)  # asserts that no two callers ever overlap on the engines
     trainer = FakeTrainer(rollout, "async", total=8, max_staleness=1)
-    schedule = AsyncSchedule(trainer)
+    schedule = AsyncSchedule(*trainer.parts)
     rollout.push_weights(0)
     schedule.start(1)
     for step in range(1, 9):
@@ -544,19 +571,14 @@ def test_rollout_batch_lags_are_per_sample_oldest_token():
 class EpisodeTrainer(FakeTrainer):
     """A trainer with multi-turn episodes: the real `EpisodeRunner` (transformers' chat template and tokenizer, the
     calculator environment and scripted policy of test_envs_episode.py: a tool call, then the answer: two turns)
-    and the real batch producer, `RLLoop._episode_batch`; 2 records x 2 episodes = 4 episodes per batch."""
-
-    _episode_batch = RLLoop._episode_batch
+    and the real `BatchProducer`; 2 records x 2 episodes = 4 episodes per batch."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cfg.rollout.samples_per_prompt = 2
-        self.episodes = EpisodeRunner(episode_tests.TOK, episode_tests.CalcEnv, episode_tests.parse,
-                                      episode_tests.LIMITS)
-
-    def _draw(self, index, k=0):
-        self.drawn.append(index)
-        return list(episode_tests.RECORDS), None, SamplingSettings(seed=index)
+        episodes = EpisodeRunner(episode_tests.TOK, episode_tests.CalcEnv, episode_tests.parse, episode_tests.LIMITS)
+        loader = types.SimpleNamespace(next_batch=lambda: list(episode_tests.RECORDS))
+        self.producer = RecordingProducer(self.cfg, loader, None, None, episodes, SamplingSettings(seed=0))
 
 
 def token_versions_read_off(t) -> list[int]:
@@ -578,7 +600,7 @@ def test_async_episodes_take_pushes_mid_request_only_with_partial_continue(parti
     batch2 = (9, 10, 11, 12)
     rollout = episode_rollout(hold_at={n: 1 for n in batch2}, pushes_in_flight=partial == "continue")
     trainer = EpisodeTrainer(rollout, "async", total=4, max_staleness=2, partial=partial)
-    taken = run(AsyncSchedule(trainer), trainer, range(1, 5), push_during={1: batch2})
+    taken = run(AsyncSchedule(*trainer.parts), trainer, range(1, 5), push_during={1: batch2})
     for step, b, m in taken:
         assert len(b.trajectories) == 4 and b.samples == []
         for t in b.trajectories:
@@ -606,7 +628,7 @@ def test_async_episodes_take_pushes_mid_request_only_with_partial_continue(parti
 def test_async_episodes_dropped_as_too_stale_are_counted_as_episodes():
     """stale_policy=drop with episode batches: each dropped batch counts its 4 episodes in async/dropped_samples."""
     trainer = EpisodeTrainer(episode_rollout(), "async", total=4, max_staleness=0, stale_policy="drop")
-    taken = run(AsyncSchedule(trainer), trainer, range(1, 5), before_update=one_buffered)
+    taken = run(AsyncSchedule(*trainer.parts), trainer, range(1, 5), before_update=one_buffered)
     assert [b.index for _, b, _ in taken] == [1, 3, 5, 7]
     assert all({v for t in b.trajectories for v in token_versions_read_off(t)} == {step - 1} for step, b, _ in taken)
     assert taken[-1][2]["async/dropped_batches"] == 3.0
@@ -632,13 +654,13 @@ def test_a_schedules_state_is_plain_data_that_loads_with_weights_only_and_round_
                          torch.zeros(3, 1, 2, dtype=torch.int16))
     episodes = RolloutBatch(4, [PromptRecord(1, "2*3=", "6", {})], [], [], torch.tensor([0.0]), {}, 4,
                             trajectories=[episode])
-    saved = AsyncSchedule(FakeTrainer(ScriptedRollout(), "async", total=10, max_staleness=2))
+    saved = AsyncSchedule(*FakeTrainer(ScriptedRollout(), "async", total=10, max_staleness=2).parts)
     saved.buffer.extend([single, episodes])
     saved.next_index = 5
     saved.counts["dropped_batches"] = 2
     raw = through_checkpoint(saved.state_dict(), tmp_path)  # raises on any pickled object
     assert raw["mode"] == "async" and raw["next_index"] == 5 and len(raw["batches"]) == 2
-    resumed = AsyncSchedule(FakeTrainer(ScriptedRollout(), "async", total=10, max_staleness=2))
+    resumed = AsyncSchedule(*FakeTrainer(ScriptedRollout(), "async", total=10, max_staleness=2).parts)
     resumed.load_state_dict(raw)
     assert resumed.next_index == 5
     assert resumed.counts == {"dropped_batches": 2, "restored_batches": 2}
@@ -663,16 +685,16 @@ def test_a_schedules_state_is_plain_data_that_loads_with_weights_only_and_round_
 def test_sync_and_one_step_off_states_round_trip(tmp_path):
     """sync holds nothing ahead; one_step_off's state is its finished next batch (or nothing), and a fresh schedule
     trains that very batch next without drawing it again."""
-    sync = Schedule(FakeTrainer(ScriptedRollout(), "sync", total=3))
+    sync = Schedule(*FakeTrainer(ScriptedRollout(), "sync", total=3).parts)
     assert through_checkpoint(sync.state_dict(), tmp_path) == {"mode": "sync", "batches": []}
     trainer = FakeTrainer(ScriptedRollout(), "one_step_off", total=4)
-    fresh = OneStepOffSchedule(trainer)
+    fresh = OneStepOffSchedule(*trainer.parts)
     assert through_checkpoint(fresh.state_dict(), tmp_path) == {"mode": "one_step_off", "batches": []}
     run(fresh, trainer, [1])
     state = through_checkpoint(fresh.state_dict(), tmp_path)
     assert [b["index"] for b in state["batches"]] == [2]
     again = FakeTrainer(ScriptedRollout(), "one_step_off", total=4)
-    resumed = OneStepOffSchedule(again)
+    resumed = OneStepOffSchedule(*again.parts)
     resumed.load_state_dict(state)
     assert resumed.ready.index == 2 and resumed.ready.samples == fresh.ready.samples
     assert torch.equal(resumed.ready.scores, fresh.ready.scores)
