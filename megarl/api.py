@@ -248,7 +248,7 @@ class RLTrainer:
         trainer.start()  # the engine holds the actor's weights from here on
         encoded = [trainer.encoder.encode(p) for p in prompts]
         with trainer.schedule.exclusive():  # in async mode the engines are shared with the rollout driver thread
-            samples, _ = trainer.generate(encoded, settings)
+            samples, _ = trainer.sample(encoded, settings)
         texts: list[list[str]] = [[] for _ in prompts]
         for s in samples:
             texts[s.prompt_index].append(trainer.encoder.decode(s.response_ids))

@@ -141,7 +141,7 @@ class BatchProducer:
                             metrics=dict(result.metrics), rollout_s=time.perf_counter() - started,
                             trajectories=result.trajectories)
 
-    def generate(self, prompts: list[list[int]], client: Any, sampling: SamplingSettings, uid_prefix: str = ""):
+    def sample(self, prompts: list[list[int]], client: Any, sampling: SamplingSettings, uid_prefix: str = ""):
         """(samples ordered by (prompt_index, sample_index), dropped prompt indices) of `prompts` through `client`,
         unscored (the Python API's `generate`): one request per prompt, every prompt in flight at once."""
         from megarl.envs.episode import run_single_turn

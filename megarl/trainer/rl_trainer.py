@@ -481,12 +481,12 @@ class RLLoop:
         tensors["returns"] = returns
         return metrics
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings):
+    def sample(self, prompts: list[list[int]], sampling: SamplingSettings):
         """(samples ordered by (prompt_index, sample_index), dropped prompt indices) of `prompts` through the engines'
-        request servers (`BatchProducer.generate`), unscored: the Python API's `generate`. The caller holds
+        request servers (`BatchProducer.sample`), unscored: the Python API's `generate`. The caller holds
         `schedule.exclusive()` where the engines are shared (async)."""
         with self.rollout.serving() as client:
-            return self.producer.generate(prompts, client, sampling)
+            return self.producer.sample(prompts, client, sampling)
 
     def validate(self) -> dict[str, float]:
         """Greedy (rollout.val_temperature) responses to the validation prompts (or one episode each, with

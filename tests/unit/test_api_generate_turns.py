@@ -71,7 +71,7 @@ def test_generate_waits_for_the_async_drivers_generation():
     rollout = HeldRollout()
     loop = FakeTrainer(rollout, "async", total=10, max_staleness=1)
     loop.encoder = Encoder()
-    loop.generate = types.MethodType(LoopTrainer.generate, loop)  # the trainer's own engine call
+    loop.sample = types.MethodType(LoopTrainer.sample, loop)  # the trainer's own engine call
     schedule = AsyncSchedule(*loop.parts)
     loop.schedule = schedule
     loop.start = lambda: None  # the session already started: push and driver below

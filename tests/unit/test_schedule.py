@@ -27,7 +27,13 @@ import torch
 from megarl.config.schema import RewardConfig
 from megarl.data.dataset import PromptRecord
 from megarl.envs.episode import EpisodeRunner
-from megarl.rollout.engine import Completion, GenerationOutput, RolloutSample, RolloutSamples, SamplingSettings
+from megarl.rollout.engine import (
+    Completion,
+    GenerationOutput,
+    GenerationRequest,
+    RolloutSample,
+    SamplingSettings,
+)
 from megarl.trainer.producer import BatchProducer
 from megarl.trainer.schedule import AsyncSchedule, OneStepOffSchedule, RolloutBatch, Schedule
 from tests.unit import test_envs_episode as episode_tests
@@ -45,7 +51,7 @@ BOUND_S = 30.0  # bound on every wait of a test for the driver thread (never rea
 
 
 class ScriptedRollout:
-    """`generate` / `push_weights` / `weight_version` over no engine, and serving
+    """`push_weights` / `weight_version` over no engine, and serving
     (`start_serving` -> a client, `stop_serving`): the response of a prompt is RESPONSE tokens, each 100 + the held
     version; `gen_s` seconds per call or request; `fail_at`: the call (request, while serving) number that raises.
 
@@ -62,7 +68,6 @@ class ScriptedRollout:
         self.gen_s, self.fail_at, self.policy = gen_s, fail_at, policy
         self.calls: list[tuple[str, int]] = []  # ("generate", version) / ("push", version), in order
         self.lock = threading.Lock()
-        self.busy = False
         self.in_flight = 0  # requests being answered
         self.hold_at = {n: 0 for n in hold} | dict(hold_at or {})
         self.entered = {n: threading.Event() for n in self.hold_at}
@@ -81,37 +86,6 @@ class ScriptedRollout:
         if n in self.released:
             self.entered[n].set()
             assert self.released[n].wait(BOUND_S), f"call {n} was never released"
-
-    def generate(self, prompts, sampling: SamplingSettings) -> RolloutSamples:
-        with self.lock:
-            assert not self.busy and not self.in_flight, "two callers used the engines at once"
-            self.busy = True
-            n = len([c for c in self.calls if c[0] == "generate"]) + 1
-        try:
-            if self.client is None:
-                self._wait_if_held(n)
-            with self.lock:
-                self.calls.append(("generate", self.weight_version))
-            if self.fail_at == n and self.client is None:
-                raise RuntimeError("engine rank 1 died")
-            time.sleep(self.gen_s)
-            v = self.weight_version
-            if self.policy is not None:
-                out = RolloutSamples([RolloutSample(i, 0, list(p), ids, [-(v + 1) / 10] * len(ids), "stop")
-                                      for i, p in enumerate(prompts) for ids in [self._policy_ids(p, sampling)]])
-                out.generate_s = self.gen_s
-                return out
-            samples = []
-            for i, p in enumerate(prompts):
-                for j in range(sampling.samples_per_prompt):
-                    k = min(RESPONSE, sampling.max_new_tokens)
-                    reason = "stop" if k == RESPONSE else "length"
-                    samples.append(RolloutSample(i, j, list(p), [100 + v] * k, [-(v + 1) / 10] * k, reason))
-            out = RolloutSamples(samples)
-            out.generate_s = self.gen_s
-            return out
-        finally:
-            self.busy = False
 
     def start_serving(self):
         assert self.client is None, "start_serving twice"
@@ -141,7 +115,6 @@ class ScriptedRollout:
     def answer(self, request) -> GenerationOutput:
         """A request while serving (on a thread of the client): its completions' tokens sampled one at a time."""
         with self.lock:
-            assert not self.busy, "a request while a batch call holds the engines"
             self.requests += 1
             self.in_flight += 1
             n = self.requests
@@ -178,7 +151,6 @@ class ScriptedRollout:
 
     def push_weights(self, version: int):
         with self.lock:
-            assert not self.busy, "a push while the engines generate"
             assert self.pushes_in_flight or not self.in_flight, "a push while requests are in flight (finish)"
             crossed = self.in_flight
             self.calls.append(("push", version))
@@ -553,8 +525,10 @@ def test_validation_and_pushes_take_turns_with_the_driver():
     schedule.start(1)
     for step in range(1, 9):
         schedule.take(step, {})
-        with schedule.exclusive():  # what RLLoop.validate does
-            rollout.generate([[1, 2, 3]], SamplingSettings(max_new_tokens=3))
+        with schedule.exclusive(), rollout.serving() as client:  # what RLLoop.validate does
+            assert rollout.in_flight == 0, "validation got the engines while the driver's requests were in flight"
+            out = asyncio.run(client.generate(GenerationRequest("val", [1, 2, 3], SamplingSettings(max_new_tokens=3))))
+            assert out.finished
         schedule.after_update(step)
     schedule.close()
     assert ("push", 8) in rollout.calls

@@ -8,13 +8,10 @@ Read with `ast` from the sources (no torch / megatron import needed) and, for th
 from __future__ import annotations
 
 import ast
-import dataclasses
 import pathlib
 
-import pytest
-
 from megarl.controller.dispatch import chunk_bounds, dispatched_methods
-from megarl.rollout.engine import RolloutSample, SamplingSettings
+from megarl.rollout.engine import RolloutSample
 from megarl.rollout.service import ColocatedRollout
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megarl"
@@ -100,47 +97,12 @@ class _FakeGroup:
         return [{"reshard/bytes_received": 1.0}] * self.replicas
 
 
-def _trainer_before_the_service(group, prompts, sampling):
-    """`RLLoop._generate` as it was before `ColocatedRollout` (commit 451d930), for the equality check."""
-    per_replica = group.generate(prompts, sampling)
-    samples, dropped = [], []
-    for k, out in enumerate(per_replica):
-        lo, _ = chunk_bounds(len(prompts), len(per_replica), k)
-        samples.extend(dataclasses.replace(s, prompt_index=lo + s.prompt_index) for s in out["samples"])
-        dropped.extend(lo + i for i in out["dropped"])
-    samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
-    return samples, dropped
-
-
-@pytest.mark.parametrize("replicas,n,drop", [(1, 4, {}), (2, 5, {1: [0]}), (3, 7, {0: [2], 2: [0, 1]}),
-                                             (4, 4, {3: [0]})])
-def test_colocated_generate_equals_the_trainers_former_merge(replicas, n, drop):
-    group = _FakeGroup(replicas, drop)
-    prompts = [[1, i] for i in range(n)]
-    sampling = SamplingSettings(samples_per_prompt=2)
-    out = ColocatedRollout(group).generate(prompts, sampling)
-    samples, dropped = _trainer_before_the_service(group, prompts, sampling)
-    assert list(out) == samples and out.dropped_prompt_indices == dropped
-    assert [(s.prompt_index, s.sample_index) for s in out] == sorted((s.prompt_index, s.sample_index) for s in out)
-
-
 def test_push_weights_is_the_local_reshard_and_records_the_version():
     group = _FakeGroup(2, {})
     service = ColocatedRollout(group)
     assert service.weight_version is None
     assert service.push_weights(version=0) == [{"reshard/bytes_received": 1.0}] * 2
     assert group.pushed == 1 and service.weight_version == 0
-
-
-def test_colocated_generate_refuses_replicas_that_lose_prompts():
-    class Short(_FakeGroup):
-        def generate(self, prompts, sampling):
-            out = super().generate(prompts, sampling)
-            out[-1]["prompts"] -= 1
-            return out
-
-    with pytest.raises(RuntimeError, match="report 3 prompts for the 4 sent"):
-        ColocatedRollout(Short(2, {})).generate([[1]] * 4, SamplingSettings())
 
 
 # ------------------------------------------------------------------------------------------- PoolRollout
@@ -201,6 +163,3 @@ def test_pool_push_submits_both_sides_before_waiting_and_summarises_per_rank():
     assert s["reshard/time_s"] == 0.8  # the slowest rank's
     engines.receive_weights.value = [_report(0, 200, 5, 5), _report(0, 200, 4, 5)]  # one piece unchecked
     assert service.push_weights(version=4)[0]["reshard/pool/verified"] == 0.0
-    # generate: the replicas' samples merged as the colocated service merges them
-    prompts, sampling = [[1, i] for i in range(5)], SamplingSettings(samples_per_prompt=2)
-    assert list(service.generate(prompts, sampling)) == list(ColocatedRollout(engines).generate(prompts, sampling))
