@@ -114,7 +114,7 @@ async def _unless_disconnected(request: Any, work: Awaitable) -> Any:
     finally:
         watcher.cancel()
         if not task.done():
-            task.cancel()
+            pass
             with contextlib.suppress(asyncio.CancelledError, ApiError):
                 await task
 

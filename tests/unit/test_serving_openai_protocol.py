@@ -135,3 +135,10 @@ def test_a_non_loopback_bind_needs_a_bearer_token():
     with pytest.raises(ValueError, match=r"--host 0.0.0.0 is not a loopback address.*pass --api-key TOKEN"):
         check_bind("0.0.0.0", None)
     check_bind("0.0.0.0", "secret")
+
+
+def test_megarl_serve_refuses_a_public_host_without_a_token_before_loading_anything(tmp_path, capsys):
+    from megarl.cli import main
+
+    assert main(["serve", str(tmp_path), "--host", "0.0.0.0"]) == 2  # tmp_path holds no model: nothing was loaded
+    assert "--host 0.0.0.0 is not a loopback address" in capsys.readouterr().err
