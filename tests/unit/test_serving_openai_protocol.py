@@ -142,3 +142,45 @@ def test_megarl_serve_refuses_a_public_host_without_a_token_before_loading_anyth
 
     assert main(["serve", str(tmp_path), "--host", "0.0.0.0"]) == 2  # tmp_path holds no model: nothing was loaded
     assert "--host 0.0.0.0 is not a loopback address" in capsys.readouterr().err
+
+
+def test_a_session_chains_into_token_exact_segments_and_a_rewrite_starts_a_new_one():
+    """Through the app with the scripted policy: turn 1 (tool call), turn 2 (with the tool result) extend each other
+    exactly; an agent that then drops the tool exchange (rewrites history) starts a second segment. Expected values:
+    the trajectory is transformers' rendering of the final conversation (the policy's ids are canonical), the loss
+    mask covers exactly the engine's ids, the log-probs are the engine's."""
+    from megarl.serving.segments import chain_segments
+
+    policy = CalculatorPolicy()
+    protocol = OpenAIProtocol(policy, TOK, get_parser("hermes"), model_name="policy",
+                              limits=ServeLimits(max_model_len=1024))
+    app = create_app(protocol)
+
+    async def agent():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http, max_retries=0)
+        messages = [{"role": "user", "content": "12*34="}]
+        first = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        call = first.choices[0].message.tool_calls[0]
+        messages += [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "408"}]
+        await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        rewritten = [{"role": "user", "content": "Compute this with the calculator, step by step: " * 8 + "7*8="}]
+        await client.chat.completions.create(model="policy", messages=rewritten, tools=TOOLS)  # longer, not an
+        # extension: a new segment
+        await http.aclose()
+
+    asyncio.run(agent())
+    first, second = chain_segments(protocol.recorder.records())
+    conversation = [{"role": "user", "content": "12*34="}, {"role": "assistant", "content": tool_call_text("12*34")},
+                    {"role": "tool", "name": "calculator", "content": "408"}, {"role": "assistant", "content": "408"}]
+    text = TOK.apply_chat_template(conversation, tools=TOOLS, tokenize=False)
+    assert TOK.decode(first.token_ids, skip_special_tokens=False) == text[:-1]  # all but the final separator
+    trained = [t for t, m in zip(first.token_ids, first.loss_mask) if m]
+    assert trained == (TOK(tool_call_text("12*34"), add_special_tokens=False)["input_ids"] + [2]
+                       + TOK("408", add_special_tokens=False)["input_ids"] + [2])
+    assert [lp for lp, m in zip(first.log_probs, first.loss_mask) if m] == [-0.25] * len(trained)
+    assert [v for v, m in zip(first.versions, first.loss_mask) if m] == [7] * len(trained)
+    assert len(first.request_ids) == 2 and len(second.request_ids) == 1
+    assert len(second) > len(first)  # longer than the first, yet not its extension
+    assert TOK.decode(second.token_ids, skip_special_tokens=False).startswith("<|im_start|>system\nTools: calculator")
