@@ -53,11 +53,11 @@ def _quiet(served):
     return served.server.in_flight == 0 and engine_ids == [] and served.app.state.in_flight == 0
 
 
-def _wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
+def _wait_for(predicate, what: str, state=lambda: "", timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout_s} s for {what}")
+            raise AssertionError(f"waited {timeout_s} s for {what} {state()}")
         time.sleep(0.02)
 
 
@@ -160,7 +160,9 @@ def test_a_client_that_disconnects_mid_request_aborts_it(served):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(served.http.base_url + "/chat/completions", timeout=1.0,
                        json={"model": "tiny", "messages": MESSAGES, "max_tokens": 8})
-        _wait_for(lambda: served.server.in_flight == 0, "the disconnected request to leave the engine server")
+        _wait_for(lambda: served.server.in_flight == 0, "the disconnected request to leave the engine server",
+                  lambda: f"(app: {dict(served.app.state.counts)}, in flight {served.app.state.in_flight}; engine "
+                          f"server: {dict(served.server.counts)})")
         assert served.server.counts["aborted"] == aborted + 1
         assert served.app.state.counts["disconnected"] >= 1
     finally:
