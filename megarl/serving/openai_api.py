@@ -114,7 +114,7 @@ async def _unless_disconnected(request: Any, work: Awaitable) -> Any:
     finally:
         watcher.cancel()
         if not task.done():
-            pass
+            task.cancel()  # aborts its engine request
             with contextlib.suppress(asyncio.CancelledError, ApiError):
                 await task
 
@@ -153,7 +153,7 @@ def create_app(protocol: OpenAIProtocol, *, api_key: Optional[str] = None) -> An
         except ApiError as e:
             app.state.counts["refused"] += 1
             return _error(e)
-        if False:
+        if app.state.in_flight >= limits.max_in_flight:
             app.state.counts["rejected_busy"] += 1
             return _error(ApiError(429, f"the server holds {app.state.in_flight} requests, its bound "
                                         f"(--max-in-flight {limits.max_in_flight}); retry later",
