@@ -4,6 +4,7 @@
     megarl export CHECKPOINT_STEP_DIR --out HF_DIR [--overwrite]
     megarl quickstart [--out DIR]
     megarl plot RUN_DIR
+    megarl serve MODEL_DIR [--host 127.0.0.1] [--port 0] [--api-key TOKEN] [...]   (docs/serve.md)
     megarl --version
 
 The config is loaded and validated before anything else happens: a bad config prints one `megarl: error: ...`
@@ -93,6 +94,29 @@ def build_parser() -> argparse.ArgumentParser:
     from megarl.trainer.quickstart import add_arguments as quickstart_arguments  # stdlib-only at import
 
     quickstart_arguments(quickstart)
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible endpoint over a model (see docs/serve.md)",
+        description="Serve an HF model directory (or a megarl checkpoint step directory, exported first) on a vLLM "
+        "engine behind megarl's request-level engine server: POST /v1/chat/completions, /v1/completions, GET "
+        "/v1/models, /health. Prints the base URL for the openai client. Binds 127.0.0.1 on a free port by default; "
+        "another host needs --api-key.",
+    )
+    serve.add_argument("model", metavar="MODEL_DIR", help="HF model directory (tokenizer with a chat template), or "
+                       "<checkpoint.dir>/step_NNNNNN")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs --api-key)")
+    serve.add_argument("--port", type=int, default=0, help="port (0: a free one, printed)")
+    serve.add_argument("--api-key", default=None, help="bearer token every /v1 request must send")
+    serve.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: MODEL_DIR's name)")
+    serve.add_argument("--tool-parser", default="hermes", help="tool-call parser (rollout.tool_parser's names)")
+    serve.add_argument("--max-model-len", type=int, default=2048, help="context: prompt + completion tokens")
+    serve.add_argument("--max-tokens", type=int, default=None, help="most completion tokens a request may ask for")
+    serve.add_argument("--max-n", type=int, default=8, help="most choices per request (n)")
+    serve.add_argument("--max-in-flight", type=int, default=64, help="requests held at once; more get 429")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 past it)")
+    serve.add_argument("--request-timeout-s", type=float, default=600.0, help="bound of one request (504 past it)")
+    serve.add_argument("--dtype", default="auto", help="engine dtype (auto: the checkpoint's)")
+    serve.add_argument("--kv-cache-gib", type=float, default=1.0, help="CPU KV-cache size, GiB")
     plot = sub.add_parser(
         "plot",
         help="PNG plots and a summary table of a run directory's metrics.jsonl",
@@ -189,6 +213,48 @@ def _export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import os
+    import tempfile
+
+    from megarl.serving.openai_api import ServedModel, check_bind, serve_forever
+    from megarl.serving.openai_protocol import ServeLimits
+
+    try:
+        check_bind(args.host, args.api_key)
+        limits = ServeLimits(max_model_len=args.max_model_len, max_n=args.max_n, max_tokens=args.max_tokens,
+                             max_in_flight=args.max_in_flight, max_body_bytes=args.max_body_bytes,
+                             request_timeout_s=args.request_timeout_s)
+    except ValueError as e:
+        print(f"megarl: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    with tempfile.TemporaryDirectory(prefix="megarl-serve-") as scratch:
+        model_dir = args.model
+        if not os.path.isfile(os.path.join(model_dir, "config.json")):  # a checkpoint: export its actor first
+            from megarl.checkpoint.errors import CheckpointError
+            from megarl.checkpoint.export import export_hf
+
+            try:
+                model_dir = export_hf(args.model, os.path.join(scratch, "hf"))["out"]
+            except CheckpointError as e:
+                print(f"megarl: error: {args.model} is neither a HuggingFace model directory (no config.json) nor "
+                      f"a checkpoint: {e}", file=sys.stderr)
+                return EXIT_USAGE
+        try:
+            served = ServedModel(model_dir, limits=limits, model_name=args.served_model_name,
+                                 tool_parser=args.tool_parser, api_key=args.api_key, dtype=args.dtype,
+                                 kv_cache_gib=args.kv_cache_gib)
+        except (ValueError, KeyError) as e:
+            print(f"megarl: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        try:
+            serve_forever(served, args.host, args.port, api_key=args.api_key,
+                          announce=lambda url: print(f"megarl serve: {url}", flush=True))
+        finally:
+            served.close()
+    return EXIT_OK
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the `megarl` console script and `python -m megarl`; returns the exit status."""
     parser = build_parser()
@@ -213,6 +279,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return EXIT_OK
         if args.command == "plot":
             return _plot(args)
+        if args.command == "serve":
+            return _serve(args)
     except ConfigError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return EXIT_USAGE

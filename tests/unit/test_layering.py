@@ -20,6 +20,7 @@ import is still a dependency). The order, lowest first:
   envs         multi-turn environments, tools and tool-call parsers, and the episode loop that drives them against a
                rollout client (one request per turn): an episode's final answer is scored by a reward function
                (rewards); nothing in rollout knows of episodes
+  serving      the OpenAI-compatible HTTP endpoint over a rollout client (renders chats as the episodes do)
   reshard      actor shards -> rollout engine layout (reads checkpoint's name maps, writes into rollout)
   roles        actor / critic / reference / reward model over the engine
   controller   Ray single controller: pools, worker groups, dispatch
@@ -40,7 +41,7 @@ import pathlib
 import pytest
 
 LAYERS = ["registry", "platform", "parallel", "algorithms", "models", "config", "engine", "checkpoint", "data",
-          "rewards", "rollout", "envs", "reshard", "roles", "controller", "workers", "trainer", "api", "cli"]
+          "rewards", "rollout", "envs", "serving", "reshard", "roles", "controller", "workers", "trainer", "api", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megarl"
 
