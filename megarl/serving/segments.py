@@ -21,7 +21,7 @@ from megarl.serving.openai_protocol import ResponseRecord
 
 
 @dataclasses.dataclass
-class Segment:
+class SessionSegment:
     """One token-exact chain of requests. token_ids [T]; loss_mask [T] (1: sampled by the engine); log_probs [T]
     (the engine's for sampled tokens, 0.0 elsewhere); versions [T] (the weights version of each sampled token, -1
     elsewhere and where the client reported none); request_ids: the requests in the chain, in order."""
@@ -36,12 +36,12 @@ class Segment:
         return len(self.token_ids)
 
 
-def _start(record: ResponseRecord) -> Segment:
+def _start(record: ResponseRecord) -> SessionSegment:
     n = len(record.prompt_ids)
-    return Segment(list(record.prompt_ids), [0] * n, [0.0] * n, [-1] * n, [])
+    return SessionSegment(list(record.prompt_ids), [0] * n, [0.0] * n, [-1] * n, [])
 
 
-def _append(segment: Segment, record: ResponseRecord, new_prompt: Sequence[int]) -> None:
+def _append(segment: SessionSegment, record: ResponseRecord, new_prompt: Sequence[int]) -> None:
     choice = record.choices[0]
     k = len(new_prompt)
     segment.token_ids += list(new_prompt)
@@ -55,10 +55,10 @@ def _append(segment: Segment, record: ResponseRecord, new_prompt: Sequence[int])
     segment.request_ids.append(record.request_id)
 
 
-def chain_segments(records: Sequence[ResponseRecord]) -> list[Segment]:
+def chain_segments(records: Sequence[ResponseRecord]) -> list[SessionSegment]:
     """The segments of one session's requests (in the order sent), by the delta rule (see the module docstring)."""
-    segments: list[Segment] = []
-    current: Optional[Segment] = None
+    segments: list[SessionSegment] = []
+    current: Optional[SessionSegment] = None
     for record in records:
         if not record.choices:
             raise ValueError(f"recorded response {record.request_id!r} has no choices")
