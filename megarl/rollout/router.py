@@ -284,11 +284,11 @@ class RolloutRouter:
         while not self._stop.is_set():
             try:
                 got = handle.poll(self.poll_wait_s)
-            except ReplicaDied as e:
-                self._replica_died(replica, str(e))
-                return
             except Exception as e:  # noqa: BLE001 -- any failure of the long-poll ends the replica
                 if self._stop.is_set() and not self._has_waiters(replica):  # its server stopped under a last poll
+                    return  # (the end of a serving phase: `begin_close`, then the servers stop)
+                if isinstance(e, ReplicaDied):
+                    self._replica_died(replica, str(e))
                     return
                 self._replica_died(replica, f"{handle.name}: its long-poll failed: {e!r}")
                 return

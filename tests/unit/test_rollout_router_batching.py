@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 
+from megarl.rollout.client import ReplicaDied
 from megarl.rollout.engine import Completion, GenerationOutput, GenerationRequest, SamplingSettings
 from megarl.rollout.engine_server import RequestResult
 from megarl.rollout.router import RolloutRouter
@@ -74,8 +75,9 @@ def test_a_batch_started_in_one_loop_turn_reaches_each_replica_in_one_submit_in_
 
 class ServerLikeReplica(EchoReplica):
     """An `EchoReplica` whose long-poll waits like `EngineServer.take_results`: up to `max_wait_s`, answering at once
-    when there are results or the server is stopping; a poll after the stop raises, as `RolloutHost.server_poll` does
-    on a replica that no longer serves."""
+    when there are results or the server is stopping (then, with none, `ReplicaDied` as `RemoteReplica.poll` raises
+    for the stopping server's alive=False answer); a poll after the stop raises, as `RolloutHost.server_poll` does on a
+    replica that no longer serves."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
@@ -93,6 +95,8 @@ class ServerLikeReplica(EchoReplica):
                 results.append(self._answers.get(timeout=0.01))
             except queue.Empty:
                 pass
+        if self.stopped.is_set() and not results:  # answered as its server stopped: `RemoteReplica.poll` reads
+            raise ReplicaDied(f"{self.name}: its engine loop stopped: None")  # alive=False as this
         return {"results": results, "metrics": {}}
 
 
