@@ -18,6 +18,8 @@ Before, `generate` also broadcast the
 replica's prompts again inside its TP group (`rollout/vllm_adapter.py`: the non-first TP ranks deserialised the
 chunk a second time); that is counted in generate's "before" and replaced by an 8-byte digest all-gather (a tensor,
 nothing deserialised). Also reported: the result bytes the old path all-gathered over DP on every last-stage rank.
+The `generate` row is the batch worker call as it was when measured; it was deleted with issue 31 (every rollout is
+now requests to the replicas' servers, `megarl.controller.serving`), so that row is history, not today's path.
 """
 
 from __future__ import annotations

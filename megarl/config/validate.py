@@ -525,9 +525,6 @@ def _check_multi_turn(cfg: JobConfig) -> None:
     if r.oversample:
         raise ConfigError(f"rollout.oversample={r.oversample} with rollout.env: over-sampling is single-turn only "
                           "for now (a group of episodes has no one request to abort); set rollout.oversample=0")
-    if cfg.trainer.mode == "one_step_off":
-        raise ConfigError("rollout.env with trainer.mode=one_step_off is not supported yet (episodes take one engine "
-                          "call per turn); use trainer.mode=sync, or async with rollout.pool")
     if cfg.reward_model.enabled:
         raise ConfigError("rollout.env with reward_model.enabled: the episode's reward comes from its environment")
     if r.max_tokens_per_turn is not None and r.max_tokens_per_turn > r.max_new_tokens:

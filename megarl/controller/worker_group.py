@@ -444,8 +444,8 @@ class WorkerGroup:
 
     def _replicas(self, what: str, spec: DispatchSpec, timeout: Optional[float]) -> list[int]:
         """Each rank's replica for a DP_SPLIT call, asked of the workers once per dispatch spec and kept: a group's
-        layout is fixed, and asking again would queue behind the calls the workers are running (a rollout pool's
-        `generate` while the trainer dispatches the next one)."""
+        layout is fixed, and asking again would queue behind the calls the workers are running (an actor's update
+        while the trainer dispatches the next call)."""
         cache = self.__dict__.setdefault("_replica_cache", {})
         key = (spec.group_size, spec.replica_attr, spec.group_size_attr)
         if key not in cache:

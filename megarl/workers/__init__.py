@@ -5,7 +5,7 @@ request server's `server_submit` / `server_abort` / `server_poll` are per-rank c
                                  controller-callable role methods (compute_log_probs, compute_ref_log_probs,
                                  compute_values, score, update_actor, update_critic), written once
   RoleWorker    role_host.py     a RoleHost only: a critic, reference or reward model on a pool of its own
-  RolloutHost   rollout_host.py  the vLLM engine, its sleep/wake bookkeeping, `generate`, the request server
+  RolloutHost   rollout_host.py  the vLLM engine, its sleep/wake bookkeeping, the request server
                                  (`start_server` .. `stop_server`), /dev/shm segments
   HybridWorker  hybrid.py        RoleHost + RolloutHost + the local reshard (the colocated "hybrid engine")
   ActorWorker   pool_sync.py     RoleHost on the actor's pool when the engines have a pool of their own; sends weights

@@ -5,7 +5,8 @@ rollout TP, planned once) that is the engine's only weight source.
 
 One instance per rank of the actor's pool, all in one torch.distributed world; every method is SPMD. Data path of
 one RL step (controller view, `megarl.trainer.rl_trainer` through `megarl.rollout.service.ColocatedRollout`):
-  prompts -> `generate` (DP_SPLIT: a replica receives its chunk) -> rewards (controller) -> Batch -> `compute_log_probs`
+  prompts -> requests to each replica's server (`start_server` .. `stop_server`; rewards on the controller as the
+  groups finish) -> Batch -> `compute_log_probs`
   (+ `compute_ref_log_probs`, `compute_values`; DP_SPLIT) -> advantages (controller) -> `update_critic`,
   `update_actor` (DP_SPLIT_MINI_BATCHES: a replica receives its part of every mini-batch) -> `sync_weights`
   (reshard into vLLM for the next rollout).
@@ -58,7 +59,7 @@ class HybridWorker(RoleHost, RolloutHost):
         check_engine_mapping(self.plan, dist.get_rank(), self.engine.tp_rank)
         self.sink = VllmShardSink(self.engine)
         # The step's phases in call order, on every device (CPU too): the engine's own calls (sleep, wake,
-        # update_weights, generate) and the roles' ("update", role) and ("offload", role, kinds moved).
+        # update_weights, submit, ...) and the roles' ("update", role) and ("offload", role, kinds moved).
         self.events = self.engine.events
         self.bucket_bytes = cfg.rollout.reshard_bucket_mb << 20
 
@@ -66,8 +67,9 @@ class HybridWorker(RoleHost, RolloutHost):
     def sync_weights(self) -> dict[str, float]:
         """Reshard the actor's current weights into the vLLM engine; returns this rank's reshard metrics.
 
-        Engine phase order per step (recorded in `self.engine.events`): generate -> sleep(level=2) -> ... actor
-        update ... -> wake(("weights",)) -> reshard (update_weights per bucket) -> wake(("kv_cache",)) -> generate.
+        Engine phase order per step (recorded in `self.engine.events`): serving (submit ...) -> sleep(level=2) at
+        `stop_server` -> ... actor update ... -> wake(("weights",)) -> reshard (update_weights per bucket) ->
+        wake(("kv_cache",)) at the next `start_server` -> serving.
         """
         return self._reshard()
 
@@ -75,7 +77,7 @@ class HybridWorker(RoleHost, RolloutHost):
         self._reshard()
 
     def _reshard(self) -> dict[str, float]:
-        # Weights only: the KV cache is allocated after the reshard (`generate`), so the reshard's buffers and the
+        # Weights only: the KV cache is allocated after the reshard (`start_server`), so the reshard's buffers and the
         # actor's weights never share the GPU with it. Never write into a sleeping engine's weights.
         self._wake(("weights",))
         self.offload["actor"].before_use(("params",))  # gradients and optimizer state stay in host memory

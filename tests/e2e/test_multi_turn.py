@@ -10,6 +10,8 @@ What the tests add, each from the engines' own numbers:
 - on the BPE vocabulary, sampled at temperature 1 with the defaults (on_template_mismatch: error), 20 sync steps ran
   with no episode masked, while turns that are not the canonical encoding of their text, and turns holding ids
   beyond the tokenizer, were sampled and counted (issue 29: such turns used to stop the run at step 1);
+- one_step_off (3 steps): episodes of the next batch produced beside training take their turns, each batch from
+  step 2 on sampled by the weights one version behind;
 - in async mode with rollout.partial=continue, weights were pushed inside episodes: one batch holds turns sampled by
   two versions, and for each version's tokens the engine's log-probs against Megatron's recomputation with the
   weights being updated: float noise for the current version's, a real KL for the older one's -- so each turn's
@@ -35,10 +37,10 @@ def runs(tmp_path_factory, joined_ray_env):
                           cwd=ROOT, env=joined_ray_env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     print("multi-turn runs (s):", json.load(open(out / "runs.json")))
-    return {name: read_rows(out / name) for name in ("sync", "async")}
+    return {name: read_rows(out / name) for name in ("sync", "async", "one_step_off")}
 
 
-@pytest.mark.parametrize("run", ["sync", "async"])
+@pytest.mark.parametrize("run", ["sync", "async", "one_step_off"])
 def test_episodes_take_their_turns(runs, run):
     for row in runs[run]:
         # 3 turns unless the budget (32 generated tokens, 8 per turn) or a masked retokenization ended one early
@@ -72,3 +74,12 @@ def test_async_pushes_land_between_turns_and_each_turn_keeps_its_engines_log_pro
         assert r["async/staleness_max"] <= 1
         assert r["mismatch/lag0/kl"] < r["mismatch/lag1/kl"] / 10, r
     print("lag0 vs lag1 KL:", [(r["mismatch/lag0/kl"], r["mismatch/lag1/kl"]) for r in mixed])
+
+
+def test_one_step_off_episodes_train_on_the_batch_generated_one_version_behind(runs):
+    rows = runs["one_step_off"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # step 1 waits for its own batch (version 0); batch k >= 2 was generated while step k - 1 trained, on version
+    # k - 2: every episode's oldest token one version behind the weights being updated
+    assert [(r["async/version"], r["async/staleness_max"], r["async/staleness_mean"]) for r in rows] == \
+        [(0.0, 0.0, 0.0), (0.0, 1.0, 1.0), (1.0, 1.0, 1.0)]

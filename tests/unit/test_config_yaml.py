@@ -152,6 +152,8 @@ def test_schedule_options_are_refused_by_key_where_they_cannot_work(config, over
                                           "rollout.partial=continue"]),
     # a stop string with partial=continue: a push no longer cuts a response into pieces (the request continues)
     ("cpu_quickstart_rollout_pool.yaml", ["trainer.mode=async", TIS, "rollout.partial=continue", "rollout.stop=[x]"]),
+    # episodes with one_step_off: produced through the request servers like any batch (test_schedule.py's episodes)
+    ("cpu_quickstart.yaml", ["trainer.mode=one_step_off", TIS, "rollout.env=calculator", "data.chat_template=hf"]),
 ])
 def test_schedule_options_accepted_where_they_work(config, overrides):
     cfg = load_config(REPO / "yaml_configs" / config, overrides)
@@ -161,8 +163,6 @@ def test_schedule_options_accepted_where_they_work(config, overrides):
 @pytest.mark.parametrize("overrides,message", [
     (["rollout.env=calculator"], "rollout.env='calculator' renders tool results and observations with the chat "
      "template: set data.chat_template"),
-    (["rollout.env=calculator", "data.chat_template=hf", "trainer.mode=one_step_off", TIS],
-     "rollout.env with trainer.mode=one_step_off is not supported yet"),
     (["rollout.env=calculator", "data.chat_template=hf", "rollout.max_tokens_per_turn=64",
       "rollout.max_new_tokens=32"], "rollout.max_tokens_per_turn=64 exceeds rollout.max_new_tokens=32"),
 ])

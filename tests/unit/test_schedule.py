@@ -609,6 +609,45 @@ def test_async_episodes_dropped_as_too_stale_are_counted_as_episodes():
     assert taken[-1][2]["async/dropped_samples"] == 3.0 * 4
 
 
+def trajectory_fields(batch: RolloutBatch) -> list[tuple]:
+    """Every field of a batch's trajectories (routing records none here), in order."""
+    return [tuple(getattr(t, f.name) for f in dataclasses.fields(t)) for t in batch.trajectories]
+
+
+def test_one_step_off_episodes_sample_the_next_batch_on_the_weights_before_the_update(tmp_path):
+    """one_step_off with multi-turn episodes (4 episodes x 2 turns per batch, through the serving client on the
+    background thread): batch k >= 2 is sampled entirely on version k - 2 while step k - 1 trains, every token's
+    recorded version is the one that sampled it (read off its log-prob), the push of step k comes after the next
+    batch's 8 requests; and a checkpoint taken after step 2 (the next batch, episodes, in it) loads with
+    weights_only=True and resumes into the uninterrupted run's batches, trajectory field by trajectory field."""
+    full = EpisodeTrainer(episode_rollout(), "one_step_off", total=4)
+    taken = run(OneStepOffSchedule(*full.parts), full, range(1, 5))
+    for step, b, m in taken:
+        assert len(b.trajectories) == 4 and b.samples == []
+        want = max(step - 2, 0)
+        for t in b.trajectories:
+            sampled = [v for v, mask in zip(t.policy_version, t.loss_mask) if mask]
+            assert sampled and sampled == token_versions_read_off(t) == [want] * len(sampled)
+        assert b.version == want and b.lags(step - 1) == [step - 1 - want] * 4
+        assert m["async/staleness_max"] == float(step - 1 - want)
+    assert full.rollout.calls == ([("push", 0)] + [("generate", 0)] * 16 + [("push", 1)] + [("generate", 1)] * 8
+                                  + [("push", 2)] + [("generate", 2)] * 8 + [("push", 3), ("push", 4)])
+    assert full.drawn == [1, 2, 3, 4]
+
+    first = EpisodeTrainer(episode_rollout(), "one_step_off", total=4)
+    schedule = OneStepOffSchedule(*first.parts)
+    run(schedule, first, range(1, 3))
+    state = through_checkpoint(schedule.state_dict(), tmp_path)  # raises on any pickled object
+    assert [b["index"] for b in state["batches"]] == [3]
+    second = EpisodeTrainer(episode_rollout(), "one_step_off", total=4)
+    resumed_schedule = OneStepOffSchedule(*second.parts)
+    resumed_schedule.load_state_dict(state)
+    resumed = run(resumed_schedule, second, range(3, 5))
+    assert second.drawn == [4]  # batch 3 came from the checkpoint
+    assert [(b.index, b.version, trajectory_fields(b), b.scores.tolist()) for _, b, _ in resumed] == \
+        [(b.index, b.version, trajectory_fields(b), b.scores.tolist()) for _, b, _ in taken[2:]]
+
+
 def test_a_schedules_state_is_plain_data_that_loads_with_weights_only_and_round_trips(tmp_path):
     """Issue 30: a schedule's `state_dict` (what the checkpoint manager saves) loads with torch.load(weights_only=True)
     (a pickled object would make loading a checkpoint code execution): single-turn samples with numpy routing

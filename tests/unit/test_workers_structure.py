@@ -1,6 +1,6 @@
 """The worker hosts' structure (issue 21, item 1): every role method is written once, in `RoleHost`, and every
-group that hosts roles exposes it under the same name and dispatch mode; `ColocatedRollout` puts the replicas'
-samples back in the caller's prompt order exactly as the trainer did before the service existed.
+group that hosts roles exposes it under the same name and dispatch mode; no engine host offers the batch `generate`
+worker call (issue 31: every rollout goes through the request servers); the rollout services' weight pushes.
 
 Read with `ast` from the sources (no torch / megatron import needed) and, for the dispatch marks, from the classes.
 """
@@ -10,14 +10,13 @@ from __future__ import annotations
 import ast
 import pathlib
 
-from megarl.controller.dispatch import chunk_bounds, dispatched_methods
-from megarl.rollout.engine import RolloutSample
+from megarl.controller.dispatch import dispatched_methods
 from megarl.rollout.service import ColocatedRollout
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megarl"
 ROLE_METHODS = ("compute_log_probs", "compute_ref_log_probs", "compute_values", "score", "update_actor",
                 "update_critic", "save_checkpoint", "load_checkpoint")
-ROLLOUT_METHODS = ("generate", "shm_segments")
+ROLLOUT_METHODS = ("start_server", "stop_server", "server_submit", "server_abort", "server_poll", "shm_segments")
 
 
 def method_definitions(root: pathlib.Path) -> dict[str, list[str]]:
@@ -65,32 +64,17 @@ def test_role_groups_expose_the_same_methods_with_the_same_dispatch():
             assert methods[name] is host[name], (cls.__name__, name)
             assert getattr(cls, name) is getattr(RoleHost, name)
     hybrid = dispatched_methods(HybridWorker)
-    assert {"generate", "sync_weights", "shm_segments", "process_info"} <= set(hybrid)
-    assert not {"generate", "sync_weights"} & set(dispatched_methods(RoleWorker))  # no engine on a role's own pool
+    assert {"start_server", "stop_server", "sync_weights", "shm_segments", "process_info"} <= set(hybrid)
+    assert "generate" not in hybrid  # the request path only (issue 31)
+    assert not {"start_server", "sync_weights"} & set(dispatched_methods(RoleWorker))  # no engine on a role's pool
 
 
 # ------------------------------------------------------------------------------------------- ColocatedRollout
-def _sample(prompt_index: int, sample_index: int) -> RolloutSample:
-    return RolloutSample(prompt_index, sample_index, [1, prompt_index], [prompt_index, sample_index], [-0.5, -0.25],
-                         "stop")
-
-
 class _FakeGroup:
-    """The DP_SPLIT `generate` of a HybridWorker group with `replicas` replicas, each dropping the chunk-local
-    prompts its `drop` says (two samples per kept prompt)."""
+    """The `sync_weights` of a HybridWorker group with `replicas` replicas."""
 
-    def __init__(self, replicas: int, drop: dict[int, list[int]]) -> None:
-        self.replicas, self.drop, self.pushed = replicas, drop, 0
-
-    def generate(self, prompts, sampling):
-        out = []
-        for k in range(self.replicas):
-            lo, hi = chunk_bounds(len(prompts), self.replicas, k)
-            dropped = self.drop.get(k, [])
-            samples = [_sample(i, j) for i in range(hi - lo) if i not in dropped
-                       for j in range(sampling.samples_per_prompt)]
-            out.append({"samples": samples[::-1], "dropped": dropped, "truncated": [], "prompts": hi - lo})
-        return out
+    def __init__(self, replicas: int) -> None:
+        self.replicas, self.pushed = replicas, 0
 
     def sync_weights(self):
         self.pushed += 1
@@ -98,7 +82,7 @@ class _FakeGroup:
 
 
 def test_push_weights_is_the_local_reshard_and_records_the_version():
-    group = _FakeGroup(2, {})
+    group = _FakeGroup(2)
     service = ColocatedRollout(group)
     assert service.weight_version is None
     assert service.push_weights(version=0) == [{"reshard/bytes_received": 1.0}] * 2
@@ -113,8 +97,9 @@ def test_pool_workers_expose_the_role_and_sync_methods():
     actor, engines = dispatched_methods(ActorWorker), dispatched_methods(RolloutWorker)
     for name in ROLE_METHODS:
         assert actor[name] is dispatched_methods(RoleHost)[name]
-    assert {"connect_bridge", "send_weights", "sync_source"} <= set(actor) and "generate" not in actor
-    assert {"connect_bridge", "receive_weights", "generate", "shm_segments"} <= set(engines)
+    assert {"connect_bridge", "send_weights", "sync_source"} <= set(actor) and "start_server" not in actor
+    assert {"connect_bridge", "receive_weights", "start_server", "stop_server", "shm_segments"} <= set(engines)
+    assert "generate" not in engines
     assert not set(ROLE_METHODS) & set(engines)
 
 
@@ -149,7 +134,7 @@ def test_pool_push_submits_both_sides_before_waiting_and_summarises_per_rank():
 
     log = []
     actors = SimpleNamespace(send_weights=_Method(log, "send", [_report(300, 0, 0, 0), _report(100, 0, 0, 0)]))
-    engines = _FakeGroup(2, {})
+    engines = _FakeGroup(2)
     engines.receive_weights = _Method(log, "receive", [_report(0, 200, 5, 5, 200), _report(0, 200, 5, 5, 200)])
     service = PoolRollout(actors, engines)
     out = service.push_weights(version=3)
