@@ -90,3 +90,27 @@ def test_the_context_defaults_to_the_models_positions_and_more_is_refused(tmp_pa
     # through the CLI: refused before an engine is built (the directory holds no weights to load)
     assert main(["serve", small, "--max-model-len", "100"]) == 2
     assert "--max-model-len 100 is over the model's max_position_embeddings (64" in capsys.readouterr().err
+
+
+def test_every_megarl_serve_flag_is_in_docs_serve_md_with_its_default():
+    """docs/serve.md's options table has a row per `megarl serve` flag (read from the CLI's own parser), and a flag
+    with a default shows that value in its row."""
+    import argparse
+    import os
+
+    from megarl.cli import build_parser
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "serve.md")) as f:
+        rows = {line.split("|")[1].strip().strip("`"): line for line in f if line.startswith("| `")}
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = [a for a in subparsers.choices["serve"]._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 13
+    for action in flags:
+        flag = action.option_strings[0]
+        assert flag in rows, f"{flag} is not documented in docs/serve.md's options table"
+        if action.default is not None:
+            shown = action.default
+            if isinstance(shown, float) and shown.is_integer():
+                shown = int(shown)
+            assert f"| {shown} |" in rows[flag], (flag, action.default, rows[flag])
