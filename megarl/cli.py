@@ -30,6 +30,7 @@ from megarl.trainer.faults import RunAborted
 EXIT_OK = 0
 EXIT_USAGE = 2  # bad config / usage, as argparse uses
 EXIT_ABORTED = 1  # the trainer stopped the run (reward failures, non-finite steps): megarl.trainer.faults
+SERVE_DEFAULT_MAX_MODEL_LEN = 2048  # `megarl serve`'s context when the model allows more
 
 _TRAIN_HELP = """\
 Run RL training from a YAML job config.
@@ -102,14 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
         "/v1/models, /health. Prints the base URL for the openai client. Binds 127.0.0.1 on a free port by default; "
         "another host needs --api-key.",
     )
-    serve.add_argument("model", metavar="MODEL_DIR", help="HF model directory (tokenizer with a chat template), or "
+    serve.add_argument("model", metavar="MODEL_DIR", help="HF model directory (its tokenizer's chat template serves "
+                       "/v1/chat/completions; without one only /v1/completions answers), or "
                        "<checkpoint.dir>/step_NNNNNN")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs --api-key)")
     serve.add_argument("--port", type=int, default=0, help="port (0: a free one, printed)")
     serve.add_argument("--api-key", default=None, help="bearer token every /v1 request must send")
     serve.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: MODEL_DIR's name)")
     serve.add_argument("--tool-parser", default="hermes", help="tool-call parser (rollout.tool_parser's names)")
-    serve.add_argument("--max-model-len", type=int, default=2048, help="context: prompt + completion tokens")
+    serve.add_argument("--max-model-len", type=int, default=None, help="context: prompt + completion tokens "
+                       f"(default: the model's max_position_embeddings, at most {SERVE_DEFAULT_MAX_MODEL_LEN})")
     serve.add_argument("--max-tokens", type=int, default=None, help="most completion tokens a request may ask for")
     serve.add_argument("--max-n", type=int, default=8, help="most choices per request (n)")
     serve.add_argument("--max-in-flight", type=int, default=64, help="requests held at once; more get 429")
@@ -213,6 +216,23 @@ def _export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def serve_context_len(model_dir: str, requested: Optional[int]) -> int:
+    """The engine context of `megarl serve` for HF directory `model_dir`: `requested` (--max-model-len) or, when None,
+    the model's `max_position_embeddings` capped at SERVE_DEFAULT_MAX_MODEL_LEN. Raises ValueError for a request
+    beyond the model's positions (the engine would refuse it later, less clearly)."""
+    import json
+    import os
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        positions = json.load(f).get("max_position_embeddings")
+    if requested is None:
+        return min(SERVE_DEFAULT_MAX_MODEL_LEN, positions or SERVE_DEFAULT_MAX_MODEL_LEN)
+    if positions is not None and requested > positions:
+        raise ValueError(f"--max-model-len {requested} is over the model's max_position_embeddings ({positions}, "
+                         f"{model_dir}/config.json); pass --max-model-len {positions} or less, or leave it out")
+    return requested
+
+
 def _serve(args: argparse.Namespace) -> int:
     import os
     import tempfile
@@ -220,11 +240,16 @@ def _serve(args: argparse.Namespace) -> int:
     from megarl.serving.openai_api import ServedModel, check_bind, serve_forever
     from megarl.serving.openai_protocol import ServeLimits
 
+    def limits_for(model_dir: str) -> ServeLimits:
+        return ServeLimits(max_model_len=serve_context_len(model_dir, args.max_model_len), max_n=args.max_n,
+                           max_tokens=args.max_tokens, max_in_flight=args.max_in_flight,
+                           max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s)
+
     try:
         check_bind(args.host, args.api_key)
-        limits = ServeLimits(max_model_len=args.max_model_len, max_n=args.max_n, max_tokens=args.max_tokens,
-                             max_in_flight=args.max_in_flight, max_body_bytes=args.max_body_bytes,
-                             request_timeout_s=args.request_timeout_s)
+        ServeLimits(max_model_len=args.max_model_len or 1, max_n=args.max_n, max_tokens=args.max_tokens,
+                    max_in_flight=args.max_in_flight, max_body_bytes=args.max_body_bytes,
+                    request_timeout_s=args.request_timeout_s)  # the flags, checked before any export
     except ValueError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -241,7 +266,7 @@ def _serve(args: argparse.Namespace) -> int:
                       f"a checkpoint: {e}", file=sys.stderr)
                 return EXIT_USAGE
         try:
-            served = ServedModel(model_dir, limits=limits, model_name=args.served_model_name,
+            served = ServedModel(model_dir, limits=limits_for(model_dir), model_name=args.served_model_name,
                                  tool_parser=args.tool_parser, api_key=args.api_key, dtype=args.dtype,
                                  kv_cache_gib=args.kv_cache_gib)
         except (ValueError, KeyError) as e:

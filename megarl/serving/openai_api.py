@@ -316,10 +316,7 @@ class ServedModel:
             raise ValueError(f"{model_dir} is not a HuggingFace model directory (no config.json); for a megarl "
                              "checkpoint pass its step directory to `megarl serve` (it is exported first) or run "
                              "`megarl export STEP_DIR --out HF_DIR`")
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer in {model_dir} has no chat template; /v1/chat/completions renders "
-                             "messages with it (add chat_template to tokenizer_config.json)")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)  # without a chat template only /v1/completions answers
         parser = get_parser(tool_parser)
         self.engine = VllmRolloutEngine(VllmEngineSettings(
             model_path=model_dir, tp=1, dtype=dtype, seed=seed, max_model_len=limits.max_model_len,

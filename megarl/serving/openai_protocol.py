@@ -319,6 +319,9 @@ class OpenAIProtocol:
         """Validate a chat request body and render it: (prompt ids, template messages, tools, sampling, options).
         Raises ApiError naming the field."""
         body = self._object(body)
+        if not (self.chat_template or getattr(self.tokenizer, "chat_template", None)):
+            raise _bad("messages", f"model {self.model_name!r} has no chat template (its tokenizer_config.json names "
+                                   "none): send the prompt text to /v1/completions instead")
         tools = _tools(body)
         tool_choice = body.get("tool_choice", "auto" if tools else "none")
         if tool_choice not in ("auto", "none"):
@@ -357,8 +360,8 @@ class OpenAIProtocol:
     def check_completion(self, body: Any) -> tuple[list[int], SamplingSettings, dict]:
         body = self._object(body)
         prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        if isinstance(prompt, str):  # with the tokenizer's special tokens (a BOS), as vLLM's /v1/completions and
+            ids = list(self.tokenizer(prompt)["input_ids"])  # megarl's data.chat_template "none" encode text
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
             ids = list(prompt)

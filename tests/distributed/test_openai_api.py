@@ -151,6 +151,32 @@ def test_bad_inputs_get_a_4xx_naming_the_field_and_the_server_goes_on(served):
     assert _quiet(served)
 
 
+def test_a_chunked_body_over_the_size_limit_gets_413_while_it_is_read(served):
+    """A body sent without Content-Length (chunked transfer encoding) cannot be refused by its header: the server
+    counts the bytes as they arrive and answers 413 past the limit (32 KiB here; the body is ~40 KB of text that,
+    were it read whole, would be a valid request over the context: 400). The server answers afterwards, holding
+    nothing."""
+    piece = b"calculator " * 100  # 1,100 bytes
+
+    def chunks():
+        yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(36):
+            yield piece
+        yield b'"}]}'
+
+    submitted = served.server.counts["submitted"]
+    r = httpx.post(served.http.base_url + "/chat/completions", content=chunks(),
+                   headers={"Content-Type": "application/json"}, timeout=60)
+    assert "content-length" not in r.request.headers and r.request.headers["transfer-encoding"] == "chunked"
+    assert r.status_code == 413, r.text
+    error = r.json()["error"]
+    assert error["code"] == "request_too_large" and "over the server's limit of 32768 bytes" in error["message"]
+    assert served.server.counts["submitted"] == submitted  # it never reached the engine
+    ok = _client(served).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    assert _quiet(served)
+
+
 def test_a_client_that_disconnects_mid_request_aborts_it(served):
     """The engine is paused, so the request sits in it; the client gives up (closes the connection); the server
     aborts the request: nothing left in flight, one abort counted, the engine serves the next request."""
