@@ -347,7 +347,15 @@ class RolloutConfig:
         None, "Multi-turn, tool-using rollouts (docs/multi_turn.md): an environment registered in megarl.envs (e.g. "
         "calculator) or 'path/to/file.py:factory' (factory(record, reward_fn) -> Environment); null = single-turn "
         "(one response per prompt). Needs data.chat_template hf or a Jinja template (the observations are rendered "
-        "by it)."
+        "by it). 'agent:path/to/file.py:run' trains an agent written against the openai client (docs/serve.md, "
+        "megarl.serving.agents): `async def run(record, base_url) -> float | (float, dict)`, each episode its own "
+        "session base URL on the phase's OpenAI endpoint, its requests chained into token-exact trajectories."
+    )
+    agent_timeout_s: float = opt(
+        600.0, "rollout.env=agent:...: wall-clock limit of one agent episode (its whole run(record, base_url)); past "
+        "it the agent is cancelled, its episode gets reward 0 (its requests so far still train) and is counted in "
+        "agent/timeouts; an agent that raises is counted in agent/errors the same way; the run goes on.",
+        unit="s", min=0.001,
     )
     env_options: dict[str, Any] = opt(
         factory=dict, help="Multi-turn: keyword arguments of the environment's factory (e.g. system_prompt: null, "
