@@ -155,3 +155,21 @@ def test_the_agent_keys_are_refused_where_they_cannot_work():
         load_config(quickstart, ["rollout.agent_timeout_s=5"])
     with pytest.raises(ConfigError, match=r"an agent takes no options"):
         load_config(quickstart, [*agent, "rollout.env_options={a: 1}"])
+
+
+def test_the_example_react_agent_answers_through_its_tool():
+    """examples/agents/react_calculator.py through the endpoint with a policy that has learned the task: it calls
+    the calculator, reads the result, answers; reward 1, tool_success 1; its local calculator refuses non-arithmetic
+    (expected values: Python's own arithmetic)."""
+    example = os.path.join(os.path.dirname(AGENTS), "..", "..", "..", "..", "examples", "agents",
+                           "react_calculator.py")
+    agent = load_agent(f"agent:{example}:run")
+    assert agent.__globals__["calculator"]("(3+4)*5-6/3") == str(int((3 + 4) * 5 - 6 / 3))
+    with pytest.raises(ValueError, match="not arithmetic"):
+        agent.__globals__["calculator"]("__import__('os')")
+    limits = ServeLimits(max_model_len=1024, max_tokens=128)  # the example asks for 96 tokens a turn
+    result = AgentRunner(agent, TOK, get_parser("hermes"), limits).run([_record(0, 23, 45)], 2, CalculatorPolicy(),
+                                                                        None)
+    assert result.scores == [1.0, 1.0]
+    assert result.metrics["agent/tool_success"] == 1.0 and result.metrics["agent/tool_calls"] == 1.0
+    assert [t.token_ids for t in result.trajectories] == [_final_conversation_ids(23, 45)] * 2
