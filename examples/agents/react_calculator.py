@@ -61,9 +61,14 @@ async def run(record, base_url: str):
     answer = ""
     try:
         for _ in range(MAX_TURNS):
-            response = await client.chat.completions.create(
-                model="policy", messages=messages, tools=TOOLS, temperature=TEMPERATURE,
-                max_tokens=MAX_TOKENS_PER_TURN)
+            try:
+                response = await client.chat.completions.create(
+                    model="policy", messages=messages, tools=TOOLS, temperature=TEMPERATURE,
+                    max_tokens=MAX_TOKENS_PER_TURN)
+            except openai.BadRequestError as e:
+                if e.code == "context_length_exceeded":  # the conversation outgrew the context: no answer
+                    break
+                raise
             message = response.choices[0].message
             messages.append(message.model_dump(exclude_none=True))
             if not message.tool_calls:  # a plain answer ends the episode

@@ -77,10 +77,11 @@ def test_a_multi_turn_agent_with_a_tool_call_becomes_the_template_of_its_final_c
 
 
 def test_an_agent_that_raises_or_hangs_is_counted_and_the_batch_still_forms():
-    """One group of four episodes: two right, one that raises after its first request, one that hangs after it
-    (past rollout.agent_timeout_s). The failed ones get reward 0, their one request still trains; the batch forms
-    through `BatchProducer.episode_batch` and GRPO gives the failed episodes negative advantages."""
-    runner = _runner("mixed", agent_timeout_s=1.0)
+    """Five episodes: two right, one that raises after its first request, one that hangs after it (past
+    rollout.agent_timeout_s), one that sends nothing. The failed ones get reward 0, their one request still trains;
+    the silent one yields no trajectory; the batch forms through `BatchProducer.episode_batch` and GRPO gives the
+    failed episodes negative advantages."""
+    runner = _runner("mixed", agent_timeout_s=3.0)  # the others finish well within it, even on a loaded machine
     cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(samples_per_prompt=1))
     producer = BatchProducer(cfg, None, None, None, episodes=runner, sampling=object())
     records = [_record(0, 3, 4), _record(1, 3, 4, "raises"), _record(2, 3, 4, "hangs"), _record(3, 5, 6),
@@ -173,3 +174,17 @@ def test_the_example_react_agent_answers_through_its_tool():
     assert result.scores == [1.0, 1.0]
     assert result.metrics["agent/tool_success"] == 1.0 and result.metrics["agent/tool_calls"] == 1.0
     assert [t.token_ids for t in result.trajectories] == [_final_conversation_ids(23, 45)] * 2
+
+
+def test_the_example_agent_ends_without_an_answer_when_the_conversation_outgrows_the_context():
+    """A context too small for the second turn (the tool call's ~50 tokens + result + generation prompt): the
+    server answers 400 context_length_exceeded and the agent ends its episode with reward 0, not an error; its first
+    request still trains."""
+    example = os.path.join(os.path.dirname(AGENTS), "..", "..", "..", "..", "examples", "agents",
+                           "react_calculator.py")
+    prompt = len(_rendered([{"role": "user", "content": "23*45="}]))
+    limits = ServeLimits(max_model_len=prompt + 96 + 8, max_tokens=128)  # turn 1 fits, turn 2 has 8 tokens of room
+    result = AgentRunner(load_agent(f"agent:{example}:run"), TOK, get_parser("hermes"), limits).run(
+        [_record(0, 23, 45)], 1, CalculatorPolicy(), None)
+    assert result.scores == [0.0] and result.metrics["agent/errors"] == 0.0
+    assert result.metrics["agent/requests_per_episode"] == 1.0 and result.metrics["agent/tool_calls"] == 1.0
