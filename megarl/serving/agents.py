@@ -173,7 +173,7 @@ class AgentRunner:
                     infos.setdefault(key, []).append(float(value))
         total = max(len(results), 1)
         if not trajectories:
-            raise RuntimeError(f"no agent episode of this batch ({len(results)} episodes) sent a request to its "
+            raise RuntimeError(f"no agent episode of this batch ({len(results)} episodes) got an answer from its "
                                f"base URL (agent/errors={counts['errors']}, agent/timeouts={counts['timeouts']}; "
                                "see the warnings above): nothing to train on")
         metrics = {"agent/errors": float(counts["errors"]), "agent/timeouts": float(counts["timeouts"]),

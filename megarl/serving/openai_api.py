@@ -320,7 +320,8 @@ async def serving_in_loop(app: Any, host: str = "127.0.0.1", port: int = 0, *, s
                           stop_timeout_s: float = 30.0):
     """Serve `app` with uvicorn as a task of the running event loop (the loop the rollout client is bound to) for
     the `async with` block; yields the base URL root "http://HOST:PORT" (port 0: a free one). The trainer's signal
-    handlers stay in place (uvicorn's are not installed). Both waits are bounded and name what they wait for."""
+    handlers stay in place (uvicorn's are not installed). The start is bounded by start_timeout_s (an error naming
+    the address); the stop by stop_timeout_s (past it the server task is cancelled, with a warning)."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -329,7 +330,10 @@ async def serving_in_loop(app: Any, host: str = "127.0.0.1", port: int = 0, *, s
             yield
 
     sock = bind_socket(host, port)
-    server = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
+    # at the stop, requests still running (an agent cancelled mid-request whose disconnect is not seen yet) get
+    # stop_timeout_s / 2 to finish before uvicorn cancels them
+    server = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                    timeout_graceful_shutdown=max(1, int(stop_timeout_s / 2))))
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     root = base_url(host, sock.getsockname()[1])[: -len("/v1")]
     try:
@@ -345,11 +349,11 @@ async def serving_in_loop(app: Any, host: str = "127.0.0.1", port: int = 0, *, s
         server.should_exit = True
         try:
             await asyncio.wait_for(asyncio.shield(task), stop_timeout_s)
-        except asyncio.TimeoutError:
+        except asyncio.TimeoutError:  # the phase is over: its server is cancelled, the run goes on
             task.cancel()
-            raise RuntimeError(f"the OpenAI endpoint on {root} did not stop within {stop_timeout_s} s") from None
-        except Exception:  # noqa: BLE001 -- a failed serve already reported itself at start
-            pass
+            logger.warning("the OpenAI endpoint on %s did not stop within %g s; cancelled", root, stop_timeout_s)
+        except Exception as e:  # noqa: BLE001 -- the phase's results are in; a failing stop is only reported
+            logger.warning("the OpenAI endpoint on %s failed while stopping: %r", root, e)
         finally:
             sock.close()
 

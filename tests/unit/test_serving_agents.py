@@ -188,3 +188,32 @@ def test_the_example_agent_ends_without_an_answer_when_the_conversation_outgrows
         [_record(0, 23, 45)], 1, CalculatorPolicy(), None)
     assert result.scores == [0.0] and result.metrics["agent/errors"] == 0.0
     assert result.metrics["agent/requests_per_episode"] == 1.0 and result.metrics["agent/tool_calls"] == 1.0
+
+
+class StuckPolicy(CalculatorPolicy):
+    """A `RolloutClient` whose requests never finish until cancelled (an engine request that runs past the agent's
+    limit); counts the requests cancelled."""
+
+    def __init__(self):
+        super().__init__()
+        self.cancelled = 0
+
+    async def generate(self, request, *, session_id=None, priority=0, timeout_s=None):
+        self.requests.append(request)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+def test_an_agent_timed_out_mid_request_has_its_engine_request_cancelled_and_the_phase_ends():
+    """The agent's only request never finishes: past rollout.agent_timeout_s the agent is cancelled, and by the
+    end of the phase its engine request is cancelled (the client's contract: that aborts it; on the client's
+    disconnect at once, else when the phase's endpoint stops, after its graceful bound) and the endpoint has
+    stopped; the batch has nothing to train on, which is an error naming the counts."""
+    policy = StuckPolicy()
+    with pytest.raises(RuntimeError, match=r"no agent episode of this batch \(1 episodes\) got an answer.*"
+                                           r"agent/timeouts=1"):
+        _runner("calculator", agent_timeout_s=1.0).run([_record(0, 2, 3)], 1, policy, None)
+    assert len(policy.requests) == 1 and policy.cancelled == 1
