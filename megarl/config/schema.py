@@ -387,7 +387,8 @@ class RolloutConfig:
     max_concurrent_episodes: int = opt(
         256, "Multi-turn over a rollout client: episodes in flight at once, each its own coroutine that submits its "
         "next turn as soon as its observation is ready (megarl.envs.episode); the others wait for a slot. Also the "
-        "bound on single-turn requests in flight.", unit="episodes", min=1,
+        "bound on single-turn requests in flight, and on agents in flight (rollout.env=agent:...).",
+        unit="episodes", min=1,
     )
     oversample: int = opt(
         0, "Single-turn: extra prompts drawn per step (and per dynamic-sampling round); the first "
