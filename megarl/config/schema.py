@@ -347,7 +347,15 @@ class RolloutConfig:
         None, "Multi-turn, tool-using rollouts (docs/multi_turn.md): an environment registered in megarl.envs (e.g. "
         "calculator) or 'path/to/file.py:factory' (factory(record, reward_fn) -> Environment); null = single-turn "
         "(one response per prompt). Needs data.chat_template hf or a Jinja template (the observations are rendered "
-        "by it)."
+        "by it). 'agent:path/to/file.py:run' trains an agent written against the openai client (docs/serve.md, "
+        "megarl.serving.agents): `async def run(record, base_url) -> float | (float, dict)`, each episode its own "
+        "session base URL on the phase's OpenAI endpoint, its requests chained into token-exact trajectories."
+    )
+    agent_timeout_s: float = opt(
+        600.0, "rollout.env=agent:...: wall-clock limit of one agent episode (its whole run(record, base_url)); past "
+        "it the agent is cancelled, its episode gets reward 0 (its requests so far still train) and is counted in "
+        "agent/timeouts; an agent that raises is counted in agent/errors the same way; the run goes on.",
+        unit="s", min=0.001,
     )
     env_options: dict[str, Any] = opt(
         factory=dict, help="Multi-turn: keyword arguments of the environment's factory (e.g. system_prompt: null, "
@@ -379,7 +387,8 @@ class RolloutConfig:
     max_concurrent_episodes: int = opt(
         256, "Multi-turn over a rollout client: episodes in flight at once, each its own coroutine that submits its "
         "next turn as soon as its observation is ready (megarl.envs.episode); the others wait for a slot. Also the "
-        "bound on single-turn requests in flight.", unit="episodes", min=1,
+        "bound on single-turn requests in flight, and on agents in flight (rollout.env=agent:...).",
+        unit="episodes", min=1,
     )
     oversample: int = opt(
         0, "Single-turn: extra prompts drawn per step (and per dynamic-sampling round); the first "

@@ -532,9 +532,23 @@ def _check_multi_turn(cfg: JobConfig) -> None:
                           f"{r.max_new_tokens} (the episode's budget)")
 
 
+def _check_agent(cfg: JobConfig) -> None:
+    """`rollout.agent_timeout_s` belongs to agent environments (`rollout.env: agent:file.py:function`)."""
+    r = cfg.rollout
+    is_agent = isinstance(r.env, str) and r.env.startswith("agent:")
+    if r.agent_timeout_s != 600.0 and not is_agent:
+        raise ConfigError(f"rollout.agent_timeout_s={r.agent_timeout_s} applies to agent environments only "
+                          f"(rollout.env: agent:path/to/file.py:function; rollout.env is {r.env!r}): drop it, or bound "
+                          "a multi-turn environment's calls with rollout.env_timeout_s")
+    if is_agent and r.env_options:
+        raise ConfigError(f"rollout.env_options={dict(r.env_options)} with rollout.env={r.env!r}: an agent takes no "
+                          "options (it is called as function(record, base_url)); drop rollout.env_options")
+
+
 def _check_trainer(cfg: JobConfig) -> None:
     _check_schedule(cfg)
     _check_multi_turn(cfg)
+    _check_agent(cfg)
     if cfg.trainer.val_every > 0 and cfg.data.val_path is None:
         raise ConfigError(f"trainer.val_every={cfg.trainer.val_every} needs data.val_path (or set val_every=0)")
     if cfg.checkpoint.save_every > 0 and cfg.checkpoint.dir is None:

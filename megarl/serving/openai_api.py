@@ -9,7 +9,10 @@ FastAPI 0.136 and uvicorn 0.55 are what the environment already has (vLLM depend
 the endpoint adds no dependency. Everything HTTP lives here; `megarl.serving.openai_protocol` knows none of it.
 
 Routes: POST /v1/chat/completions (`stream: true` answers server-sent events), POST /v1/completions, GET /v1/models,
-GET /health (no token needed).
+GET /health (no token needed). Per session (an episode's base URL, `OpenAIProtocol.open_session`):
+POST /sessions/{session_id}/v1/chat/completions, POST /sessions/{session_id}/v1/completions, GET
+/sessions/{session_id}/v1/models; each session's requests are recorded apart; an unknown session gets 404 with
+OpenAI's error body naming it (`code: session_not_found`).
 
 What a request cannot do to the server:
 - a body over `limits.max_body_bytes` is refused with 413 while it is read (Content-Length first, then the bytes
@@ -147,7 +150,8 @@ def create_app(protocol: OpenAIProtocol, *, api_key: Optional[str] = None) -> An
     async def models():
         return protocol.models()
 
-    async def admitted(request: Request, run: Callable[[Any], Awaitable], stream_chat: bool = False):
+    async def admitted(request: Request, run: Callable[[Any], Awaitable], stream_chat: bool = False,
+                       session: Optional[str] = None):
         try:
             body = await _read_json(request, limits.max_body_bytes)
         except ApiError as e:
@@ -160,11 +164,12 @@ def create_app(protocol: OpenAIProtocol, *, api_key: Optional[str] = None) -> An
                                    type="rate_limit_exceeded", code="rate_limit_exceeded"), {"Retry-After": "1"})
         if stream_chat and isinstance(body, dict) and body.get("stream") is True:
             try:
+                protocol.session_recorder(session)  # an unknown session is a 404, not a stream that fails
                 protocol.check_chat(body)  # a bad request is a 4xx, not a stream that fails
             except ApiError as e:
                 app.state.counts["refused"] += 1
                 return _error(e)
-            return StreamingResponse(_stream(request, body), media_type="text/event-stream")
+            return StreamingResponse(_stream(request, body, session), media_type="text/event-stream")
         app.state.in_flight += 1
         try:
             response = await _unless_disconnected(request, run(body))
@@ -179,14 +184,14 @@ def create_app(protocol: OpenAIProtocol, *, api_key: Optional[str] = None) -> An
         app.state.counts["ok"] += 1
         return JSONResponse(response)
 
-    async def _stream(request: Request, body: dict):
+    async def _stream(request: Request, body: dict, session: Optional[str] = None):
         app.state.in_flight += 1
         try:
             created = int(time.time())
             yield _sse({"id": "pending", "object": "chat.completion.chunk", "created": created,
                         "model": protocol.model_name, "choices": []})
             try:
-                response = await _unless_disconnected(request, protocol.chat_completion(body))
+                response = await _unless_disconnected(request, protocol.chat_completion(body, session))
             except ApiError as e:
                 app.state.counts["refused"] += 1
                 yield _sse(e.body())
@@ -209,6 +214,25 @@ def create_app(protocol: OpenAIProtocol, *, api_key: Optional[str] = None) -> An
     async def completions(request: Request):
         return await admitted(request, protocol.completion)
 
+    # one episode's base URL: /sessions/{session_id}/v1 (`OpenAIProtocol.open_session`); its requests are recorded
+    # in the session's recorder; an unknown session is a 404 naming it
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def session_chat_completions(session_id: str, request: Request):
+        return await admitted(request, lambda body: protocol.chat_completion(body, session_id), stream_chat=True,
+                              session=session_id)
+
+    @app.post("/sessions/{session_id}/v1/completions")
+    async def session_completions(session_id: str, request: Request):
+        return await admitted(request, lambda body: protocol.completion(body, session_id))
+
+    @app.get("/sessions/{session_id}/v1/models")
+    async def session_models(session_id: str):
+        try:
+            protocol.session_recorder(session_id)
+        except ApiError as e:
+            return _error(e)
+        return protocol.models()
+
     if api_key:
         app.add_middleware(BearerToken, api_key=api_key, counts=app.state.counts)
     return app
@@ -222,7 +246,7 @@ class BearerToken:
         self.app, self.expected, self.counts = app, f"Bearer {api_key}".encode(), counts
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"].startswith("/sessions/")):
             header = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not hmac.compare_digest(header, self.expected):
                 self.counts["unauthorized"] += 1
@@ -289,6 +313,49 @@ class HttpServer:
         self.sock.close()
         if self._thread.is_alive():
             raise RuntimeError(f"the HTTP server on {self.base_url} did not stop within {timeout_s} s")
+
+
+@contextlib.asynccontextmanager
+async def serving_in_loop(app: Any, host: str = "127.0.0.1", port: int = 0, *, start_timeout_s: float = 60.0,
+                          stop_timeout_s: float = 30.0):
+    """Serve `app` with uvicorn as a task of the running event loop (the loop the rollout client is bound to) for
+    the `async with` block; yields the base URL root "http://HOST:PORT" (port 0: a free one). The trainer's signal
+    handlers stay in place (uvicorn's are not installed). The start is bounded by start_timeout_s (an error naming
+    the address); the stop by stop_timeout_s (past it the server task is cancelled, with a warning)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # the trainer owns SIGINT/SIGTERM
+            yield
+
+    sock = bind_socket(host, port)
+    # at the stop, requests still running (an agent cancelled mid-request whose disconnect is not seen yet) get
+    # stop_timeout_s / 2 to finish before uvicorn cancels them
+    server = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                    timeout_graceful_shutdown=max(1, int(stop_timeout_s / 2))))
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    root = base_url(host, sock.getsockname()[1])[: -len("/v1")]
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not server.started:
+            if task.done():
+                raise RuntimeError(f"the OpenAI endpoint on {root} failed to start: {task.exception()!r}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the OpenAI endpoint on {root} did not start within {start_timeout_s} s")
+            await asyncio.sleep(0.01)
+        yield root
+    finally:
+        server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(task), stop_timeout_s)
+        except asyncio.TimeoutError:  # the phase is over: its server is cancelled, the run goes on
+            task.cancel()
+            logger.warning("the OpenAI endpoint on %s did not stop within %g s; cancelled", root, stop_timeout_s)
+        except Exception as e:  # noqa: BLE001 -- the phase's results are in; a failing stop is only reported
+            logger.warning("the OpenAI endpoint on %s failed while stopping: %r", root, e)
+        finally:
+            sock.close()
 
 
 class ServedModel:

@@ -306,9 +306,36 @@ class OpenAIProtocol:
         source = chat_template or getattr(tokenizer, "chat_template", None) or ""
         self.template_reads_tool_calls = "tool_calls" in source
         self.recorder = recorder or ResponseRecorder()
+        self.sessions: dict[str, ResponseRecorder] = {}  # session id -> its requests' records (`open_session`)
         self.created = int(time.time())
         end = getattr(tokenizer, "eos_token_id", None)
         self.end_ids = {end} if end is not None else set()
+
+    # ------------------------------------------------------------------------------------------- sessions
+    def open_session(self, session_id: str) -> None:
+        """Open session `session_id`: requests sent to it (`chat_completion(body, session=session_id)`, over HTTP
+        /sessions/{session_id}/v1/...) are recorded in its own recorder, in the order they finish, until
+        `close_session`. A session id already open is an error."""
+        if not isinstance(session_id, str) or not session_id or "/" in session_id:
+            raise ValueError(f"a session id is a non-empty string without '/', got {session_id!r}")
+        if session_id in self.sessions:
+            raise ValueError(f"session {session_id!r} is already open")
+        self.sessions[session_id] = ResponseRecorder()
+
+    def close_session(self, session_id: str) -> list[ResponseRecord]:
+        """Close session `session_id` and return its records (a request to it afterwards gets 404)."""
+        return self.sessions.pop(session_id).take()
+
+    def session_recorder(self, session_id: Optional[str]) -> ResponseRecorder:
+        """The recorder of `session_id` (None: the server's own); an unknown session is a 404 naming it."""
+        if session_id is None:
+            return self.recorder
+        recorder = self.sessions.get(session_id)
+        if recorder is None:
+            raise ApiError(404, f"unknown session {session_id!r}: this server has no open session of that id (it "
+                                "was never opened, or its episode has ended); use the base URL the episode was given",
+                           param="session_id", code="session_not_found")
+        return recorder
 
     # ------------------------------------------------------------------------------------------- public
     def models(self) -> dict:
@@ -344,12 +371,14 @@ class OpenAIProtocol:
                    "stream": bool(_get(body, "stream", (bool,), False)), "stop": sampling.stop}
         return prompt, messages, tools, sampling, options
 
-    async def chat_completion(self, body: Any) -> dict:
-        """A chat request body -> OpenAI's chat.completion object (raises ApiError)."""
+    async def chat_completion(self, body: Any, session: Optional[str] = None) -> dict:
+        """A chat request body -> OpenAI's chat.completion object (raises ApiError); recorded in `session`'s
+        recorder (None: the server's own; an unknown session is a 404)."""
+        recorder = self.session_recorder(session)
         prompt, messages, _, sampling, options = self.check_chat(body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         out = await self._generate(request_id, prompt, sampling)
-        record = self._record(request_id, "chat", out, messages)
+        record = self._record(request_id, "chat", out, messages, recorder)
         choices = [self._chat_choice(i, c, options) for i, c in enumerate(record.choices)]
         response = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                     "model": self.model_name, "choices": choices, "usage": self._usage(record)}
@@ -386,12 +415,14 @@ class OpenAIProtocol:
                    "return_token_ids": bool(_get(body, "return_token_ids", (bool,), False))}
         return ids, sampling, options
 
-    async def completion(self, body: Any) -> dict:
-        """A completions request body -> OpenAI's text_completion object (raises ApiError)."""
+    async def completion(self, body: Any, session: Optional[str] = None) -> dict:
+        """A completions request body -> OpenAI's text_completion object (raises ApiError); recorded as
+        `chat_completion` records."""
+        recorder = self.session_recorder(session)
         prompt, sampling, options = self.check_completion(body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         out = await self._generate(request_id, prompt, sampling)
-        record = self._record(request_id, "completions", out, None)
+        record = self._record(request_id, "completions", out, None, recorder)
         choices = []
         for i, c in enumerate(record.choices):
             text = self._cut_at_stop(self.tokenizer.decode(c.token_ids, skip_special_tokens=True), sampling.stop)
@@ -506,13 +537,13 @@ class OpenAIProtocol:
                                 f"{sampling.samples_per_prompt} finished", type="server_error")
         return out
 
-    def _record(self, request_id: str, endpoint: str, out: GenerationOutput, messages: Optional[list]
-                ) -> ResponseRecord:
+    def _record(self, request_id: str, endpoint: str, out: GenerationOutput, messages: Optional[list],
+                recorder: Optional[ResponseRecorder] = None) -> ResponseRecord:
         choices = [ChoiceRecord(list(c.token_ids), list(c.log_probs),
                                 None if c.versions is None else list(c.versions), c.finish_reason or "length")
                    for c in sorted(out.completions, key=lambda c: c.sample_index)]
         record = ResponseRecord(request_id, endpoint, list(out.prompt_ids), choices, messages)
-        self.recorder.add(record)
+        (recorder or self.recorder).add(record)
         return record
 
     @staticmethod

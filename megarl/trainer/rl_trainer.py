@@ -116,9 +116,16 @@ class RLLoop:
         # multi-turn episodes (rollout.env, `megarl.envs.episode`); None: one response per prompt
         self.episodes = None
         if cfg.rollout.env is not None:
-            from megarl.envs.episode import runner_from_config
+            from megarl.serving.agents import is_agent_spec
 
-            self.episodes = runner_from_config(cfg, encoder, reward_fn)
+            if is_agent_spec(cfg.rollout.env):  # an agent against the openai client (`megarl.serving.agents`)
+                from megarl.serving.agents import runner_from_config as agent_runner
+
+                self.episodes = agent_runner(cfg, encoder)
+            else:
+                from megarl.envs.episode import runner_from_config
+
+                self.episodes = runner_from_config(cfg, encoder, reward_fn)
         # where every rollout batch comes from (draw -> requests -> scores -> filters), and when rollouts run
         # against training (trainer.mode, `megarl.trainer.schedule`)
         self.producer = BatchProducer(cfg, loader, encoder, reward_fn, self.episodes, self.sampling)

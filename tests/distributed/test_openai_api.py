@@ -94,6 +94,59 @@ def test_greedy_chat_and_completion_equal_transformers_on_the_same_weights(serve
     assert _quiet(served)
 
 
+def test_agent_episodes_through_session_urls_are_token_exact_on_the_engine(served):
+    """`AgentRunner` over the served engine's client (its own endpoint on a free port, one session per episode), an
+    agent written against the openai client (two turns each, tests/unit/fixtures/agents): every trajectory is
+    transformers' rendering of the conversation with the engine's sampled ids in the mask spans, and their log-probs
+    are transformers' on the same weights; the episode is one segment exactly when the second prompt extends the
+    first prompt + completion (else two, each exact). Shares the module's engine."""
+    import os
+
+    from megarl.data.dataset import PromptRecord
+    from megarl.envs.tool_calls import get_parser
+    from megarl.serving.agents import AgentRunner, load_agent
+
+    tok = served.tokenizer
+    fixture = os.path.join(os.path.dirname(__file__), "..", "unit", "fixtures", "agents", "calculator_agents.py")
+    agent = load_agent(f"agent:{fixture}:two_turns")
+    runner = AgentRunner(agent, tok, get_parser("hermes"), LIMITS, model_name="tiny", agent_timeout_s=120)
+    records = [PromptRecord(0, "What is 12*34?", "408", {}), PromptRecord(1, "Name a prime.", "7", {})]
+    result = runner.run(records, 1, served.protocol.client, None, policy_version=0)
+    conversations = list(agent.__globals__["CONVERSATIONS"].values())
+    assert len(conversations) == 2 and result.metrics["agent/errors"] == 0.0
+
+    def render(messages):
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    def spans(t):
+        """The trajectory's sampled spans, as lists of ids."""
+        out, current = [], []
+        for x, m in zip(t.token_ids + [None], t.loss_mask + [0]):
+            if m:
+                current.append(x)
+            elif current:
+                out, current = out + [current], []
+        return out
+
+    for i, record in enumerate(records):
+        mine = [t for t in result.trajectories if t.group_uid == str(i)]
+        conversation = next(c for c in conversations if c[0]["content"] == record.prompt)
+        p1, p2 = render(conversation[:1]), render(conversation[:3])
+        sampled = [s for t in mine for s in spans(t)]
+        assert len(sampled) == 2  # two turns, each the engine's ids
+        chained = p2[:len(p1) + len(sampled[0])] == p1 + sampled[0]
+        if chained:
+            assert len(mine) == 1 and mine[0].token_ids == p2 + sampled[1]
+        else:
+            assert [t.token_ids for t in mine] == [p1 + sampled[0], p2 + sampled[1]]
+        for t in mine:
+            got = [lp for lp, m in zip(t.log_probs, t.loss_mask) if m]
+            want = hf_token_log_probs(served.path, t.token_ids[:t.prompt_len], t.token_ids[t.prompt_len:])
+            assert got == pytest.approx([w for w, m in zip(want, t.loss_mask[t.prompt_len:]) if m], abs=2e-3)
+    assert _quiet(served)
+
+
 def test_n_samples_and_seed_reproduce(served):
     client = _client(served)
     kw = dict(model="tiny", messages=MESSAGES, temperature=1.0, max_tokens=6, n=3, seed=5,
