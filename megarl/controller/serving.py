@@ -24,11 +24,17 @@ class RayReplica:
     """`ReplicaHandle` over rank `rank` (a replica's tp_rank 0) of a worker group whose workers are `RolloutHost`s.
 
     poll_slack_s: how much longer than its `max_wait_s` a long-poll may take to answer before the replica counts as
-    dead (a frozen process; a dead one raises at once)."""
+    dead (a frozen process; a dead one raises at once). `followers`: the replica's other TP ranks; each poll also
+    checks them (`RolloutHost.server_alive`, one check in flight per rank): a follower that died leaves the leader's
+    engine waiting in a collective, still answering its polls, so without this the replica's requests would wait out
+    their timeout instead of failing in seconds."""
 
-    def __init__(self, group: Any, rank: int, name: str, *, poll_slack_s: float = 30.0) -> None:
+    def __init__(self, group: Any, rank: int, name: str, *, poll_slack_s: float = 30.0,
+                 followers: Sequence[int] = ()) -> None:
         self.group, self.rank, self.name = group, rank, name
         self.poll_slack_s = poll_slack_s
+        self.followers = list(followers)
+        self._checks: dict[int, Any] = {}  # follower rank -> its server_alive ref in flight
         self._sent: list = []  # refs of submits/aborts not yet checked
         self._lock = threading.Lock()
 
@@ -47,6 +53,7 @@ class RayReplica:
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         bound = max_wait_s + self.poll_slack_s
+        self._check_followers()
         try:
             self._check_sent()
             got = ray.get(self.group.rank_call(self.rank, "server_poll", max_wait_s), timeout=bound)
@@ -60,6 +67,30 @@ class RayReplica:
         if not got["alive"]:
             raise ReplicaDied(f"{self.name}: its engine loop stopped: {got['error']}")
         return got
+
+    def _check_followers(self) -> None:
+        """Raise `ReplicaDied` naming a follower rank whose check answered that it died (its actor, or its loop)."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        for rank in self.followers:
+            if rank not in self._checks:
+                self._checks[rank] = self.group.rank_call(rank, "server_alive")
+        ready, _ = ray.wait(list(self._checks.values()), num_returns=len(self._checks), timeout=0)
+        for rank, ref in list(self._checks.items()):
+            if ref not in ready:
+                continue
+            del self._checks[rank]
+            try:
+                got = ray.get(ref)
+            except RayActorError as e:
+                raise ReplicaDied(f"{self.name}: its TP rank on worker rank {rank} died ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0]})") from None
+            except RayTaskError as e:
+                raise ReplicaDied(f"{self.name}: the server of its worker rank {rank} failed: "
+                                  f"{str(e).splitlines()[-1]}") from None
+            if not got["alive"]:
+                raise ReplicaDied(f"{self.name}: the engine loop of its worker rank {rank} stopped: {got['error']}")
 
     def _check_sent(self) -> None:
         """Raise the error of a submit/abort call that has answered with one (Ray raises it on `get`)."""
@@ -86,7 +117,10 @@ def start_serving(group: Any, *, round_steps: int = 16, weight_version: Optional
     `RolloutRouter`'s)."""
     infos = group.start_server(round_steps=round_steps, weight_version=weight_version, step_delay_s=step_delay_s)
     leaders = sorted((info["replica"], rank) for rank, info in enumerate(infos) if info["tp_rank"] == 0)
-    handles = [RayReplica(group, rank, f"replica {replica} (rank {rank})") for replica, rank in leaders]
+    followers = {replica: [rank for rank, info in enumerate(infos) if info["replica"] == replica and info["tp_rank"]]
+                 for replica, _ in leaders}
+    handles = [RayReplica(group, rank, f"replica {replica} (rank {rank})", followers=followers[replica])
+               for replica, rank in leaders]
     return RolloutRouter(handles, default_timeout_s=default_timeout_s, poll_wait_s=poll_wait_s,
                          weight_version=weight_version, sticky_sessions=sticky_sessions)
 

@@ -127,6 +127,13 @@ class RolloutHost:
         return {"results": results, "metrics": server.metrics(), "alive": server.alive,
                 "error": None if server.error is None else repr(server.error)}
 
+    def server_alive(self) -> dict[str, Any]:
+        """{"alive": whether this rank's server loop runs, "error": its error or None}, without taking results: the
+        router's liveness check of a replica's other TP ranks (`megarl.controller.serving.RayReplica`; a dead rank's
+        call raises instead)."""
+        server = self._serving("server_alive")
+        return {"alive": server.alive, "error": None if server.error is None else repr(server.error)}
+
     def _sleep_after_rollout(self) -> None:
         # GPU: level 2 drops weights and KV cache without copying the weights to host: the next sync overwrites
         # every weight anyway (a full reshard; level 1 would copy the model to host and back).

@@ -161,6 +161,7 @@ def test_ray_stop_with_temp_dir_stops_only_that_node_and_what_runs_below_it(tmp_
     import os
     import signal
     import sys
+    import time
 
     node, other = tmp_path / "node", tmp_path / "node2"
     node.mkdir()
@@ -175,10 +176,11 @@ def test_ray_stop_with_temp_dir_stops_only_that_node_and_what_runs_below_it(tmp_
         import psutil
 
         parent = psutil.Process(started[0].pid)
-        for _ in range(100):  # its child sleep has started
+        for _ in range(600):  # its child sleep has started (up to 30 s on a loaded machine)
             if parent.children():
                 break
-            psutil.wait_procs([], timeout=0.05)
+            time.sleep(0.05)  # (psutil.wait_procs([]) returned at once: the loop did not wait at all)
+        assert parent.children(), "the stand-in node's child `sleep` did not start within 30 s"
         child = parent.children()[0]
         r = _sh("launch/ray_stop.sh", "--temp-dir", str(node), "--grace-period", "5")
         assert r.returncode == 0 and "stopped 2 of 2 Ray process(es)" in r.stdout, r.stdout + r.stderr

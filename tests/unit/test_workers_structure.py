@@ -16,7 +16,8 @@ from megarl.rollout.service import ColocatedRollout
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megarl"
 ROLE_METHODS = ("compute_log_probs", "compute_ref_log_probs", "compute_values", "score", "update_actor",
                 "update_critic", "save_checkpoint", "load_checkpoint")
-ROLLOUT_METHODS = ("start_server", "stop_server", "server_submit", "server_abort", "server_poll", "shm_segments")
+ROLLOUT_METHODS = ("start_server", "stop_server", "server_submit", "server_abort", "server_poll", "server_alive",
+                   "shm_segments")
 
 
 def method_definitions(root: pathlib.Path) -> dict[str, list[str]]:
