@@ -69,7 +69,8 @@ class RayReplica:
         return got
 
     def _check_followers(self) -> None:
-        """Raise `ReplicaDied` naming a follower rank whose check answered that it died (its actor, or its loop)."""
+        """Raise `ReplicaDied` naming a follower rank whose check answered that it died (its actor, or its loop with
+        an error); a follower whose server already stopped is the end of a phase, not a death."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
@@ -86,11 +87,10 @@ class RayReplica:
             except RayActorError as e:
                 raise ReplicaDied(f"{self.name}: its TP rank on worker rank {rank} died ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0]})") from None
-            except RayTaskError as e:
-                raise ReplicaDied(f"{self.name}: the server of its worker rank {rank} failed: "
-                                  f"{str(e).splitlines()[-1]}") from None
-            if not got["alive"]:
-                raise ReplicaDied(f"{self.name}: the engine loop of its worker rank {rank} stopped: {got['error']}")
+            except RayTaskError:  # its server stopped (the end of a phase): the leader's own poll tells the rest
+                continue
+            if not got["alive"] and got["error"] is not None:  # a loop that failed (a clean stop is the phase's end)
+                raise ReplicaDied(f"{self.name}: the engine loop of its worker rank {rank} failed: {got['error']}")
 
     def _check_sent(self) -> None:
         """Raise the error of a submit/abort call that has answered with one (Ray raises it on `get`)."""
