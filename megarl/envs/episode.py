@@ -277,6 +277,12 @@ async def _all_or_cancel(coroutines) -> list:
         raise
 
 
+def check_max_concurrent_episodes(n: int) -> None:
+    """Refuse a bound on episodes in flight below 1 (`rollout.max_concurrent_episodes`), naming the key."""
+    if n < 1:
+        raise ValueError(f"max_concurrent_episodes (rollout.max_concurrent_episodes) must be >= 1, got {n}")
+
+
 class EpisodeRunner:
     """Runs batches of episodes against the rollout engines (module docstring).
 
@@ -298,9 +304,7 @@ class EpisodeRunner:
             raise ValueError(f"on_template_mismatch must be 'error' or 'mask', got {on_template_mismatch!r}")
         if not env_timeout_s > 0:
             raise ValueError(f"env_timeout_s must be > 0 seconds, got {env_timeout_s!r}")
-        if max_concurrent_episodes < 1:
-            raise ValueError(f"max_concurrent_episodes (rollout.max_concurrent_episodes) must be >= 1, got "
-                             f"{max_concurrent_episodes}")
+        check_max_concurrent_episodes(max_concurrent_episodes)
         self.tokenizer, self.env_factory, self.parser, self.limits = tokenizer, env_factory, parser, limits
         self.chat_template, self.on_template_mismatch, self.verify = chat_template, on_template_mismatch, verify
         self.env_timeout_s, self.max_concurrent_episodes = env_timeout_s, max_concurrent_episodes

@@ -33,7 +33,7 @@ import uuid
 from typing import Any, Callable, Optional, Sequence
 
 from megarl.data.trajectory import CONTEXT_VERSION, Trajectory
-from megarl.envs.episode import EpisodeResult, check_client
+from megarl.envs.episode import EpisodeResult, check_client, check_max_concurrent_episodes
 from megarl.serving.openai_api import create_app, serving_in_loop
 from megarl.serving.openai_protocol import OpenAIProtocol, ResponseRecord, ServeLimits
 from megarl.serving.segments import chain_segments
@@ -96,9 +96,7 @@ class AgentRunner:
                  start_timeout_s: float = 60.0) -> None:
         if not agent_timeout_s > 0:
             raise ValueError(f"agent_timeout_s (rollout.agent_timeout_s) must be > 0 seconds, got {agent_timeout_s!r}")
-        if max_concurrent_episodes < 1:
-            raise ValueError(f"max_concurrent_episodes (rollout.max_concurrent_episodes) must be >= 1, got "
-                             f"{max_concurrent_episodes}")
+        check_max_concurrent_episodes(max_concurrent_episodes)
         self.agent, self.tokenizer, self.parser, self.limits = agent, tokenizer, parser, limits
         self.parser_name, self.chat_template, self.model_name = parser_name, chat_template, model_name
         self.agent_timeout_s, self.max_concurrent_episodes = agent_timeout_s, max_concurrent_episodes

@@ -110,6 +110,7 @@ async def _unless_disconnected(request: Any, work: Awaitable) -> Any:
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_watch_disconnect(request))
     try:
+        # bounded: `work` ends within ServeLimits.request_timeout_s (the engine request's own bound, then a 504)
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()

@@ -290,6 +290,7 @@ class BatchProducer:
         try:
             if len(prompts) > keep:
                 waiter = asyncio.ensure_future(enough.wait())
+                # bounded: every request of `generation` has its client's timeout (the router's default_timeout_s)
                 await asyncio.wait([generation, waiter], return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
                 if not generation.done():  # the first `keep` groups are in: abort the others' requests

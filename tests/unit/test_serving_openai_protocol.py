@@ -62,18 +62,28 @@ def _rendered(conversation, tools=TOOLS):
     return TOK(text, add_special_tokens=False)["input_ids"]
 
 
+def scripted_app(policy):
+    """(protocol, app): the endpoint over `policy` with the hermes parser and a 1024-token context."""
+    protocol = OpenAIProtocol(policy, TOK, get_parser("hermes"), model_name="policy",
+                              limits=ServeLimits(max_model_len=1024))
+    return protocol, create_app(protocol)
+
+
+def app_client(app):
+    """The real `openai` async client talking to `app` in-process (httpx's ASGI transport, no socket)."""
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    return openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http, max_retries=0)
+
+
 def test_a_tool_call_round_trip_through_the_openai_client():
     """The policy's tool call comes back in OpenAI's `tool_calls` (finish_reason tool_calls, no content); the agent
     sends it back with the tool's result, and the engine's next prompt is exactly transformers' rendering of the
     conversation with the call in the model's own format; the recorded tokens are the engine's."""
     policy = CalculatorPolicy()
-    protocol = OpenAIProtocol(policy, TOK, get_parser("hermes"), model_name="policy",
-                              limits=ServeLimits(max_model_len=1024))
-    app = create_app(protocol)
+    protocol, app = scripted_app(policy)
 
     async def agent():
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http, max_retries=0)
+        client = app_client(app)
         messages = [{"role": "user", "content": "12*34="}]
         first = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
                                                      extra_body={"return_token_ids": True})
@@ -81,7 +91,7 @@ def test_a_tool_call_round_trip_through_the_openai_client():
         messages += [first.choices[0].message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": call.id, "content": "408"}]
         second = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, logprobs=True)
-        await http.aclose()
+        await client.close()  # and its httpx client
         return first, second
 
     first, second = asyncio.run(agent())
@@ -110,14 +120,13 @@ def test_tool_choice_none_parses_nothing_and_a_stream_carries_the_tool_calls():
                                     limits=ServeLimits(max_model_len=1024)))
 
     async def agent():
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http, max_retries=0)
+        client = app_client(app)
         messages = [{"role": "user", "content": "7*8="}]
         plain = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
                                                      tool_choice="none")
         stream = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, stream=True)
         chunks = [c async for c in stream]
-        await http.aclose()
+        await client.close()  # and its httpx client
         return plain, chunks
 
     plain, chunks = asyncio.run(agent())
@@ -152,13 +161,10 @@ def test_a_session_chains_into_token_exact_segments_and_a_rewrite_starts_a_new_o
     from megarl.serving.segments import chain_segments
 
     policy = CalculatorPolicy()
-    protocol = OpenAIProtocol(policy, TOK, get_parser("hermes"), model_name="policy",
-                              limits=ServeLimits(max_model_len=1024))
-    app = create_app(protocol)
+    protocol, app = scripted_app(policy)
 
     async def agent():
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http, max_retries=0)
+        client = app_client(app)
         messages = [{"role": "user", "content": "12*34="}]
         first = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         call = first.choices[0].message.tool_calls[0]
@@ -168,7 +174,7 @@ def test_a_session_chains_into_token_exact_segments_and_a_rewrite_starts_a_new_o
         rewritten = [{"role": "user", "content": "Compute this with the calculator, step by step: " * 8 + "7*8="}]
         await client.chat.completions.create(model="policy", messages=rewritten, tools=TOOLS)  # longer, not an
         # extension: a new segment
-        await http.aclose()
+        await client.close()  # and its httpx client
 
     asyncio.run(agent())
     first, second = chain_segments(protocol.recorder.records())
