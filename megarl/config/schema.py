@@ -728,6 +728,61 @@ class TrainerConfig:
     )
 
 
+# --------------------------------------------------------------------------------------------------- distillation
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TeacherConfig(RoleConfig):
+    """A frozen teacher of on-policy distillation: a Megatron forward-only role (as the reference is) that computes
+    the log-probs of the student's sampled tokens, loaded from its own checkpoint."""
+
+    path: str = opt(
+        help="The teacher's checkpoint: an HF directory (config.json + safetensors), or a megarl/Megatron "
+        "distributed checkpoint of a trained role (a checkpoint's step_NNNNNN/actor directory, which holds the HF "
+        "config.json and tokenizer files beside the weights). Its tokenizer must be the student's "
+        "(checked at start-up)."
+    )
+    pool: Optional[str] = opt(
+        None, "Resource pool the teacher runs on; null = the actor's (colocated, offloaded per `offload` while idle). "
+        "Only the actor's pool is supported so far."
+    )
+    data_source: Optional[str] = opt(
+        None, "With several teachers: the value of the dataset column distillation.data_source_key whose samples "
+        "this teacher scores; null = the samples no other teacher claims (at most one teacher may leave it null)."
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillationConfig:
+    """On-policy distillation: the student (the actor) samples, teachers score every sampled token; the per-token
+    reverse KL to the teacher is the advantage (docs/distillation.md)."""
+
+    teachers: dict[str, TeacherConfig] = opt(
+        factory=dict, help="The teachers by name (the name appears in the metrics: distill/reverse_kl/<name>); "
+        "empty = no distillation."
+    )
+    coef: float = opt(
+        1.0, "Weight of the per-token reverse-KL advantage: advantage[t] = coef * (teacher log-prob - student "
+        "old log-prob) of each sampled token t, plus task_reward_coef * the estimator's advantage.", min=0,
+    )
+    task_reward_coef: float = opt(
+        0.0, "Weight of the task reward's advantage (algorithm.advantage_estimator on reward.function's scores) "
+        "added to the distillation advantage; 0 = pure distillation.", min=0,
+    )
+    top_k: int = opt(
+        0, "Top-k forward KL against the teacher's top-k distribution; 0 = off (the only value supported so far).",
+        unit="tokens", min=0,
+    )
+    data_source_key: str = opt(
+        "data_source", "Dataset column naming each prompt's data source (routes samples to teachers by their "
+        "data_source; read only with several teachers)."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return any(t.enabled for t in self.teachers.values())
+
+
 # --------------------------------------------------------------------------------------------------- job
 
 
@@ -748,6 +803,9 @@ class JobConfig:
     trainer: TrainerConfig = opt(help="Length and cadence of the RL loop.")
     logging: LoggingConfig = opt(factory=LoggingConfig, help="Metric sinks.")
     checkpoint: CheckpointConfig = opt(factory=CheckpointConfig, help="Checkpointing and resume.")
+    distillation: DistillationConfig = opt(
+        factory=DistillationConfig, help="On-policy distillation from teacher models."
+    )
 
     ROLES = ("actor", "critic", "reference", "reward_model")
 

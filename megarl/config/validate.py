@@ -9,11 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
+import os
 
-from megarl.config.arch import resolve_arch
+from megarl.config.arch import arch_from_hf_config, resolve_arch
 from megarl.config.errors import ConfigError, did_you_mean
 from megarl.config.placement import pool_size
-from megarl.config.schema import PRESET_FIELDS, ArchConfig, JobConfig, RoleConfig, TrainedRoleConfig
+from megarl.config.schema import (
+    PRESET_FIELDS,
+    ArchConfig,
+    DistillationConfig,
+    JobConfig,
+    ModelConfig,
+    RoleConfig,
+    TrainedRoleConfig,
+)
 from megarl.parallel.topology import RoleTopology, TopologyError, layer_split
 
 # Advantage estimators with a per-group baseline: a group whose scores are all equal gets advantage 0 under them.
@@ -136,11 +146,12 @@ def validate(cfg: JobConfig) -> JobConfig:
     for name, arch in archs.items():
         _check_sequence_length(cfg, name, arch)
     _check_rollout(cfg, archs["actor"], resolved_roles["actor"].parallel)
+    distillation = _check_distillation(cfg)
     _check_router_replay(cfg, archs["actor"])
     _check_trainer(cfg)
     check_supported(cfg)
     algorithm = dataclasses.replace(cfg.algorithm, **{k: cfg.algorithm.setting(k) for k in PRESET_FIELDS})
-    return dataclasses.replace(cfg, algorithm=algorithm, **resolved_roles)
+    return dataclasses.replace(cfg, algorithm=algorithm, distillation=distillation, **resolved_roles)
 
 
 def _pool_devices(cfg: JobConfig, name: str, role: RoleConfig) -> int:
@@ -553,3 +564,79 @@ def _check_trainer(cfg: JobConfig) -> None:
         raise ConfigError(f"trainer.val_every={cfg.trainer.val_every} needs data.val_path (or set val_every=0)")
     if cfg.checkpoint.save_every > 0 and cfg.checkpoint.dir is None:
         raise ConfigError(f"checkpoint.save_every={cfg.checkpoint.save_every} needs checkpoint.dir")
+
+
+# A megarl/Megatron distributed checkpoint keeps its model's HF config.json here (`megarl.checkpoint.dist_ckpt`).
+MEGATRON_CHECKPOINT_META = "megarl_checkpoint.json"
+
+
+def is_megatron_checkpoint(path: str) -> bool:
+    """Whether `path` is a megarl Megatron distributed checkpoint (else an HF directory)."""
+    return os.path.isfile(os.path.join(path, MEGATRON_CHECKPOINT_META))
+
+
+def teacher_arch(path: str, key: str) -> ArchConfig:
+    """The architecture of a teacher checkpoint `path` (config key `key`): an HF directory's config.json, or the HF
+    config recorded in a megarl Megatron checkpoint's megarl_checkpoint.json."""
+    meta = os.path.join(path, MEGATRON_CHECKPOINT_META)
+    if not os.path.isfile(meta):
+        return resolve_arch(ModelConfig(path=path), key)
+    try:
+        with open(meta, encoding="utf-8") as f:
+            hf = json.load(f).get("hf_config")
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{key}.path: cannot read {meta}: {e}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{key}.path: {meta} holds no hf_config (not a megarl Megatron checkpoint?)")
+    return arch_from_hf_config(hf, f"{key}.path: {meta}")
+
+
+def _check_distillation(cfg: JobConfig) -> DistillationConfig:
+    """Each enabled teacher: on the actor's pool, a valid layout of its own model there (dp resolved, micro-batches
+    defaulted), all teachers on one layout (their DP split is one), the sequence length within the teacher's
+    positions, data sources that route every sample. (The tokenizers are compared at start-up:
+    `megarl.roles.teacher.check_teacher_tokenizers`; a model's vocab_size may be padded beyond its tokenizer's, so it
+    is not compared.) Returns the resolved section."""
+    d = cfg.distillation
+    if d.top_k:
+        raise ConfigError(f"distillation.top_k={d.top_k}: the top-k forward KL is not supported yet; use 0 (the "
+                          "sampled-token reverse KL)")
+    teachers = {name: t for name, t in d.teachers.items() if t.enabled}
+    if not teachers:
+        return d
+    resolved = dict(d.teachers)
+    layouts = {}
+    for name, t in teachers.items():
+        key = f"distillation.teachers.{name}"
+        if t.pool is not None and t.pool != cfg.actor.pool:
+            raise ConfigError(f"{key}.pool: {t.pool!r}: a teacher on a pool of its own is not supported yet; use "
+                              f"null (the actor's pool {cfg.actor.pool!r}, colocated)")
+        arch = teacher_arch(t.path, key)
+        placed = dataclasses.replace(t, pool=cfg.actor.pool)
+        parallel = _check_parallel(key, placed, _pool_devices(cfg, key, placed), arch)
+        t = dataclasses.replace(t, parallel=parallel)
+        if t.micro_batch_samples is not None and t.micro_batch_tokens is not None:
+            raise ConfigError(f"{key}: set only one of micro_batch_samples and micro_batch_tokens")
+        if t.micro_batch_samples is None and t.micro_batch_tokens is None:
+            t = dataclasses.replace(t, micro_batch_samples=1)
+        _check_batches(cfg, key, t)
+        longest = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
+        if longest > arch.max_position_embeddings:
+            raise ConfigError(f"{key}.path: rollout.max_prompt_tokens + max_new_tokens = {longest} exceeds the "
+                              f"teacher's max_position_embeddings={arch.max_position_embeddings}")
+        layouts[name] = (parallel.tp, parallel.pp, parallel.cp, parallel.dp)
+        resolved[name] = t
+    if len(set(layouts.values())) > 1:
+        raise ConfigError("distillation.teachers: every teacher must have the same tp, pp, cp and dp (one DP split "
+                          "of the batch serves them all); got " + ", ".join(f"{n}: tp,pp,cp,dp={lay}"
+                                                                           for n, lay in layouts.items()))
+    if len(teachers) > 1:
+        if sum(t.data_source is None for t in teachers.values()) > 1:
+            raise ConfigError("distillation.teachers: with several teachers each needs a data_source, except at most "
+                              "one (it takes the samples no other claims)")
+        if cfg.rollout.env is not None:
+            raise ConfigError("distillation.teachers: several teachers with rollout.env (multi-turn episodes) are "
+                              "not supported yet (samples are routed by their prompt's data source); use one teacher")
+    if cfg.algorithm.router_replay != "none":
+        raise ConfigError("distillation.teachers: with algorithm.router_replay is not supported yet")
+    return dataclasses.replace(d, teachers=resolved)

@@ -29,6 +29,12 @@ from megarl.algorithms import (
     get_advantage,
     scores_to_token_rewards,
 )
+from megarl.algorithms.distillation import (
+    combine_advantages,
+    reverse_kl_advantages,
+    reverse_kl_mean,
+    rows_by_source,
+)
 from megarl.algorithms.rollout_correction import mismatch_from_rows
 from megarl.config.loader import to_dict
 from megarl.config.schema import JobConfig
@@ -107,6 +113,8 @@ class RLLoop:
         self.kl_ctl = build_kl_controller("adaptive" if kl.target is not None else "fixed", kl.coef, kl.target,
                                           kl.horizon)
         self.old_log_probs_from_update = old_log_probs_from_update(cfg)
+        # on-policy distillation: the teachers (colocated with the actor) score the sampled tokens
+        self.teachers = [name for name, t in cfg.distillation.teachers.items() if t.enabled]
         self.update_reads_rollout_log_probs = update_reads_rollout_log_probs(cfg)
         self._actor_corrects_rollout: Optional[bool] = None  # asked of the actor's ranks on first use
         self.skip_streak: dict[str, int] = {}  # role -> optimizer steps skipped in a row (non-finite loss/grad norm)
@@ -303,7 +311,7 @@ class RLLoop:
                     # entropy stays where it was made
                     versions = _versions(batch)
                     mixed = len(versions) > 1
-                    fetch_old = keep is None or self.kl_in_reward
+                    fetch_old = keep is None or self.kl_in_reward or bool(self.teachers)
                     band = self.cfg.algorithm.rollout_correction.c
                     old = self.workers.compute_log_probs(
                         batch if mixed else _without(batch, {"policy_version"}), keep=keep,
@@ -329,6 +337,12 @@ class RLLoop:
                     else:
                         ref = self.role_groups["reference"].compute_ref_log_probs(batch, fetch=("log_probs",))
                         batch.tensors["ref_log_probs"] = ref.tensors["log_probs"]
+            teacher_log_probs: dict[str, torch.Tensor] = {}
+            if self.teachers:  # the controller forms the advantages from them: [B, S] float32 each come up
+                with _timer(t, "teacher_log_probs"):
+                    for name in self.teachers:
+                        out = self.workers.compute_teacher_log_probs(batch, teacher=name, fetch=("log_probs",))
+                        teacher_log_probs[name] = out.tensors["log_probs"]
             critic = self.role_groups.get("critic")
             if critic is not None:
                 with _timer(t, "values"):
@@ -340,6 +354,8 @@ class RLLoop:
                         kept_critic["old_values"] = (keep, "values")
             with _timer(t, "advantages"):
                 extra = self._advantages(batch)
+                if teacher_log_probs:
+                    extra.update(self._distill(batch, teacher_log_probs, rollout, trajectories))
             train_batch = self._filter_overlong(batch, trajectories, metrics)
             # the update reads neither the results kept on its ranks nor, unless this config asks, vLLM's log-probs
             unread = set(kept_actor) | (set() if self._update_reads_rollout() else {"rollout_log_probs"})
@@ -392,6 +408,8 @@ class RLLoop:
             calls.append((self.workers, "compute_log_probs"))
         if "reference" in self.role_groups:
             calls.append((self.role_groups["reference"], "compute_ref_log_probs"))
+        if self.teachers:
+            calls.append((self.workers, "compute_teacher_log_probs"))
         if "critic" in self.role_groups:
             calls += [(self.role_groups["critic"], "compute_values"), (self.role_groups["critic"], "update_critic")]
         calls.append((self.workers, "update_actor"))
@@ -488,6 +506,40 @@ class RLLoop:
         tensors["returns"] = returns
         return metrics
 
+    def _distill(self, batch: Batch, teacher_log_probs: dict[str, torch.Tensor], rollout,
+                 trajectories) -> dict[str, float]:
+        """On-policy distillation: `advantages` becomes distillation.coef * (teacher log-prob - old log-prob) on
+        each sampled token, from each row's teacher (by its prompt's data source when there are several), plus
+        distillation.task_reward_coef * the estimator's advantage already there. Returns
+        `distill/reverse_kl/<teacher>`: the sampled-token reverse KL (student - teacher log-prob), mean over that
+        teacher's rows' loss-mask tokens (nats per token)."""
+        d = self.cfg.distillation
+        tensors = batch.tensors
+        mask, old = tensors["loss_mask"], tensors["old_log_probs"]
+        if len(self.teachers) == 1:
+            rows = {self.teachers[0]: torch.ones(mask.shape[0], dtype=torch.bool)}
+        else:
+            rows = rows_by_source(self._data_sources(rollout, trajectories),
+                                  {n: d.teachers[n].data_source for n in self.teachers})
+        teacher = torch.zeros_like(old)
+        metrics = {}
+        for name, take in rows.items():
+            teacher[take] = teacher_log_probs[name][take].to(old.dtype)
+            metrics[f"distill/reverse_kl/{name}"] = reverse_kl_mean(teacher_log_probs[name][take], old[take],
+                                                                    mask[take])
+        distill = reverse_kl_advantages(teacher, old, mask, d.coef)
+        tensors["advantages"] = combine_advantages(distill, tensors["advantages"], d.task_reward_coef)
+        return metrics
+
+    def _data_sources(self, rollout, trajectories) -> list:
+        """Each row's data source (the `distillation.data_source_key` column of its prompt's dataset record; None
+        where the record has none), from the rollout's records and each sample's prompt index."""
+        key = self.cfg.distillation.data_source_key
+        records = rollout.records
+        if rollout.trajectories is not None or len(rollout.samples) != len(trajectories):
+            raise RuntimeError("distillation: routing samples to several teachers needs single-turn samples")
+        return [records[s.prompt_index].record.get(key) for s in rollout.samples]
+
     def sample(self, prompts: list[list[int]], sampling: SamplingSettings):
         """(samples ordered by (prompt_index, sample_index), dropped prompt indices) of `prompts` through the engines'
         request servers (`BatchProducer.sample`), unscored: the Python API's `generate`. The caller holds
@@ -519,9 +571,12 @@ def old_log_probs_from_update(cfg: JobConfig) -> bool:
     Exact only while the step is a single optimizer step (one mini-batch, one epoch): the update's forward then runs
     on the weights a separate pass would have used, so its detached log-probs are the old policy's. Not taken when
     something needs them before the update: KL in the reward (advantages), rollout correction (its weights and
-    masks are computed from them), router replay (`old` records the routing there, `rollout` replays vLLM's)."""
+    masks are computed from them), router replay (`old` records the routing there, `rollout` replays vLLM's),
+    distillation (its advantages are formed from them)."""
     algo = cfg.algorithm
     if algo.old_log_probs == "recompute" or algo.ppo_epochs != 1 or algo.router_replay != "none":
+        return False
+    if cfg.distillation.enabled:  # the distillation advantage is formed from them before the update
         return False
     mini = cfg.actor.mini_batch_prompts
     if mini is not None and mini < cfg.data.prompts_per_step:

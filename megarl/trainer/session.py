@@ -144,6 +144,11 @@ class TrainingSession:
         self.loader = PromptLoader(dataset, cfg.data.prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
         with config_key("model.tokenizer"):
             self.encoder = PromptEncoder(cfg.model.tokenizer or cfg.model.path, cfg.data.chat_template)
+        if cfg.distillation.enabled:  # a teacher must score the student's token ids as the student's tokens
+            from megarl.data.tokenizer_match import check_teacher_tokenizers
+
+            with config_key("distillation.teachers"):
+                check_teacher_tokenizers(cfg, self.encoder.tokenizer)
         if reward_fn is None:
             with config_key("reward.function"):
                 reward_fn = build_reward_fn(cfg.reward)

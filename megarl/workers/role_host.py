@@ -71,6 +71,17 @@ class RoleHost:
         for name in ROLES:
             setattr(self, name, build_role(cfg, name, rank_offset=0) if name in roles else None)
         self.offload = {name: OffloadPolicy(getattr(self, name), cfg.role(name).offload) for name in ROLES}
+        # distillation teachers (`distillation.teachers`), colocated with the actor: built on the actor's pool only;
+        # their offload policies are `offload["teacher/<name>"]`
+        self.teachers: dict[str, Any] = {}
+        if "actor" in roles:
+            from megarl.roles.teacher import build_teacher, enabled_teachers
+
+            for name in enabled_teachers(cfg):
+                t = cfg.distillation.teachers[name]
+                self.teachers[name] = build_teacher(t, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
+                                                    samples_per_prompt=cfg.rollout.samples_per_prompt)
+                self.offload[f"teacher/{name}"] = OffloadPolicy(self.teachers[name], t.offload)
         self.events: collections.deque = collections.deque(maxlen=256)
         # results kept where they were made (`keep=` of the forward methods), by name: (rows [lo, hi) of the batch,
         # seq len, {key: [hi - lo, S] tensor} or None off the last pipeline stage)
@@ -126,6 +137,15 @@ class RoleHost:
 
     def reward_model_dp(self) -> tuple[int, int]:
         return self._dp_coord("reward_model")
+
+    def teacher_dp(self) -> tuple[int, int]:
+        """(this rank's teacher DP rank, teacher DP size): every teacher has the same layout (validated), so one
+        DP split of the batch serves them all."""
+        if not self.teachers:
+            raise RuntimeError(f"no distillation teachers in this worker group (pool {self.pool!r}); set "
+                               "distillation.teachers")
+        first = next(iter(self.teachers.values()))
+        return first.dp_rank, first.dp
 
     @dispatch(Dispatch.RANK_ZERO)
     def actor_corrects_rollout(self) -> bool:
@@ -222,6 +242,21 @@ class RoleHost:
         """As `compute_log_probs`, with the reference's DP split: the reference's log_probs [b, S] float32 of each
         response token (0 elsewhere) on the last stage. The reference is offloaded afterwards per its config."""
         out = self._use("reference", lambda r: r.compute_log_probs(batch, with_entropy=False, share=True))
+        return self._answer(batch, out, keep, fetch)
+
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="teacher_dp", reads=TOKENS, optional_reads=MASKS)
+    def compute_teacher_log_probs(self, batch: Batch, teacher: str, keep: Optional[str] = None,
+                                  fetch: Optional[Sequence[str]] = None) -> Optional[Batch]:
+        """As `compute_ref_log_probs`, with teacher `teacher` (a name of distillation.teachers): its log_probs
+        [b, S] float32 of each of this share's response tokens (0 elsewhere) on its last stage; None elsewhere. The
+        teacher is offloaded afterwards per its config. `keep`, `fetch` as in `compute_log_probs`."""
+        if teacher not in self.teachers:
+            raise KeyError(f"no teacher {teacher!r} in this worker group (teachers: {sorted(self.teachers)})")
+        role, policy = self.teachers[teacher], self.offload[f"teacher/{teacher}"]
+        policy.before_use()
+        out = role.compute_log_probs(batch, with_entropy=False, share=True)
+        if policy.after_use():
+            self.events.append(("offload", f"teacher/{teacher}", tuple(role.engine.offloaded)))
         return self._answer(batch, out, keep, fetch)
 
     @dispatch(Dispatch.DP_SPLIT, replica_attr="critic_dp", reads=TOKENS, optional_reads=MASKS)

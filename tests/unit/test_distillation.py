@@ -1,0 +1,211 @@
+"""On-policy distillation without workers: the per-token reverse-KL advantage and its metric (hand-computed
+values), teacher routing by data source, the `distillation:` config section (resolution and refusals, each naming
+the key) and the start-up refusal of a teacher whose tokenizer is not the student's."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import shutil
+import types
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+QUICKSTART_TOKENIZER = ROOT / "data" / "quickstart" / "tokenizer"
+
+# two rows of four positions; the loss mask covers row 0's positions 1-2 and row 1's positions 1-3
+MASK = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1]])
+TEACHER = torch.tensor([[-9.0, -1.0, -0.5, -9.0], [-9.0, -2.0, -0.25, -3.0]])
+STUDENT = torch.tensor([[-7.0, -1.5, -0.5, -7.0], [-7.0, -1.0, -0.75, -1.0]])
+
+
+def test_reverse_kl_advantage_is_coef_times_teacher_minus_student_on_the_mask_only():
+    from megarl.algorithms.distillation import reverse_kl_advantages
+
+    got = reverse_kl_advantages(TEACHER, STUDENT, MASK, coef=2.0)
+    # by hand: 2 * (teacher - student) where the mask is 1: row 0 -> 2*0.5, 2*0; row 1 -> 2*-1, 2*0.5, 2*-2
+    want = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, -2.0, 1.0, -4.0]])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_reverse_kl_mean_is_student_minus_teacher_over_the_masked_tokens():
+    from megarl.algorithms.distillation import reverse_kl_mean
+
+    # (student - teacher) on the 5 masked tokens: -0.5, 0, 1, -0.5, 2 -> mean 0.4 (the unmasked -9/-7 are ignored)
+    assert math.isclose(reverse_kl_mean(TEACHER, STUDENT, MASK), 0.4, rel_tol=1e-6)
+    assert reverse_kl_mean(TEACHER, STUDENT, torch.zeros_like(MASK)) == 0.0
+
+
+def test_task_advantage_is_added_with_its_weight():
+    from megarl.algorithms.distillation import combine_advantages
+
+    distill, task = torch.tensor([[1.0, -2.0]]), torch.tensor([[0.5, 0.5]])
+    torch.testing.assert_close(combine_advantages(distill, task, 0.0), distill)
+    torch.testing.assert_close(combine_advantages(distill, task, 2.0), torch.tensor([[2.0, -1.0]]))
+
+
+def test_shapes_that_differ_are_refused():
+    from megarl.algorithms.distillation import reverse_kl_advantages
+
+    with pytest.raises(ValueError, match=r"one shape \[B, S\]"):
+        reverse_kl_advantages(TEACHER[:, :3], STUDENT, MASK, 1.0)
+
+
+def test_rows_go_to_the_teacher_of_their_data_source_and_the_rest_to_the_default_one():
+    from megarl.algorithms.distillation import rows_by_source
+
+    rows = rows_by_source(["math", "code", None, "math", "chat"], {"m": "math", "c": "code", "any": None})
+    assert rows["m"].tolist() == [True, False, False, True, False]
+    assert rows["c"].tolist() == [False, True, False, False, False]
+    assert rows["any"].tolist() == [False, False, True, False, True]
+    with pytest.raises(ValueError, match=r"sample 1 has data source 'code', which no teacher scores"):
+        rows_by_source(["math", "code"], {"m": "math"})
+
+
+def test_the_loop_forms_the_advantage_from_each_rows_teacher_and_logs_the_reverse_kl():
+    """`RLLoop._distill` (the step's distillation: the real method, on a stand-in loop holding only what it reads):
+    two teachers routed by data source, the task advantage weighted by task_reward_coef."""
+    from megarl.config.schema import DistillationConfig, TeacherConfig
+    from megarl.data.batch import Batch
+    from megarl.trainer.rl_trainer import RLLoop
+
+    d = DistillationConfig(teachers={"a": TeacherConfig(path="x", data_source="sa"),
+                                     "b": TeacherConfig(path="y", data_source="sb")}, coef=2.0, task_reward_coef=0.5)
+    loop = types.SimpleNamespace(cfg=types.SimpleNamespace(distillation=d), teachers=["a", "b"],
+                                 _data_sources=lambda rollout, trajectories: ["sb", "sa"])
+    task = torch.ones(2, 4) * MASK
+    batch = Batch({"loss_mask": MASK, "old_log_probs": STUDENT, "advantages": task.clone()})
+    teacher_b_for_row0 = TEACHER.clone()
+    teacher_b_for_row0[1] = -100.0  # teacher b's log-probs of row 1 are never read: row 1 is source sa
+    from_a = TEACHER.clone()
+    from_a[0] = -100.0  # teacher a's of row 0 neither
+    metrics = RLLoop._distill(loop, batch, {"a": from_a, "b": teacher_b_for_row0}, None, None)
+    want = 2.0 * (TEACHER - STUDENT) * MASK + 0.5 * task
+    torch.testing.assert_close(batch.tensors["advantages"], want)
+    # row 0 (teacher b): student - teacher on its 2 tokens = (-0.5 + 0) / 2; row 1 (teacher a): (1 - 0.5 + 2) / 3
+    assert math.isclose(metrics["distill/reverse_kl/b"], -0.25, rel_tol=1e-6)
+    assert math.isclose(metrics["distill/reverse_kl/a"], 2.5 / 3, rel_tol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------- config
+
+
+def _teacher_dir(path: pathlib.Path, tokenizer_from: pathlib.Path | None = QUICKSTART_TOKENIZER) -> str:
+    """A teacher HF directory: a tiny random Llama (`make_hf_model`) with the quickstart's tokenizer (the student's)
+    or, with `tokenizer_from=None`, `build_tiny_llama`'s WordLevel one ("w3".., 300 tokens)."""
+    from megarl.checkpoint.tiny import build_tiny_llama, make_hf_model
+
+    make_hf_model("llama", str(path))
+    if tokenizer_from is None:
+        tokenizer_from = path.parent / f"{path.name}_tokenizer"
+        build_tiny_llama(str(tokenizer_from), weights=False)
+    for name in os.listdir(tokenizer_from):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(tokenizer_from / name, path / name)
+    return str(path)
+
+
+def _cfg(tmp_path, *overrides, validate=True):
+    from megarl.config.loader import apply_overrides, parse_config, read_yaml
+    from megarl.config.validate import validate as check
+
+    data = ROOT / "data" / "quickstart"
+    raw = apply_overrides(read_yaml(ROOT / "yaml_configs" / "cpu_quickstart.yaml"), [
+        f"logging.dir={tmp_path / 'run'}", f"data.train_path={data / 'train.jsonl'}",
+        f"data.val_path={data / 'val.jsonl'}", f"model.tokenizer={QUICKSTART_TOKENIZER}", *overrides])
+    cfg = parse_config(raw)
+    return check(cfg) if validate else cfg
+
+
+def test_a_teacher_is_placed_on_the_actors_pool_with_its_layout_resolved(tmp_path):
+    path = _teacher_dir(tmp_path / "t")
+    cfg = _cfg(tmp_path, f"distillation.teachers.big.path={path}", "distillation.teachers.big.parallel.tp=2",
+               "distillation.coef=0.5")
+    t = cfg.distillation.teachers["big"]
+    assert (t.parallel.tp, t.parallel.dp, t.micro_batch_samples) == (2, 1, 1)  # dp from the pool's 2 devices
+    assert cfg.distillation.enabled and cfg.distillation.coef == 0.5
+    from megarl.trainer.rl_trainer import old_log_probs_from_update
+
+    assert not old_log_probs_from_update(cfg)  # the advantages need the old log-probs before the update
+    assert old_log_probs_from_update(_cfg(tmp_path, "reference.enabled=false", "algorithm.kl.coef=0",
+                                          "actor.mini_batch_prompts=null"))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["distillation.teachers.big.pool=other"], r"^distillation.teachers.big.pool: 'other': a teacher on a pool of "
+                                               r"its own is not supported yet"),
+    (["distillation.top_k=8"], r"^distillation.top_k=8: the top-k forward KL is not supported yet"),
+    (["distillation.teachers.big.parallel.tp=3"], r"^distillation.teachers.big.parallel: tp\*pp\*cp = 3\*1\*1"),
+    (["distillation.teachers.small.parallel.tp=2"], r"^distillation.teachers: every teacher must have the same tp"),
+    (["distillation.teachers.small.parallel.tp=1"], r"^distillation.teachers: with several teachers each needs a "
+                                                    r"data_source"),
+])
+def test_bad_teacher_configs_are_refused_naming_the_key(tmp_path, overrides, match):
+    from megarl.config import ConfigError
+
+    path = _teacher_dir(tmp_path / "t")
+    small = [f"distillation.teachers.small.path={path}"] if any("small" in o for o in overrides) else []
+    with pytest.raises(ConfigError, match=match):
+        _cfg(tmp_path, f"distillation.teachers.big.path={path}", *small, *overrides)
+
+
+def test_a_teacher_without_a_config_json_is_named(tmp_path):
+    from megarl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^distillation.teachers.big.path: no config.json in"):
+        _cfg(tmp_path, f"distillation.teachers.big.path={tmp_path}")
+
+
+def test_the_distillation_keys_are_documented():
+    """docs/config.md (generated from the schema, `python -m megarl.config.docs --check` in test_config) lists
+    every key of the section."""
+    text = (ROOT / "docs" / "config.md").read_text()
+    for key in ("distillation.teachers.<name>.path", "distillation.teachers.<name>.data_source",
+                "distillation.coef", "distillation.task_reward_coef", "distillation.top_k"):
+        assert f"`{key}`" in text, key
+
+
+# --------------------------------------------------------------------------------------------------- tokenizer
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_at_start_up_naming_both(tmp_path):
+    """The training session (nothing started yet) refuses a teacher whose tokenizer is another vocabulary, naming
+    the teacher, both tokenizer paths and the sizes; a teacher with the student's tokenizer files is accepted."""
+    import ray
+
+    from megarl.config import ConfigError
+    from megarl.trainer.session import TrainingSession
+
+    other = _teacher_dir(tmp_path / "other", tokenizer_from=None)  # WordLevel "w3".. vocabulary of 300
+    with pytest.raises(ConfigError) as e:
+        TrainingSession(_cfg(tmp_path, f"distillation.teachers.big.path={other}"))
+    msg = str(e.value)
+    assert msg.startswith("distillation.teachers: distillation.teachers.big: the teacher's tokenizer")
+    assert other in msg and str(QUICKSTART_TOKENIZER) in msg and "vocabulary size" in msg and "300" in msg
+    assert not ray.is_initialized()
+    same = _teacher_dir(tmp_path / "same")
+    session = TrainingSession(_cfg(tmp_path, f"distillation.teachers.big.path={same}"))
+    session.close()
+
+
+def test_a_tokenizer_differing_in_one_token_is_named_by_that_token(tmp_path):
+    from transformers import AutoTokenizer
+
+    from megarl.data.tokenizer_match import tokenizer_difference
+
+    changed = tmp_path / "changed"
+    shutil.copytree(QUICKSTART_TOKENIZER, changed)
+    spec = json.loads((changed / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    word = next(w for w, i in vocab.items() if i > 10)
+    vocab["#renamed#"] = vocab.pop(word)  # same size, one id now maps to another string
+    (changed / "tokenizer.json").write_text(json.dumps(spec))
+    student = AutoTokenizer.from_pretrained(str(QUICKSTART_TOKENIZER))
+    teacher = AutoTokenizer.from_pretrained(str(changed))
+    assert tokenizer_difference(student, student) is None
+    diff = tokenizer_difference(student, teacher)
+    assert diff == f"token id {vocab['#renamed#']} is {word!r} for the student but '#renamed#' for the teacher"
