@@ -637,6 +637,9 @@ def _check_distillation(cfg: JobConfig) -> DistillationConfig:
         if cfg.rollout.env is not None:
             raise ConfigError("distillation.teachers: several teachers with rollout.env (multi-turn episodes) are "
                               "not supported yet (samples are routed by their prompt's data source); use one teacher")
+        if cfg.algorithm.dynamic_sampling.enabled:
+            raise ConfigError("distillation.teachers: several teachers with algorithm.dynamic_sampling are not "
+                              "supported yet (its later rounds' prompts are not routed); use one teacher")
     if cfg.algorithm.router_replay != "none":
         raise ConfigError("distillation.teachers: with algorithm.router_replay is not supported yet")
     return dataclasses.replace(d, teachers=resolved)

@@ -143,6 +143,9 @@ def test_a_teacher_is_placed_on_the_actors_pool_with_its_layout_resolved(tmp_pat
     (["distillation.teachers.small.parallel.tp=2"], r"^distillation.teachers: every teacher must have the same tp"),
     (["distillation.teachers.small.parallel.tp=1"], r"^distillation.teachers: with several teachers each needs a "
                                                     r"data_source"),
+    (["distillation.teachers.small.parallel.tp=1", "distillation.teachers.small.data_source=math",
+      "algorithm.dynamic_sampling.enabled=true"], r"^distillation.teachers: several teachers with "
+                                                  r"algorithm.dynamic_sampling"),
 ])
 def test_bad_teacher_configs_are_refused_naming_the_key(tmp_path, overrides, match):
     from megarl.config import ConfigError
