@@ -1,10 +1,11 @@
 """Distillation teachers (`megarl.roles.teacher.build_teacher`) on real megatron-core over gloo (4 CPU ranks, fp32):
 a teacher's log-probs of given token ids equal transformers' log-softmax of the same HF model on the same ids, at
 teacher TP=2 (ranks 0-1) and PP=2 (ranks 2-3) loaded from the HF directory, and at PP=2 loaded from a megarl Megatron
-checkpoint of the TP=2 teacher (the other form `distillation.teachers.<name>.path` takes).
+checkpoint of the TP=2 teacher (the other form `distillation.teachers.<name>.path` takes); and the worker-side call
+the trainer makes (`RoleHost.compute_teacher_log_probs` on each rank's DP share, teacher TP2 x DP2, offloaded after).
 
 One spawn of 4 ranks for all three (its own: test_roles' spawn builds its roles from one fixed HF model and runs ~10
-phases; adding the teacher's there would tie two unrelated files' failures together). Measured: 13 s.
+phases; adding the teacher's there would tie two unrelated files' failures together). Measured: 11-13 s.
 
 Tolerance: max |megatron - transformers| over the response tokens, measured on this model (2 layers, vocab 300, logits
 up to ~5, eager fp32, printed with -s): TP2 9.5e-7, PP2 9.5e-7, PP2 from the checkpoint 9.5e-7 (fp32 summation order
@@ -60,7 +61,37 @@ def _worker(rank: int, world: int, hf_dir: str, ckpt_dir: str):
     teacher("pp2", hf_dir, ParallelConfig(pp=2, dp=1), 2)
     save_engine_checkpoint(None if tp2 is None else tp2.engine, ckpt_dir, hf_dir=hf_dir)
     teacher("pp2_from_megatron_checkpoint", ckpt_dir, ParallelConfig(pp=2, dp=1), 0)
+    out["host"] = _host_shares(hf_dir, batch)
     return out
+
+
+def _host_shares(hf_dir: str, batch) -> dict:
+    """The worker-side path the trainer calls: a `RoleHost` on the actor's pool (all 4 ranks) built from a validated
+    job config with one teacher at TP2 x DP2 (offloaded while idle); this rank's DP share of the batch (as the
+    controller's DP_SPLIT cuts it) through `compute_teacher_log_probs`. Returns (rows, log-probs, offload events)."""
+    from megarl.config.loader import parse_config
+    from megarl.config.validate import validate
+    from megarl.controller.dispatch import SPLIT_ROWS_META, chunk_bounds
+    from megarl.workers.role_host import RoleHost
+
+    cfg = validate(parse_config({
+        "model": {"path": hf_dir, "dtype": "fp32"},
+        "resources": {"device": "cpu", "pools": {"default": {"devices_per_node": 4}}},
+        "actor": {"parallel": {"tp": 2}},
+        "rollout": {"tp": 2, "samples_per_prompt": 2, "max_prompt_tokens": 16, "max_new_tokens": 16},
+        "data": {"train_path": "unused.jsonl", "prompts_per_step": 2},
+        "trainer": {"total_steps": 1},
+        "distillation": {"teachers": {"t": {"path": hf_dir, "parallel": {"tp": 2},
+                                            "offload": {"params": True}}}},
+    }))
+    host = RoleHost(cfg, ["actor"], pool="default")
+    dp_rank, dp = host.teacher_dp()
+    lo, hi = chunk_bounds(len(batch), dp, dp_rank)
+    share = batch.slice(lo, hi)
+    share.meta[SPLIT_ROWS_META] = (lo, hi)
+    got = host.compute_teacher_log_probs(share, teacher="t", fetch=("log_probs",))
+    return {"rows": (lo, hi), "log_probs": got.tensors["log_probs"].clone(),
+            "events": [e for e in host.events if e[1] == "teacher/t"]}
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +131,20 @@ def test_teacher_log_probs_equal_transformers(teachers, layout, ranks):
         err = (got - want).abs().max().item()
         print(f"{layout} rank {r}: max |megatron - transformers| = {err:.2e}")
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_the_role_host_scores_its_dp_share_with_the_teacher_and_offloads_it(teachers):
+    """`RoleHost.compute_teacher_log_probs` on each rank's DP share (teacher TP2 x DP2 on a 4-rank pool): the shares'
+    rows cover the batch once, each equals transformers' rows within ATOL, and the teacher went to host memory
+    after its forward (`offload.params`)."""
+    hf_dir, _, per_rank = teachers
+    want = _transformers_log_probs(hf_dir)
+    rows = sorted({r["host"]["rows"] for r in per_rank})
+    assert rows == [(0, 2), (2, 4)]
+    for r in per_rank:
+        lo, hi = r["host"]["rows"]
+        torch.testing.assert_close(r["host"]["log_probs"], want[lo:hi], atol=ATOL, rtol=0)
+        assert r["host"]["events"] and "params" in r["host"]["events"][-1][2]
 
 
 def test_a_megatron_checkpoint_teacher_brings_its_tokenizer(teachers):
