@@ -8,7 +8,9 @@ What one GPU of the actor's pool holds when vLLM starts (the actor is built firs
   optimizer state   N / (tp * pp * dp) x 12 B                 (DistributedOptimizer: fp32 master + Adam m + v,
                                                                sharded over DP; with fp32 params the master copy
                                                                is the param itself: 8 B)
-  reference params  N / (ref tp * ref pp) x dtype bytes       (forward-only roles on the actor's pool)
+  reference params  N / (ref tp * ref pp) x dtype bytes       (forward-only roles on the actor's pool: reference,
+                                                               reward model, each distillation teacher at its
+                                                               own N, tp and pp)
   vLLM              gpu_memory_utilization x device memory    (vLLM reserves this fraction of the *total* memory
                                                                for its weights and KV cache and refuses to start
                                                                when that much is not free)
@@ -25,7 +27,7 @@ from typing import Optional
 from megarl.config.arch import spec_from_arch
 from megarl.config.errors import ConfigError
 from megarl.config.placement import device_kind
-from megarl.config.validate import role_archs
+from megarl.config.validate import role_archs, teacher_arch
 
 GB = 10**9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -103,8 +105,9 @@ def estimate_memory(num_params: int, *, dtype: str, tp: int, pp: int, dp: int, g
 
 
 def job_memory_estimate(cfg, device_bytes: Optional[int]) -> MemoryEstimate:
-    """The estimate for a validated `JobConfig`: the actor, the forward-only roles (reference, reward model) on the
-    actor's pool, and vLLM. A critic on the actor's pool is counted like the actor (params + grads + optimizer)."""
+    """The estimate for a validated `JobConfig`: the actor, the forward-only roles (reference, reward model,
+    distillation teachers) on the actor's pool, and vLLM. A critic on the actor's pool is counted like the actor
+    (params + grads + optimizer)."""
     archs = role_archs(cfg)
 
     def n_params(arch) -> int:
@@ -125,6 +128,10 @@ def job_memory_estimate(cfg, device_bytes: Optional[int]) -> MemoryEstimate:
             extra_trained += c.megatron_bytes
         else:
             others.append((n_params(archs[name]), model.dtype, p.tp, p.pp))
+    for name, t in cfg.distillation.teachers.items():  # teachers are always on the actor's pool (validated)
+        if t.enabled:
+            arch = teacher_arch(t.path, f"distillation.teachers.{name}")
+            others.append((n_params(arch), cfg.model.dtype, t.parallel.tp, t.parallel.pp))
     # engines on a pool of their own (rollout.pool): the actor's pool keeps no vLLM share (`rollout_pool_memory`)
     share = cfg.rollout.gpu_memory_utilization if cfg.rollout.pool is None else 0.0
     est = estimate_memory(n_params(archs["actor"]), dtype=cfg.model.dtype, tp=a.tp, pp=a.pp, dp=a.dp,

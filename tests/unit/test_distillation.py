@@ -212,3 +212,18 @@ def test_a_tokenizer_differing_in_one_token_is_named_by_that_token(tmp_path):
     assert tokenizer_difference(student, student) is None
     diff = tokenizer_difference(student, teacher)
     assert diff == f"token id {vocab['#renamed#']} is {word!r} for the student but '#renamed#' for the teacher"
+
+
+def test_the_memory_estimate_counts_each_teacher_as_a_forward_only_role(tmp_path):
+    """A teacher on the actor's pool adds its parameters / (its tp * pp) x the dtype's bytes (fp32: 4) to the
+    estimate's other roles; the count of parameters is transformers' own for the teacher's directory."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.config.memory import job_memory_estimate
+
+    path = _teacher_dir(tmp_path / "t")
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
+    without = job_memory_estimate(_cfg(tmp_path), device_bytes=None)
+    with_teacher = job_memory_estimate(_cfg(tmp_path, f"distillation.teachers.big.path={path}",
+                                            "distillation.teachers.big.parallel.tp=2"), device_bytes=None)
+    assert with_teacher.other_roles_bytes - without.other_roles_bytes == n // 2 * 4
