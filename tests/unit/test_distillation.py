@@ -227,3 +227,19 @@ def test_the_memory_estimate_counts_each_teacher_as_a_forward_only_role(tmp_path
     with_teacher = job_memory_estimate(_cfg(tmp_path, f"distillation.teachers.big.path={path}",
                                             "distillation.teachers.big.parallel.tp=2"), device_bytes=None)
     assert with_teacher.other_roles_bytes - without.other_roles_bytes == n // 2 * 4
+
+
+def test_each_sample_takes_the_data_source_of_its_prompts_record():
+    """`RLLoop._data_sources`: sample i's source is the `distillation.data_source_key` column of the record its
+    prompt_index points to (prompt 1 was dropped here: its samples are absent), None where the record has none."""
+    from megarl.config.schema import DistillationConfig
+    from megarl.data.dataset import PromptRecord
+    from megarl.rollout.engine import RolloutSample
+    from megarl.trainer.rl_trainer import RLLoop
+
+    records = [PromptRecord(i, f"p{i}", None, rec) for i, rec in
+               enumerate([{"task": "math"}, {"task": "code"}, {}])]
+    samples = [RolloutSample(p, k, [1], [2], [0.0], "stop") for p in (0, 2) for k in range(2)]
+    loop = types.SimpleNamespace(cfg=types.SimpleNamespace(distillation=DistillationConfig(data_source_key="task")))
+    rollout = types.SimpleNamespace(records=records, samples=samples, trajectories=None)
+    assert RLLoop._data_sources(loop, rollout, [None] * 4) == ["math", "math", None, None]
