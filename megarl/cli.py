@@ -23,7 +23,7 @@ import megarl
 from megarl.config import ConfigError, JobConfig, dump_yaml, load_config
 from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate, rollout_pool_memory
 from megarl.config.placement import device_kind, format_table, placement
-from megarl.config.validate import role_archs
+from megarl.config.validate import role_archs, teacher_arch
 from megarl.rewards.scoring import RewardError
 from megarl.trainer.faults import RunAborted
 
@@ -138,6 +138,8 @@ def dry_run_report(cfg: JobConfig) -> str:
     Raises ConfigError when the device memory is known (`resources.device_memory_gb`, or CUDA present) and the
     estimate exceeds it."""
     layers = {role: arch.num_layers for role, arch in role_archs(cfg).items()}
+    layers.update({f"teacher/{name}": teacher_arch(t.path, f"distillation.teachers.{name}").num_layers
+                   for name, t in cfg.distillation.teachers.items() if t.enabled})
     kind = device_kind(cfg)
     from megarl.reshard.rank_order import actor_order_report
     from megarl.trainer.schedule import describe_schedule

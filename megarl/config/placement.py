@@ -71,7 +71,8 @@ def placement(cfg: JobConfig, num_layers_by_role: dict[str, int], kind: str,
               topologies: Optional[dict[str, RoleTopology]] = None) -> list[RankPlacement]:
     """Rows for every rank of every enabled role, plus the rollout engines (on the actor's pool, or `rollout.pool`).
 
-    `num_layers_by_role` gives each enabled role's layer count (roles may run different models); `topologies`
+    `num_layers_by_role` gives each enabled role's layer count (roles may run different models; each enabled
+    distillation teacher's under "teacher/<name>"); `topologies`
     overrides `role_topology` for some roles (the actor in a co-designed rank order).
     """
     offsets = pool_offsets(cfg.resources)
@@ -94,6 +95,19 @@ def placement(cfg: JobConfig, num_layers_by_role: dict[str, int], kind: str,
             node, device = where(r.pool, c.rank)
             layers = (starts[c.pp], starts[c.pp] + split[c.pp])
             rows.append(RankPlacement(role, c.rank, node, device, c.tp, c.pp, c.dp, c.cp, layers))
+
+    for name, t in cfg.distillation.teachers.items():  # on the actor's pool (validated), each at its own layout
+        if not t.enabled:
+            continue
+        p, role = t.parallel, f"teacher/{name}"
+        topo = RoleTopology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, etp=p.etp,
+                            rank_offset=offsets[cfg.actor.pool])
+        split = layer_split(num_layers_by_role[role], topo.pp, p.first_stage_layers, p.last_stage_layers)
+        starts = [sum(split[:i]) for i in range(len(split))]
+        for c in topo.coords():
+            node, device = where(cfg.actor.pool, c.rank)
+            rows.append(RankPlacement(role, c.rank, node, device, c.tp, c.pp, c.dp, c.cp,
+                                      (starts[c.pp], starts[c.pp] + split[c.pp])))
 
     engines_pool = cfg.rollout.pool if cfg.rollout.pool is not None else cfg.actor.pool  # null: the actor's
     for local in range(pool_size(cfg.resources.pools[engines_pool])):

@@ -243,3 +243,20 @@ def test_each_sample_takes_the_data_source_of_its_prompts_record():
     loop = types.SimpleNamespace(cfg=types.SimpleNamespace(distillation=DistillationConfig(data_source_key="task")))
     rollout = types.SimpleNamespace(records=records, samples=samples, trajectories=None)
     assert RLLoop._data_sources(loop, rollout, [None] * 4) == ["math", "math", None, None]
+
+
+def test_dry_run_places_the_teacher_on_the_actors_ranks_at_its_own_layout(tmp_path, capsys):
+    """`megarl train --dry-run`'s placement table: a PP2 teacher on the 4-device actor pool (actor TP2 x DP2) has a
+    row per rank, stage 0 holding layer 0 and stage 1 layer 1 of its 2 (natural order: rank = dp + 2 * pp)."""
+    from megarl.cli import main
+
+    path = _teacher_dir(tmp_path / "t")
+    assert main(["train", str(ROOT / "yaml_configs" / "cpu_quickstart.yaml"), "--dry-run",
+                 "resources.pools.default.devices_per_node=4", "actor.parallel.dp=2",
+                 f"distillation.teachers.big.path={path}",
+                 "distillation.teachers.big.parallel.pp=2"]) == 0
+    lines = capsys.readouterr().out.split("# placement")[1].strip().splitlines()[3:]
+    rows = {int(f[1]): (f[5], f[6], " ".join(f[8:])) for f in (line.split() for line in lines)
+            if f[0] == "teacher/big"}
+    assert rows == {0: ("0", "0", "0-0 of 2"), 1: ("0", "1", "0-0 of 2"), 2: ("1", "0", "1-1 of 2"),
+                    3: ("1", "1", "1-1 of 2")}
