@@ -114,7 +114,7 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     out = os.path.abspath(s.out)
-    if os.path.exists(os.path.join(out, "summary.json")):
+    if os.path.exists(os.path.join(out, "summary.json")) or os.path.exists(os.path.join(out, "sft_model")):
         from megarl.config import ConfigError
 
         raise ConfigError(f"--out {out} holds an earlier quickstart run; choose another directory or remove it")
