@@ -554,6 +554,26 @@ def _check_agent(cfg: JobConfig) -> None:
     if is_agent and r.env_options:
         raise ConfigError(f"rollout.env_options={dict(r.env_options)} with rollout.env={r.env!r}: an agent takes no "
                           "options (it is called as function(record, base_url)); drop rollout.env_options")
+    if not is_agent:
+        return
+    # An agent's episode that rewrites its history trains as several segments (agent/segments_per_episode): a step's
+    # sample count is then not prompts x samples_per_prompt, and fixed-size mini-batches or an even split over DP
+    # ranks cannot hold it (a run stopped at its first such step: "batch of 129 samples is not a multiple of
+    # mini_batch_samples=128").
+    for name in ("actor", "critic", "reference", "reward_model"):
+        role = cfg.role(name)
+        if not getattr(role, "enabled", True):
+            continue
+        if getattr(role, "mini_batch_prompts", None) is not None:
+            raise ConfigError(f"{name}.mini_batch_prompts={role.mini_batch_prompts} with an agent environment "
+                              f"(rollout.env={r.env!r}): an episode that rewrites its history trains as several "
+                              "segments, so a step's sample count varies; set "
+                              f"{name}.mini_batch_prompts=null (one optimizer step over the whole step's samples)")
+        if (getattr(role.parallel, "dp", None) or 1) > 1:
+            raise ConfigError(f"{name}.parallel.dp={role.parallel.dp} with an agent environment (rollout.env="
+                              f"{r.env!r}): an episode that rewrites its history trains as several segments, so a "
+                              "step's sample count varies and may not split evenly over data-parallel ranks; not "
+                              "supported yet: use dp=1")
 
 
 def _check_trainer(cfg: JobConfig) -> None:

@@ -34,7 +34,10 @@ LEVEL_ENV = "MEGARL_VENDOR_LEVEL"
 
 # Top-level packages whose loggers and Python warnings are "vendor" output.
 VENDOR_PACKAGES = ("vllm", "ray", "megatron", "torch", "transformers", "triton", "tensorboard", "urllib3",
-                   "filelock", "huggingface_hub", "safetensors", "numba", "wandb", "matplotlib", "PIL")
+                   "filelock", "huggingface_hub", "safetensors", "numba", "wandb", "matplotlib", "PIL",
+                   # the HTTP clients of an `agent:` environment's agents (the openai client logs every request at
+                   # INFO through httpx / httpx2: 128 lines a step in yaml_configs/cpu_agent_quickstart.yaml)
+                   "openai", "httpx", "httpx2", "httpcore")
 
 # Vendor warnings attributed (by their stacklevel) to our own modules, matched by message: torch's non-leaf .grad
 # warning raised inside megatron-core's code that `megarl.platform.megatron_cpu_compat` wraps.

@@ -4,7 +4,9 @@ or running run, on any machine).
 `plot_run(run_dir)` writes PNGs (matplotlib, headless Agg backend; extra `plots`) into `RUN_DIR/plots/`, one per
 panel that has data: reward (mean with the min..max band), validation (every `val/*` metric but error counts), KL
 (against the reference `actor/kl`, and the approximate KL to the old policy), entropy, response length (tokens), clip
-fraction, and the time split per phase (stacked seconds of each `time/<phase>_s` per step). Returns the paths.
+fraction, tool use (multi-turn episodes), agent episodes (an `agent:` environment's per-episode means: each number of
+the agent's info dict, e.g. `agent/tool_success`, and `agent/requests_per_episode` / `agent/segments_per_episode`), and
+the time split per phase (stacked seconds of each `time/<phase>_s` per step). Returns the paths.
 
 `summary_table(rows)` is the one-screen text table printed at the end of a run: first / last / min / max of the
 headline metrics and each phase's share of the step time.
@@ -28,7 +30,10 @@ PANELS = (
     ("clip_fraction", "Clip fraction", "fraction of tokens clipped", ("actor/clip_frac",)),
     ("tool_use", "Tool use (multi-turn)", "fraction of episodes",
      ("multi_turn/tool_success_frac", "multi_turn/tool_use_frac", "multi_turn/truncated_frac")),
+    ("agent", "Agent episodes (OpenAI endpoint)", "mean per episode", ()),  # the agent/* per-episode keys
 )
+# agent/* keys that are not per-episode means (counts of the step's failed episodes; the reward, drawn in "reward")
+AGENT_NOT_PER_EPISODE = ("agent/errors", "agent/timeouts", "agent/reward_mean")
 SUMMARY_KEYS = ("reward/mean", "val/reward_mean", "actor/kl", "actor/approx_kl", "actor/entropy",
                 "response_length/mean", "actor/clip_frac", "actor/grad_norm", "time/step_s")
 PLOTS_MISSING = "plots need matplotlib: pip install 'megarl[plots]' (metrics.jsonl holds every metric of every step)"
@@ -69,6 +74,17 @@ def phase_keys(rows: list[dict]) -> list[str]:
     return list(keys)
 
 
+def panel_keys(stem: str, keys: tuple[str, ...], rows: list[dict]) -> tuple[str, ...]:
+    """The metric keys panel `stem` draws: its fixed `keys`, or for "validation" every `val/*` key of `rows` but
+    error counts, for "agent" every `agent/*` key but `AGENT_NOT_PER_EPISODE` (what the agent's info dict reported,
+    e.g. tool_success, with the requests and segments per episode), sorted."""
+    if stem == "validation":
+        return tuple(sorted({k for r in rows for k in r if k.startswith("val/") and "error" not in k}))
+    if stem == "agent":
+        return tuple(sorted({k for r in rows for k in r if k.startswith("agent/") and k not in AGENT_NOT_PER_EPISODE}))
+    return keys
+
+
 def plot_run(run_dir: str, out_dir: Optional[str] = None) -> list[str]:
     """Write the run's PNG plots into `out_dir` (default `run_dir/plots`); returns the paths written, in PANELS
     order then the time split. Raises PlotsUnavailable without matplotlib, FileNotFoundError without metrics."""
@@ -86,9 +102,7 @@ def plot_run(run_dir: str, out_dir: Optional[str] = None) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for stem, title, ylabel, keys in PANELS:
-        if stem == "validation":
-            keys = tuple(sorted({k for r in rows for k in r if k.startswith("val/") and "error" not in k}))
-        drawn = [(k, *_series(rows, k)) for k in keys]
+        drawn = [(k, *_series(rows, k)) for k in panel_keys(stem, keys, rows)]
         drawn = [d for d in drawn if d[1]]
         if not drawn:
             continue

@@ -315,6 +315,32 @@ class TrainingSession:
                                "TrainingSession(cfg, sft=True)")
         return self.start_workers().update_actor_sft(batch, lr)
 
+    def export_hf(self, out: str) -> dict:
+        """Write the actor's current weights (on the started workers: after SFT steps, between runs) as a HuggingFace
+        model directory `out` that transformers loads (safetensors, config.json, the tokenizer), atomically: a
+        checkpoint of the session's loop (`RLLoop.save`, step 0) and its export (`megarl.checkpoint.export.
+        export_hf`) go to a temporary directory beside `out`, which is renamed to `out` when complete and the
+        checkpoint removed; a failure leaves no `out`. Refuses an existing `out`. Returns {"out", "bytes"}."""
+        import tempfile
+
+        from megarl.checkpoint.atomic import commit_dir
+        from megarl.checkpoint.export import export_hf
+
+        out = os.path.abspath(out)
+        if os.path.exists(out):
+            raise FileExistsError(f"{out} exists; export_hf writes a new directory (remove it or choose another)")
+        parent = os.path.dirname(out)
+        os.makedirs(parent, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f".{os.path.basename(out)}.tmp-", dir=parent) as tmp:
+            checkpoint = self.start().save(0, root=os.path.join(tmp, "checkpoint"))
+            model = os.path.join(tmp, "model")
+            stats = export_hf(checkpoint, model)
+            if not os.path.exists(os.path.join(model, "tokenizer_config.json")):  # a model built from model.arch
+                self.encoder.tokenizer.save_pretrained(model)
+            commit_dir(model, out)
+        logger.info("wrote the actor's weights as a HuggingFace model: %s", out)
+        return {"out": out, "bytes": stats.get("bytes", 0)}
+
     def train_from(self, source: str, run_dir: str, overrides: Sequence[str] = (), raw: Optional[Mapping] = None,
                    rollout=None) -> list:
         """A run of its own on this session's started workers, from checkpoint `source` (a step directory, e.g.

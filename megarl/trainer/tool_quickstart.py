@@ -9,7 +9,9 @@ Stages (like the addition quickstart, `megarl.trainer.quickstart`; times in OUT/
   3. sft    `sft_steps` steps of cross-entropy on demonstration episodes (`demonstration`: the tool call
             and the final answer are the loss mask, the tool's output is context); `direct_fraction` of them answer
             at once without the tool, so the warmed-up model calls it on only part of the problems and GRPO has to
-            learn that calling it pays.
+            learn that calling it pays. The warmed-up model is written as a HuggingFace directory, OUT/sft_model
+            (`TrainingSession.export_hf`, atomic): the model.path of yaml_configs/cpu_tools_quickstart.yaml and
+            yaml_configs/cpu_agent_quickstart.yaml, so `megarl train` starts from it.
   4. grpo   the job of `yaml_configs/cpu_tools_quickstart.yaml` (paths set to OUT): multi-turn episodes with the
             calculator environment (`rollout.env`), exact-match reward on the final turn, GRPO over the episodes of
             one problem; metrics in OUT/metrics.jsonl, plots in OUT/plots (reward and tool use).
@@ -112,7 +114,7 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     out = os.path.abspath(s.out)
-    if os.path.exists(os.path.join(out, "summary.json")):
+    if os.path.exists(os.path.join(out, "summary.json")) or os.path.exists(os.path.join(out, "sft_model")):
         from megarl.config import ConfigError
 
         raise ConfigError(f"--out {out} holds an earlier quickstart run; choose another directory or remove it")
@@ -159,6 +161,11 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
                 logger.info("sft step %d loss %.4f", step, m["loss"])
         workers.sync_weights()
         times["sft_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        sft_model = session.export_hf(os.path.join(out, "sft_model"))["out"]  # the model GRPO starts from
+        times["export_s"] = time.perf_counter() - t
+        logger.info("the SFT stage's model as a HuggingFace directory: %s (the model.path of "
+                    "yaml_configs/cpu_tools_quickstart.yaml and cpu_agent_quickstart.yaml)", sft_model)
         after_sft = greedy_episodes(runner, service, val, 0)
         logger.info("after SFT (%d steps): accuracy %.3f, tool calls ok %.3f", s.sft_steps, after_sft["accuracy"],
                     after_sft["multi_turn/tool_success_frac"])
@@ -176,6 +183,7 @@ def run_tool_quickstart(s: ToolQuickstartSettings) -> dict:
             "eval_kind": "greedy episodes (temperature 0), exact match of the final turn, every held-out problem",
             "initial": initial, "after_sft": after_sft, "after_grpo": after_grpo,
             "sft_steps": s.sft_steps, "sft_batch": s.sft_batch, "sft_lr": s.sft_lr, "sft_curve": sft_curve,
+            "sft_model": sft_model,
             "grpo_steps": len(results), "grpo_reward_mean": [r["reward/mean"] for r in rows],
             "grpo_tool_success_frac": [r.get("multi_turn/tool_success_frac") for r in rows],
         }

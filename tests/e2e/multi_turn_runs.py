@@ -13,7 +13,11 @@ engine servers sleep STEP_DELAY_S after each decode step (`SlowEngine`): the tin
 faster than the trainer trains, and pushes land inside an episode only when generating takes longer than a training
 step, as it does with real models.
 
-    python tests/e2e/multi_turn_runs.py OUT_DIR     # OUT_DIR/<run>/metrics.jsonl, runs.json
+After the runs, the session's current weights are written as a HuggingFace directory (`TrainingSession.export_hf`,
+what `megarl quickstart --task tools` writes its SFT model with) to OUT_DIR/session_hf, and the last run's final
+checkpoint exported on its own (`megarl.checkpoint.export.export_hf`) to OUT_DIR/checkpoint_hf.
+
+    python tests/e2e/multi_turn_runs.py OUT_DIR     # OUT_DIR/<run>/metrics.jsonl, runs.json, the two HF dirs
 """
 
 from __future__ import annotations
@@ -77,8 +81,17 @@ def main(out: str) -> None:
                                rollout=SlowEngine(first.rollout) if name == "async" else None)
             seconds = time.monotonic() - run_started
             report[name] = {"seconds": seconds}
+        # the workers' weights after the last run, as the tool quickstart writes its SFT model: `export_hf`
+        exporting = time.monotonic()
+        session.export_hf(os.path.join(out, "session_hf"))
+        report["export_hf"] = {"seconds": time.monotonic() - exporting}
     finally:
         session.close()
+    # the last run's final checkpoint, exported on its own: what the session's export must equal
+    from megarl.checkpoint.export import export_hf
+
+    last = list(RUNS)[-1]
+    export_hf(os.path.join(out, last, "ckpt", f"step_{RUNS[last][1]:06d}"), os.path.join(out, "checkpoint_hf"))
     with open(os.path.join(out, "runs.json"), "w") as f:
         json.dump(report, f, indent=1)
 

@@ -31,13 +31,39 @@ from tests.e2e.conftest import ROOT, read_rows
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, joined_ray_env):
+def runs_dir(tmp_path_factory, joined_ray_env):
     out = tmp_path_factory.mktemp("multi_turn")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "e2e", "multi_turn_runs.py"), str(out)],
                           cwd=ROOT, env=joined_ray_env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     print("multi-turn runs (s):", json.load(open(out / "runs.json")))
-    return {name: read_rows(out / name) for name in ("sync", "async", "one_step_off")}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(runs_dir):
+    return {name: read_rows(runs_dir / name) for name in ("sync", "async", "one_step_off")}
+
+
+def test_the_sessions_weights_export_as_a_model_transformers_loads(runs_dir):
+    """`TrainingSession.export_hf` (the tool quickstart's OUT/sft_model): a directory transformers loads, model and
+    tokenizer, holding the weights the workers trained to -- those of the last run's final checkpoint, not the
+    random start model's -- with no temporary directory or checkpoint left beside it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def weights(path):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+    exported, checkpoint = weights(runs_dir / "session_hf"), weights(runs_dir / "checkpoint_hf")
+    start = weights(runs_dir / "data" / "init_model")
+    assert sorted(exported) == sorted(start)
+    assert all(torch.equal(exported[k], checkpoint[k]) for k in exported)
+    assert any(not torch.equal(exported[k], start[k]) for k in exported)  # trained, not the start model
+    text = "<|im_start|>user\n12*34=<|im_end|>\n"
+    assert (AutoTokenizer.from_pretrained(runs_dir / "session_hf")(text)["input_ids"]
+            == AutoTokenizer.from_pretrained(runs_dir / "data" / "init_model")(text)["input_ids"])
+    assert not [n for n in os.listdir(runs_dir) if n.startswith(".session_hf")]
 
 
 @pytest.mark.parametrize("run", ["sync", "async", "one_step_off"])

@@ -74,3 +74,26 @@ def test_missing_matplotlib_names_the_extra(run_dir, monkeypatch, capsys):
         plot_run(str(run_dir))
     assert main(["plot", str(run_dir)]) == 2
     assert "megarl: error: plots need matplotlib: pip install 'megarl[plots]'" in capsys.readouterr().err
+
+
+def test_an_agent_runs_per_episode_numbers_get_their_panel(run_dir):
+    """An `agent:` environment's rows (the keys megarl/serving/agents.py logs, with the info keys of
+    examples/agents/react_calculator.py): the agent panel draws the per-episode means, not the failure counts or
+    the reward (drawn in the reward panel); a run without agent keys has no agent panel."""
+    from megarl.trainer.plots import PANELS, panel_keys
+
+    rows = [json.loads(line) for line in open(FIXTURE)]
+    assert "agent.png" not in [os.path.basename(p) for p in plot_run(str(run_dir))]
+    agent = {"agent/errors": 2.0, "agent/timeouts": 1.0, "agent/reward_mean": 0.5, "agent/tool_success": 0.75,
+             "agent/tool_calls": 1.25, "agent/requests_per_episode": 2.0, "agent/segments_per_episode": 1.0}
+    rows = [{**r, **agent} for r in rows]
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    fixed = dict((stem, keys) for stem, _, _, keys in PANELS)
+    assert panel_keys("agent", fixed["agent"], rows) == (
+        "agent/requests_per_episode", "agent/segments_per_episode", "agent/tool_calls", "agent/tool_success")
+    assert panel_keys("reward", fixed["reward"], rows) == ("reward/mean",)
+    paths = plot_run(str(run_dir))
+    assert os.path.basename(paths[-2]) == "agent.png"  # after the fixed panels, before the time split
+    with open(paths[-2], "rb") as f:
+        assert f.read(8) == PNG_SIGNATURE

@@ -150,12 +150,33 @@ def test_the_agent_keys_are_refused_where_they_cannot_work():
     from megarl.config import load_config
 
     quickstart = os.path.join(os.path.dirname(AGENTS), "..", "..", "..", "..", "yaml_configs", "cpu_quickstart.yaml")
-    agent = [f"rollout.env=agent:{AGENTS}:calculator", "data.chat_template=hf"]
+    agent = [f"rollout.env=agent:{AGENTS}:calculator", "data.chat_template=hf", "actor.mini_batch_prompts=null"]
     assert load_config(quickstart, [*agent, "rollout.agent_timeout_s=5"]).rollout.agent_timeout_s == 5.0
     with pytest.raises(ConfigError, match=r"rollout.agent_timeout_s=5.0 applies to agent environments only"):
         load_config(quickstart, ["rollout.agent_timeout_s=5"])
     with pytest.raises(ConfigError, match=r"an agent takes no options"):
         load_config(quickstart, [*agent, "rollout.env_options={a: 1}"])
+
+
+def test_fixed_mini_batches_and_dp_are_refused_with_an_agent():
+    """An agent episode that rewrites its history trains as several segments, so a step's sample count varies: a
+    fixed mini-batch size or a DP split would stop the run at the first such step (it did, at step 13 of
+    yaml_configs/cpu_agent_quickstart.yaml with mini_batch_prompts 16: 129 samples). The check refuses them before
+    anything starts; the quickstart's own yaml passes it."""
+    from megarl.config import load_config
+
+    root = os.path.join(os.path.dirname(AGENTS), "..", "..", "..", "..")
+    quickstart = os.path.join(root, "yaml_configs", "cpu_quickstart.yaml")
+    agent = [f"rollout.env=agent:{AGENTS}:calculator", "data.chat_template=hf"]
+    assert load_config(quickstart, [*agent, "actor.mini_batch_prompts=null"]).actor.mini_batch_prompts is None
+    with pytest.raises(ConfigError, match=r"actor.mini_batch_prompts=4 with an agent environment .* set "
+                                          r"actor.mini_batch_prompts=null"):
+        load_config(quickstart, [*agent, "actor.mini_batch_prompts=4"])
+    with pytest.raises(ConfigError, match=r"actor.parallel.dp=2 with an agent environment"):
+        load_config(quickstart, [*agent, "actor.mini_batch_prompts=null", "actor.parallel={tp: 1, pp: 1, cp: 1, "
+                                 "dp: 2}"])
+    # without an agent the same settings are fine
+    assert load_config(quickstart, ["actor.mini_batch_prompts=4"]).actor.mini_batch_prompts == 4
 
 
 def test_the_example_react_agent_answers_through_its_tool():

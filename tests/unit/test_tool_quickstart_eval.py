@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import re
 
+import pytest
 import yaml
 
 from megarl.config.loader import parse_config
@@ -73,3 +74,15 @@ def test_greedy_episodes_score_what_the_tool_answered_through_the_services_clien
     assert all(r.sampling.temperature == 0.0 and r.sampling.samples_per_prompt == 1 for r, _ in client.requests)
     assert sorted(r.request_id for r, _ in client.requests) == sorted(
         [f"eval/{i}/0/t0" for i in range(len(records))] + [f"eval/{i}/0/t1" for i, c in enumerate(callers) if c])
+
+
+def test_an_out_dir_holding_an_sft_model_is_refused_before_anything_starts(tmp_path):
+    """OUT/sft_model (written after the SFT stage) marks an earlier run, finished or not: refused at once, not after
+    minutes of SFT when the export would find it."""
+    from megarl.config import ConfigError
+    from megarl.trainer.tool_quickstart import ToolQuickstartSettings, run_tool_quickstart
+
+    (tmp_path / "sft_model").mkdir()
+    with pytest.raises(ConfigError, match=r"holds an earlier quickstart run"):
+        run_tool_quickstart(ToolQuickstartSettings(out=str(tmp_path)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sft_model"]  # nothing written
