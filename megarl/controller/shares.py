@@ -41,7 +41,11 @@ class BatchShares:
             are where the pieces are cut (asked of each group once per row count; cached by the groups).
 
     Attributes (for reports and tests): `puts` -- pieces put so far; `put_bytes` -- their tensor bytes;
-    `keys_put` -- the keys with at least one piece put, in order of first put.
+    `keys_put` -- the keys with at least one piece put, in order of first put. What token-sized data (a tensor of
+    two or more dims: [B, S] and up) crossed the controller inside the block, counted from what really moved:
+    `token_tensors_down` -- (key, tensor id) of each such tensor with a piece put (a key put again as a new tensor,
+    e.g. a loss mask changed after the first call, counts again); `token_results_up` -- (method, key) of each such
+    tensor a call inside the block returned to the controller (`note_result`, by `PendingCall.result`).
     """
 
     def __init__(self, calls: Sequence[tuple[Any, str]]) -> None:
@@ -56,6 +60,8 @@ class BatchShares:
         self.puts = 0
         self.put_bytes = 0
         self.keys_put: list[str] = []
+        self.token_tensors_down: list[tuple[str, int]] = []
+        self.token_results_up: list[tuple[str, str]] = []
         self._outer: Optional[BatchShares] = None
 
     def cuts(self, rows: int) -> list[int]:
@@ -81,7 +87,16 @@ class BatchShares:
             self.put_bytes += part.numel() * part.element_size()
             if key not in self.keys_put:
                 self.keys_put.append(key)
+            if part.dim() >= 2 and (key, id(tensor)) not in self.token_tensors_down:
+                self.token_tensors_down.append((key, id(tensor)))
         return ref
+
+    def note_result(self, method: str, result: Any) -> None:
+        """Count the token-sized tensors (two or more dims) of a call's collected `result` (a `Batch`, or anything
+        else: nothing counted) that came up to the controller inside this block."""
+        tensors = getattr(result, "tensors", None)
+        if isinstance(tensors, dict):
+            self.token_results_up += [(method, k) for k, v in tensors.items() if getattr(v, "dim", lambda: 0)() >= 2]
 
     def __enter__(self) -> "BatchShares":
         self._outer = active_shares()

@@ -45,11 +45,17 @@ def test_every_step_is_logged(quickstart_run):
     assert all(r["reshard/verified_pieces"] > 0 and r["reshard/verify_time_s"] > 0 for r in rows)
     assert all(r["reshard/bytes_received"] == r["reshard/bytes_lower_bound"] for r in rows)
     # the batch goes down once (BatchShares): the 5 keys the role calls read (input_ids, attention_mask, loss_mask
-    # int64; rollout_log_probs fp32 for the forward's mismatch rows, advantages fp32 for the update; old and
-    # reference log-probs stay on the ranks) in 2 pieces each (the update's 2 mini-batches of 16 rows), whatever the
-    # number of calls reading them
+    # [32, S] int64; rollout_log_probs [32, S] fp32 for the forward's mismatch rows; GRPO's advantages as [32] fp32
+    # per-sequence values, expanded on the ranks; old and reference log-probs stay on the ranks) in 2 pieces each
+    # (the update's 2 mini-batches of 16 rows), whatever the number of calls reading them
     assert all(r["dispatch/batch_pieces_put"] == 10 for r in rows)
-    assert all(r["dispatch/batch_put_bytes"] % (32 * (3 * 8 + 2 * 4)) == 0 for r in rows)  # 32 rows x S x those
+    assert all((r["dispatch/batch_put_bytes"] - 32 * 4) % (32 * (3 * 8 + 4)) == 0 for r in rows)  # 32 x S x those
+    # token-sized tensors through the controller, counted from what the step moved: generation's ids and log-probs
+    # up (2), the ids and masks down (3), rollout_log_probs down (1); no role result comes up, the advantages go
+    # down as [32] (benchmarks/results/dispatch_bytes_byref.md)
+    assert all(r["dispatch/token_tensors_down"] == 4 for r in rows)
+    assert all(r["dispatch/token_results_up"] == 0 for r in rows)
+    assert all(r["dispatch/token_crossings"] == 6 for r in rows)
     assert "finished 20 steps" in proc.stderr + proc.stdout
 
 
