@@ -36,6 +36,7 @@ from megarl.config.schema import JobConfig
 from megarl.controller import serving
 from megarl.controller.shares import BatchShares
 from megarl.data.batch import Batch
+from megarl.data.token_rows import TokenRowSource
 from megarl.data.trajectory import trajectories_to_batch
 from megarl.rollout.engine import SamplingSettings
 from megarl.rollout.service import ColocatedRollout, RolloutService
@@ -272,7 +273,8 @@ class RLLoop:
         its own pool) -> actor update -> `rollout.push_weights` (the reshard into the engines). Returns the step's
         metrics: rewards, lengths (tokens), per-phase times in seconds (`time/<phase>_s`), tokens/s, the roles'
         update metrics (`actor/...`, `critic/...`), the reshard's bytes and time, and the batch's row pieces put into
-        the object store for the role calls (`dispatch/batch_pieces_put`, `dispatch/batch_put_bytes`: each once),
+        the object store for the role calls (`dispatch/batch_pieces_put`, `dispatch/batch_put_bytes`: each once;
+        `dispatch/batch_pieces_by_reference`: pieces of the token keys the ranks built from the rollout's packages),
         and the token-sized tensors ([B, S] and up) that crossed the controller: `dispatch/token_tensors_down` (the
         batch's, each put once), `dispatch/token_results_up` (role results fetched) and `dispatch/token_crossings`
         (those plus generation's output: token ids and vLLM's log-probs).
@@ -289,6 +291,9 @@ class RLLoop:
         # the batch's token ids and masks go down once: each DP share of each key is put into the object store
         # once and every role call below passes the same references (`megarl.controller.shares`)
         with BatchShares(self._share_calls()) as shares:
+            # the token keys stay on the rollout ranks where every row is one completion they kept: the training
+            # ranks build their rows from those packages (`megarl.data.token_rows`); else they go down by value
+            shares.by_reference(TokenRowSource.from_trajectories(trajectories, batch, self.encoder.pad_token_id or 0))
             with _timer(t, "reward"):
                 metrics.update(rollout.reward_metrics)
                 if "reward_model" in self.role_groups:  # the learned reward is what is trained on
@@ -370,7 +375,9 @@ class RLLoop:
         generation = 1 + int("rollout_log_probs" in batch.tensors)
         down, up = len(shares.token_tensors_down), len(shares.token_results_up)
         metrics.update({"dispatch/batch_pieces_put": float(shares.puts), "dispatch/batch_put_bytes":
-                        float(shares.put_bytes), "dispatch/token_tensors_down": float(down),
+                        float(shares.put_bytes),
+                        "dispatch/batch_pieces_by_reference": float(shares.by_reference_pieces),
+                        "dispatch/token_tensors_down": float(down),
                         "dispatch/token_results_up": float(up),
                         "dispatch/token_crossings": float(generation + down + up)})
         self._count_skips(metrics)

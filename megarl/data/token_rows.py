@@ -1,0 +1,142 @@
+"""A step's token rows by reference: the rollout ranks keep each finished completion, the training ranks build their
+rows of the batch's token keys from it, and the controller sends only references and a small layout.
+
+    rollout host (server_poll)  : ref = ray.put(pack_completion(prompt_ids, completion)); completion.token_ref = ref
+    controller (RLLoop.step)    : rows = TokenRowSource.from_trajectories(trajectories, batch, pad_id)
+                                  with BatchShares(...) as shares: shares.by_reference(rows); role calls as before
+    training rank (resolve_shares): fetches its rows' packages (each once) and assembles input_ids, attention_mask,
+                                  loss_mask, rollout_log_probs for its share -- bit-identical to `trajectories_to_batch`
+
+The controller still receives every completion's ids and log-probs once (generation's output: it decodes them and
+computes the rewards); what no longer crosses is the padded [B, S] batch going back down. Each `TokenRowsPiece` (one
+key's rows [lo, hi) of one call's share) carries, per row, the package's object ref, its prompt and total lengths,
+and a checksum of the controller's own row of that key: the rank compares the row it built with it and raises on any
+difference, so a sample changed on the controller after generation (truncated, re-masked) can never be trained on in
+its old form. Only rows that are exactly one completion (prompt + response, loss mask 1 on the response) have a
+package: multi-turn episodes (observation tokens inserted on the controller), samples replaced or rebuilt on the
+controller (`dataclasses.replace` drops the reference) and samples restored from a checkpoint have none, and a batch
+with any such row sends its token keys by value, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+
+# The batch keys a package rebuilds (`trajectories_to_batch`'s layout of a single-turn row).
+TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "rollout_log_probs")
+REF_ATTR = "token_ref"  # the attribute (not a dataclass field: `replace` and checkpoints drop it) holding the ref
+
+
+def pack_completion(prompt_ids: Sequence[int], token_ids: Sequence[int], log_probs: Sequence[float]) -> dict:
+    """What a rollout host puts for one finished completion: ids [P + R] int64 (prompt then response), log_probs [R]
+    float32 (converted as `trajectories_to_batch` converts them), prompt_len P."""
+    return {"ids": torch.tensor(list(prompt_ids) + list(token_ids), dtype=torch.long),
+            "log_probs": torch.tensor([float(x) for x in log_probs], dtype=torch.float32),
+            "prompt_len": len(prompt_ids)}
+
+
+def token_ref(obj: Any) -> Any:
+    """The package reference attached to a completion, sample or trajectory, or None."""
+    return getattr(obj, REF_ATTR, None)
+
+
+def attach_ref(obj: Any, ref: Any) -> Any:
+    """`obj` (a frozen dataclass or not) with `ref` attached as a plain attribute; returns `obj`."""
+    if ref is not None:
+        object.__setattr__(obj, REF_ATTR, ref)
+    return obj
+
+
+def row_checks(tensor: torch.Tensor) -> torch.Tensor:
+    """[rows] int64: each row's sum of its elements' bit patterns (float32 as int32, int64 as is) -- what a rank's
+    assembled row must match."""
+    if tensor.dtype == torch.float32:
+        tensor = tensor.view(torch.int32)
+    return tensor.long().sum(-1)
+
+
+@dataclasses.dataclass
+class TokenRowsPiece:
+    """One key's rows [lo, hi) of a share, by reference (the handle `BatchShares.piece` gives instead of an object
+    ref): `refs[i]` the package of row lo + i, `prompt_lens` / `lengths` its prompt and total tokens, `checks` the
+    controller's `row_checks` of those rows; `seq_len` S and `pad_id` of the batch."""
+
+    key: str
+    refs: list
+    prompt_lens: list[int]
+    lengths: list[int]
+    checks: torch.Tensor
+    seq_len: int
+    pad_id: int
+
+    def assemble(self, packages: Sequence[dict]) -> torch.Tensor:
+        """[hi - lo, S] of this key from the rows' packages (in `refs` order), laid out as `trajectories_to_batch`;
+        raises ValueError naming the key and row when a row differs from the controller's (`checks`)."""
+        rows, S = len(self.refs), self.seq_len
+        if self.key == "input_ids":
+            out = torch.full((rows, S), self.pad_id, dtype=torch.long)
+        elif self.key == "rollout_log_probs":
+            out = torch.zeros((rows, S), dtype=torch.float32)
+        elif self.key in ("attention_mask", "loss_mask"):
+            out = torch.zeros((rows, S), dtype=torch.long)
+        else:
+            raise ValueError(f"TokenRowsPiece: no layout for key {self.key!r}; keys by reference: {TOKEN_KEYS}")
+        for i, (package, p, n) in enumerate(zip(packages, self.prompt_lens, self.lengths)):
+            ids = package["ids"]
+            if len(ids) != n or package["prompt_len"] != p:
+                raise ValueError(f"{self.key} row {i}: the rollout's package has {len(ids)} tokens (prompt "
+                                 f"{package['prompt_len']}) but the controller's row has {n} (prompt {p})")
+            if self.key == "input_ids":
+                out[i, :n] = ids
+            elif self.key == "attention_mask":
+                out[i, :n] = 1
+            elif self.key == "loss_mask":
+                out[i, p:n] = 1
+            else:
+                out[i, p:n] = package["log_probs"]
+        got = row_checks(out)
+        if not torch.equal(got, self.checks):
+            bad = int((got != self.checks).nonzero()[0])
+            raise ValueError(f"{self.key} row {bad} of this share, built from the rollout's package, differs from the "
+                             "controller's row: the sample was changed after generation; send the batch by value "
+                             "(no token reference on the sample)")
+        return out
+
+
+@dataclasses.dataclass
+class TokenRowSource:
+    """The batch's token keys as the rollout's packages: per row its package ref, prompt and total lengths; the
+    batch's tensors of TOKEN_KEYS (by identity: `BatchShares` replaces only pieces of these very tensors)."""
+
+    refs: list
+    prompt_lens: list[int]
+    lengths: list[int]
+    tensors: dict[str, torch.Tensor]
+    pad_id: int
+    versions: dict[str, int]  # the tensors' in-place version counters when the source was made
+
+    @classmethod
+    def from_trajectories(cls, trajectories: Sequence[Any], batch: Any, pad_id: int) -> Optional["TokenRowSource"]:
+        """The source of `batch` (`trajectories_to_batch(trajectories, pad_id)`), or None unless every trajectory is
+        exactly one completion with a package (`token_ref`: single-turn, unchanged since generation)."""
+        refs = [token_ref(t) for t in trajectories]
+        if not refs or any(r is None for r in refs):
+            return None
+        for t in trajectories:  # one completion: context then response, the whole response trained on
+            p = t.prompt_len
+            if list(t.loss_mask) != [0] * p + [1] * (len(t) - p):
+                return None
+        tensors = {k: batch.tensors[k] for k in TOKEN_KEYS if k in batch.tensors}
+        return cls(refs, [t.prompt_len for t in trajectories], [len(t) for t in trajectories], tensors, pad_id,
+                   {k: v._version for k, v in tensors.items()})
+
+    def piece(self, key: str, tensor: torch.Tensor, lo: int, hi: int) -> Optional[TokenRowsPiece]:
+        """The by-reference handle of `tensor[lo:hi]` when `tensor` is this source's `key`, not changed in place since
+        (its version counter), else None (it goes by value)."""
+        if self.tensors.get(key) is not tensor or tensor._version != self.versions[key]:
+            return None
+        return TokenRowsPiece(key, self.refs[lo:hi], self.prompt_lens[lo:hi], self.lengths[lo:hi],
+                              row_checks(tensor[lo:hi]), tensor.shape[1], self.pad_id)
