@@ -161,8 +161,9 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
     (`sequence_advantages`, `megarl.algorithms.advantages.per_sequence_advantages`) and expanded over the loss mask
     on the ranks (`update_actor(per_sequence=...)`); "tokens" = that, with input_ids, attention_mask, loss_mask and
     rollout_log_probs built on the ranks from the rollout's per-completion packages (`megarl.data.token_rows`: each
-    call's share carries, per row, the package's ref, its lengths and a check; the rank fetches each of its rows'
-    packages once per call, unpadded: ids [P + R] int64 and log-probs [R] float32).
+    call's share carries, per row, its lengths, a check and the ref of what the key is built from; the rank fetches,
+    once per call, its rows' ids [P + R] int64 where it reads input_ids and log-probs [R] float32 where it reads
+    rollout_log_probs; the masks are built from the lengths).
     Down: by value, each distinct per-replica argument set once through the controller (`ray.put`), its size on every
     rank that receives it; by reference, each piece once through the controller, and a rank deserialises the pieces
     of its share plus its call (an object ref counted as its 28-byte id). Up: the results, one per replica.
@@ -199,14 +200,16 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
 
     source = {k: batch[k] for k in TOKEN_KEYS} if mode == "tokens" else {}  # the rollout's packages' keys
     lengths = [S] * B  # each row: prompt_tokens of prompt, the rest sampled (the layouts' shape limits)
-    package = len(pickle.dumps(pack_completion(list(range(lay.prompt_tokens)), list(range(S - lay.prompt_tokens)),
-                                               [0.5] * (S - lay.prompt_tokens)), protocol=5))
+    ids, lps = pack_completion(list(range(lay.prompt_tokens)), list(range(S - lay.prompt_tokens)),
+                               [0.5] * (S - lay.prompt_tokens))
+    package = [len(pickle.dumps(ids, protocol=5)), len(pickle.dumps(lps, protocol=5))]  # the two objects per row
 
     def piece(key, tensor, lo, hi):
         if source.get(key) is tensor:  # by reference: nothing put; the handle travels inside the call
-            refs = [(lo + i).to_bytes(28, "little") for i in range(hi - lo)]  # an object ref as its 28-byte id
+            which = {"input_ids": 0, "rollout_log_probs": 1}.get(key)  # the masks: from the lengths alone
+            refs = [] if which is None else [(2 * (lo + i) + which).to_bytes(28, "little") for i in range(hi - lo)]
             return TokenRowsPiece(key, refs, [lay.prompt_tokens] * (hi - lo), lengths[lo:hi],
-                                  row_checks(tensor[lo:hi]), S, 0)
+                                  row_checks(tensor[lo:hi]), S, 0)  # an object ref counted as its 28-byte id
         index = (key, id(tensor), lo, hi)
         if index not in put:
             put[index] = (len(put).to_bytes(28, "little"), len(pickle.dumps(tensor[lo:hi].clone(), protocol=5)))
@@ -233,7 +236,8 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
                 handles = [h for hs in c[0][0].pieces.values() for h in hs]
                 n += sum(size_of[h] for h in handles if not isinstance(h, TokenRowsPiece))
                 # by reference: the rank fetches each row's package once for all the keys that read it
-                n += package * len({r for h in handles if isinstance(h, TokenRowsPiece) for r in h.refs})
+                n += sum(package[int.from_bytes(r, "little") % 2]
+                         for r in {r for h in handles if isinstance(h, TokenRowsPiece) for r in h.refs})
             got.append(n)
         new_pieces = {k: v for k, v in put.items() if k not in known}
         through += sum(sizes.values()) + sum(b for _, b in new_pieces.values())

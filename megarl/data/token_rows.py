@@ -1,21 +1,25 @@
 """A step's token rows by reference: the rollout ranks keep each finished completion, the training ranks build their
 rows of the batch's token keys from it, and the controller sends only references and a small layout.
 
-    rollout host (server_poll)  : ref = ray.put(pack_completion(prompt_ids, completion)); completion.token_ref = ref
+    rollout host (server_poll)  : ids, log_probs = pack_completion(prompt_ids, token_ids, log_probs)
+                                  attach_ref(completion, (ray.put(ids), ray.put(log_probs)))
     controller (RLLoop.step)    : rows = TokenRowSource.from_trajectories(trajectories, batch, pad_id)
                                   with BatchShares(...) as shares: shares.by_reference(rows); role calls as before
-    training rank (resolve_shares): fetches its rows' packages (each once) and assembles input_ids, attention_mask,
-                                  loss_mask, rollout_log_probs for its share -- bit-identical to `trajectories_to_batch`
+    training rank (resolve_shares): fetches what its keys need of its rows (each object once) and builds input_ids,
+                                  attention_mask, loss_mask, rollout_log_probs of its share -- bit-identical to
+                                  `trajectories_to_batch`
 
 The controller still receives every completion's ids and log-probs once (generation's output: it decodes them and
 computes the rewards); what no longer crosses is the padded [B, S] batch going back down. Each `TokenRowsPiece` (one
-key's rows [lo, hi) of one call's share) carries, per row, the package's object ref, its prompt and total lengths,
-and a checksum of the controller's own row of that key: the rank compares the row it built with it and raises on any
-difference, so a sample changed on the controller after generation (truncated, re-masked) can never be trained on in
-its old form. Only rows that are exactly one completion (prompt + response, loss mask 1 on the response) have a
-package: multi-turn episodes (observation tokens inserted on the controller), samples replaced or rebuilt on the
-controller (`dataclasses.replace` drops the reference) and samples restored from a checkpoint have none, and a batch
-with any such row sends its token keys by value, as before.
+key's rows [lo, hi) of one call's share) carries, per row, the prompt and total lengths, a checksum of the controller's
+own row of that key, and the object ref the key is built from: input_ids from the completion's ids [P + R] int64,
+rollout_log_probs from its log-probs [R] float32, the two masks from the lengths alone (nothing fetched). So a rank
+deserialises only its own rows, and of them only what the keys its method reads need. The rank compares each row it
+built with the checksum and raises on any difference: a sample changed on the controller after generation can never
+be trained on in its old form. Only rows that are exactly one completion (prompt + response, loss mask 1 on the
+response) have references: multi-turn episodes (observation tokens inserted on the controller), samples replaced or
+rebuilt on the controller (`dataclasses.replace` drops the attribute) and samples restored from a checkpoint have
+none, and a batch with any such row sends its token keys by value, as before.
 """
 
 from __future__ import annotations
@@ -25,21 +29,23 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-# The batch keys a package rebuilds (`trajectories_to_batch`'s layout of a single-turn row).
+# The batch keys built from the references (`trajectories_to_batch`'s layout of a single-turn row).
 TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "rollout_log_probs")
-REF_ATTR = "token_ref"  # the attribute (not a dataclass field: `replace` and checkpoints drop it) holding the ref
+# which of a completion's two objects (0: ids, 1: log-probs) each key is built from; None: from the lengths alone
+_SOURCE_OF = {"input_ids": 0, "rollout_log_probs": 1, "attention_mask": None, "loss_mask": None}
+REF_ATTR = "token_ref"  # the attribute (not a dataclass field: `replace` and checkpoints drop it) holding the refs
 
 
-def pack_completion(prompt_ids: Sequence[int], token_ids: Sequence[int], log_probs: Sequence[float]) -> dict:
-    """What a rollout host puts for one finished completion: ids [P + R] int64 (prompt then response), log_probs [R]
-    float32 (converted as `trajectories_to_batch` converts them), prompt_len P."""
-    return {"ids": torch.tensor(list(prompt_ids) + list(token_ids), dtype=torch.long),
-            "log_probs": torch.tensor([float(x) for x in log_probs], dtype=torch.float32),
-            "prompt_len": len(prompt_ids)}
+def pack_completion(prompt_ids: Sequence[int], token_ids: Sequence[int],
+                    log_probs: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a rollout host puts for one finished completion, as two objects: ids [P + R] int64 (prompt then
+    response) and log_probs [R] float32 (converted as `trajectories_to_batch` converts them)."""
+    return (torch.tensor(list(prompt_ids) + list(token_ids), dtype=torch.long),
+            torch.tensor([float(x) for x in log_probs], dtype=torch.float32))
 
 
 def token_ref(obj: Any) -> Any:
-    """The package reference attached to a completion, sample or trajectory, or None."""
+    """The (ids ref, log-probs ref) attached to a completion, sample or trajectory, or None."""
     return getattr(obj, REF_ATTR, None)
 
 
@@ -52,7 +58,7 @@ def attach_ref(obj: Any, ref: Any) -> Any:
 
 def row_checks(tensor: torch.Tensor) -> torch.Tensor:
     """[rows] int64: each row's sum of its elements' bit patterns (float32 as int32, int64 as is) -- what a rank's
-    assembled row must match."""
+    built row must match."""
     if tensor.dtype == torch.float32:
         tensor = tensor.view(torch.int32)
     return tensor.long().sum(-1)
@@ -61,8 +67,9 @@ def row_checks(tensor: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class TokenRowsPiece:
     """One key's rows [lo, hi) of a share, by reference (the handle `BatchShares.piece` gives instead of an object
-    ref): `refs[i]` the package of row lo + i, `prompt_lens` / `lengths` its prompt and total tokens, `checks` the
-    controller's `row_checks` of those rows; `seq_len` S and `pad_id` of the batch."""
+    ref): `refs[i]` the object row lo + i is built from (empty for the masks, built from the lengths), `prompt_lens`
+    / `lengths` its prompt and total tokens, `checks` the controller's `row_checks` of those rows; `seq_len` S and
+    `pad_id` of the batch."""
 
     key: str
     refs: list
@@ -72,10 +79,10 @@ class TokenRowsPiece:
     seq_len: int
     pad_id: int
 
-    def assemble(self, packages: Sequence[dict]) -> torch.Tensor:
-        """[hi - lo, S] of this key from the rows' packages (in `refs` order), laid out as `trajectories_to_batch`;
-        raises ValueError naming the key and row when a row differs from the controller's (`checks`)."""
-        rows, S = len(self.refs), self.seq_len
+    def assemble(self, fetched: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[hi - lo, S] of this key, laid out as `trajectories_to_batch`, from the fetched objects of `refs` (in
+        order); raises ValueError naming the key and row when a row differs from the controller's (`checks`)."""
+        rows, S = len(self.lengths), self.seq_len
         if self.key == "input_ids":
             out = torch.full((rows, S), self.pad_id, dtype=torch.long)
         elif self.key == "rollout_log_probs":
@@ -84,32 +91,32 @@ class TokenRowsPiece:
             out = torch.zeros((rows, S), dtype=torch.long)
         else:
             raise ValueError(f"TokenRowsPiece: no layout for key {self.key!r}; keys by reference: {TOKEN_KEYS}")
-        for i, (package, p, n) in enumerate(zip(packages, self.prompt_lens, self.lengths)):
-            ids = package["ids"]
-            if len(ids) != n or package["prompt_len"] != p:
-                raise ValueError(f"{self.key} row {i}: the rollout's package has {len(ids)} tokens (prompt "
-                                 f"{package['prompt_len']}) but the controller's row has {n} (prompt {p})")
-            if self.key == "input_ids":
-                out[i, :n] = ids
-            elif self.key == "attention_mask":
+        for i, (p, n) in enumerate(zip(self.prompt_lens, self.lengths)):
+            if self.key == "attention_mask":
                 out[i, :n] = 1
             elif self.key == "loss_mask":
                 out[i, p:n] = 1
             else:
-                out[i, p:n] = package["log_probs"]
+                part = fetched[i]
+                want = n if self.key == "input_ids" else n - p
+                if len(part) != want:
+                    raise ValueError(f"{self.key} row {i}: the rollout kept {len(part)} values but the controller's "
+                                     f"row has {want} (prompt {p}, {n} tokens)")
+                out[i, (0 if self.key == "input_ids" else p):n] = part
         got = row_checks(out)
         if not torch.equal(got, self.checks):
             bad = int((got != self.checks).nonzero()[0])
-            raise ValueError(f"{self.key} row {bad} of this share, built from the rollout's package, differs from the "
-                             "controller's row: the sample was changed after generation; send the batch by value "
+            raise ValueError(f"{self.key} row {bad} of this share, built from the rollout's completion, differs from "
+                             "the controller's row: the sample was changed after generation; send the batch by value "
                              "(no token reference on the sample)")
         return out
 
 
 @dataclasses.dataclass
 class TokenRowSource:
-    """The batch's token keys as the rollout's packages: per row its package ref, prompt and total lengths; the
-    batch's tensors of TOKEN_KEYS (by identity: `BatchShares` replaces only pieces of these very tensors)."""
+    """The batch's token keys as the rollout's completions: per row its (ids ref, log-probs ref), prompt and total
+    lengths; the batch's tensors of TOKEN_KEYS (by identity: `BatchShares` replaces only pieces of these very tensors,
+    unchanged in place since, `versions`)."""
 
     refs: list
     prompt_lens: list[int]
@@ -121,7 +128,7 @@ class TokenRowSource:
     @classmethod
     def from_trajectories(cls, trajectories: Sequence[Any], batch: Any, pad_id: int) -> Optional["TokenRowSource"]:
         """The source of `batch` (`trajectories_to_batch(trajectories, pad_id)`), or None unless every trajectory is
-        exactly one completion with a package (`token_ref`: single-turn, unchanged since generation)."""
+        exactly one completion with references (`token_ref`: single-turn, unchanged since generation)."""
         refs = [token_ref(t) for t in trajectories]
         if not refs or any(r is None for r in refs):
             return None
@@ -138,5 +145,7 @@ class TokenRowSource:
         (its version counter), else None (it goes by value)."""
         if self.tensors.get(key) is not tensor or tensor._version != self.versions[key]:
             return None
-        return TokenRowsPiece(key, self.refs[lo:hi], self.prompt_lens[lo:hi], self.lengths[lo:hi],
-                              row_checks(tensor[lo:hi]), tensor.shape[1], self.pad_id)
+        which = _SOURCE_OF[key]
+        refs = [] if which is None else [r[which] for r in self.refs[lo:hi]]
+        return TokenRowsPiece(key, refs, self.prompt_lens[lo:hi], self.lengths[lo:hi], row_checks(tensor[lo:hi]),
+                              tensor.shape[1], self.pad_id)

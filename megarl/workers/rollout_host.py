@@ -151,10 +151,10 @@ class RolloutHost:
 
 
 def _keep_completions(results: Sequence[Any]) -> None:
-    """Put each finished completion of `results` into the object store, owned by this rank, and attach its reference
-    to the completion (`megarl.data.token_rows`): the training ranks build their rows of the step's token keys from
-    these packages instead of the controller sending the padded batch down. Not under Ray (a host built in a test
-    process): nothing is put, the batch goes by value."""
+    """Put each finished completion of `results` into the object store (its ids and its log-probs, two objects owned
+    by this rank) and attach the references to the completion (`megarl.data.token_rows`): the training ranks build
+    their rows of the step's token keys from them instead of the controller sending the padded batch down. Not
+    under Ray (a host built in a test process): nothing is put, the batch goes by value."""
     import ray
 
     if not ray.is_initialized():
@@ -166,4 +166,5 @@ def _keep_completions(results: Sequence[Any]) -> None:
         if result.status != "finished" or output is None:
             continue
         for c in output.completions:
-            attach_ref(c, ray.put(pack_completion(output.prompt_ids, c.token_ids, c.log_probs)))
+            ids, log_probs = pack_completion(output.prompt_ids, c.token_ids, c.log_probs)
+            attach_ref(c, (ray.put(ids), ray.put(log_probs)))

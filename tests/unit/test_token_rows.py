@@ -11,7 +11,14 @@ import torch
 
 from megarl.controller.dispatch import dispatched_methods, plan_shared_calls, resolve_shares, share_rows
 from megarl.data.batch import Batch
-from megarl.data.token_rows import TOKEN_KEYS, TokenRowSource, TokenRowsPiece, attach_ref, pack_completion, token_ref
+from megarl.data.token_rows import (
+    TOKEN_KEYS,
+    TokenRowSource,
+    TokenRowsPiece,
+    attach_ref,
+    pack_completion,
+    token_ref,
+)
 from megarl.data.trajectory import Trajectory, trajectories_to_batch
 from megarl.rollout.engine import Completion, GenerationOutput
 from megarl.trainer.samples import samples_to_trajectories
@@ -48,7 +55,8 @@ def _outputs(store: Store) -> list[GenerationOutput]:
             n = 1 + (3 * i + 5 * k) % 6
             c = Completion(k, torch.randint(10, 90, (n,), generator=g).tolist(),
                            (-torch.rand(n, generator=g, dtype=torch.float64)).tolist(), "stop")
-            comps.append(attach_ref(c, store.put(pack_completion(prompt, c.token_ids, c.log_probs))))
+            ids, log_probs = pack_completion(prompt, c.token_ids, c.log_probs)
+            comps.append(attach_ref(c, (store.put(ids), store.put(log_probs))))
         outs.append(GenerationOutput(f"r{i}", prompt, comps, True))
     return outs
 
@@ -92,9 +100,17 @@ def test_each_rank_builds_exactly_the_rows_the_controller_would_have_sent(method
             same = torch.equal(a.view(torch.int32), b.view(torch.int32)) if a.dtype == torch.float32 else \
                 torch.equal(a, b)
             assert same, (method, key)
-    # each rank fetched each of its rows' packages once, for all four keys
-    for fetched in store.gets:
+    # each rank fetched each object it needs once, and only its own rows' objects, only for the keys it reads: ids
+    # for input_ids, log-probs only where rollout_log_probs is read, nothing for the masks (built from the lengths)
+    reads_log_probs = "rollout_log_probs" in got[0].keys()
+    for args, _ in calls:  # the masks are built from the lengths alone: nothing to fetch
+        for key in ("attention_mask", "loss_mask"):
+            assert all(h.refs == [] for h in args[0].pieces[key]), key
+    for (args, _), fetched in zip(calls, store.gets):
         assert len(fetched) == len(set(fetched))
+        rows = [r for h in args[0].pieces["input_ids"] for r in range(len(h.lengths))]
+        assert len(fetched) == len(rows) * (2 if reads_log_probs else 1) + sum(
+            1 for k, hs in args[0].pieces.items() if k not in TOKEN_KEYS for _ in hs)
 
 
 class _NoSource:
