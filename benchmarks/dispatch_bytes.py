@@ -156,7 +156,14 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
     shares are references to row pieces cut at every call's share boundaries, each piece put once per step);
     "ranks" = that, with the mismatch metrics computed on the actor's ranks (the old log-prob forward reads vLLM's
     log-probs and returns [B] mismatch rows, `mismatch_rows`; the old log-probs come up only when they are not kept)
-    and the update sent vLLM's log-probs only where it reads them (`update_reads_rollout_log_probs`: not here).
+    and the update sent vLLM's log-probs only where it reads them (`update_reads_rollout_log_probs`: not here);
+    "seq" = that, with a score-based estimator's advantages (GRPO here; not GAE) sent as [B] per-sequence values
+    (`sequence_advantages`, `megarl.algorithms.advantages.per_sequence_advantages`) and expanded over the loss mask
+    on the ranks (`update_actor(per_sequence=...)`); "tokens" = that, with input_ids, attention_mask, loss_mask and
+    rollout_log_probs built on the ranks from the rollout's per-completion packages (`megarl.data.token_rows`: each
+    call's share carries, per row, its lengths, a check and the ref of what the key is built from; the rank fetches,
+    once per call, its rows' ids [P + R] int64 where it reads input_ids and log-probs [R] float32 where it reads
+    rollout_log_probs; the masks are built from the lengths).
     Down: by value, each distinct per-replica argument set once through the controller (`ray.put`), its size on every
     rank that receives it; by reference, each piece once through the controller, and a rank deserialises the pieces
     of its share plus its call (an object ref counted as its 28-byte id). Up: the results, one per replica.
@@ -164,6 +171,7 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
     mode."""
     from megarl.algorithms.rollout_correction import mismatch_rows
     from megarl.controller.dispatch import plan_shared_calls, share_rows, shares_cover
+    from megarl.data.token_rows import TOKEN_KEYS, TokenRowsPiece, pack_completion, row_checks
     from megarl.workers.role_host import FORWARD_OPTIONAL, RoleHost
 
     specs = dispatched_methods(RoleHost)
@@ -190,7 +198,18 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
         for lo, hi in ranges for x in (lo, hi)})
     put: dict[tuple, tuple[bytes, int]] = {}  # (key, tensor id, lo, hi) -> (handle, pickled bytes): one put each
 
+    source = {k: batch[k] for k in TOKEN_KEYS} if mode == "tokens" else {}  # the rollout's packages' keys
+    lengths = [S] * B  # each row: prompt_tokens of prompt, the rest sampled (the layouts' shape limits)
+    ids, lps = pack_completion(list(range(lay.prompt_tokens)), list(range(S - lay.prompt_tokens)),
+                               [0.5] * (S - lay.prompt_tokens))
+    package = [len(pickle.dumps(ids, protocol=5)), len(pickle.dumps(lps, protocol=5))]  # the two objects per row
+
     def piece(key, tensor, lo, hi):
+        if source.get(key) is tensor:  # by reference: nothing put; the handle travels inside the call
+            which = {"input_ids": 0, "rollout_log_probs": 1}.get(key)  # the masks: from the lengths alone
+            refs = [] if which is None else [(2 * (lo + i) + which).to_bytes(28, "little") for i in range(hi - lo)]
+            return TokenRowsPiece(key, refs, [lay.prompt_tokens] * (hi - lo), lengths[lo:hi],
+                                  row_checks(tensor[lo:hi]), S, 0)  # an object ref counted as its 28-byte id
         index = (key, id(tensor), lo, hi)
         if index not in put:
             put[index] = (len(put).to_bytes(28, "little"), len(pickle.dumps(tensor[lo:hi].clone(), protocol=5)))
@@ -203,7 +222,7 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
         spec = specs[name] if mode != "before" else dataclasses.replace(specs[name], reads=None, optional_reads=())
         m = mini if spec.mode is DP_SPLIT_MINI_BATCHES else None
         known = set(put)
-        if mode in ("once", "ranks"):
+        if mode in ("once", "ranks", "seq", "tokens"):
             calls = plan_shared_calls(spec, (data,), kwargs or {}, lay.world, replica, piece, cuts, name,
                                       mini_batch_samples=m)
             size_of.update(put.values())
@@ -213,15 +232,19 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
         got = []
         for c in calls:
             n = sizes.setdefault(id(c), len(pickle.dumps(c, protocol=5)))
-            if mode in ("once", "ranks"):
-                n += sum(size_of[h] for hs in c[0][0].pieces.values() for h in hs)
+            if mode in ("once", "ranks", "seq", "tokens"):
+                handles = [h for hs in c[0][0].pieces.values() for h in hs]
+                n += sum(size_of[h] for h in handles if not isinstance(h, TokenRowsPiece))
+                # by reference: the rank fetches each row's package once for all the keys that read it
+                n += sum(package[int.from_bytes(r, "little") % 2]
+                         for r in {r for h in handles if isinstance(h, TokenRowsPiece) for r in h.refs})
             got.append(n)
         new_pieces = {k: v for k, v in put.items() if k not in known}
         through += sum(sizes.values()) + sum(b for _, b in new_pieces.values())
         for r, x in enumerate(got):
             per_rank[r] += x
         share = calls[0][0][0]
-        by_ref = mode in ("once", "ranks")
+        by_ref = mode in ("once", "ranks", "seq", "tokens")
         keys = sorted(share.pieces if by_ref else share.keys())
         sent = sorted({k for k, *_ in new_pieces}) if by_ref else keys  # what crossed in this call
         rows.append({"call": name, "dir": "down", "keys": keys, "keys_crossing": sent,
@@ -236,9 +259,9 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
 
     up("generate", {"input_ids": batch["input_ids"], "rollout_log_probs": batch["rollout_log_probs"]})
     down("compute_log_probs", Batch({k: v for k, v in batch.tensors.items() if k != "policy_version"})
-         if mode == "ranks" else batch)  # one weights version: RLLoop leaves the versions out
+         if mode in ("ranks", "seq", "tokens") else batch)  # one weights version: RLLoop leaves the versions out
     old = f()
-    if mode == "ranks":
+    if mode in ("ranks", "seq", "tokens"):
         rows_up = mismatch_rows(old, batch["rollout_log_probs"], batch["loss_mask"])
         up("compute_log_probs", rows_up if stay else {"log_probs": old, **rows_up})
     else:
@@ -254,12 +277,15 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
         values = f()
         up("compute_values", {"values": values})
         batch = batch.update({"old_values": values})
-    batch = batch.update({"advantages": f(), "returns": f()})
+    if mode in ("seq", "tokens") and not critic:  # GRPO: one number per sequence, [B] down, expanded on the ranks
+        batch = batch.update({"sequence_advantages": torch.rand(B, generator=g), "returns": f()})
+    else:
+        batch = batch.update({"advantages": f(), "returns": f()})
     kept = {"old_log_probs", "ref_log_probs", "old_values"} if stay else set()
     trimmed = Batch({k: v for k, v in batch.tensors.items() if k not in kept})
     if critic:
         down("update_critic", trimmed)
-    if mode == "ranks":  # no rollout correction, a separate old-log-prob forward: the update reads no vLLM log-probs
+    if mode in ("ranks", "seq", "tokens"):  # no rollout correction, a separate old-log-prob forward: no vLLM log-probs
         trimmed = Batch({k: v for k, v in trimmed.tensors.items() if k != "rollout_log_probs"})
     down("update_actor", trimmed)
     token_sized = {"input_ids", "attention_mask", "loss_mask", "rollout_log_probs", "policy_version", "log_probs",
@@ -268,10 +294,10 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
     return {"calls": rows, "through_controller_bytes": through, "max_rank_bytes": max(per_rank),
             "last_stage_max_rank_bytes": max(x for x, last in zip(per_rank, last_stage) if last),
             "token_sized_key_crossings": crossings, "results_stay": stay,
-            "pieces_per_key": len(cuts) - 1 if mode in ("once", "ranks") else None}
+            "pieces_per_key": len(cuts) - 1 if mode in ("once", "ranks", "seq", "tokens") else None}
 
 
-MODES = ("before", "reads", "once", "ranks")
+MODES = ("before", "reads", "once", "ranks", "seq", "tokens")
 
 
 def byref_table(lay: Layout) -> list[dict]:
@@ -312,7 +338,9 @@ def main() -> None:
               f"{mib(r['old_dp_allgather_bytes_per_last_stage_rank'])} per last-stage rank")
     print("\nissue 30: one step, " + " -> ".join(MODES) + " (before: main before issue 30; reads: declared reads + "
           "results kept on the ranks; once: + the batch put once; ranks: + the mismatch metrics on the ranks, "
-          "rollout_log_probs only to the calls that read them)")
+          "rollout_log_probs only to the calls that read them; seq: + score-based advantages down as [B] values, "
+          "expanded over the loss mask on the ranks; tokens: + the token keys built on the ranks from the rollout's "
+          "per-completion packages)")
     for r in out["byref"]:
         last = r[MODES[-1]]
         print(f"{r['layout'][:40]}... {r['algorithm']}: through the controller "

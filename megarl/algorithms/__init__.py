@@ -11,8 +11,10 @@ Importing this package registers everything.
 """
 
 from megarl.algorithms.advantages import (
+    expand_per_sequence,
     gae,
     grpo,
+    per_sequence_advantages,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
     rloo,
@@ -51,6 +53,7 @@ __all__ = [
     "cispo_policy_loss",
     "entropy_from_logits",
     "entropy_from_vocab_parallel",
+    "expand_per_sequence",
     "filter_truncated",
     "gae",
     "get_advantage",
@@ -68,6 +71,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "mismatch_metrics",
+    "per_sequence_advantages",
     "policy_loss",
     "policy_loss_names",
     "register_advantage",

@@ -224,6 +224,62 @@ def reinforce_plus_plus_baseline(
     return adv, adv
 
 
+# How [B] per-sequence advantages expand over a row's tokens on the actor's ranks (`per_sequence_advantages`): each is
+# bit-identical, masked positions included, to what an estimator returns: "product" = value x mask (`_broadcast`: GRPO,
+# RLOO; a masked position holds value x 0, signed like the value); "where" = the value where the mask is 1, +0
+# elsewhere (`masked_whiten`'s zeroing: REINFORCE++ with a baseline).
+SEQUENCE_EXPANSIONS = ("product", "where")
+
+
+def expand_per_sequence(values: torch.Tensor, response_mask: torch.Tensor, expansion: str) -> torch.Tensor:
+    """[B] per-sequence values -> [B, T] over the mask's tokens, as `expansion` (one of SEQUENCE_EXPANSIONS).
+
+    Args: values [B] float; response_mask [B, T] 0/1 (the loss mask the update reads).
+    Returns: [B, T] of values' dtype: ``values[i]`` where ``response_mask[i, t] == 1``; elsewhere ``values[i] * 0``
+        ("product") or +0 ("where").
+    """
+    if values.dim() != 1 or response_mask.dim() != 2 or response_mask.shape[0] != values.shape[0]:
+        raise ValueError(f"expected values [B], response_mask [B, T]; got {tuple(values.shape)}, "
+                         f"{tuple(response_mask.shape)}")
+    if expansion == "product":
+        return _broadcast(values, response_mask)
+    if expansion == "where":
+        return torch.where(response_mask.bool(), values.unsqueeze(-1),
+                           torch.zeros((), dtype=values.dtype, device=values.device))
+    raise ValueError(f"unknown expansion {expansion!r}: expected one of {SEQUENCE_EXPANSIONS}")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element for element, the sign of every zero included (NaN never equal)."""
+    return a.dtype == b.dtype and torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
+
+
+@torch.no_grad()
+def per_sequence_advantages(
+    advantages: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, str] | None:
+    """The [B] form of token advantages that are one number per sequence (GRPO, RLOO, REINFORCE++ with a baseline):
+    ``(values, expansion)`` with ``expand_per_sequence(values, response_mask, expansion)`` bit-identical to
+    ``advantages`` (every element, the sign of zeros included), or None when no expansion reproduces them (token-level
+    advantages: GAE, REINFORCE++; or a mask other than the one they were computed with). Sending the [B] values
+    instead of the [B, T] tensor is exact by construction: the check is the expansion itself.
+
+    Args: advantages [B, T] float; response_mask [B, T] 0/1.
+    Returns: (values [B] of advantages' dtype, one of SEQUENCE_EXPANSIONS), or None.
+    """
+    _check_2d("advantages", advantages, response_mask)
+    if not advantages.is_floating_point():
+        return None
+    valid = response_mask.bool()
+    # a row's value at its first sampled token; a row with none: its first element (a zero whose sign "product" keeps)
+    first = torch.where(valid.any(-1), valid.int().argmax(-1), torch.zeros_like(valid[:, 0], dtype=torch.long))
+    values = advantages.gather(1, first.unsqueeze(-1)).squeeze(-1).contiguous()
+    for expansion in SEQUENCE_EXPANSIONS:
+        if _same_bits(expand_per_sequence(values, response_mask, expansion), advantages):
+            return values, expansion
+    return None
+
+
 def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Place each sequence score on its last valid token.
 

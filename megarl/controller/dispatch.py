@@ -386,21 +386,34 @@ def plan_shared_calls(
 
 def resolve_shares(args: tuple, kwargs: dict, get: Callable[[list[Any]], list[Any]]) -> tuple[tuple, dict]:
     """`args` / `kwargs` with each `ShareRefs` replaced by its `Batch` (on the worker): every handle fetched with one
-    `get(handles)` (values in handle order), each key's pieces concatenated on dim 0."""
+    `get(handles)` (values in handle order), each key's pieces concatenated on dim 0. A `TokenRowsPiece` handle is
+    built from its rows' rollout packages (`megarl.data.token_rows`), fetched in the same `get`, each once."""
     from megarl.data.batch import Batch
 
     found = [a for a in (*args, *kwargs.values()) if isinstance(a, ShareRefs)]
     if not found:
         return args, kwargs
+    from megarl.data.token_rows import TokenRowsPiece
+
     handles = [h for s in found for hs in s.pieces.values() for h in hs]
-    values = iter(get(handles))
+    # a row piece by reference (`TokenRowsPiece`): its rows' rollout packages, each fetched once for all its keys
+    plain = [h for h in handles if not isinstance(h, TokenRowsPiece)]
+    packages = list(dict.fromkeys(r for h in handles if isinstance(h, TokenRowsPiece) for r in h.refs))
+    fetched = get(plain + packages) if plain or packages else []
+    value_of = dict(zip(map(id, plain), fetched[:len(plain)]))
+    package_of = dict(zip(packages, fetched[len(plain):]))
     import torch
+
+    def value(h: Any) -> Any:
+        if isinstance(h, TokenRowsPiece):
+            return h.assemble([package_of[r] for r in h.refs])
+        return value_of[id(h)]
 
     batches = {}
     for s in found:
         tensors = {}
         for key, hs in s.pieces.items():
-            parts = [next(values) for _ in hs]
+            parts = [value(h) for h in hs]
             tensors[key] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         batches[id(s)] = Batch(tensors, dict(s.meta))
     swap = lambda a: batches.get(id(a), a) if isinstance(a, ShareRefs) else a  # noqa: E731

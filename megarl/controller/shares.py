@@ -41,7 +41,13 @@ class BatchShares:
             are where the pieces are cut (asked of each group once per row count; cached by the groups).
 
     Attributes (for reports and tests): `puts` -- pieces put so far; `put_bytes` -- their tensor bytes;
-    `keys_put` -- the keys with at least one piece put, in order of first put.
+    `keys_put` -- the keys with at least one piece put, in order of first put. What token-sized data (a tensor of
+    two or more dims: [B, S] and up) crossed the controller inside the block, counted from what really moved:
+    `token_tensors_down` -- (key, tensor id) of each such tensor with a piece put (a key put again as a new tensor,
+    e.g. a loss mask changed after the first call, counts again); `token_results_up` -- (method, key) of each such
+    tensor a call inside the block returned to the controller (`note_result`, by `PendingCall.result`).
+    `by_reference_pieces` / `keys_by_reference` -- pieces sent as references to the rollout's packages instead of
+    put (`by_reference`): they do not cross.
     """
 
     def __init__(self, calls: Sequence[tuple[Any, str]]) -> None:
@@ -56,6 +62,11 @@ class BatchShares:
         self.puts = 0
         self.put_bytes = 0
         self.keys_put: list[str] = []
+        self.token_tensors_down: list[tuple[str, int]] = []
+        self.token_results_up: list[tuple[str, str]] = []
+        self._source: Any = None  # by_reference
+        self.by_reference_pieces = 0
+        self.keys_by_reference: list[str] = []
         self._outer: Optional[BatchShares] = None
 
     def cuts(self, rows: int) -> list[int]:
@@ -67,12 +78,27 @@ class BatchShares:
             self._cuts[rows] = sorted(points)
         return self._cuts[rows]
 
+    def by_reference(self, source: Any) -> None:
+        """Send the pieces of `source`'s tensors (a `megarl.data.token_rows.TokenRowSource`: the step's token
+        keys as the rollout ranks' packages) as `TokenRowsPiece` handles instead of putting them: the ranks build
+        them. None: nothing by reference."""
+        self._source = source
+
     def piece(self, key: str, tensor: Any, lo: int, hi: int) -> Any:
-        """The object ref of `tensor[lo:hi]` (a compact copy), put on first use."""
+        """The object ref of `tensor[lo:hi]` (a compact copy), put on first use; or, for a tensor of the
+        `by_reference` source, its `TokenRowsPiece` (nothing put: counted in `by_reference_pieces`)."""
         import ray
 
         index = (key, id(tensor), tensor._version, lo, hi)
         ref = self._refs.get(index)
+        if ref is None and self._source is not None:
+            ref = self._source.piece(key, tensor, lo, hi)
+            if ref is not None:
+                self._refs[index] = ref
+                self._held[id(tensor)] = tensor
+                self.by_reference_pieces += 1
+                if key not in self.keys_by_reference:
+                    self.keys_by_reference.append(key)
         if ref is None:
             part = tensor[lo:hi].clone()  # a view would pickle its whole storage
             ref = self._refs[index] = ray.put(part)
@@ -81,7 +107,16 @@ class BatchShares:
             self.put_bytes += part.numel() * part.element_size()
             if key not in self.keys_put:
                 self.keys_put.append(key)
+            if part.dim() >= 2 and (key, id(tensor)) not in self.token_tensors_down:
+                self.token_tensors_down.append((key, id(tensor)))
         return ref
+
+    def note_result(self, method: str, result: Any) -> None:
+        """Count the token-sized tensors (two or more dims) of a call's collected `result` (a `Batch`, or anything
+        else: nothing counted) that came up to the controller inside this block."""
+        tensors = getattr(result, "tensors", None)
+        if isinstance(tensors, dict):
+            self.token_results_up += [(method, k) for k, v in tensors.items() if getattr(v, "dim", lambda: 0)() >= 2]
 
     def __enter__(self) -> "BatchShares":
         self._outer = active_shares()
@@ -92,3 +127,4 @@ class BatchShares:
         _active.shares = self._outer
         self._refs.clear()
         self._held.clear()
+        self._source = None

@@ -112,10 +112,14 @@ class PendingCall:
     ) -> None:
         self._group, self._what, self._spec, self._refs = group, what, spec, refs
         self._replica_of, self._wall_timeout_s, self._deadline = replica_of, wall_timeout_s, deadline
+        self._shares = active_shares()  # the step's BatchShares block it was made in: counts what comes up
 
     def result(self) -> Any:
         results = self._group._gather(self._refs, self._what, self._wall_timeout_s, self._deadline)
-        return collect(self._spec, results, self._replica_of)
+        out = collect(self._spec, results, self._replica_of)
+        if self._shares is not None:
+            self._shares.note_result(self._what, out)
+        return out
 
     def done(self) -> bool:
         """Whether every rank has answered (without waiting)."""

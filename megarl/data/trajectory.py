@@ -36,6 +36,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megarl.data.batch import Batch
+from megarl.data.token_rows import attach_ref, token_ref
 
 CONTEXT_VERSION = -1  # `policy_version` of a token the policy did not sample (prompt, tool / env output, padding)
 
@@ -123,7 +124,7 @@ class Trajectory:
         if len(versions) != r:
             raise ValueError(f"sample {sample.prompt_index}/{sample.sample_index}: {r} response tokens but "
                              f"{len(versions)} policy versions")
-        return cls(
+        return attach_ref(cls(
             token_ids=list(sample.prompt_ids) + list(sample.response_ids),
             prompt_len=p,
             loss_mask=[0] * p + [1] * r,
@@ -133,7 +134,7 @@ class Trajectory:
             group_uid=group_uid,
             finish_reason=sample.finish_reason,
             routed_experts=sample.routed_experts,
-        )
+        ), token_ref(sample))  # the rollout's package of this very completion (`megarl.data.token_rows`)
 
 
 class TrajectoryBuilder:

@@ -12,6 +12,8 @@ from typing import Any, Iterable, Literal, Optional, Protocol, Sequence
 
 import torch
 
+from megarl.data.token_rows import attach_ref, token_ref
+
 logger = logging.getLogger("megarl.rollout")
 
 FinishReason = Literal["stop", "length"]
@@ -221,8 +223,9 @@ class GenerationOutput:
         """The completions as `RolloutSample`s of prompt `prompt_index` (a finished output only)."""
         if not self.finished:
             raise ValueError(f"request {self.request_id!r} has not finished: no samples yet")
-        return [RolloutSample(prompt_index, c.sample_index, list(self.prompt_ids), list(c.token_ids),
-                              list(c.log_probs), c.finish_reason) for c in self.completions]
+        # a completion's package on the rollout rank that made it (`megarl.data.token_rows`) follows it
+        return [attach_ref(RolloutSample(prompt_index, c.sample_index, list(self.prompt_ids), list(c.token_ids),
+                                         list(c.log_probs), c.finish_reason), token_ref(c)) for c in self.completions]
 
 
 class RolloutEngine(Protocol):

@@ -27,6 +27,7 @@ from megarl.algorithms import (
     build_kl_controller,
     filter_truncated,
     get_advantage,
+    per_sequence_advantages,
     scores_to_token_rewards,
 )
 from megarl.algorithms.distillation import (
@@ -41,6 +42,7 @@ from megarl.config.schema import JobConfig
 from megarl.controller import serving
 from megarl.controller.shares import BatchShares
 from megarl.data.batch import Batch
+from megarl.data.token_rows import TokenRowSource
 from megarl.data.trajectory import trajectories_to_batch
 from megarl.rollout.engine import SamplingSettings
 from megarl.rollout.service import ColocatedRollout, RolloutService
@@ -279,7 +281,11 @@ class RLLoop:
         its own pool) -> actor update -> `rollout.push_weights` (the reshard into the engines). Returns the step's
         metrics: rewards, lengths (tokens), per-phase times in seconds (`time/<phase>_s`), tokens/s, the roles'
         update metrics (`actor/...`, `critic/...`), the reshard's bytes and time, and the batch's row pieces put into
-        the object store for the role calls (`dispatch/batch_pieces_put`, `dispatch/batch_put_bytes`: each once).
+        the object store for the role calls (`dispatch/batch_pieces_put`, `dispatch/batch_put_bytes`: each once;
+        `dispatch/batch_pieces_by_reference`: pieces of the token keys the ranks built from the rollout's packages),
+        and the token-sized tensors ([B, S] and up) that crossed the controller: `dispatch/token_tensors_down` (the
+        batch's, each put once), `dispatch/token_results_up` (role results fetched) and `dispatch/token_crossings`
+        (those plus generation's output: token ids and vLLM's log-probs).
         """
         t: dict[str, float] = {}
         start = time.perf_counter()
@@ -293,6 +299,9 @@ class RLLoop:
         # the batch's token ids and masks go down once: each DP share of each key is put into the object store
         # once and every role call below passes the same references (`megarl.controller.shares`)
         with BatchShares(self._share_calls()) as shares:
+            # the token keys stay on the rollout ranks where every row is one completion they kept: the training
+            # ranks build their rows from those packages (`megarl.data.token_rows`); else they go down by value
+            shares.by_reference(TokenRowSource.from_trajectories(trajectories, batch, self.encoder.pad_token_id or 0))
             with _timer(t, "reward"):
                 metrics.update(rollout.reward_metrics)
                 if "reward_model" in self.role_groups:  # the learned reward is what is trained on
@@ -360,6 +369,8 @@ class RLLoop:
             # the update reads neither the results kept on its ranks nor, unless this config asks, vLLM's log-probs
             unread = set(kept_actor) | (set() if self._update_reads_rollout() else {"rollout_log_probs"})
             actor_batch, critic_batch = _without(train_batch, unread), _without(train_batch, kept_critic)
+            # score-based advantages (one number per sequence) go down as [B] and are expanded on the ranks
+            actor_batch, per_sequence = _sequence_advantages(actor_batch)
             pending = None
             if critic is not None and critic is not self.workers:
                 pending = critic.update_critic.submit(critic_batch, kept=kept_critic or None)  # overlaps the actor's
@@ -368,14 +379,23 @@ class RLLoop:
                     metrics.update({f"critic/{k}": v for k, v in
                                     critic.update_critic(critic_batch, kept=kept_critic or None).items()})
             with _timer(t, "update_actor"):
-                for k, v in self.workers.update_actor(actor_batch, kept=kept_actor or None).items():
+                for k, v in self.workers.update_actor(actor_batch, kept=kept_actor or None,
+                                                          per_sequence=per_sequence).items():
                     metrics[f"mismatch/{k[len('mismatch_'):]}" if k.startswith("mismatch_") else f"actor/{k}"] = v
             if pending is not None:
                 with _timer(t, "update_critic_wait"):
                     metrics.update({f"critic/{k}": v for k, v in pending.result().items()})
-        # what of the step's batch crossed down: row pieces put (each once) and their tensor bytes
+        # what of the step's batch crossed down: row pieces put (each once) and their tensor bytes; and the
+        # token-sized tensors that crossed the controller, counted from what moved: generation's output up (token
+        # ids, and vLLM's log-probs where the samples carry them), the batch's keys down, role results up
+        generation = 1 + int("rollout_log_probs" in batch.tensors)
+        down, up = len(shares.token_tensors_down), len(shares.token_results_up)
         metrics.update({"dispatch/batch_pieces_put": float(shares.puts), "dispatch/batch_put_bytes":
-                        float(shares.put_bytes)})
+                        float(shares.put_bytes),
+                        "dispatch/batch_pieces_by_reference": float(shares.by_reference_pieces),
+                        "dispatch/token_tensors_down": float(down),
+                        "dispatch/token_results_up": float(up),
+                        "dispatch/token_crossings": float(generation + down + up)})
         self._count_skips(metrics)
         with _timer(t, "sync_weights"):
             reshard = self.schedule.after_update(step)
@@ -613,6 +633,25 @@ def mismatch_from_forward(rows: dict[str, torch.Tensor], trained_version: int, v
         lag = mismatch_from_rows(rows, prefix=f"v{int(v)}/")
         out.update({f"mismatch/lag{trained_version - int(v)}/{k}": float(x) for k, x in lag.items()})
     return out
+
+
+def _sequence_advantages(batch: Batch) -> tuple[Batch, Optional[str]]:
+    """The actor's update batch with its advantages [B, S] as sequence_advantages [B] when they are one number per
+    sequence over the batch's loss mask, exactly (`per_sequence_advantages`: GRPO, RLOO, REINFORCE++ with a
+    baseline; the expansion on the ranks is bit-identical to the tensor computed here), and that expansion; else
+    `batch` itself and None (GAE, REINFORCE++, an SFT batch without advantages, or a loss mask changed after the
+    advantages were computed, e.g. the overlong filter's)."""
+    t = batch.tensors
+    mask = t.get("loss_mask", t.get("response_mask"))
+    if "advantages" not in t or mask is None:
+        return batch, None
+    found = per_sequence_advantages(t["advantages"], mask)
+    if found is None:
+        return batch, None
+    values, expansion = found
+    tensors = {k: v for k, v in t.items() if k != "advantages"}
+    tensors["sequence_advantages"] = values
+    return Batch(tensors, dict(batch.meta)), expansion
 
 
 def _without(batch: Batch, keys) -> Batch:

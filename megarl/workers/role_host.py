@@ -49,7 +49,9 @@ OLD_FORWARD_OPTIONAL = (*FORWARD_OPTIONAL, "rollout_log_probs", "policy_version"
 # (old and ref log-probs may instead be kept on the ranks: `kept=`); ref_log_probs with KL in the loss;
 # rollout_log_probs with rollout correction (or the fused path's mismatch);
 # routed_experts with router replay
-UPDATE_ACTOR_OPTIONAL = (*MASKS, "advantages", "old_log_probs", "ref_log_probs", "rollout_log_probs", "routed_experts")
+# (or, one number per sequence, sequence_advantages [B]: expanded over the loss mask on the ranks, `per_sequence=`)
+UPDATE_ACTOR_OPTIONAL = (*MASKS, "advantages", "sequence_advantages", "old_log_probs", "ref_log_probs",
+                         "rollout_log_probs", "routed_experts")
 
 
 class RoleHost:
@@ -276,7 +278,8 @@ class RoleHost:
 
     @dispatch(Dispatch.DP_SPLIT_MINI_BATCHES, replica_attr="actor_dp", mini_batch_attr="actor_mini_batch_samples",
               reads=TOKENS, optional_reads=UPDATE_ACTOR_OPTIONAL)
-    def update_actor(self, batch: Batch, kept: Optional[dict[str, tuple[str, str]]] = None) -> dict[str, float]:
+    def update_actor(self, batch: Batch, kept: Optional[dict[str, tuple[str, str]]] = None,
+                     per_sequence: Optional[str] = None) -> dict[str, float]:
         """PPO/GSPO update of the actor over mini- and micro-batches (`actor.update`).
 
         `batch`: this actor DP rank's part of every mini-batch of the step's batch, concatenated in mini-batch
@@ -288,8 +291,13 @@ class RoleHost:
         `actor.offload` asks for them: the reshard reads only the parameters.
         `kept`: batch key -> (name, result key) of results kept on this rank by a forward with `keep=` (old or
         reference log-probs), read here instead of sent (`_with_kept`).
+        `per_sequence`: the batch carries sequence_advantages [b] float32 instead of advantages (score-based
+        estimators: one number per sequence), expanded here over its loss mask as this expansion
+        (`megarl.algorithms.advantages.expand_per_sequence`; bit-identical to the controller's [b, S]).
         """
         batch = self._with_kept(batch, kept, "update_actor", "actor")
+        if per_sequence is not None:
+            batch = _expand_sequence_advantages(batch, per_sequence)
         metrics = self._use_keep("actor", lambda r: r.update(batch, share=True))
         self.events.append(("update", "actor"))
         self._offload("actor", self.offload["actor"].after_update)
@@ -370,3 +378,17 @@ class RoleWorker(RoleHost):
         if role not in ("critic", "reference", "reward_model"):
             raise ValueError(f"RoleWorker hosts critic, reference or reward_model, not {role!r}")
         super().__init__(cfg, (role,), pool=cfg.role(role).pool)
+
+
+def _expand_sequence_advantages(batch: Batch, expansion: str) -> Batch:
+    """`batch` with its sequence_advantages [b] replaced by advantages [b, S] over its loss mask (`expansion`, one of
+    `megarl.algorithms.advantages.SEQUENCE_EXPANSIONS`)."""
+    from megarl.algorithms.advantages import expand_per_sequence
+
+    if "sequence_advantages" not in batch:
+        raise KeyError(f"update_actor(per_sequence={expansion!r}) needs sequence_advantages [b] in its batch; it has "
+                       f"{sorted(batch.keys())}: send them (RLLoop) or leave per_sequence out and send advantages")
+    batch = batch.with_loss_mask()
+    tensors = {k: v for k, v in batch.tensors.items() if k != "sequence_advantages"}
+    tensors["advantages"] = expand_per_sequence(batch["sequence_advantages"], batch["loss_mask"], expansion)
+    return Batch(tensors, dict(batch.meta))

@@ -124,6 +124,7 @@ class RolloutHost:
         one), "metrics": the server's counters, "alive": whether its loop runs}."""
         server = self._serving("server_poll")
         results = server.take_results(max_wait_s)
+        _keep_completions(results)
         return {"results": results, "metrics": server.metrics(), "alive": server.alive,
                 "error": None if server.error is None else repr(server.error)}
 
@@ -147,3 +148,23 @@ class RolloutHost:
         import socket
 
         return {"host": socket.gethostname(), "pid": os.getpid(), "names": self.engine.shm_segments()}
+
+
+def _keep_completions(results: Sequence[Any]) -> None:
+    """Put each finished completion of `results` into the object store (its ids and its log-probs, two objects owned
+    by this rank) and attach the references to the completion (`megarl.data.token_rows`): the training ranks build
+    their rows of the step's token keys from them instead of the controller sending the padded batch down. Not
+    under Ray (a host built in a test process): nothing is put, the batch goes by value."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    from megarl.data.token_rows import attach_ref, pack_completion
+
+    for result in results:
+        output = getattr(result, "output", None)
+        if result.status != "finished" or output is None:
+            continue
+        for c in output.completions:
+            ids, log_probs = pack_completion(output.prompt_ids, c.token_ids, c.log_probs)
+            attach_ref(c, (ray.put(ids), ray.put(log_probs)))

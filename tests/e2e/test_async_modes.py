@@ -35,7 +35,9 @@ import torch
 from tests.e2e.conftest import ROOT, assert_checkpoint_loads_without_pickle
 
 # what a resumed run may log differently: wall times (seconds, "_s") and rates, and the resume's own counts
-NOT_REPEATED = ("time/", "per_s", "busy_frac", "async/restored_batches", "async/buffer")
+# dispatch/: how the step's batch reached the ranks -- a batch restored from the checkpoint has no references to the
+# rollout's completions (not saved) and goes down by value, the uninterrupted run's by reference: the same rows
+NOT_REPEATED = ("time/", "per_s", "busy_frac", "async/restored_batches", "async/buffer", "dispatch/")
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,10 @@ def test_one_step_off_resume_repeats_the_uninterrupted_run_bit_for_bit(runs):
     resumed = runs["rows"]["one_step_off_resumed"]
     assert [r["step"] for r in resumed] == list(range(16, 21))
     assert resumed[0]["async/restored_batches"] == 1  # step 16's batch came from the checkpoint, generated on v14
+    # ... and went down by value (its token keys put by the controller) where the uninterrupted run built them on the
+    # ranks from the rollout's completions: every metric below and the weights equal, so the two paths train alike
+    assert resumed[0]["dispatch/token_tensors_down"] == 4 and resumed[0]["dispatch/batch_pieces_by_reference"] == 0
+    assert full[16]["dispatch/token_tensors_down"] == 0 and full[16]["dispatch/batch_pieces_by_reference"] > 0
     for row in resumed:
         for key, value in row.items():
             if not key.endswith("_s") and not any(part in key for part in NOT_REPEATED):

@@ -77,6 +77,11 @@ def test_episodes_take_their_turns(runs, run):
         # the random model rarely ends a turn itself: turns cut at 8 tokens are closed by the end-of-turn token
         assert row["multi_turn/turns_cut"] > 0
         assert row["multi_turn/template_mismatch"] == 0  # no episode masked: the defaults would have stopped the run
+        # the observation tokens are inserted on the controller: an episode is no one completion of the engines, so
+        # its token keys go down by value (input_ids, attention_mask, loss_mask, rollout_log_probs; a mixed-version
+        # batch's policy_version too), nothing by reference
+        assert row["dispatch/batch_pieces_by_reference"] == 0
+        assert row["dispatch/token_tensors_down"] >= 4
 
 
 def test_bpe_turns_that_do_not_re_encode_to_themselves_are_trained_as_sampled(runs):

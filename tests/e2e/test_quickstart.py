@@ -44,12 +44,17 @@ def test_every_step_is_logged(quickstart_run):
     # every sync is verified by default (rollout.verify_sync) and received exactly the layouts' lower bound
     assert all(r["reshard/verified_pieces"] > 0 and r["reshard/verify_time_s"] > 0 for r in rows)
     assert all(r["reshard/bytes_received"] == r["reshard/bytes_lower_bound"] for r in rows)
-    # the batch goes down once (BatchShares): the 5 keys the role calls read (input_ids, attention_mask, loss_mask
-    # int64; rollout_log_probs fp32 for the forward's mismatch rows, advantages fp32 for the update; old and
-    # reference log-probs stay on the ranks) in 2 pieces each (the update's 2 mini-batches of 16 rows), whatever the
-    # number of calls reading them
-    assert all(r["dispatch/batch_pieces_put"] == 10 for r in rows)
-    assert all(r["dispatch/batch_put_bytes"] % (32 * (3 * 8 + 2 * 4)) == 0 for r in rows)  # 32 rows x S x those
+    # the batch goes down at most once (BatchShares): of the 5 keys the role calls read, input_ids, attention_mask,
+    # loss_mask and rollout_log_probs ([32, S]) are built on the ranks from the rollout's per-completion packages
+    # (megarl.data.token_rows: 4 keys x 2 pieces, the update's 2 mini-batches of 16 rows, by reference), and GRPO's
+    # advantages go down as [32] fp32 per-sequence values in 2 pieces (old and reference log-probs stay on the ranks)
+    assert all(r["dispatch/batch_pieces_by_reference"] == 8 for r in rows)
+    assert all(r["dispatch/batch_pieces_put"] == 2 and r["dispatch/batch_put_bytes"] == 32 * 4 for r in rows)
+    # token-sized tensors through the controller, counted from what the step moved: generation's ids and log-probs
+    # up (2) and nothing else -- no batch key down, no role result up (benchmarks/results/dispatch_bytes_byref.md)
+    assert all(r["dispatch/token_tensors_down"] == 0 for r in rows)
+    assert all(r["dispatch/token_results_up"] == 0 for r in rows)
+    assert all(r["dispatch/token_crossings"] == 2 for r in rows)
     assert "finished 20 steps" in proc.stderr + proc.stdout
 
 

@@ -86,6 +86,17 @@ def test_every_sync_is_verified(pool_run):
         assert r["reshard/verified_pieces"] > 0
 
 
+def test_the_training_ranks_build_the_token_keys_from_the_rollout_pools_packages(pool_run):
+    """Rollout on a pool of its own: the engines' ranks keep each finished completion and the actor and reference
+    ranks (another pool) build input_ids, attention_mask, loss_mask and rollout_log_probs from them
+    (`megarl.data.token_rows`): no token-sized tensor goes down through the controller, none comes up from a role
+    call; generation's output (ids and log-probs) is the only crossing."""
+    for r in pool_run["rows"]:
+        assert r["dispatch/batch_pieces_by_reference"] > 0, r["step"]
+        assert r["dispatch/token_tensors_down"] == 0 and r["dispatch/token_results_up"] == 0, r["step"]
+        assert r["dispatch/token_crossings"] == 2, r["step"]
+
+
 def test_greedy_after_a_sync_equals_transformers_on_the_exported_weights(pool_run):
     """At step CHECKED (validation reward 0.96 here, not saturated; step 20's, 1.0, was checked the same way when this
     was written and dropped from the suite for its ~10 s)."""

@@ -1,0 +1,151 @@
+"""A step's token rows by reference: the rollout ranks keep each finished completion, the training ranks build their
+rows of the batch's token keys from it, and the controller sends only references and a small layout.
+
+    rollout host (server_poll)  : ids, log_probs = pack_completion(prompt_ids, token_ids, log_probs)
+                                  attach_ref(completion, (ray.put(ids), ray.put(log_probs)))
+    controller (RLLoop.step)    : rows = TokenRowSource.from_trajectories(trajectories, batch, pad_id)
+                                  with BatchShares(...) as shares: shares.by_reference(rows); role calls as before
+    training rank (resolve_shares): fetches what its keys need of its rows (each object once) and builds input_ids,
+                                  attention_mask, loss_mask, rollout_log_probs of its share -- bit-identical to
+                                  `trajectories_to_batch`
+
+The controller still receives every completion's ids and log-probs once (generation's output: it decodes them and
+computes the rewards); what no longer crosses is the padded [B, S] batch going back down. Each `TokenRowsPiece` (one
+key's rows [lo, hi) of one call's share) carries, per row, the prompt and total lengths, a checksum of the controller's
+own row of that key, and the object ref the key is built from: input_ids from the completion's ids [P + R] int64,
+rollout_log_probs from its log-probs [R] float32, the two masks from the lengths alone (nothing fetched). So a rank
+deserialises only its own rows, and of them only what the keys its method reads need. The rank compares each row it
+built with the checksum and raises on any difference: a sample changed on the controller after generation can never
+be trained on in its old form. Only rows that are exactly one completion (prompt + response, loss mask 1 on the
+response) have references: multi-turn episodes (observation tokens inserted on the controller), samples replaced or
+rebuilt on the controller (`dataclasses.replace` drops the attribute) and samples restored from a checkpoint have
+none, and a batch with any such row sends its token keys by value, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+
+# The batch keys built from the references (`trajectories_to_batch`'s layout of a single-turn row).
+TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "rollout_log_probs")
+# which of a completion's two objects (0: ids, 1: log-probs) each key is built from; None: from the lengths alone
+_SOURCE_OF = {"input_ids": 0, "rollout_log_probs": 1, "attention_mask": None, "loss_mask": None}
+REF_ATTR = "token_ref"  # the attribute (not a dataclass field: `replace` and checkpoints drop it) holding the refs
+
+
+def pack_completion(prompt_ids: Sequence[int], token_ids: Sequence[int],
+                    log_probs: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a rollout host puts for one finished completion, as two objects: ids [P + R] int64 (prompt then
+    response) and log_probs [R] float32 (converted as `trajectories_to_batch` converts them)."""
+    return (torch.tensor(list(prompt_ids) + list(token_ids), dtype=torch.long),
+            torch.tensor([float(x) for x in log_probs], dtype=torch.float32))
+
+
+def token_ref(obj: Any) -> Any:
+    """The (ids ref, log-probs ref) attached to a completion, sample or trajectory, or None."""
+    return getattr(obj, REF_ATTR, None)
+
+
+def attach_ref(obj: Any, ref: Any) -> Any:
+    """`obj` (a frozen dataclass or not) with `ref` attached as a plain attribute; returns `obj`."""
+    if ref is not None:
+        object.__setattr__(obj, REF_ATTR, ref)
+    return obj
+
+
+def row_checks(tensor: torch.Tensor) -> torch.Tensor:
+    """[rows] int64: each row's sum of its elements' bit patterns (float32 as int32, int64 as is) -- what a rank's
+    built row must match."""
+    if tensor.dtype == torch.float32:
+        tensor = tensor.view(torch.int32)
+    return tensor.long().sum(-1)
+
+
+@dataclasses.dataclass
+class TokenRowsPiece:
+    """One key's rows [lo, hi) of a share, by reference (the handle `BatchShares.piece` gives instead of an object
+    ref): `refs[i]` the object row lo + i is built from (empty for the masks, built from the lengths), `prompt_lens`
+    / `lengths` its prompt and total tokens, `checks` the controller's `row_checks` of those rows; `seq_len` S and
+    `pad_id` of the batch."""
+
+    key: str
+    refs: list
+    prompt_lens: list[int]
+    lengths: list[int]
+    checks: torch.Tensor
+    seq_len: int
+    pad_id: int
+
+    def assemble(self, fetched: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[hi - lo, S] of this key, laid out as `trajectories_to_batch`, from the fetched objects of `refs` (in
+        order); raises ValueError naming the key and row when a row differs from the controller's (`checks`)."""
+        rows, S = len(self.lengths), self.seq_len
+        if self.key == "input_ids":
+            out = torch.full((rows, S), self.pad_id, dtype=torch.long)
+        elif self.key == "rollout_log_probs":
+            out = torch.zeros((rows, S), dtype=torch.float32)
+        elif self.key in ("attention_mask", "loss_mask"):
+            out = torch.zeros((rows, S), dtype=torch.long)
+        else:
+            raise ValueError(f"TokenRowsPiece: no layout for key {self.key!r}; keys by reference: {TOKEN_KEYS}")
+        for i, (p, n) in enumerate(zip(self.prompt_lens, self.lengths)):
+            if self.key == "attention_mask":
+                out[i, :n] = 1
+            elif self.key == "loss_mask":
+                out[i, p:n] = 1
+            else:
+                part = fetched[i]
+                want = n if self.key == "input_ids" else n - p
+                if len(part) != want:
+                    raise ValueError(f"{self.key} row {i}: the rollout kept {len(part)} values but the controller's "
+                                     f"row has {want} (prompt {p}, {n} tokens)")
+                out[i, (0 if self.key == "input_ids" else p):n] = part
+        got = row_checks(out)
+        if not torch.equal(got, self.checks):
+            bad = int((got != self.checks).nonzero()[0])
+            raise ValueError(f"{self.key} row {bad} of this share, built from the rollout's completion, differs from "
+                             "the controller's row: the sample was changed after generation; send the batch by value "
+                             "(no token reference on the sample)")
+        return out
+
+
+@dataclasses.dataclass
+class TokenRowSource:
+    """The batch's token keys as the rollout's completions: per row its (ids ref, log-probs ref), prompt and total
+    lengths; the batch's tensors of TOKEN_KEYS (by identity: `BatchShares` replaces only pieces of these very tensors,
+    unchanged in place since, `versions`)."""
+
+    refs: list
+    prompt_lens: list[int]
+    lengths: list[int]
+    tensors: dict[str, torch.Tensor]
+    pad_id: int
+    versions: dict[str, int]  # the tensors' in-place version counters when the source was made
+
+    @classmethod
+    def from_trajectories(cls, trajectories: Sequence[Any], batch: Any, pad_id: int) -> Optional["TokenRowSource"]:
+        """The source of `batch` (`trajectories_to_batch(trajectories, pad_id)`), or None unless every trajectory is
+        exactly one completion with references (`token_ref`: single-turn, unchanged since generation)."""
+        refs = [token_ref(t) for t in trajectories]
+        if not refs or any(r is None for r in refs):
+            return None
+        for t in trajectories:  # one completion: context then response, the whole response trained on
+            p = t.prompt_len
+            if list(t.loss_mask) != [0] * p + [1] * (len(t) - p):
+                return None
+        tensors = {k: batch.tensors[k] for k in TOKEN_KEYS if k in batch.tensors}
+        return cls(refs, [t.prompt_len for t in trajectories], [len(t) for t in trajectories], tensors, pad_id,
+                   {k: v._version for k, v in tensors.items()})
+
+    def piece(self, key: str, tensor: torch.Tensor, lo: int, hi: int) -> Optional[TokenRowsPiece]:
+        """The by-reference handle of `tensor[lo:hi]` when `tensor` is this source's `key`, not changed in place since
+        (its version counter), else None (it goes by value)."""
+        if self.tensors.get(key) is not tensor or tensor._version != self.versions[key]:
+            return None
+        which = _SOURCE_OF[key]
+        refs = [] if which is None else [r[which] for r in self.refs[lo:hi]]
+        return TokenRowsPiece(key, refs, self.prompt_lens[lo:hi], self.lengths[lo:hi], row_checks(tensor[lo:hi]),
+                              tensor.shape[1], self.pad_id)

@@ -1,0 +1,153 @@
+"""The step's token keys by reference (issue 30, item 1): a training rank builds its share's input_ids,
+attention_mask, loss_mask and rollout_log_probs from the rollout's per-completion packages, through the controller's
+real cut (`plan_shared_calls` with `RoleHost`'s dispatch specs) and the worker's `resolve_shares`. Expected: the
+controller's own batch (`trajectories_to_batch`, the by-value path), bit for bit. The object store is stood in for by
+a dict (handle -> value): `resolve_shares` takes its `get` as a parameter; the Ray path runs in the e2e quickstart."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megarl.controller.dispatch import dispatched_methods, plan_shared_calls, resolve_shares, share_rows
+from megarl.data.batch import Batch
+from megarl.data.token_rows import (
+    TOKEN_KEYS,
+    TokenRowSource,
+    TokenRowsPiece,
+    attach_ref,
+    pack_completion,
+    token_ref,
+)
+from megarl.data.trajectory import Trajectory, trajectories_to_batch
+from megarl.rollout.engine import Completion, GenerationOutput
+from megarl.trainer.samples import samples_to_trajectories
+from megarl.workers.role_host import RoleHost
+
+PAD = 7
+
+
+class Store:
+    """handle -> value: what `ray.put` / `ray.get` do for these tests."""
+
+    def __init__(self):
+        self.values: dict[str, object] = {}
+        self.gets: list[list] = []
+
+    def put(self, value) -> str:
+        handle = f"ref{len(self.values)}"
+        self.values[handle] = value
+        return handle
+
+    def get(self, handles: list) -> list:
+        self.gets.append(list(handles))
+        return [self.values[h] for h in handles]
+
+
+def _outputs(store: Store) -> list[GenerationOutput]:
+    """4 prompts x 2 completions of ragged lengths, each completion's package put as the rollout host puts it."""
+    g = torch.Generator().manual_seed(0)
+    outs = []
+    for i in range(4):
+        prompt = torch.randint(10, 90, (2 + i,), generator=g).tolist()
+        comps = []
+        for k in range(2):
+            n = 1 + (3 * i + 5 * k) % 6
+            c = Completion(k, torch.randint(10, 90, (n,), generator=g).tolist(),
+                           (-torch.rand(n, generator=g, dtype=torch.float64)).tolist(), "stop")
+            ids, log_probs = pack_completion(prompt, c.token_ids, c.log_probs)
+            comps.append(attach_ref(c, (store.put(ids), store.put(log_probs))))
+        outs.append(GenerationOutput(f"r{i}", prompt, comps, True))
+    return outs
+
+
+def _step(store: Store):
+    samples = [s for i, out in enumerate(_outputs(store)) for s in out.samples(i)]
+    trajectories = samples_to_trajectories(samples, policy_version=3, uid_prefix="1/")
+    batch = trajectories_to_batch(trajectories, pad_id=PAD)
+    return trajectories, batch
+
+
+def _shares(method: str, batch: Batch, source, store: Store, world=4, replicas=(0, 0, 1, 1), mini=4):
+    spec = dispatched_methods(RoleHost)[method]
+    m = mini if method == "update_actor" else None
+    cuts = sorted({x for ranges, _ in share_rows(spec, len(batch), max(replicas) + 1, m) for r in ranges for x in r})
+
+    def piece(key, tensor, lo, hi):
+        return source.piece(key, tensor, lo, hi) or store.put(tensor[lo:hi].clone())
+
+    calls = plan_shared_calls(spec, (batch,), {}, world, list(replicas), piece, cuts, method, mini_batch_samples=m)
+    return [resolve_shares(args, kwargs, store.get)[0][0] for args, kwargs in calls], calls
+
+
+@pytest.mark.parametrize("method", ["compute_log_probs", "compute_ref_log_probs", "update_actor"])
+def test_each_rank_builds_exactly_the_rows_the_controller_would_have_sent(method):
+    store = Store()
+    trajectories, batch = _step(store)
+    source = TokenRowSource.from_trajectories(trajectories, batch, PAD)
+    assert source is not None
+    got, calls = _shares(method, batch, source, store)
+    for args, _ in calls:  # none of the token keys was put: each piece references the rows' packages
+        pieces = args[0].pieces
+        assert {k for k in pieces if k in TOKEN_KEYS} and all(
+            isinstance(h, TokenRowsPiece) for k in TOKEN_KEYS if k in pieces for h in pieces[k])
+    want = _shares(method, batch, _NoSource(), Store())[0]  # the by-value path
+    for share, by_value in zip(got, want):
+        assert sorted(share.keys()) == sorted(by_value.keys())
+        for key in share.keys():
+            a, b = share[key], by_value[key]
+            assert a.dtype == b.dtype and a.shape == b.shape, key
+            same = torch.equal(a.view(torch.int32), b.view(torch.int32)) if a.dtype == torch.float32 else \
+                torch.equal(a, b)
+            assert same, (method, key)
+    # each rank fetched each object it needs once, and only its own rows' objects, only for the keys it reads: ids
+    # for input_ids, log-probs only where rollout_log_probs is read, nothing for the masks (built from the lengths)
+    reads_log_probs = "rollout_log_probs" in got[0].keys()
+    for args, _ in calls:  # the masks are built from the lengths alone: nothing to fetch
+        for key in ("attention_mask", "loss_mask"):
+            assert all(h.refs == [] for h in args[0].pieces[key]), key
+    for (args, _), fetched in zip(calls, store.gets):
+        assert len(fetched) == len(set(fetched))
+        rows = [r for h in args[0].pieces["input_ids"] for r in range(len(h.lengths))]
+        assert len(fetched) == len(rows) * (2 if reads_log_probs else 1) + sum(
+            1 for k, hs in args[0].pieces.items() if k not in TOKEN_KEYS for _ in hs)
+
+
+class _NoSource:
+    def piece(self, *_):
+        return None
+
+
+def test_a_sample_changed_after_generation_is_caught_on_the_rank():
+    store = Store()
+    trajectories, batch = _step(store)
+    source = TokenRowSource.from_trajectories(trajectories, batch, PAD)
+    # the controller's row differs from what the rollout kept (as a sample edited after generation would)
+    batch.tensors["input_ids"][1, 0] += 1
+    source.versions["input_ids"] = batch.tensors["input_ids"]._version  # as if the batch had been built so
+    with pytest.raises(ValueError, match="input_ids row 1 .* differs from the controller's row"):
+        _shares("compute_ref_log_probs", batch, source, store)
+
+
+def test_only_untouched_single_completion_rows_go_by_reference():
+    store = Store()
+    trajectories, batch = _step(store)
+    # a tensor changed in place after the source was made goes by value
+    source = TokenRowSource.from_trajectories(trajectories, batch, PAD)
+    batch.tensors["loss_mask"][0, -1] = 0
+    assert source.piece("loss_mask", batch.tensors["loss_mask"], 0, 2) is None
+    assert source.piece("input_ids", batch.tensors["input_ids"], 0, 2) is not None
+    # a replaced sample loses its reference (dataclasses.replace copies fields only), so the batch goes by value
+    edited = [dataclasses.replace(trajectories[0], token_ids=list(trajectories[0].token_ids))] + trajectories[1:]
+    assert token_ref(edited[0]) is None
+    assert TokenRowSource.from_trajectories(edited, batch, PAD) is None
+    # a multi-turn row (context tokens inside the response) has no package
+    t = max(trajectories, key=lambda x: len(x) - x.prompt_len)
+    assert len(t) - t.prompt_len >= 3
+    gap = t.prompt_len + 1  # an observation token inside the response
+    mask, log_probs, versions = list(t.loss_mask), list(t.log_probs), list(t.policy_version)
+    mask[gap], log_probs[gap], versions[gap] = 0, 0.0, -1
+    multi = attach_ref(Trajectory(t.token_ids, t.prompt_len, mask, log_probs, versions, t.uid, t.group_uid,
+                                  t.finish_reason), token_ref(t))
+    assert TokenRowSource.from_trajectories([multi] + trajectories[1:], batch, PAD) is None
+    assert set(TOKEN_KEYS) <= set(batch.keys())
