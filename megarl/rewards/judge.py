@@ -39,6 +39,7 @@ import re
 import string
 import threading
 import time
+import uuid
 from typing import Any, Optional, Sequence
 
 from megarl.rollout.engine import GenerationRequest, SamplingSettings
@@ -174,6 +175,8 @@ class Judge:
         self.counters = JudgeCounters()
         self._counter_lock = threading.Lock()
         self._cache: dict[tuple, asyncio.Future] = {}
+        # request ids unique among the engines' requests in flight, whoever else sends them: judge/<this>/<n>
+        self._prefix = f"judge/{uuid.uuid4().hex[:8]}/"
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._semaphore: Optional[asyncio.Semaphore] = None
@@ -229,7 +232,12 @@ class Judge:
             self._cache[key] = entry
         started = time.perf_counter()
         try:
-            score = await self._judge(question, response, reference)
+            try:
+                score = await self._judge(question, response, reference)
+            except _Failure:
+                raise
+            except Exception as e:  # anything else the judging raised (a tokenizer that cannot decode, ...)
+                raise _Failure("error", f"{type(e).__name__}: {e}") from None
             entry.set_result(score)
             self._count(score, latency_s=time.perf_counter() - started)
         except _Failure as failure:
@@ -273,7 +281,7 @@ class Judge:
         return value
 
     async def _request(self, prompt: list[int], sampling: SamplingSettings):
-        request = GenerationRequest(f"judge/{next(self._ids)}", prompt, sampling)
+        request = GenerationRequest(f"{self._prefix}{next(self._ids)}", prompt, sampling)
         async with self._semaphore:
             with self._counter_lock:
                 self.counters.requests += 1
