@@ -94,3 +94,23 @@ def test_a_valid_judge_config_passes():
 
     cfg = validate(_cfg(parse="verdict", verdicts={"good": 1.0, "bad": 0.0}, max_concurrent=4))
     assert cfg.reward.judge.verdicts == {"good": 1.0, "bad": 0.0} and cfg.reward.judge.max_concurrent == 4
+
+
+def test_judge_model_checked_before_workers_start(tmp_path):
+    """The session's start-up check of reward.judge.model: an HF dir, a chat template, distinct yes/no tokens."""
+    from megarl.config.schema import JudgeConfig
+    from megarl.data.chat_bpe import build_chat_bpe_tokenizer
+    from megarl.trainer.session import load_judge_tokenizer
+
+    with pytest.raises(ConfigError, match="not an HF model directory"):
+        load_judge_tokenizer(JudgeConfig(model=str(tmp_path), pool="judge"))
+    tokenizer = build_chat_bpe_tokenizer(str(tmp_path), 300)
+    (tmp_path / "config.json").write_text("{}")
+    assert load_judge_tokenizer(JudgeConfig(model=str(tmp_path), pool="judge")).chat_template
+    with pytest.raises(ConfigError, match=r"\['Yes', 'Yeah'\] start with the same token"):
+        load_judge_tokenizer(JudgeConfig(model=str(tmp_path), pool="judge", yes_no=("Yes", "Yeah")))
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(str(tmp_path))
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(ConfigError, match="has no chat template"):
+        load_judge_tokenizer(JudgeConfig(model=str(tmp_path), pool="judge"))
