@@ -683,6 +683,8 @@ class JudgeConfig:
                            unit="s", min=0.001)
     cache: bool = opt(True, "Keep each (prompt, response)'s score for the run: a repeated pair is not judged again "
                       "(judge/cache_hits).")
+    cache_entries: int = opt(100_000, "Most scores the cache keeps; beyond it the least recently used is forgotten.",
+                             unit="responses", min=1)
     fallback_score: float = opt(
         0.0, "Score of a response the judge did not answer (error, timeout, overlong prompt: judge/errors) or "
         "answered unparseably (judge/parse_failures); the run goes on.",

@@ -21,7 +21,8 @@ Parsers (`reward.judge.parse`):
 Failures never stop the run: a request that fails (timeout, a dead engine, a refused request) or a prompt over
 max_prompt_tokens counts in `judge/errors`, an answer that does not parse in `judge/parse_failures`; either scores
 `fallback_score`. Cache (`cache: true`): a (question, response, reference) already answered (or being answered:
-a group's identical responses wait for the first) is not judged again (`judge/cache_hits`); errors are not cached.
+a group's identical responses wait for the first) is not judged again (`judge/cache_hits`); errors are not cached;
+the least recently used entries beyond `cache_entries` are forgotten.
 Concurrency: at most `max_concurrent` judge requests in flight, over every caller (one semaphore).
 
 Nothing here imports vLLM or Ray: the client is any `RolloutClient` (`RolloutRouter` over the judge's engine
@@ -31,6 +32,7 @@ servers, `megarl.controller.serving`; `InProcessClient` in tests).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -174,7 +176,8 @@ class Judge:
         self.candidates = candidate_tokens(tokenizer, cfg.yes_no) if cfg.parse == "yes_no_logprob" else None
         self.counters = JudgeCounters()
         self._counter_lock = threading.Lock()
-        self._cache: dict[tuple, asyncio.Future] = {}
+        # (question, response, reference) -> its score's future, least recently used first (at most cache_entries)
+        self._cache: collections.OrderedDict[tuple, asyncio.Future] = collections.OrderedDict()
         # request ids unique among the engines' requests in flight, whoever else sends them: judge/<this>/<n>
         self._prefix = f"judge/{uuid.uuid4().hex[:8]}/"
         self._ids = itertools.count()
@@ -224,12 +227,15 @@ class Judge:
         key = (question, response, None if reference is None else str(reference))
         cached = self._cache.get(key) if self.cfg.cache else None
         if cached is not None:
+            self._cache.move_to_end(key)
             score = await asyncio.shield(cached)
             self._count(score, cache_hit=True)
             return score
         entry = self._loop.create_future()
         if self.cfg.cache:
             self._cache[key] = entry
+            while len(self._cache) > self.cfg.cache_entries:
+                self._cache.popitem(last=False)  # its waiters hold the future itself
         started = time.perf_counter()
         try:
             try:

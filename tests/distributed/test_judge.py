@@ -135,7 +135,8 @@ def test_verdicts_parse_failures_and_errors_fall_back_and_the_judge_goes_on(serv
 
 def test_cache_hits_skip_the_engine(server, judge_model):
     """A group with a repeated response asks once for it; the same pairs again are all cache hits, no request,
-    the same scores; with cache: false every response is judged."""
+    the same scores; beyond cache_entries the least recently used is judged again; with cache: false every response
+    is judged."""
     _, tokenizer = judge_model
     judge = _judge(server, tokenizer, parse="yes_no_logprob")
     try:
@@ -150,6 +151,17 @@ def test_cache_hits_skip_the_engine(server, judge_model):
         assert again == first and m["judge/cache_hits"] == 4 and m["judge/requests"] == 0
     finally:
         judge.close()
+    small = _judge(server, tokenizer, parse="yes_no_logprob", cache_entries=1)
+    try:  # one entry: the second response's score pushes the first's out
+        small.score_group(QUESTIONS[:2], RESPONSES[:2], REFERENCES[:2])
+        assert small.score_group(QUESTIONS[1:2], RESPONSES[1:2], REFERENCES[1:2]) == pytest.approx([first[3]],
+                                                                                              abs=SCORE_TOLERANCE)
+        assert small.take_metrics()["judge/cache_hits"] == 1
+        small.score_group(QUESTIONS[:1], RESPONSES[:1], REFERENCES[:1])
+        m = small.take_metrics()
+        assert m["judge/cache_hits"] == 0 and m["judge/requests"] == 2
+    finally:
+        small.close()
     uncached = _judge(server, tokenizer, parse="yes_no_logprob", cache=False)
     try:
         assert uncached.score_group(*group) == pytest.approx(first, abs=SCORE_TOLERANCE)
