@@ -169,3 +169,37 @@ def test_cache_hits_skip_the_engine(server, judge_model):
         assert m["judge/cache_hits"] == 0 and m["judge/requests"] == 8
     finally:
         uncached.close()
+
+
+class _CountingClient:
+    """The real client, recording how many of its requests are in flight at most."""
+
+    def __init__(self, client) -> None:
+        self.client, self.in_flight, self.most = client, 0, 0
+
+    async def generate(self, request, **kw):
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        try:
+            return await self.client.generate(request, **kw)
+        finally:
+            self.in_flight -= 1
+
+
+def test_max_concurrent_bounds_the_requests_in_flight(server, judge_model):
+    """max_concurrent=1: one judge request at a time (same scores); 4: several at once (the bound is what limits)."""
+    from megarl.rollout.engine_server import InProcessClient
+
+    _, tokenizer = judge_model
+    most, scores = {}, {}
+    for bound in (1, 4):
+        cfg = JudgeConfig(model="unused", pool="judge", template=TEMPLATE, cache=False, max_concurrent=bound)
+        client = _CountingClient(InProcessClient(server, default_timeout_s=60))
+        judge = Judge(cfg, tokenizer, client)
+        try:
+            scores[bound] = judge.score_group(QUESTIONS, RESPONSES, REFERENCES)
+        finally:
+            judge.close()
+        most[bound] = client.most
+    assert most == {1: 1, 4: 4}  # 3 responses x 2 candidates = 6 requests
+    assert scores[1] == pytest.approx(scores[4], abs=SCORE_TOLERANCE)
