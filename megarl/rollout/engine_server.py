@@ -29,7 +29,10 @@ leader's death shows on the followers as a failed collective, not a silent hang)
 Only the leader takes requests and reports results (followers compute the same ones): finished outputs, with
 `Completion.versions` as the engine recorded them (else the engine's `weight_version`), go to the request's callback
 (`InProcessClient`) or to a results store drained by `take_results(max_wait_s)` (the Ray host's long-poll,
-`RolloutHost.server_poll`). `submit_many` queues several requests at once: they enter the engine in one round.
+`RolloutHost.server_poll`). A streamed request (`stream=True`) submitted with `on_progress` also hands each engine
+step's partial output (its tokens so far) to that callback, before its answer (`InProcessClient.generate(...,
+on_progress=)`; the OpenAI endpoint's token-by-token streams). `submit_many` queues several requests at once: they
+enter the engine in one round.
 `priority`: requests submitted in the same round enter the engine lowest priority value first (vLLM's FCFS
 scheduler then serves them in that order); the request API has no per-request priority inside the engine.
 
