@@ -478,8 +478,8 @@ class OpenAIProtocol:
 
         def chunk(index: int, text: Optional[str], ids: list[int], log_probs: list[float],
                   finish_reason: Optional[str] = None, delta: Optional[dict] = None) -> dict:
-            choice: dict = {"index": index, "logprobs": self._logprobs(chat, ids, log_probs) if options["logprobs"]
-                            else None, "finish_reason": finish_reason}
+            choice: dict = {"index": index, "logprobs": self._logprobs(chat, ids, log_probs)
+                            if options["logprobs"] and ids else None, "finish_reason": finish_reason}
             if chat:
                 choice["delta"] = delta if delta is not None else ({} if text is None else {"content": text})
             else:
@@ -529,10 +529,7 @@ class OpenAIProtocol:
                 if calls:
                     yield chunk(i, None, [], [], delta={"tool_calls": [dict(call, index=k)
                                                                         for k, call in enumerate(calls)]})
-                last = chunk(i, None, [], [], finish_reason=final["finish_reason"])
-                if options["logprobs"]:
-                    last["choices"][0]["logprobs"] = None
-                yield last
+                yield chunk(i, None, [], [], finish_reason=final["finish_reason"])
             if options["include_usage"]:
                 yield {**base, "choices": [], "usage": self._usage(record)}
         finally:  # also when the consumer stops (a client that disconnected): the engine request is aborted
