@@ -16,6 +16,16 @@ What the tests add, each from the engines' own numbers:
   two versions, and for each version's tokens the engine's log-probs against Megatron's recomputation with the
   weights being updated: float noise for the current version's, a real KL for the older one's -- so each turn's
   log-probs are those of the engine that sampled it.
+
+On-policy distillation through the real loop (issue 33; the same session, its teacher "init" = the student's starting
+weights, runs described in multi_turn_runs.py), from each step's recorded batch:
+- teacher = policy (step 1 from step 0): the reverse KL and every advantage are 0 within float error, while the
+  teacher's log-probs of the sampled tokens are real (< 0);
+- in sync, one_step_off and async, from a student 20 GRPO steps away: the teacher's log-probs of the batch's loss-mask
+  tokens equal transformers' log-softmax of the teacher's HF model on the batch's own token ids (so they are of the
+  tokens the update trains on, row for row), `distill/reverse_kl/init` equals the mean of (old log-prob - that) over
+  the loss mask and is > 0, the advantages are teacher - old on the loss mask, and the observation tokens inside an
+  episode (loss mask 0 after the first sampled token) get neither a teacher log-prob nor an advantage.
 """
 
 from __future__ import annotations
@@ -29,6 +39,11 @@ import pytest
 
 from tests.e2e.conftest import ROOT, read_rows
 
+DISTILL_RUNS = ("distill_sync", "distill_one_step_off", "distill_async")
+# fp32 Megatron TP2 vs transformers on this model: the log-prob error is float summation order (~1e-6, measured in
+# tests/distributed/test_teacher.py); a misaligned or wrong-row teacher log-prob is off by > 0.1
+TEACHER_ATOL = 1e-4
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, joined_ray_env):
@@ -37,7 +52,29 @@ def runs(tmp_path_factory, joined_ray_env):
                           cwd=ROOT, env=joined_ray_env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     print("multi-turn runs (s):", json.load(open(out / "runs.json")))
-    return {name: read_rows(out / name) for name in ("sync", "async", "one_step_off")}
+    names = ("sync", "async", "one_step_off", "distill_self", *DISTILL_RUNS)
+    return {**{name: read_rows(out / name) for name in names}, "_out": out}
+
+
+def _distill_batches(runs, run: str) -> list[dict]:
+    """The run's recorded batches (multi_turn_runs.record_distill_batches), step order."""
+    import torch
+
+    folder = runs["_out"] / run / "distill_batches"
+    return [torch.load(folder / f"step_{i + 1}.pt") for i in range(len(os.listdir(folder)))]
+
+
+def _transformers_log_probs(model_dir, input_ids, attention_mask):
+    """[B, S] float32: log pi(input_ids[:, t] | input_ids[:, :t]) of the HF model at `model_dir` (transformers, fp32),
+    position 0 = 0."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros(lp.shape[0], 1), lp], dim=1)
 
 
 @pytest.mark.parametrize("run", ["sync", "async", "one_step_off"])
@@ -83,3 +120,42 @@ def test_one_step_off_episodes_train_on_the_batch_generated_one_version_behind(r
     # k - 2: every episode's oldest token one version behind the weights being updated
     assert [(r["async/version"], r["async/staleness_max"], r["async/staleness_mean"]) for r in rows] == \
         [(0.0, 0.0, 0.0), (0.0, 1.0, 1.0), (1.0, 1.0, 1.0)]
+
+
+def test_teacher_equal_to_the_policy_gives_zero_reverse_kl_and_zero_advantages(runs):
+    [row] = runs["distill_self"]
+    [batch] = _distill_batches(runs, "distill_self")
+    mask = batch["loss_mask"].bool()
+    teacher = batch["teacher_log_probs"]["init"]
+    assert float(teacher[mask].mean()) < -0.5  # real log-probs of sampled tokens, not an empty answer
+    assert abs(row["distill/reverse_kl/init"]) < 1e-5, row["distill/reverse_kl/init"]
+    assert float((teacher - batch["old_log_probs"])[mask].abs().max()) < TEACHER_ATOL
+    # task_reward_coef 0: nothing but the distillation advantage, which is 0 when the teacher is the policy
+    assert float(batch["advantages"].abs().max()) < TEACHER_ATOL
+
+
+@pytest.mark.parametrize("run", DISTILL_RUNS)
+def test_teacher_scores_the_trained_tokens_in_every_mode(runs, run):
+    import torch
+
+    rows, batches = runs[run], _distill_batches(runs, run)
+    assert len(batches) == len(rows) >= 2
+    model_dir = json.load(open(runs["_out"] / "runs.json"))["_teacher"]
+    for row, batch in zip(rows, batches):
+        mask = batch["loss_mask"].bool()
+        teacher, old, adv = batch["teacher_log_probs"]["init"], batch["old_log_probs"], batch["advantages"]
+        expected = _transformers_log_probs(model_dir, batch["input_ids"], batch["attention_mask"])
+        assert float((teacher - expected)[mask].abs().max()) < TEACHER_ATOL, run
+        reverse_kl = float((old - expected)[mask].mean())
+        assert row["distill/reverse_kl/init"] == pytest.approx(reverse_kl, abs=TEACHER_ATOL)
+        assert reverse_kl > 0.01  # a student 20 steps away from its starting weights
+        assert torch.allclose(adv[mask], (expected - old)[mask], atol=TEACHER_ATOL)
+        # observation tokens: inside the episode (after its first sampled token), not sampled by the student
+        first = mask.float().argmax(dim=1, keepdim=True)
+        inside = (torch.arange(mask.shape[1])[None] > first) & batch["attention_mask"].bool()
+        observation = inside & ~mask
+        assert int(observation.sum()) > 0  # the echo environment's messages between turns
+        assert float(adv[observation].abs().max()) == 0.0
+        assert float(teacher[observation].abs().max()) == 0.0
+    if run != "distill_sync":  # the modes that train on a batch sampled one version behind
+        assert max(r["async/staleness_max"] for r in rows) == 1.0
