@@ -14,12 +14,12 @@ faster than the trainer trains, and pushes land inside an episode only when gene
 step, as it does with real models.
 
 On-policy distillation runs (issue 33) share the session: its workers hold one teacher, "init" = the student's own
-starting weights (the tool task's model directory), which the other runs leave disabled. "distill_self" (sync, 1
-step from step 0: the teacher equals the policy) and, from the sync run's step-20 checkpoint (a student 20 GRPO steps
-away from the teacher), "distill_sync" (2 steps), "distill_one_step_off" (2) and "distill_async" (3, max_staleness 1),
-all with distillation.task_reward_coef 0 (the advantage is the distillation one alone). Each step's batch after the
-distillation advantage is recorded (`record_distill_batches`: `<run>/distill_batches/step_N.pt`) for the test to
-recompute from.
+starting weights (the tool task's model directory), which the other runs leave disabled. "distill_self" (sync, 1 step
+from step 0: the teacher equals the policy) and, from the sync run's step-20 checkpoint (a student 20 GRPO steps away
+from the teacher), "distill_sync" (2 steps), "distill_one_step_off" (2), "distill_async" (3, max_staleness 1) and
+"distill_single_turn_async" (2, rollout.env=null: single-turn samples of the same prompts), all with
+distillation.task_reward_coef 0 (the advantage is the distillation one alone). Each step's batch after the distillation
+advantage is recorded (`record_distill_batches`: `<run>/distill_batches/step_N.pt`) for the test to recompute from.
 
     python tests/e2e/multi_turn_runs.py OUT_DIR     # OUT_DIR/<run>/metrics.jsonl, runs.json
 """
@@ -48,7 +48,10 @@ RUNS = {"sync": (["trainer.mode=sync", *NO_TEACHER], 20, "step0"),
         "distill_self": (["trainer.mode=sync"], 1, "step0"),
         "distill_sync": (["trainer.mode=sync"], 2, ("sync", 20)),
         "distill_one_step_off": (["trainer.mode=one_step_off", *TIS], 2, ("sync", 20)),
-        "distill_async": (["trainer.mode=async", "trainer.max_staleness=1", *TIS], 3, ("sync", 20))}
+        "distill_async": (["trainer.mode=async", "trainer.max_staleness=1", *TIS], 3, ("sync", 20)),
+        # single-turn (no environment: one response per prompt, exact-match reward) in async mode
+        "distill_single_turn_async": (["trainer.mode=async", "trainer.max_staleness=1", *TIS, "rollout.env=null"], 2,
+                                      ("sync", 20))}
 DISTILL_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages", "old_log_probs", "rollout_log_probs",
                 "policy_version")
 
