@@ -25,8 +25,8 @@ weights, runs described in multi_turn_runs.py), from each step's recorded batch:
   teacher's log-probs of the batch's loss-mask tokens equal transformers' log-softmax of the teacher's HF model on the
   batch's own token ids (so they are of the tokens the update trains on, row for row), `distill/reverse_kl/init`
   equals the mean of (old log-prob - that) over the loss mask and is > 0, the advantages are teacher - old on the loss
-  mask, and the observation tokens inside an episode (loss mask 0 after the first sampled token) get neither a teacher
-  log-prob nor an advantage.
+  mask, and the tokens off the loss mask (the prompt, padding, and the observation tokens inside an episode, which
+  the multi-turn runs have) get neither a teacher log-prob nor an advantage.
 """
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ def test_teacher_scores_the_trained_tokens_in_every_mode(runs, run):
             assert int(observation.sum()) == 0  # one response per row: every token after its first one is sampled
         else:
             assert int(observation.sum()) > 0  # the echo environment's messages between turns
-        assert float(adv[observation].abs().sum()) == 0.0
-        assert float(teacher[observation].abs().sum()) == 0.0
+        # off the loss mask (prompt, observations, padding) the teacher scores nothing and nothing is trained
+        assert float(teacher[~mask].abs().sum()) == 0.0
+        assert float(adv[~mask].abs().sum()) == 0.0
     if run != "distill_sync":  # the modes that train on a batch sampled one version behind
         assert max(r["async/staleness_max"] for r in rows) == 1.0
