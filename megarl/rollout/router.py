@@ -126,6 +126,9 @@ class RolloutRouter:
         future: asyncio.Future = loop.create_future()
         rid = request.request_id
         with self._lock:
+            if self._stop.is_set():  # the phase ended: no collector would deliver it (it would wait out its bound)
+                raise ReplicaDied(f"request {rid!r}: the router is closed (its serving phase ended); no replica "
+                                  "takes requests until the next phase's router starts")
             if rid in self._waiters:
                 raise ValueError(f"RolloutRouter: request id {rid!r} is already in flight; request ids must be "
                                  "unique among the requests in flight")

@@ -76,3 +76,25 @@ def test_without_stickiness_every_request_goes_least_loaded():
     zero, one, router = _run(sticky=False)
     assert (zero, one) == (["b-0", "a-1", "a-2"], ["a-0"])
     assert router.replica_of("a") is None and router.metrics()["rollout/server/sessions"] == 0
+
+
+def test_a_request_after_the_router_closed_fails_at_once_instead_of_waiting_out_its_bound():
+    """An agent's next turn that arrives after its serving phase ended (async mode closing with a batch in flight):
+    no collector thread is left to deliver it, so without the check it waited `timeout_s` (here 30 s, in a run
+    `rollout.agent_timeout_s`). Counted in event order: the call raises before any replica took the request."""
+    import pytest
+
+    from megarl.rollout.client import ReplicaDied
+
+    replicas = [EchoReplica("replica 0")]
+    router = RolloutRouter(replicas, poll_wait_s=0.05, default_timeout_s=30)
+
+    async def turn(rid):
+        return await router.generate(GenerationRequest(rid, [1, 2], TURN), session_id="s")
+
+    assert asyncio.run(turn("before")).completions[0].token_ids == [2, 1]
+    router.begin_close()
+    with pytest.raises(ReplicaDied, match="router is closed"):
+        asyncio.run(asyncio.wait_for(turn("after"), 5))  # 5 s: far below the request's 30 s bound
+    router.close()
+    assert replicas[0].took == ["before"] and router.metrics()["rollout/server/in_flight"] == 0
