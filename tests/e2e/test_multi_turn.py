@@ -16,6 +16,11 @@ What the tests add, each from the engines' own numbers:
   two versions, and for each version's tokens the engine's log-probs against Megatron's recomputation with the
   weights being updated: float noise for the current version's, a real KL for the older one's -- so each turn's
   log-probs are those of the engine that sampled it.
+- an agent written against the openai client (`rollout.env: agent:...`, two sampled answers through the endpoint)
+  under one_step_off (3 steps) and async (max_staleness 1, rollout.partial=continue, 4 steps): its tokens' versions
+  are those the mode promises (async: pushes land inside episodes, each token keeps its engine's version), its
+  `agent/` metrics are logged, no episode errs or times out, and a step's sample count (one per segment) is not
+  fixed.
 """
 
 from __future__ import annotations
@@ -109,3 +114,62 @@ def test_one_step_off_episodes_train_on_the_batch_generated_one_version_behind(r
     # k - 2: every episode's oldest token one version behind the weights being updated
     assert [(r["async/version"], r["async/staleness_max"], r["async/staleness_mean"]) for r in rows] == \
         [(0.0, 0.0, 0.0), (0.0, 1.0, 1.0), (1.0, 1.0, 1.0)]
+
+
+# ---------------------------------------------------------------------------------------------------- agents
+# An agent against the openai client (tests/unit/fixtures/agents/calculator_agents.py:two_sampled_turns: two answers
+# of 8 sampled tokens, the history re-rendered from their text) through the endpoint, under the off-policy modes.
+AGENT_RUNS = ("agent_one_step_off", "agent_async")
+EPISODES = 8 * 8  # data.prompts_per_step x rollout.samples_per_prompt
+
+
+@pytest.fixture(scope="module")
+def agent_runs(runs_dir):
+    return {name: read_rows(runs_dir / name) for name in AGENT_RUNS}
+
+
+def _lags(row) -> dict[int, float]:
+    """weights versions behind the updated ones -> fraction of the batch's sampled tokens (from their versions)"""
+    return {int(k.rsplit("/", 1)[1]): v for k, v in row.items() if k.startswith("async/lag_frac/")}
+
+
+@pytest.mark.parametrize("run", AGENT_RUNS)
+def test_agent_episodes_log_their_metrics_and_train_every_segment(agent_runs, run):
+    rows = agent_runs[run]
+    for row in rows:
+        assert row["agent/errors"] == 0 and row["agent/timeouts"] == 0, row  # none hung past agent_timeout_s
+        assert row["agent/requests_per_episode"] == 2  # both of the agent's requests were answered
+        # the re-rendered history of a random BPE model's answer rarely re-encodes to the sampled ids: new segments
+        assert 1 <= row["agent/segments_per_episode"] <= 2
+        # one trajectory per segment holding a sampled token: the step's samples are not prompts x samples_per_prompt
+        assert EPISODES <= row["samples"] <= row["agent/segments_per_episode"] * EPISODES + 1e-9, row
+        assert 0 < row["agent/answer_chars"]  # the agent's own info, averaged over its episodes
+    assert any(row["samples"] > EPISODES for row in rows)
+
+
+def test_agent_one_step_off_trains_each_batch_on_tokens_one_version_behind(agent_runs):
+    rows = agent_runs["agent_one_step_off"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # as the echo environment's episodes: step 1 waits for its own batch (version 0); batch k >= 2 was sampled while
+    # step k - 1 trained, on version k - 2 -- every sampled token of the batch, both of each episode's requests
+    assert [(r["async/version"], r["async/staleness_max"], r["async/staleness_mean"], _lags(r)) for r in rows] == \
+        [(0.0, 0.0, 0.0, {0: 1.0}), (0.0, 1.0, 1.0, {1: 1.0}), (1.0, 1.0, 1.0, {1: 1.0})]
+
+
+def test_agent_async_keeps_token_versions_within_the_staleness_bound(agent_runs):
+    rows = agent_runs["agent_async"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for row in rows:
+        lags = _lags(row)
+        assert abs(sum(lags.values()) - 1) < 1e-9 and max(lags) <= 1 and row["async/staleness_max"] <= 1, row
+        assert row["async/version"] == row["step"] - 1 - max(lags)  # the batch's version is its oldest token's
+    assert max(row["async/staleness_max"] for row in rows) == 1  # the agents' rollout ran ahead as far as allowed
+    # rollout.partial=continue: weights pushed while the agents' requests were in the engines (a batch's episodes
+    # take ~4x a training step here); each token carries the version of the engine that sampled it: against
+    # Megatron's recomputation with the weights being updated, the current version's tokens agree to float noise,
+    # the older version's differ by a real KL
+    mixed = [r for r in rows if "mismatch/lag0/kl" in r and "mismatch/lag1/kl" in r]
+    assert mixed, [_lags(r) for r in rows]
+    for r in mixed:
+        assert 0 < r["async/lag_frac/0"] < 1 and r["mismatch/lag0/kl"] < r["mismatch/lag1/kl"] / 10, r
+    print("agent async, lag0 vs lag1 KL:", [(r["mismatch/lag0/kl"], r["mismatch/lag1/kl"]) for r in mixed])
