@@ -41,9 +41,10 @@ RUNS = {"sync": (["trainer.mode=sync"], 20),
 # an agent written against the openai client (two sampled answers, `two_sampled_turns`) through the endpoint, in the
 # two off-policy modes. The session's actor.mini_batch_prompts is null (one optimizer step over a step's samples, as
 # 8 prompts made it before): the workers' mini-batch size is fixed when they start, and an agent's segments make a
-# step's sample count vary
+# step's sample count vary. agent_timeout_s 30: a run closed with a batch of agents in flight waits for them up
+# to that long (their requests are not answered once the servers stop)
 AGENT = os.path.join(ROOT, "tests", "unit", "fixtures", "agents", "calculator_agents.py") + ":two_sampled_turns"
-AGENT_OPTIONS = [f"rollout.env=agent:{AGENT}", "rollout.env_options={}", "rollout.agent_timeout_s=60",
+AGENT_OPTIONS = [f"rollout.env=agent:{AGENT}", "rollout.env_options={}", "rollout.agent_timeout_s=30",
                  "algorithm.rollout_correction.tis=token"]
 AGENT_RUNS = {"agent_one_step_off": (["trainer.mode=one_step_off", *AGENT_OPTIONS], 3),
               "agent_async": (["trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=continue",
