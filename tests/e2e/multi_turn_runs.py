@@ -81,6 +81,17 @@ def record_distill_batches() -> None:
         return metrics
 
     RLLoop._distill = recording
+# an agent written against the openai client (two sampled answers, `two_sampled_turns`) through the endpoint, in the
+# two off-policy modes. The session's actor.mini_batch_prompts is null (one optimizer step over a step's samples, as
+# 8 prompts made it before): the workers' mini-batch size is fixed when they start, and an agent's segments make a
+# step's sample count vary. agent_timeout_s 30: a run closed with a batch of agents in flight waits for them up
+# to that long (their requests are not answered once the servers stop)
+AGENT = os.path.join(ROOT, "tests", "unit", "fixtures", "agents", "calculator_agents.py") + ":two_sampled_turns"
+AGENT_OPTIONS = [f"rollout.env=agent:{AGENT}", "rollout.env_options={}", "rollout.agent_timeout_s=30",
+                 "algorithm.rollout_correction.tis=token", *NO_TEACHER]
+AGENT_RUNS = {"agent_one_step_off": (["trainer.mode=one_step_off", *AGENT_OPTIONS], 3),
+              "agent_async": (["trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=continue",
+                              *AGENT_OPTIONS], 4)}
 
 
 class SlowEngine:
@@ -112,7 +123,7 @@ def main(out: str) -> None:
         f"logging.dir={os.path.join(out, 'session')}", "logging.plots=false", "logging.progress=lines",
         "resources.pools={train: {nodes: 1, devices_per_node: 2}, rollout: {nodes: 1, devices_per_node: 2}}",
         "actor.pool=train", "rollout.pool=rollout", "trainer.val_every=0", "data.prompts_per_step=8",
-        "actor.mini_batch_prompts=8", f"rollout.env={ECHO}", "rollout.env_options={turns: 3}", "rollout.max_turns=3",
+        "actor.mini_batch_prompts=null", f"rollout.env={ECHO}", "rollout.env_options={turns: 3}", "rollout.max_turns=3",
         "rollout.max_tokens_per_turn=8", "rollout.max_new_tokens=32", "rollout.max_prompt_tokens=160"])
     # the teacher: the student's starting weights, TP2 as the actor (disabled by the runs without distillation)
     raw["distillation"] = {"teachers": {"init": {"path": data["model"], "parallel": {"tp": 2},
@@ -123,6 +134,11 @@ def main(out: str) -> None:
     try:
         first = session.start()
         step0 = first.save(0, root=os.path.join(out, "step0"))
+        # first: the session's weights after the last of RUNS are what the export below must equal
+        for name, (overrides, steps) in AGENT_RUNS.items():
+            run_started = time.monotonic()
+            session.train_from(step0, os.path.join(out, name), [*overrides, f"trainer.total_steps={steps}"], raw=raw)
+            report[name] = {"seconds": time.monotonic() - run_started}
         for name, (overrides, steps, start) in RUNS.items():
             run_started = time.monotonic()
             source = step0 if start == "step0" else checkpointing.step_dir(os.path.join(out, start[0], "ckpt"),
