@@ -641,7 +641,7 @@ DEFAULT_JUDGE_TEMPLATE = (
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JudgeConfig:
     """A generative reward model (an LLM judge) served on vLLM engines of its own, never weight-synced
-    (`megarl.rewards.judge`, docs/judge.md). Each response is shown to the judge through `template`, rendered by the
+    (`megarl.rollout.judge`, docs/judge.md). Each response is shown to the judge through `template`, rendered by the
     judge tokenizer's chat template as one user message with the generation prompt; the judge's answer is read by
     `parse`. Groups are judged as their requests finish, while the step's other requests still generate. Metrics:
     judge/requests, judge/cache_hits, judge/parse_failures, judge/errors (each a count over the step),

@@ -316,7 +316,7 @@ def _check_rollout_pool(cfg: JobConfig) -> None:
 def _check_judge(cfg: JobConfig) -> None:
     """`reward.judge`: a pool of the judge engines' own, a tp that divides it, a template that renders, a parser that
     has what it reads (checks that need the judge's files, its tokenizer and chat template, run at start-up)."""
-    from megarl.rewards.judge import JudgeTemplateError, load_template
+    from megarl.config.judge_template import JudgeTemplateError, load_template
 
     j = cfg.reward.judge
     if j is None:

@@ -45,7 +45,7 @@ class SamplingSettings:
     max_prompt_tokens: Optional[int] = None
     # Also return the log-prob of every prompt token given the tokens before it (`GenerationOutput.prompt_log_probs`;
     # vLLM `prompt_logprobs=0`, raw model log-probs): what a judge reads the log-prob of a candidate answer token
-    # from (`megarl.rewards.judge`). Request API only.
+    # from (`megarl.rollout.judge`). Request API only.
     prompt_log_probs: bool = False
 
     def __post_init__(self) -> None:

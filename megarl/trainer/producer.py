@@ -77,7 +77,7 @@ class BatchProducer:
     cfg: the `JobConfig`; loader: a `PromptLoader` (`next_batch(size)`); encoder: the prompt encoder (`encode`,
     `decode`); reward_fn(text, answer, record) -> float; episodes: an `EpisodeRunner` (rollout.env) or None
     (single-turn); sampling: the base `SamplingSettings` (default: from cfg.rollout); judge: a
-    `megarl.rewards.judge.Judge` (reward.judge) that scores every response instead of reward_fn, group by group on
+    `megarl.rollout.judge.Judge` (reward.judge) that scores every response instead of reward_fn, group by group on
     the reward thread (its requests overlapping the batch's generation), its `judge/...` metrics in the batch's."""
 
     def __init__(self, cfg: Any, loader: Any, encoder: Any, reward_fn: Any, episodes: Any = None,
@@ -366,7 +366,7 @@ def score_samples(producer: Any, samples, records):
     texts = [producer.encoder.decode(s.response_ids) for s in samples]
     judge = getattr(producer, "judge", None)  # duck-typed hosts (tests) may have none
     if judge is not None:
-        from megarl.rewards.judge import question_text
+        from megarl.rollout.judge import question_text
 
         kept = [records[s.prompt_index] for s in samples]
         return ScoredBatch(judge.score_group([question_text(k.prompt) for k in kept], texts,

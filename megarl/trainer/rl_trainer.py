@@ -94,7 +94,7 @@ class RLLoop:
         own RoleWorker group). `stop`: the controller's SIGTERM/SIGINT handlers (`megarl.trainer.stop`); `fit` ends
         after the step in flight, checkpointed, once it is requested. `rollout`: where samples come from and weights
         go (default `ColocatedRollout(workers)`: the actor pool's engines; the session passes a `PoolRollout` with
-        rollout.pool). `judge`: the `megarl.rewards.judge.Judge` of reward.judge (the session's), scoring instead of
+        rollout.pool). `judge`: the `megarl.rollout.judge.Judge` of reward.judge (the session's), scoring instead of
         reward_fn."""
         self.stop = stop
         self.cfg = cfg

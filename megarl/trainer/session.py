@@ -20,7 +20,7 @@ same pool) and a `RoleWorker` group on each other pool (a critic, reference or r
 `rollout.pool` set, an `ActorWorker` group replaces the `HybridWorker` (the roles only), a `RolloutWorker` group runs
 the engines on that pool, and a bridge joins the two (`megarl.controller.bridge`; the trainer gets a `PoolRollout`).
 With `reward.judge`, a `JudgeHost` group on the judge's pool serves the judge model for the whole run (a
-`RolloutRouter` over its replicas, never weight-synced) and a `megarl.rewards.judge.Judge` scores the responses.
+`RolloutRouter` over its replicas, never weight-synced) and a `megarl.rollout.judge.Judge` scores the responses.
 The vendor log level (`logging.vendor_level`, `megarl.platform.vendor_logs`) is applied here and in every worker.
 """
 
@@ -86,7 +86,7 @@ def load_judge_tokenizer(judge):
     a chat template (it renders the judge's prompt) and encodes the two yes_no words to different first tokens."""
     from transformers import AutoTokenizer
 
-    from megarl.rewards.judge import candidate_tokens
+    from megarl.rollout.judge import candidate_tokens
 
     if not os.path.isfile(os.path.join(judge.model, "config.json")):
         raise ConfigError(f"reward.judge.model: {judge.model!r} is not an HF model directory (no config.json)")
@@ -290,7 +290,7 @@ class TrainingSession:
         """`reward.judge`: the judge's `JudgeHost` group on its pool, serving until `close` (a `RolloutRouter` over
         its replicas), and the `Judge` that the producer scores with."""
         from megarl.controller import serving
-        from megarl.rewards.judge import Judge
+        from megarl.rollout.judge import Judge
         from megarl.workers.judge_host import JudgeHost
 
         j = self.cfg.reward.judge

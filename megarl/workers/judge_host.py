@@ -3,7 +3,7 @@
 A `RolloutHost` whose engine reads the judge's own weights from `reward.judge.model` (`load_format="auto"`) and is
 never weight-synced: nothing pushes into it, it never sleeps, and it serves for the whole run
 (`megarl.controller.serving.start_serving` over the group, stopped when the session closes). One replica per
-`reward.judge.tp` consecutive ranks of the judge pool; the controller's `megarl.rewards.judge.Judge` sends it
+`reward.judge.tp` consecutive ranks of the judge pool; the controller's `megarl.rollout.judge.Judge` sends it
 requests through a `RolloutRouter` over the replicas.
 """
 

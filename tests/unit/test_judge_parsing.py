@@ -1,4 +1,4 @@
-"""The judge's pure pieces (`megarl.rewards.judge`): template checks, parsers, the two-way softmax, and the config
+"""The judge's pure pieces (`megarl.rollout.judge`): template checks, parsers, the two-way softmax, and the config
 rules of `reward.judge` (`megarl.config.validate`). The engine-backed judge: tests/distributed/test_judge.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 
 from megarl.config.errors import ConfigError
-from megarl.rewards.judge import (
+from megarl.rollout.judge import (
     JudgeTemplateError,
     load_template,
     parse_number,

@@ -38,49 +38,20 @@ import itertools
 import logging
 import math
 import re
-import string
 import threading
 import time
 import uuid
 from typing import Any, Optional, Sequence
 
+from megarl.config.judge_template import PLACEHOLDERS, JudgeTemplateError, load_template  # noqa: F401 (re-exported)
 from megarl.rollout.engine import GenerationRequest, SamplingSettings
 
 logger = logging.getLogger("megarl.rewards")
 
-PLACEHOLDERS = ("question", "response", "reference")
 _NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)")
 _WORD = re.compile(r"[^\W\d_]+(?:[-'][^\W\d_]+)*")
 # How many failures of each kind are logged (then only counted, in the metrics)
 _LOGGED_FAILURES = 3
-
-
-class JudgeTemplateError(ValueError):
-    """A judge template that cannot render: an unknown placeholder, no {response}, a missing file."""
-
-
-def load_template(spec: str) -> str:
-    """The template text of `reward.judge.template`: the string itself, or the file's text for '@path'. Checked:
-    its placeholders are among {question} {response} {reference} and {response} is one of them."""
-    text = spec
-    if spec.startswith("@"):
-        try:
-            with open(spec[1:], encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise JudgeTemplateError(f"cannot read the template file {spec[1:]!r}: {e.strerror}") from None
-    try:
-        fields = {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(text)
-                  if name is not None}
-    except ValueError as e:
-        raise JudgeTemplateError(f"not a valid format string ({e}); write literal braces as {{{{ and }}}}") from None
-    unknown = sorted(fields - set(PLACEHOLDERS))
-    if unknown:
-        raise JudgeTemplateError(f"unknown placeholder(s) {unknown}; the template may use {{question}}, {{response}} "
-                                 "and {reference} (literal braces doubled)")
-    if "response" not in fields:
-        raise JudgeTemplateError("the template has no {response} placeholder: the judge would not see the response")
-    return text
 
 
 def question_text(prompt: Any) -> str:
