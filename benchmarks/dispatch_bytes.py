@@ -208,8 +208,10 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
         if source.get(key) is tensor:  # by reference: nothing put; the handle travels inside the call
             which = {"input_ids": 0, "rollout_log_probs": 1}.get(key)  # the masks: from the lengths alone
             refs = [] if which is None else [(2 * (lo + i) + which).to_bytes(28, "little") for i in range(hi - lo)]
+            owners = [] if which is None else [(lo + i) // max(1, B // (lay.world // lay.rollout_tp)) * lay.rollout_tp
+                                                for i in range(hi - lo)]  # each row's rollout rank (replicas in order)
             return TokenRowsPiece(key, refs, [lay.prompt_tokens] * (hi - lo), lengths[lo:hi],
-                                  row_checks(tensor[lo:hi]), S, 0)  # an object ref counted as its 28-byte id
+                                  row_checks(tensor[lo:hi]), S, 0, owners)  # an object ref counted as its 28-byte id
         index = (key, id(tensor), lo, hi)
         if index not in put:
             put[index] = (len(put).to_bytes(28, "little"), len(pickle.dumps(tensor[lo:hi].clone(), protocol=5)))

@@ -2,7 +2,7 @@
 rows of the batch's token keys from it, and the controller sends only references and a small layout.
 
     rollout host (server_poll)  : ids, log_probs = pack_completion(prompt_ids, token_ids, log_probs)
-                                  attach_ref(completion, (ray.put(ids), ray.put(log_probs)))
+                                  attach_ref(completion, (ray.put(ids), ray.put(log_probs), rollout_rank))
     controller (RLLoop.step)    : rows = TokenRowSource.from_trajectories(trajectories, batch, pad_id)
                                   with BatchShares(...) as shares: shares.by_reference(rows); role calls as before
     training rank (resolve_shares): fetches what its keys need of its rows (each object once) and builds input_ids,
@@ -16,7 +16,8 @@ own row of that key, and the object ref the key is built from: input_ids from th
 rollout_log_probs from its log-probs [R] float32, the two masks from the lengths alone (nothing fetched). So a rank
 deserialises only its own rows, and of them only what the keys its method reads need. The rank compares each row it
 built with the checksum and raises on any difference: a sample changed on the controller after generation can never
-be trained on in its old form. Only rows that are exactly one completion (prompt + response, loss mask 1 on the
+be trained on in its old form. A completion whose rollout rank died before a training rank fetched it (Ray: the
+object's owner died) raises `RolloutOutputLost` (`lost_completion`), naming that rollout rank and the rows. Only rows that are exactly one completion (prompt + response, loss mask 1 on the
 response) have references: multi-turn episodes (observation tokens inserted on the controller), samples replaced or
 rebuilt on the controller (`dataclasses.replace` drops the attribute) and samples restored from a checkpoint have
 none, and a batch with any such row sends its token keys by value, as before.
@@ -36,6 +37,11 @@ _SOURCE_OF = {"input_ids": 0, "rollout_log_probs": 1, "attention_mask": None, "l
 REF_ATTR = "token_ref"  # the attribute (not a dataclass field: `replace` and checkpoints drop it) holding the refs
 
 
+class RolloutOutputLost(RuntimeError):
+    """A training rank could not fetch a completion the rollout ranks kept (`fetch_completions`): the rollout rank
+    that owned it died, or its node was lost, between generation and the role call."""
+
+
 def pack_completion(prompt_ids: Sequence[int], token_ids: Sequence[int],
                     log_probs: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """What a rollout host puts for one finished completion, as two objects: ids [P + R] int64 (prompt then
@@ -45,7 +51,7 @@ def pack_completion(prompt_ids: Sequence[int], token_ids: Sequence[int],
 
 
 def token_ref(obj: Any) -> Any:
-    """The (ids ref, log-probs ref) attached to a completion, sample or trajectory, or None."""
+    """The (ids ref, log-probs ref, rollout rank that put them) attached to a completion, sample or trajectory, or None."""
     return getattr(obj, REF_ATTR, None)
 
 
@@ -69,7 +75,8 @@ class TokenRowsPiece:
     """One key's rows [lo, hi) of a share, by reference (the handle `BatchShares.piece` gives instead of an object
     ref): `refs[i]` the object row lo + i is built from (empty for the masks, built from the lengths), `prompt_lens`
     / `lengths` its prompt and total tokens, `checks` the controller's `row_checks` of those rows; `seq_len` S and
-    `pad_id` of the batch."""
+    `pad_id` of the batch; `owners[i]` the rollout rank that put `refs[i]` (its host's rank in its worker group: the
+    first rank of its vLLM replica), for the error when it is gone."""
 
     key: str
     refs: list
@@ -78,6 +85,7 @@ class TokenRowsPiece:
     checks: torch.Tensor
     seq_len: int
     pad_id: int
+    owners: list[int] = dataclasses.field(default_factory=list)
 
     def assemble(self, fetched: Sequence[torch.Tensor]) -> torch.Tensor:
         """[hi - lo, S] of this key, laid out as `trajectories_to_batch`, from the fetched objects of `refs` (in
@@ -110,6 +118,38 @@ class TokenRowsPiece:
                              "the controller's row: the sample was changed after generation; send the batch by value "
                              "(no token reference on the sample)")
         return out
+
+
+def lost_completion(error: BaseException, pieces: Sequence[TokenRowsPiece]) -> Optional[RolloutOutputLost]:
+    """The `RolloutOutputLost` to raise instead of `error` -- raised by the training rank's fetch of its share
+    (`resolve_shares`) -- when `error` is Ray's for an object that can no longer be fetched
+    (`ray.exceptions.ObjectLostError`: its owner, the rollout rank's actor, died, or every copy's node went away) and
+    that object is a completion of `pieces`: naming the rollout rank, the key and the rows. Else None."""
+    lost_hex = getattr(error, "object_ref_hex", None)
+    if lost_hex is None or not _is_object_lost(error):
+        return None
+    for p in pieces:
+        rows = [i for i, r in enumerate(p.refs) if r.hex() == lost_hex]
+        if rows:
+            owner = p.owners[rows[0]] if len(p.owners) > rows[0] else "?"
+            why = ("that rollout worker died" if type(error).__name__ == "OwnerDiedError" else
+                   "the object store lost it: its node went away, or it was freed")
+            return RolloutOutputLost(
+                f"{p.key}, rows {rows} of this rank's piece: the completion kept by rollout rank {owner} (the first "
+                f"rank of its vLLM replica) is gone ({type(error).__name__}: {why} after generating this step and "
+                "before the training ranks fetched its output). This step's batch cannot be built: find the cause "
+                "(Ray's error, chained as its cause, names the worker's log), then resume the run from its last "
+                "checkpoint (`megarl train CONFIG checkpoint.resume=true`)")
+    return None
+
+
+def _is_object_lost(e: BaseException) -> bool:
+    """Whether `e` is Ray's error for an object that can no longer be fetched (owner died, all copies lost)."""
+    try:
+        from ray.exceptions import ObjectLostError
+    except ImportError:  # not under Ray: no object can be lost
+        return False
+    return isinstance(e, ObjectLostError)
 
 
 @dataclasses.dataclass
@@ -147,5 +187,6 @@ class TokenRowSource:
             return None
         which = _SOURCE_OF[key]
         refs = [] if which is None else [r[which] for r in self.refs[lo:hi]]
+        owners = [] if which is None else [r[2] for r in self.refs[lo:hi]]
         return TokenRowsPiece(key, refs, self.prompt_lens[lo:hi], self.lengths[lo:hi], row_checks(tensor[lo:hi]),
-                              tensor.shape[1], self.pad_id)
+                              tensor.shape[1], self.pad_id, owners)

@@ -152,19 +152,22 @@ class RolloutHost:
 
 def _keep_completions(results: Sequence[Any]) -> None:
     """Put each finished completion of `results` into the object store (its ids and its log-probs, two objects owned
-    by this rank) and attach the references to the completion (`megarl.data.token_rows`): the training ranks build
-    their rows of the step's token keys from them instead of the controller sending the padded batch down. Not
-    under Ray (a host built in a test process): nothing is put, the batch goes by value."""
+    by this rank) and attach the references, with this rank, to the completion (`megarl.data.token_rows`): the
+    training ranks build their rows of the step's token keys from them instead of the controller sending the padded
+    batch down. Not under Ray (a host built in a test process): nothing is put, the batch goes by value."""
     import ray
 
     if not ray.is_initialized():
         return
+    import torch.distributed as dist
+
     from megarl.data.token_rows import attach_ref, pack_completion
 
+    rank = dist.get_rank() if dist.is_initialized() else -1  # named by the error when these objects are lost
     for result in results:
         output = getattr(result, "output", None)
         if result.status != "finished" or output is None:
             continue
         for c in output.completions:
             ids, log_probs = pack_completion(output.prompt_ids, c.token_ids, c.log_probs)
-            attach_ref(c, (ray.put(ids), ray.put(log_probs)))
+            attach_ref(c, (ray.put(ids), ray.put(log_probs), rank))

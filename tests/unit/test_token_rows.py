@@ -56,7 +56,7 @@ def _outputs(store: Store) -> list[GenerationOutput]:
             c = Completion(k, torch.randint(10, 90, (n,), generator=g).tolist(),
                            (-torch.rand(n, generator=g, dtype=torch.float64)).tolist(), "stop")
             ids, log_probs = pack_completion(prompt, c.token_ids, c.log_probs)
-            comps.append(attach_ref(c, (store.put(ids), store.put(log_probs))))
+            comps.append(attach_ref(c, (store.put(ids), store.put(log_probs), i % 2)))  # owner: rollout rank
         outs.append(GenerationOutput(f"r{i}", prompt, comps, True))
     return outs
 
