@@ -151,3 +151,24 @@ def test_only_untouched_single_completion_rows_go_by_reference():
                                   t.finish_reason), token_ref(t))
     assert TokenRowSource.from_trajectories([multi] + trajectories[1:], batch, PAD) is None
     assert set(TOKEN_KEYS) <= set(batch.keys())
+
+
+def test_a_lost_completion_names_its_rollout_rank_and_rows():
+    """Ray's error for an object that cannot be fetched becomes RolloutOutputLost naming the key, the rows of the
+    piece and the rollout rank that put it; an error about another object, or not about a lost object, is left
+    alone (None). Ray's own exception values (no Ray runtime: `tests/distributed/test_controller.py` kills a real
+    owner)."""
+    from ray.exceptions import GetTimeoutError, OwnerDiedError
+
+    from megarl.data.token_rows import RolloutOutputLost, lost_completion
+
+    refs = [bytes([i]) * 4 for i in range(3)]  # anything with .hex(): the object ids of three rows' ids
+    piece = TokenRowsPiece("input_ids", refs, [1, 1, 1], [2, 2, 2], torch.zeros(3, dtype=torch.long), 2, 0,
+                           owners=[0, 2, 2])
+    masks = TokenRowsPiece("loss_mask", [], [1, 1, 1], [2, 2, 2], torch.zeros(3, dtype=torch.long), 2, 0)
+    lost = lost_completion(OwnerDiedError(refs[2].hex(), None, ""), [masks, piece])
+    assert isinstance(lost, RolloutOutputLost)
+    assert "input_ids, rows [2] of this rank's piece" in str(lost) and "rollout rank 2" in str(lost)
+    assert "OwnerDiedError: that rollout worker died" in str(lost) and "checkpoint.resume=true" in str(lost)
+    assert lost_completion(OwnerDiedError((b"x" * 4).hex(), None, ""), [piece]) is None  # not one of these rows
+    assert lost_completion(GetTimeoutError("slow"), [piece]) is None
