@@ -401,47 +401,6 @@ def test_constructor_failure_names_the_rank_and_cleans_up(group):
         pool.shutdown()
 
 
-@ray.remote(num_cpus=0)
-class _CompletionKeeper:
-    """Stands for a rollout rank: puts completions' ids into the object store as `RolloutHost` does (it owns them)."""
-
-    def keep(self, *rows: list[int]) -> list:
-        return [ray.put(torch.tensor(r, dtype=torch.long)) for r in rows]  # in a list: the caller only borrows them
-
-    def ping(self) -> bool:
-        return True
-
-
-def test_a_lost_rollout_output_names_the_rollout_rank(ray_session):
-    """A training rank builds its rows from completions a rollout actor keeps (`resolve_shares` ->
-    `lost_completion`); when that actor died before the fetch, it raises RolloutOutputLost naming the rollout rank,
-    the key and the rows, with Ray's owner-died error as the cause, instead of Ray's error about an object id. The
-    module's Ray session; the keeper holds no CPU (the last test counts the session's CPUs)."""
-    from megarl.controller.dispatch import ShareRefs, resolve_shares
-    from megarl.data.token_rows import RolloutOutputLost, TokenRowsPiece, row_checks
-
-    keeper = _CompletionKeeper.remote()
-    first, second = ray.get(keeper.keep.remote([5, 6, 7], [8, 9]), timeout=60)
-
-    def share(ref, ids):  # one row: prompt of 1 token, padded to 4 with 0; kept by rollout rank 3
-        return ShareRefs({"input_ids": [TokenRowsPiece("input_ids", [ref], [1], [len(ids)],
-                                                       row_checks(torch.tensor([ids + [0] * (4 - len(ids))])), 4, 0,
-                                                       owners=[3])]}, {})
-
-    def get(refs: list) -> list:
-        return ray.get(refs, timeout=60)
-
-    (batch,), _ = resolve_shares((share(first, [5, 6, 7]),), {}, get)  # owner alive: the row is built
-    assert batch.tensors["input_ids"].tolist() == [[5, 6, 7, 0]]
-    ray.kill(keeper, no_restart=True)
-    with pytest.raises(ray.exceptions.RayActorError):  # returns once Ray knows the keeper is dead (bounded)
-        ray.get(keeper.ping.remote(), timeout=60)
-    lost = r"input_ids, rows \[0\] of this rank's piece: the completion kept by rollout rank 3"
-    with pytest.raises(RolloutOutputLost, match=lost) as info:
-        resolve_shares((share(second, [8, 9]),), {}, get)
-    assert isinstance(info.value.__cause__, ray.exceptions.OwnerDiedError)
-
-
 def test_a_killed_rank_is_named(short_heartbeat):
     """SIGKILL rank 1 during a call: the call fails naming rank 1 as dead (rank 0 is left in the all_reduce; the
     next test shuts the group down)."""
