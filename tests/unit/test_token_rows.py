@@ -156,8 +156,8 @@ def test_only_untouched_single_completion_rows_go_by_reference():
 def test_a_lost_completion_names_its_rollout_rank_and_rows():
     """Ray's error for an object that cannot be fetched becomes RolloutOutputLost naming the key, the rows of the
     piece and the rollout rank that put it; an error about another object, or not about a lost object, is left
-    alone (None). Ray's own exception values (no Ray runtime: `tests/distributed/test_controller.py` kills a real
-    owner)."""
+    alone (None). Ray's own exception values, no Ray runtime: that a killed owner's object raises OwnerDiedError on
+    the fetch is Ray's (its own tests)."""
     from ray.exceptions import GetTimeoutError, OwnerDiedError
 
     from megarl.data.token_rows import RolloutOutputLost, lost_completion
