@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-in-flight", type=int, default=64, help="requests held at once; more get 429")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 past it)")
     serve.add_argument("--request-timeout-s", type=float, default=600.0, help="bound of one request (504 past it)")
-    serve.add_argument("--dtype", default="auto", help="engine dtype (auto: the checkpoint's)")
+    serve.add_argument("--dtype", default="auto", help="engine dtype (auto: the one the checkpoint's config.json "
+                       "names; vLLM's own auto would downcast float32 to bfloat16)")
     serve.add_argument("--kv-cache-gib", type=float, default=1.0, help="CPU KV-cache size, GiB")
     plot = sub.add_parser(
         "plot",

@@ -76,6 +76,8 @@ def _default(f: dataclasses.Field) -> str:
         return "`[" + ", ".join(str(v) for v in value) + "]`"
     if isinstance(value, dict):
         return "`{" + ", ".join(f"{k}: ..." for k in value) + "}`"
+    if isinstance(value, str) and "\n" in value:  # one table row: newlines shown as \n
+        return "`" + value.replace("\n", "\\n") + "`"
     return f"`{value}`"
 
 
@@ -98,7 +100,7 @@ def render_markdown() -> str:
 
     def section(cls: type, path: str) -> None:
         seen[cls] = path
-        doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+        doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
         out.append(f"\n## `{path}`\n\n{doc}\n")
         out.append("| key | type | default | unit | meaning |\n|---|---|---|---|---|")
         nested = []

@@ -632,6 +632,65 @@ class DataConfig:
     seed: int = opt(0, "Seed of the shuffle.")
 
 
+DEFAULT_JUDGE_TEMPLATE = (
+    "Question: {question}\nResponse: {response}\nReference answer: {reference}\n"
+    "Is the response correct? Answer Yes or No."
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JudgeConfig:
+    """A generative reward model (an LLM judge) served on vLLM engines of its own, never weight-synced
+    (`megarl.rewards.judge`, docs/judge.md). Each response is shown to the judge through `template`, rendered by the
+    judge tokenizer's chat template as one user message with the generation prompt; the judge's answer is read by
+    `parse`. Groups are judged as their requests finish, while the step's other requests still generate. Metrics:
+    judge/requests, judge/cache_hits, judge/parse_failures, judge/errors (each a count over the step),
+    judge/latency_s (mean seconds of a judged response's requests), judge/score_mean."""
+
+    model: str = opt(help="HF directory of the judge model (weights, config and a tokenizer with a chat template).")
+    pool: str = opt(help="Resource pool the judge engines run on (a key of resources.pools): a pool of their own, "
+                    "hosting no role and not rollout.pool; its devices / tp engines serve the judge.")
+    tp: int = opt(1, "Tensor-parallel size of each judge engine; must divide the judge pool's devices.", min=1)
+    template: str = opt(
+        DEFAULT_JUDGE_TEMPLATE, "The judge's user message: a Python format string with the placeholders {question} "
+        "(the prompt's text, data.prompt_key), {response} (the decoded response, required) and {reference} "
+        "(data.answer_key); literal braces doubled. Or '@path/to/file.txt': the template read from that file.",
+    )
+    parse: Literal["number", "verdict", "yes_no_logprob"] = opt(
+        "yes_no_logprob", "How the judge's answer becomes a score: number = the first number in its answer, which "
+        "must lie in score_range (else a parse failure); verdict = the first word of its answer that is a key of "
+        "verdicts (case-insensitive), scored by it; yes_no_logprob = P(yes)/(P(yes)+P(no)) of the judge's next "
+        "token after the prompt (no sampling: the raw log-probs of the first token of each of yes_no's words, read "
+        "from vLLM prompt log-probs of the prompt followed by that token, one request each).",
+    )
+    verdicts: dict[str, float] = opt(
+        factory=dict, help="parse: verdict: verdict word -> score, e.g. {correct: 1.0, incorrect: 0.0}.")
+    yes_no: tuple[str, str] = opt(
+        ("Yes", "No"), "parse: yes_no_logprob: the (yes, no) answer words; their first tokens must differ.")
+    score_range: tuple[float, float] = opt(
+        (0.0, 10.0), "parse: number: the (low, high) range a judged number must lie in (inclusive).")
+    normalize: bool = opt(
+        True, "parse: number: map score_range linearly onto [0, 1] (low -> 0, high -> 1); false = the raw number.")
+    max_new_tokens: int = opt(16, "Longest judge answer (number / verdict; yes_no_logprob samples nothing).",
+                              unit="tokens", min=1)
+    max_prompt_tokens: int = opt(
+        1024, "Longest rendered judge prompt; a longer one is not sent and scores fallback_score (judge/errors).",
+        unit="tokens", min=1,
+    )
+    max_concurrent: int = opt(64, "Judge requests in flight at once, over the whole run (the others wait for a "
+                              "slot).", unit="requests", min=1)
+    timeout_s: float = opt(120.0, "Bound on one judge request; a late one scores fallback_score (judge/errors).",
+                           unit="s", min=0.001)
+    cache: bool = opt(True, "Keep each (prompt, response)'s score for the run: a repeated pair is not judged again "
+                      "(judge/cache_hits).")
+    cache_entries: int = opt(100_000, "Most scores the cache keeps; beyond it the least recently used is forgotten.",
+                             unit="responses", min=1)
+    fallback_score: float = opt(
+        0.0, "Score of a response the judge did not answer (error, timeout, overlong prompt: judge/errors) or "
+        "answered unparseably (judge/parse_failures); the run goes on.",
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardConfig:
     """The reward function applied to each response (rule-based or user code)."""
@@ -651,6 +710,8 @@ class RewardConfig:
         None, "Deadline of one reward call; a late call is abandoned (it finishes in a background thread, its "
         "result dropped) and counts as a failure. null = no deadline.", unit="seconds", min=0,
     )
+    judge: Optional[JudgeConfig] = opt(
+        None, "An LLM judge scores every response instead of `function` (single-turn rollouts); null = no judge.")
 
 
 # --------------------------------------------------------------------------------------------------- trainer

@@ -149,6 +149,7 @@ def validate(cfg: JobConfig) -> JobConfig:
     distillation = _check_distillation(cfg)
     _check_router_replay(cfg, archs["actor"])
     _check_trainer(cfg)
+    _check_judge(cfg)
     check_supported(cfg)
     algorithm = dataclasses.replace(cfg.algorithm, **{k: cfg.algorithm.setting(k) for k in PRESET_FIELDS})
     return dataclasses.replace(cfg, algorithm=algorithm, distillation=distillation, **resolved_roles)
@@ -310,6 +311,44 @@ def _check_rollout_pool(cfg: JobConfig) -> None:
         if cfg.role(role).enabled and cfg.role(role).pool == name:
             raise ConfigError(f"rollout.pool: pool {name!r} also hosts the {role} ({role}.pool); a rollout pool "
                               "hosts the engines only")
+
+
+def _check_judge(cfg: JobConfig) -> None:
+    """`reward.judge`: a pool of the judge engines' own, a tp that divides it, a template that renders, a parser that
+    has what it reads (checks that need the judge's files, its tokenizer and chat template, run at start-up)."""
+    from megarl.rewards.judge import JudgeTemplateError, load_template
+
+    j = cfg.reward.judge
+    if j is None:
+        return
+    name, pools = j.pool, cfg.resources.pools
+    if name not in pools:
+        raise ConfigError(f"reward.judge.pool: unknown pool {name!r}{did_you_mean(name, pools)}; resources.pools has: "
+                          f"{', '.join(pools)} (the judge engines need a pool of their own)")
+    hosts = [f"the {role} ({role}.pool)" for role in cfg.enabled_roles() if cfg.role(role).pool == name]
+    if cfg.rollout.pool == name:
+        hosts.append("the rollout engines (rollout.pool)")
+    if hosts:
+        raise ConfigError(f"reward.judge.pool: pool {name!r} also hosts {' and '.join(hosts)}; the judge engines run "
+                          "on a pool of their own (add one to resources.pools, e.g. judge: {nodes: 1, "
+                          "devices_per_node: 1})")
+    devices = pool_size(pools[name])
+    if devices % j.tp:
+        raise ConfigError(f"reward.judge.tp={j.tp} does not divide the {devices} devices of the judge pool {name!r}")
+    if cfg.rollout.env is not None:
+        raise ConfigError(f"reward.judge: multi-turn rollouts (rollout.env={cfg.rollout.env!r}) are scored by their "
+                          "environment, not by a judge; set reward.judge: null or rollout.env: null")
+    try:
+        load_template(j.template)
+    except JudgeTemplateError as e:
+        raise ConfigError(f"reward.judge.template: {e}") from None
+    if j.parse == "verdict" and not j.verdicts:
+        raise ConfigError("reward.judge.verdicts: parse=verdict needs the verdict words and their scores, e.g. "
+                          "verdicts: {correct: 1.0, incorrect: 0.0}")
+    if j.parse == "number" and not j.score_range[0] < j.score_range[1]:
+        raise ConfigError(f"reward.judge.score_range: low must be below high, got {list(j.score_range)}")
+    if j.parse == "yes_no_logprob" and (not all(w.strip() for w in j.yes_no) or j.yes_no[0] == j.yes_no[1]):
+        raise ConfigError(f"reward.judge.yes_no: two different non-empty words are needed, got {list(j.yes_no)}")
 
 
 def _check_rollout(cfg: JobConfig, arch: ArchConfig, actor_parallel) -> None:

@@ -43,6 +43,10 @@ class SamplingSettings:
     # continuation (`megarl.trainer.schedule`) passes prompt + the tokens sampled so far as its prompt, and raises
     # the limit by those tokens (prompt + max_new_tokens still fits the engine's max_model_len).
     max_prompt_tokens: Optional[int] = None
+    # Also return the log-prob of every prompt token given the tokens before it (`GenerationOutput.prompt_log_probs`;
+    # vLLM `prompt_logprobs=0`, raw model log-probs): what a judge reads the log-prob of a candidate answer token
+    # from (`megarl.rewards.judge`). Request API only.
+    prompt_log_probs: bool = False
 
     def __post_init__(self) -> None:
         if self.samples_per_prompt < 1:
@@ -218,6 +222,9 @@ class GenerationOutput:
     prompt_ids: list[int]  # the prompt used (truncated by the prompt policy where it applied)
     completions: list[Completion]
     finished: bool
+    # [len(prompt_ids) - 1] float: log p(prompt_ids[j + 1] | prompt_ids[:j + 1]), raw model log-probs, on a finished
+    # output of a request with `sampling.prompt_log_probs`; None otherwise
+    prompt_log_probs: Optional[list[float]] = None
 
     def samples(self, prompt_index: int = 0) -> list[RolloutSample]:
         """The completions as `RolloutSample`s of prompt `prompt_index` (a finished output only)."""

@@ -29,7 +29,10 @@ leader's death shows on the followers as a failed collective, not a silent hang)
 Only the leader takes requests and reports results (followers compute the same ones): finished outputs, with
 `Completion.versions` as the engine recorded them (else the engine's `weight_version`), go to the request's callback
 (`InProcessClient`) or to a results store drained by `take_results(max_wait_s)` (the Ray host's long-poll,
-`RolloutHost.server_poll`). `submit_many` queues several requests at once: they enter the engine in one round.
+`RolloutHost.server_poll`). A streamed request (`stream=True`) submitted with `on_progress` also hands each engine
+step's partial output (its tokens so far) to that callback, before its answer (`InProcessClient.generate(...,
+on_progress=)`; the OpenAI endpoint's token-by-token streams). `submit_many` queues several requests at once: they
+enter the engine in one round.
 `priority`: requests submitted in the same round enter the engine lowest priority value first (vLLM's FCFS
 scheduler then serves them in that order); the request API has no per-request priority inside the engine.
 
@@ -98,6 +101,7 @@ class _Pending:
     priority: int
     on_done: Optional[Callable[[RequestResult], None]]
     submitted_at: float
+    on_progress: Optional[Callable[[GenerationOutput], None]] = None
 
 
 class EngineServer:
@@ -189,14 +193,21 @@ class EngineServer:
 
     # ------------------------------------------------------------------------------------------- ops (any thread)
     def submit(self, request: GenerationRequest, *, priority: int = 0,
-               on_done: Optional[Callable[[RequestResult], None]] = None) -> None:
+               on_done: Optional[Callable[[RequestResult], None]] = None,
+               on_progress: Optional[Callable[[GenerationOutput], None]] = None) -> None:
         """Queue `request` (leader only). Its answer goes to `on_done(result)` (called on the loop thread: keep it
         short, e.g. `loop.call_soon_threadsafe`) or, without one, to `take_results`. A request id already pending
-        raises ValueError; a dead server answers `died` at once."""
-        self.submit_many([(request, priority)], on_done=on_done)
+        raises ValueError; a dead server answers `died` at once. `on_progress(partial)` (a request with
+        `stream=True` only; on the loop thread, before its answer): each engine step that gave it tokens hands the
+        partial output (every completion's tokens so far, cumulative; `finished` False)."""
+        if on_progress is not None and not request.stream:
+            raise ValueError(f"EngineServer {self.name}: on_progress needs a streamed request (stream=True): the "
+                             f"engine reports no partial outputs of request {request.request_id!r}")
+        self.submit_many([(request, priority)], on_done=on_done, _on_progress=on_progress)
 
     def submit_many(self, entries: Sequence[tuple[GenerationRequest, int]], *,
-                    on_done: Optional[Callable[[RequestResult], None]] = None) -> list[str]:
+                    on_done: Optional[Callable[[RequestResult], None]] = None,
+                    _on_progress: Optional[Callable[[GenerationOutput], None]] = None) -> list[str]:
         """Queue (request, priority) pairs at once (leader only): they enter the engine in the same round, as one
         engine submit, lowest priority first -- as a batch `generate` adds its prompts. A request whose id is
         already pending is refused (not queued) and its id returned; the others are queued. Answers as `submit`."""
@@ -207,7 +218,8 @@ class EngineServer:
                 if request.request_id in self._pending:
                     refused.append(request.request_id)
                     continue
-                self._pending[request.request_id] = _Pending(request, priority, on_done, time.monotonic())
+                self._pending[request.request_id] = _Pending(request, priority, on_done, time.monotonic(),
+                                                             _on_progress)
                 queued.append((request, priority))
             dead = self.error is not None or not self.alive or self._stopped
             if not dead:
@@ -482,6 +494,10 @@ class EngineServer:
                 for key, value in engine_counts().items():
                     self.counts[key] = value
             finished = [o for o in outputs if o.finished]
+            if self.leader:
+                for o in outputs:
+                    if not o.finished:
+                        self._progress(o)
             for o in finished:
                 self.counts["finished"] += 1
                 self.counts["tokens"] += sum(len(c.token_ids) for c in o.completions)
@@ -489,6 +505,17 @@ class EngineServer:
                     self._answer(RequestResult(o.request_id, "finished", output=self._versioned(o)))
             if finished:
                 return
+
+    def _progress(self, partial: GenerationOutput) -> None:
+        with self._cond:
+            pending = self._pending.get(partial.request_id)
+        if pending is None or pending.on_progress is None:
+            return
+        try:
+            pending.on_progress(self._versioned(partial))
+        except Exception:  # a client whose loop closed: nothing reads the progress any more
+            logger.exception("EngineServer %s: the progress callback of request %r failed", self.name,
+                             partial.request_id)
 
     def _versioned(self, out: GenerationOutput) -> GenerationOutput:
         """`out` with each token's weights version: the server's current version for every token (a request in
@@ -508,6 +535,7 @@ class InProcessClient:
     every wait has a bound)."""
 
     replicas = 1
+    streams_progress = True  # `generate(..., on_progress=fn)` hands partial outputs while the request runs
 
     def __init__(self, server: EngineServer, *, default_timeout_s: float = 600.0) -> None:
         if not server.leader:
@@ -521,7 +549,11 @@ class InProcessClient:
         return self.server.weight_version
 
     async def generate(self, request: GenerationRequest, *, session_id: Optional[str] = None, priority: int = 0,
-                       timeout_s: Optional[float] = None) -> GenerationOutput:
+                       timeout_s: Optional[float] = None,
+                       on_progress: Optional[Callable[[GenerationOutput], None]] = None) -> GenerationOutput:
+        """The request's finished output. `on_progress(partial)`: called on the caller's event loop with each
+        partial output (every completion's tokens so far) while the request runs, all before this returns (the
+        request is submitted streamed)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
 
@@ -531,8 +563,18 @@ class InProcessClient:
             except RuntimeError:  # the caller's event loop closed: nobody waits
                 pass
 
+        progress = None
+        if on_progress is not None:
+            request = dataclasses.replace(request, stream=True)
+
+            def progress(partial: GenerationOutput) -> None:
+                try:
+                    loop.call_soon_threadsafe(_report_progress, future, on_progress, partial)
+                except RuntimeError:  # the caller's event loop closed: nobody reads it
+                    pass
+
         bound = self.default_timeout_s if timeout_s is None else timeout_s
-        self.server.submit(request, priority=priority, on_done=resolve)
+        self.server.submit(request, priority=priority, on_done=resolve, on_progress=progress)
         try:
             return await asyncio.wait_for(future, bound)
         except asyncio.TimeoutError:
@@ -553,6 +595,13 @@ class InProcessClient:
         out["rollout/server/prefix_cache_hit_rate"] = out.get("rollout/server/prefix_cache_hits", 0.0) / queries \
             if queries else 0.0
         return out
+
+
+def _report_progress(future: asyncio.Future, on_progress: Callable[[GenerationOutput], None],
+                     partial: GenerationOutput) -> None:
+    """Hand a partial output to the caller (on its event loop), unless its request was already answered."""
+    if not future.done():
+        on_progress(partial)
 
 
 def settle_future(future: asyncio.Future, result: RequestResult) -> None:

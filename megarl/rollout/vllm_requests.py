@@ -66,6 +66,7 @@ def sampling_params(sampling: SamplingSettings, seed_index: int, output_kind: Op
         top_k=sampling.top_k, max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None,
         stop_token_ids=list(sampling.stop_token_ids) or None, seed=sampling.request_seed(seed_index),
         ignore_eos=sampling.ignore_eos, logprobs=0, flat_logprobs=True, detokenize=bool(sampling.stop),
+        prompt_logprobs=0 if sampling.prompt_log_probs else None,
     )
     if output_kind is not None:
         params.output_kind = {"final": RequestOutputKind.FINAL_ONLY,
@@ -87,6 +88,15 @@ def sampled_log_probs(logprobs, ids: list[int]) -> list[float]:
     return [float(logprobs[j][t].logprob) for j, t in enumerate(ids)]
 
 
+def prompt_token_log_probs(logprobs, prompt_ids: list[int]) -> list[float]:
+    """[len(prompt_ids) - 1] log p(prompt_ids[j]) at positions j = 1.. from vLLM's `RequestOutput.prompt_logprobs`
+    (`prompt_logprobs=0`: each position holds its prompt token; position 0 has none)."""
+    if logprobs is None or len(logprobs) != len(prompt_ids):
+        raise RuntimeError(f"vLLM returned prompt log-probs for {0 if logprobs is None else len(logprobs)} positions "
+                           f"of a {len(prompt_ids)}-token prompt")
+    return [float(logprobs[j][prompt_ids[j]].logprob) for j in range(1, len(prompt_ids))]
+
+
 def _max_prompt(settings: Any, sampling: SamplingSettings) -> int:
     """A request's longest prompt: its sampling settings' `max_prompt_tokens`, else the engine's
     rollout.max_prompt_tokens."""
@@ -103,10 +113,12 @@ class _InFlight:
     request: GenerationRequest
     prompt_ids: list[int]
     completions: dict[int, Completion] = dataclasses.field(default_factory=dict)
+    prompt_log_probs: Optional[list[float]] = None
 
     def output(self, finished: bool) -> GenerationOutput:
         return GenerationOutput(self.request.request_id, list(self.prompt_ids),
-                                [self.completions[i] for i in sorted(self.completions)], finished)
+                                [self.completions[i] for i in sorted(self.completions)], finished,
+                                prompt_log_probs=self.prompt_log_probs if finished else None)
 
 
 class VllmRequestApi:
@@ -258,6 +270,8 @@ class VllmRequestApi:
                                                          c.finish_reason if c.finished() else None,
                                                          self._token_versions(flight, out.request_id, c, ids))
             if out.finished:
+                if flight.request.sampling.prompt_log_probs:
+                    flight.prompt_log_probs = prompt_token_log_probs(out.prompt_logprobs, flight.prompt_ids)
                 del self._requests[out.request_id]
                 self.request_counts["finished"] += 1
                 results.append(flight.output(finished=True))

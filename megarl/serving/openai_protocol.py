@@ -33,18 +33,23 @@ reason, so a trainer can build trajectories from the engine's tokens and never f
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
+import logging
 import re
 import time
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from megarl.envs.episode import ChatRenderer
 from megarl.envs.tool_calls import HERMES_CLOSE, HERMES_OPEN
 from megarl.rollout.client import ReplicaDied, RequestDropped, RolloutTimeout
 from megarl.rollout.engine import GenerationOutput, GenerationRequest, SamplingSettings
+
+logger = logging.getLogger("megarl.serving")
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 4  # OpenAI's own bound on `stop`
@@ -269,6 +274,16 @@ def template_messages(messages: Any, template_reads_tool_calls: bool, call_forma
     return out
 
 
+def _stream_options(body: dict) -> dict:
+    """`stream` and `stream_options.include_usage` of a request body (validated)."""
+    stream = bool(_get(body, "stream", (bool,), False))
+    extra = _get(body, "stream_options", (dict,), None) or {}
+    include_usage = extra.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise _bad("stream_options.include_usage", f"expected a boolean, got {_type_name(include_usage)}")
+    return {"stream": stream, "include_usage": stream and include_usage}
+
+
 def _tools(body: dict) -> Optional[list[dict]]:
     tools = body.get("tools")
     if tools is None:
@@ -368,7 +383,7 @@ class OpenAIProtocol:
         sampling = self._sampling(body, prompt, name, "messages")
         options = {"tools": bool(tools) and tool_choice == "auto", "logprobs": bool(body.get("logprobs")),
                    "return_token_ids": bool(_get(body, "return_token_ids", (bool,), False)),
-                   "stream": bool(_get(body, "stream", (bool,), False)), "stop": sampling.stop}
+                   "stop": sampling.stop, **_stream_options(body)}
         return prompt, messages, tools, sampling, options
 
     async def chat_completion(self, body: Any, session: Optional[str] = None) -> dict:
@@ -411,8 +426,8 @@ class OpenAIProtocol:
         if logprobs is not None and logprobs != 0 and logprobs != 1:
             raise _bad("logprobs", f"only 0 or 1 (the sampled tokens' log-probs) is supported, got {logprobs}")
         sampling = self._sampling(body, ids, "max_tokens", "prompt", default_max_tokens=16)
-        options = {"logprobs": logprobs is not None,
-                   "return_token_ids": bool(_get(body, "return_token_ids", (bool,), False))}
+        options = {"logprobs": logprobs is not None, "tools": False, "stop": sampling.stop,
+                   "return_token_ids": bool(_get(body, "return_token_ids", (bool,), False)), **_stream_options(body)}
         return ids, sampling, options
 
     async def completion(self, body: Any, session: Optional[str] = None) -> dict:
@@ -423,43 +438,131 @@ class OpenAIProtocol:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         out = await self._generate(request_id, prompt, sampling)
         record = self._record(request_id, "completions", out, None, recorder)
-        choices = []
-        for i, c in enumerate(record.choices):
-            text = self._cut_at_stop(self.tokenizer.decode(c.token_ids, skip_special_tokens=True), sampling.stop)
-            choice = {"index": i, "text": text, "finish_reason": c.finish_reason, "logprobs": None}
-            if options["logprobs"]:
-                choice["logprobs"] = {"tokens": [self.tokenizer.decode([t]) for t in c.token_ids],
-                                      "token_logprobs": c.log_probs, "top_logprobs": None, "text_offset": None}
-            if options["return_token_ids"]:
-                choice["token_ids"] = c.token_ids
-            choices.append(choice)
+        choices = [self._completion_choice(i, c, options) for i, c in enumerate(record.choices)]
         response = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                     "model": self.model_name, "choices": choices, "usage": self._usage(record)}
         if options["return_token_ids"]:
             response["prompt_token_ids"] = record.prompt_ids
         return response
 
-    def chat_chunks(self, response: dict) -> list[dict]:
-        """A finished chat.completion as the chat.completion.chunk objects of a stream: per choice the role, the
-        content, the tool calls, then the finish reason; the usage last."""
-        base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
-                "model": response["model"]}
-        chunks = []
-        for c in response["choices"]:
-            message = c["message"]
-            chunks.append({**base, "choices": [{"index": c["index"], "delta": {"role": "assistant", "content": ""},
-                                                "finish_reason": None}]})
-            if message.get("content"):
-                chunks.append({**base, "choices": [{"index": c["index"], "delta": {"content": message["content"]},
-                                                    "logprobs": c.get("logprobs"), "finish_reason": None}]})
-            if message.get("tool_calls"):
-                calls = [dict(call, index=k) for k, call in enumerate(message["tool_calls"])]
-                chunks.append({**base, "choices": [{"index": c["index"], "delta": {"tool_calls": calls},
-                                                    "finish_reason": None}]})
-            chunks.append({**base, "choices": [{"index": c["index"], "delta": {},
-                                                "finish_reason": c["finish_reason"]}]})
-        chunks.append({**base, "choices": [], "usage": response["usage"]})
-        return chunks
+    def open_stream(self, endpoint: str, body: Any, session: Optional[str] = None) -> AsyncIterator[dict]:
+        """A `stream: true` request (endpoint "chat" or "completions"), validated now (raises ApiError naming the
+        field, before any byte is sent), as an async iterator of OpenAI's chunk objects (chat.completion.chunk /
+        text_completion), incremental where the client hands partial outputs (`client.streams_progress`: the
+        in-process engine client; the router of a training run answers finished requests, so its stream comes at
+        the end). Chat: a role chunk per choice first; then content deltas as tokens arrive; at the end the rest
+        of the content, the tool calls (OpenAI's `tool_calls` deltas, `index` per call) and the finish reason.
+        The concatenated deltas of a choice equal the non-streamed answer's text: a delta only ever holds text
+        that is a prefix of the final text (held back: a trailing incomplete UTF-8 character, trailing whitespace,
+        the last len(longest stop) - 1 characters, and with tools everything from the first "<", where a tool
+        call may begin). Log-probs and, with `return_token_ids`, `token_ids` come with the deltas of the tokens
+        they describe; `stream_options.include_usage`: a last chunk with empty choices and the usage. The request
+        is recorded as a non-streamed one when it finishes. Raises ApiError while iterated (a 5xx/504 after the
+        stream began); closing or cancelling the iterator aborts the engine request."""
+        recorder = self.session_recorder(session)
+        if endpoint == "chat":
+            prompt, messages, _, sampling, options = self.check_chat(body)
+            request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        else:
+            prompt, sampling, options = self.check_completion(body)
+            messages, request_id = None, f"cmpl-{uuid.uuid4().hex}"
+        return self._stream(endpoint, request_id, prompt, messages, sampling, options, recorder)
+
+    async def _stream(self, endpoint: str, request_id: str, prompt: list[int], messages: Optional[list],
+                      sampling: SamplingSettings, options: dict, recorder: ResponseRecorder) -> AsyncIterator[dict]:
+        chat = endpoint == "chat"
+        base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name}
+        if options["include_usage"]:
+            base["usage"] = None
+
+        def chunk(index: int, text: Optional[str], ids: list[int], log_probs: list[float],
+                  finish_reason: Optional[str] = None, delta: Optional[dict] = None) -> dict:
+            choice: dict = {"index": index, "logprobs": self._logprobs(chat, ids, log_probs)
+                            if options["logprobs"] and ids else None, "finish_reason": finish_reason}
+            if chat:
+                choice["delta"] = delta if delta is not None else ({} if text is None else {"content": text})
+            else:
+                choice["text"] = text or ""
+            if options["return_token_ids"]:
+                choice["token_ids"] = ids
+            return {**base, "choices": [choice]}
+
+        queue: asyncio.Queue = asyncio.Queue()
+        streams = getattr(self.client, "streams_progress", False)
+        task = asyncio.ensure_future(self._generate(request_id, prompt, sampling,
+                                                    on_progress=queue.put_nowait if streams else None))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        sent_text: dict[int, str] = collections.defaultdict(str)  # sample index -> text sent
+        sent_ids: dict[int, int] = collections.defaultdict(int)  # sample index -> tokens described
+        try:
+            if chat:
+                for i in range(sampling.samples_per_prompt):
+                    first = chunk(i, None, [], [], delta={"role": "assistant", "content": ""})
+                    if options["return_token_ids"]:
+                        first["prompt_token_ids"] = list(prompt)
+                    yield first
+            while True:
+                partial = await queue.get()  # bounded: the request ends within limits.request_timeout_s (None)
+                if partial is None:
+                    break
+                for c in partial.completions:
+                    i = c.sample_index
+                    safe = self._safe_prefix(list(c.token_ids), options, chat)
+                    if len(safe) > len(sent_text[i]) and safe.startswith(sent_text[i]):
+                        n = len(c.token_ids)
+                        yield chunk(i, safe[len(sent_text[i]):], list(c.token_ids[sent_ids[i]:n]),
+                                    list(c.log_probs[sent_ids[i]:n]))
+                        sent_text[i], sent_ids[i] = safe, n
+            out = task.result()  # raises its ApiError
+            record = self._record(request_id, endpoint if chat else "completions", out, messages, recorder)
+            for i, c in enumerate(record.choices):
+                final = self._chat_choice(i, c, options) if chat else self._completion_choice(i, c, options)
+                text = (final["message"]["content"] or "") if chat else final["text"]
+                if not text.startswith(sent_text[i]):  # a tokenizer whose decode of a prefix is not a prefix
+                    logger.warning("stream %s choice %d: the text sent (%r) is not a prefix of the answer (%r)",
+                                   request_id, i, sent_text[i][-40:], text[-40:])
+                rest = text[len(sent_text[i]):] if text.startswith(sent_text[i]) else ""
+                if rest or sent_ids[i] < len(c.token_ids):
+                    yield chunk(i, rest, c.token_ids[sent_ids[i]:], c.log_probs[sent_ids[i]:])
+                calls = final["message"].get("tool_calls") if chat else None
+                if calls:
+                    yield chunk(i, None, [], [], delta={"tool_calls": [dict(call, index=k)
+                                                                        for k, call in enumerate(calls)]})
+                yield chunk(i, None, [], [], finish_reason=final["finish_reason"])
+            if options["include_usage"]:
+                yield {**base, "choices": [], "usage": self._usage(record)}
+        finally:  # also when the consumer stops (a client that disconnected): the engine request is aborted
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, ApiError):
+                    await task
+
+    def _safe_prefix(self, ids: list[int], options: dict, chat: bool) -> str:
+        """The text of a partial completion `ids` that the final answer's text is sure to start with (see
+        `open_stream`)."""
+        body = ids[:-1] if chat and ids and ids[-1] in self.end_ids else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=True).rstrip("\ufffd")
+        stops = options["stop"]
+        cut = self._cut_at_stop(text, stops)
+        if cut != text:
+            text = cut
+        elif stops:
+            text = text[:max(0, len(text) - (max(len(s) for s in stops) - 1))]
+        if chat and options["tools"]:
+            if text[:1].isspace():  # a content stripped once a call is cut from it: nothing is sure yet
+                return ""
+            text = text.split("<", 1)[0]
+        return text.rstrip()
+
+    def _logprobs(self, chat: bool, ids: list[int], log_probs: list[float]) -> dict:
+        """The `logprobs` field of a chat choice (content entries) or a completion choice for these tokens."""
+        if chat:
+            return {"content": [{"token": self.tokenizer.decode([t]), "logprob": lp,
+                                 "bytes": list(self.tokenizer.decode([t]).encode("utf-8")), "top_logprobs": []}
+                                for t, lp in zip(ids, log_probs)]}
+        return {"tokens": [self.tokenizer.decode([t]) for t in ids], "token_logprobs": list(log_probs),
+                "top_logprobs": None, "text_offset": None}
 
     # ------------------------------------------------------------------------------------------- internals
     @staticmethod
@@ -518,10 +621,13 @@ class OpenAIProtocol:
         return SamplingSettings(samples_per_prompt=n, temperature=temperature, top_p=top_p, max_new_tokens=max_tokens,
                                 stop=tuple(stop), seed=seed, ignore_eos=ignore_eos, max_prompt_tokens=len(prompt))
 
-    async def _generate(self, request_id: str, prompt: list[int], sampling: SamplingSettings) -> GenerationOutput:
+    async def _generate(self, request_id: str, prompt: list[int], sampling: SamplingSettings,
+                        on_progress: Optional[Callable[[GenerationOutput], None]] = None) -> GenerationOutput:
         request = GenerationRequest(request_id, prompt, sampling, seed_index=0)
+        extra = {} if on_progress is None else {"on_progress": on_progress}
         try:
-            out = await self.client.generate(request, session_id=request_id, timeout_s=self.limits.request_timeout_s)
+            out = await self.client.generate(request, session_id=request_id, timeout_s=self.limits.request_timeout_s,
+                                             **extra)
         except RolloutTimeout as e:
             raise ApiError(504, f"the request did not finish within {self.limits.request_timeout_s} s and was "
                                 f"aborted: {e}", type="timeout") from None
@@ -575,11 +681,17 @@ class OpenAIProtocol:
                 finish = "tool_calls" if finish == "stop" else finish
         choice = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
         if options["logprobs"]:
-            choice["logprobs"] = {"content": [
-                {"token": self.tokenizer.decode([t]), "logprob": lp,
-                 "bytes": list(self.tokenizer.decode([t]).encode("utf-8")), "top_logprobs": []}
-                for t, lp in zip(ids, c.log_probs)]}
+            choice["logprobs"] = self._logprobs(True, ids, c.log_probs)
         if options["return_token_ids"]:
             choice["token_ids"] = ids
             choice["token_logprobs"] = c.log_probs
+        return choice
+
+    def _completion_choice(self, index: int, c: ChoiceRecord, options: dict) -> dict:
+        text = self._cut_at_stop(self.tokenizer.decode(c.token_ids, skip_special_tokens=True), options["stop"])
+        choice = {"index": index, "text": text, "finish_reason": c.finish_reason, "logprobs": None}
+        if options["logprobs"]:
+            choice["logprobs"] = self._logprobs(False, c.token_ids, c.log_probs)
+        if options["return_token_ids"]:
+            choice["token_ids"] = c.token_ids
         return choice

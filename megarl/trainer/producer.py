@@ -76,11 +76,14 @@ class BatchProducer:
 
     cfg: the `JobConfig`; loader: a `PromptLoader` (`next_batch(size)`); encoder: the prompt encoder (`encode`,
     `decode`); reward_fn(text, answer, record) -> float; episodes: an `EpisodeRunner` (rollout.env) or None
-    (single-turn); sampling: the base `SamplingSettings` (default: from cfg.rollout)."""
+    (single-turn); sampling: the base `SamplingSettings` (default: from cfg.rollout); judge: a
+    `megarl.rewards.judge.Judge` (reward.judge) that scores every response instead of reward_fn, group by group on
+    the reward thread (its requests overlapping the batch's generation), its `judge/...` metrics in the batch's."""
 
     def __init__(self, cfg: Any, loader: Any, encoder: Any, reward_fn: Any, episodes: Any = None,
-                 sampling: Optional[SamplingSettings] = None) -> None:
+                 sampling: Optional[SamplingSettings] = None, judge: Any = None) -> None:
         self.cfg, self.loader, self.encoder, self.reward_fn, self.episodes = cfg, loader, encoder, reward_fn, episodes
+        self.judge = judge
         self.sampling = sampling if sampling is not None else SamplingSettings.from_config(cfg.rollout)
 
     # ------------------------------------------------------------------------------------------------ public
@@ -116,6 +119,8 @@ class BatchProducer:
             samples, dropped, scores, reward_metrics = first.samples, first.dropped, first.scores, first.reward_metrics
             token_versions = first.token_versions
         metrics["time/reward_overlap_s"] = t.get("reward_overlap", 0.0) - overlap_before  # every round's
+        if self.judge is not None:  # the responses judged since the last batch (every round's, validation's)
+            metrics.update(self.judge.take_metrics())
         oldest = version
         if callable(version):
             oldest = min((min(v) for v in token_versions if v), default=version())
@@ -353,10 +358,18 @@ class BatchProducer:
 
 def score_samples(producer: Any, samples, records):
     """`ScoredBatch` of `samples` (their records: records[s.prompt_index]) with `producer`'s encoder (decode),
-    reward_fn and cfg.reward (on_error, timeout_s)."""
-    from megarl.rewards import score_responses
+    reward_fn and cfg.reward (on_error, timeout_s); with a judge, the judge's scores (which never fail: a failed
+    judgement scores reward.judge.fallback_score, counted in its metrics)."""
+    from megarl.rewards import ScoredBatch, score_responses
 
     r = producer.cfg.reward
     texts = [producer.encoder.decode(s.response_ids) for s in samples]
+    judge = getattr(producer, "judge", None)  # duck-typed hosts (tests) may have none
+    if judge is not None:
+        from megarl.rewards.judge import question_text
+
+        kept = [records[s.prompt_index] for s in samples]
+        return ScoredBatch(judge.score_group([question_text(k.prompt) for k in kept], texts,
+                                             [k.answer for k in kept]), [])
     return score_responses(producer.reward_fn, texts, [records[s.prompt_index] for s in samples],
                            on_error=r.on_error, timeout_s=r.timeout_s)

@@ -87,13 +87,15 @@ class RLLoop:
 
     def __init__(self, cfg: JobConfig, workers, loader, encoder, reward_fn, role_groups: Optional[dict] = None,
                  val_records: Optional[list] = None, metrics_path: Optional[str] = None,
-                 stop: Optional[StopRequest] = None, rollout: Optional[RolloutService] = None) -> None:
+                 stop: Optional[StopRequest] = None, rollout: Optional[RolloutService] = None,
+                 judge: Optional[Any] = None) -> None:
         """`workers`: the actor pool's group (HybridWorker; ActorWorker with rollout.pool). `role_groups`: for each
         enabled reference / critic / reward_model, the group that hosts it (`workers` itself when colocated, else its
         own RoleWorker group). `stop`: the controller's SIGTERM/SIGINT handlers (`megarl.trainer.stop`); `fit` ends
         after the step in flight, checkpointed, once it is requested. `rollout`: where samples come from and weights
         go (default `ColocatedRollout(workers)`: the actor pool's engines; the session passes a `PoolRollout` with
-        rollout.pool)."""
+        rollout.pool). `judge`: the `megarl.rewards.judge.Judge` of reward.judge (the session's), scoring instead of
+        reward_fn."""
         self.stop = stop
         self.cfg = cfg
         self.workers = workers
@@ -138,7 +140,7 @@ class RLLoop:
                 self.episodes = runner_from_config(cfg, encoder, reward_fn)
         # where every rollout batch comes from (draw -> requests -> scores -> filters), and when rollouts run
         # against training (trainer.mode, `megarl.trainer.schedule`)
-        self.producer = BatchProducer(cfg, loader, encoder, reward_fn, self.episodes, self.sampling)
+        self.producer = BatchProducer(cfg, loader, encoder, reward_fn, self.episodes, self.sampling, judge=judge)
         self.schedule = build_schedule(cfg, self.rollout, self.producer)
         # everything a checkpoint holds: the controller's Stateful objects, restored in this order (the RNG last),
         # and the trained roles' groups, which save their own distributed checkpoints and RNG

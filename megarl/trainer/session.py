@@ -19,6 +19,8 @@ Placement: it joins a Ray cluster (`RAY_ADDRESS`, e.g. from `launch/ray_submit.s
 same pool) and a `RoleWorker` group on each other pool (a critic, reference or reward model of its own layout). With
 `rollout.pool` set, an `ActorWorker` group replaces the `HybridWorker` (the roles only), a `RolloutWorker` group runs
 the engines on that pool, and a bridge joins the two (`megarl.controller.bridge`; the trainer gets a `PoolRollout`).
+With `reward.judge`, a `JudgeHost` group on the judge's pool serves the judge model for the whole run (a
+`RolloutRouter` over its replicas, never weight-synced) and a `megarl.rewards.judge.Judge` scores the responses.
 The vendor log level (`logging.vendor_level`, `megarl.platform.vendor_logs`) is applied here and in every worker.
 """
 
@@ -79,6 +81,31 @@ def call_bounds(cfg: JobConfig) -> dict[str, Optional[float]]:
     return {"heartbeat_timeout_s": cfg.resources.heartbeat_timeout_s, "call_timeout_s": cfg.resources.call_timeout_s}
 
 
+def load_judge_tokenizer(judge):
+    """The tokenizer of `reward.judge.model`, checked before any worker starts: an HF directory whose tokenizer has
+    a chat template (it renders the judge's prompt) and encodes the two yes_no words to different first tokens."""
+    from transformers import AutoTokenizer
+
+    from megarl.rewards.judge import candidate_tokens
+
+    if not os.path.isfile(os.path.join(judge.model, "config.json")):
+        raise ConfigError(f"reward.judge.model: {judge.model!r} is not an HF model directory (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(judge.model)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"reward.judge.model: the tokenizer in {judge.model!r} has no chat template, which renders "
+                          "the judge's prompt; use a chat model's directory")
+    if judge.parse == "yes_no_logprob":
+        try:
+            candidate_tokens(tokenizer, judge.yes_no)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return tokenizer
+
+
+# Seconds one long-poll of a judge replica waits for results (it answers at once when one is ready)
+JUDGE_POLL_WAIT_S = 0.5
+
+
 def placement_summary(cfg: JobConfig, device: str, threads: int) -> str:
     """A few lines: each pool's processes, each enabled role's Megatron layout and pool, the rollout engines."""
     lines = []
@@ -86,6 +113,8 @@ def placement_summary(cfg: JobConfig, device: str, threads: int) -> str:
         roles = [r for r in cfg.enabled_roles() if cfg.role(r).pool == name]
         if name == rollout_pool(cfg):
             roles.append("rollout")
+        if cfg.reward.judge is not None and name == cfg.reward.judge.pool:
+            roles.append("judge")
         lines.append(f"pool {name}: {p.nodes} node(s) x {p.devices_per_node} {device} worker(s), {threads} thread(s) "
                      f"each: {', '.join(roles) or 'unused'}")
     for role in cfg.enabled_roles():
@@ -105,6 +134,11 @@ def placement_summary(cfg: JobConfig, device: str, threads: int) -> str:
         from megarl.reshard.pool_plan import pool_sync_lines
 
         lines.extend("  " + line for line in pool_sync_lines(cfg))
+    j = cfg.reward.judge
+    if j is not None:
+        judges = cfg.resources.pools[j.pool]
+        lines.append(f"  {'judge':<12} vLLM tp {j.tp} x {judges.nodes * judges.devices_per_node // j.tp} engine(s) on "
+                     f"pool {j.pool!r}, {j.model}, never weight-synced; parse {j.parse}")
     d, r = cfg.data, cfg.rollout
     lines.append(f"{cfg.trainer.total_steps} steps of {d.prompts_per_step} prompts x {r.samples_per_prompt} samples, "
                  f"algorithm {cfg.algorithm.name}; run dir {os.path.abspath(cfg.logging.dir)}")
@@ -153,6 +187,7 @@ class TrainingSession:
             with config_key("reward.function"):
                 reward_fn = build_reward_fn(cfg.reward)
         self.reward_fn = reward_fn
+        self.judge_tokenizer = load_judge_tokenizer(cfg.reward.judge) if cfg.reward.judge is not None else None
         with config_key("model.tokenizer"):
             self.model_dir = engine_model_dir(cfg, self.run_dir)
         if cfg.checkpoint.dir and not cfg.checkpoint.resume:
@@ -167,6 +202,7 @@ class TrainingSession:
         self.stop = StopRequest(graceful=bool(cfg.checkpoint.dir))
         self.trainer = None  # megarl.trainer.rl_trainer.RLLoop, once started
         self.workers = None  # the actor pool's WorkerGroup, once the workers started (`start_workers`)
+        self.judge = None  # the reward.judge `Judge`, once its engines serve (`_start_judge`)
         self.rollout = None  # its RolloutService: None (the loop's ColocatedRollout) or the PoolRollout
         self.role_groups: dict = {}  # reference / critic / reward_model -> the group hosting it
         self.groups: list = []
@@ -246,7 +282,27 @@ class TrainingSession:
                                                 env={"OMP_NUM_THREADS": str(threads), **quiet}, **call_bounds(cfg))
                 self.groups.append(role_groups[role])
         self.workers, self.rollout, self.role_groups = workers, rollout, role_groups
+        if cfg.reward.judge is not None:
+            self._start_judge(make_pool(cfg.reward.judge.pool), env)
         return workers
+
+    def _start_judge(self, pool, engine_env: dict) -> None:
+        """`reward.judge`: the judge's `JudgeHost` group on its pool, serving until `close` (a `RolloutRouter` over
+        its replicas), and the `Judge` that the producer scores with."""
+        from megarl.controller import serving
+        from megarl.rewards.judge import Judge
+        from megarl.workers.judge_host import JudgeHost
+
+        j = self.cfg.reward.judge
+        group = WorkerGroup(pool, JudgeHost, self.cfg, env=engine_env, **call_bounds(self.cfg))
+        self.groups.append(group)
+        self.shm_reports = list(self.shm_reports) + list(group.shm_segments())
+        # a long-poll answers as soon as a result is ready: its wait only bounds idle polling over the whole run
+        router = serving.start_serving(group, poll_wait_s=JUDGE_POLL_WAIT_S, default_timeout_s=j.timeout_s)
+        self._judge_serving = (group, router)
+        self.judge = Judge(j, self.judge_tokenizer, router)
+        logger.info("judge %s: vLLM tp %d x %d engine(s) on pool %r (pids %s), parse %s", j.model, j.tp,
+                    group.world_size // j.tp, j.pool, _ranks_and_pids(group.pids()), j.parse)
 
     def _loop(self, cfg: JobConfig, metrics_path: str, stop: Optional[StopRequest] = None, rollout=None):
         """The one place an `RLLoop` is built: over this session's worker groups, inputs and rollout service
@@ -255,7 +311,7 @@ class TrainingSession:
 
         return RLLoop(cfg, self.workers, self.loader, self.encoder, self.reward_fn, role_groups=self.role_groups,
                       val_records=self.val, metrics_path=metrics_path, stop=stop,
-                      rollout=rollout if rollout is not None else self.rollout)
+                      rollout=rollout if rollout is not None else self.rollout, judge=self.judge)
 
     def _start_pools(self, make_pool, engine_env: dict, role_env: dict):
         """`rollout.pool` set: an `ActorWorker` group on the actor's pool (the actor and the roles placed there), a
@@ -377,6 +433,14 @@ class TrainingSession:
             if self.trainer is not None:
                 self.trainer.close()
         finally:
+            if self.judge is not None:
+                self.judge.close()
+                from megarl.controller import serving
+
+                try:
+                    serving.stop_serving(*self._judge_serving)
+                except Exception as e:  # the workers are killed below anyway
+                    logger.warning("stopping the judge's servers: %s: %s", type(e).__name__, e)
             for group in reversed(self.groups):
                 group.shutdown()
             self.groups = []

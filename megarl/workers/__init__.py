@@ -22,7 +22,7 @@ import importlib
 
 _HOMES = {"RoleHost": "role_host", "RoleWorker": "role_host", "RolloutHost": "rollout_host",
           "HybridWorker": "hybrid", "OffloadPolicy": "offload",
-          "ActorWorker": "pool_sync", "RolloutWorker": "pool_sync"}
+          "ActorWorker": "pool_sync", "RolloutWorker": "pool_sync", "JudgeHost": "judge_host"}
 __all__ = sorted(_HOMES)
 
 

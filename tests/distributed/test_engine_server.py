@@ -289,3 +289,38 @@ def test_the_servers_weight_version_is_the_engines_and_a_request_may_be_longer_t
     finally:
         srv.stop(timeout_s=60)
         engine.set_weight_version(before)
+
+
+def test_on_progress_hands_each_steps_partial_before_the_answer(server, engine):
+    """`generate(..., on_progress=)`: the request runs streamed; partial outputs (each sample's tokens so far,
+    cumulative) reach the callback before `generate` returns, each a prefix of the final tokens and log-probs, the
+    counts never going back, and every step's tokens reported: each sample is seen at 1, 2, ..., 7 of its 8 tokens
+    (vLLM reports the two samples of a step one after the other, so one may be seen finished before the answer).
+    The final tokens equal the batch path's with the same seed (streaming changes nothing the engine samples). A
+    server `submit` with on_progress but without stream is refused by name."""
+    batch = server.call(lambda eng: eng.generate([PROMPTS[0]], SAMPLED), key="batch-progress").result(timeout=120)
+    client = InProcessClient(server, default_timeout_s=120)
+    events: list = []
+
+    async def main():
+        out = await client.generate(GenerationRequest("streamed", PROMPTS[0], SAMPLED), on_progress=events.append)
+        events.append("answer")
+        return out
+
+    out = asyncio.run(main())
+    assert [(c.token_ids, c.log_probs) for c in out.completions] == \
+        [(x.response_ids, x.response_log_probs) for x in batch]
+    assert events[-1] == "answer" and all(not p.finished for p in events[:-1])
+    seen: dict[int, set] = {0: set(), 1: set()}
+    totals = []
+    for partial in events[:-1]:
+        for c in partial.completions:
+            final, k = out.completions[c.sample_index], len(c.token_ids)
+            # a sample that ended in the step before the request's last (vLLM reports it ended; the other runs)
+            assert (c.finish_reason is None and 1 <= k < 8) or (c.finish_reason == "length" and k == 8)
+            assert c.token_ids == final.token_ids[:k] and c.log_probs == final.log_probs[:k]
+            seen[c.sample_index].add(k)
+        totals.append(sum(len(c.token_ids) for c in partial.completions))
+    assert all(seen[i] >= set(range(1, 8)) for i in (0, 1)) and totals == sorted(totals)
+    with pytest.raises(ValueError, match="on_progress needs a streamed request"):
+        server.submit(GenerationRequest("plain", PROMPTS[0], SAMPLED), on_progress=lambda partial: None)

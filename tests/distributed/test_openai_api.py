@@ -291,3 +291,57 @@ def test_with_an_api_key_requests_without_the_bearer_token_get_401(served):
         assert client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2).choices
     finally:
         http.stop()
+
+
+def test_a_stream_arrives_token_by_token_and_adds_up_to_the_plain_answer(served):
+    """`stream=True` over the real engine (chat and completions, greedy, a 24-token answer): the content deltas
+    concatenated equal the non-streamed answer to the same request, their token ids the engine's, and more than one
+    content chunk reaches the client while the request is still in the engine (observed at each chunk's arrival:
+    the engine server holds it; the engine sleeps 50 ms per step here, so the answer takes over a second)."""
+    client = _client(served, timeout=60)
+    sampling = {"temperature": 0, "max_tokens": 24, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    served.server.step_delay_s = 0.05
+    try:
+        plain = client.chat.completions.create(model="tiny", messages=MESSAGES, **sampling)
+        deltas, ids, in_engine = [], [], []
+        for chunk in client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, **sampling):
+            for ch in chunk.choices:
+                ids += ch.model_extra.get("token_ids") or []
+                if ch.delta.content:
+                    deltas.append(ch.delta.content)
+                    in_engine.append(served.server.in_flight == 1)
+        plain_cmpl = client.completions.create(model="tiny", prompt="12*34=", **sampling)
+        texts = [ch.text for c in client.completions.create(model="tiny", prompt="12*34=", stream=True, **sampling)
+                 for ch in c.choices if ch.text]
+    finally:
+        served.server.step_delay_s = 0.0
+    assert "".join(deltas) == plain.choices[0].message.content and ids == plain.choices[0].token_ids
+    assert len(ids) == 24 and sum(in_engine) >= 2, (deltas, in_engine)
+    assert "".join(texts) == plain_cmpl.choices[0].text and len(texts) >= 2
+    assert _quiet(served)
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_it(served):
+    """A client reads two content chunks of a long streamed answer and closes the stream: the server aborts the
+    engine request (one abort counted, nothing left in flight) and serves the next request."""
+    client = _client(served, timeout=60)
+    aborted = served.server.counts["aborted"]
+    served.server.step_delay_s = 0.05
+    try:
+        stream = client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, temperature=0,
+                                                max_tokens=64, extra_body={"ignore_eos": True})
+        seen = 0
+        for chunk in stream:
+            seen += sum(1 for ch in chunk.choices if ch.delta.content)
+            if seen >= 2:
+                break
+        assert served.server.in_flight == 1  # still generating when the client leaves
+        stream.close()
+        _wait_for(lambda: served.server.in_flight == 0, "the abandoned stream's request to leave the engine server",
+                  lambda: f"(app: {dict(served.app.state.counts)}; engine server: {dict(served.server.counts)})")
+    finally:
+        served.server.step_delay_s = 0.0
+    assert served.server.counts["aborted"] == aborted + 1
+    _wait_for(lambda: served.app.state.in_flight == 0, "the app to let go of the stream")
+    assert _quiet(served)
+    assert _client(served).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2).choices

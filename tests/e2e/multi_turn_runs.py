@@ -13,6 +13,14 @@ engine servers sleep STEP_DELAY_S after each decode step (`SlowEngine`): the tin
 faster than the trainer trains, and pushes land inside an episode only when generating takes longer than a training
 step, as it does with real models.
 
+On-policy distillation runs (issue 33) share the session: its workers hold one teacher, "init" = the student's own
+starting weights (the tool task's model directory), which the other runs leave disabled. "distill_self" (sync, 1 step
+from step 0: the teacher equals the policy) and, from the sync run's step-20 checkpoint (a student 20 GRPO steps away
+from the teacher), "distill_sync" (2 steps), "distill_one_step_off" (2), "distill_async" (3, max_staleness 1) and
+"distill_single_turn_async" (2, rollout.env=null: single-turn samples of the same prompts), all with
+distillation.task_reward_coef 0 (the advantage is the distillation one alone). Each step's batch after the distillation
+advantage is recorded (`record_distill_batches`: `<run>/distill_batches/step_N.pt`) for the test to recompute from.
+
 After the runs, the session's current weights are written as a HuggingFace directory (`TrainingSession.export_hf`,
 what `megarl quickstart --task tools` writes its SFT model with) to OUT_DIR/session_hf, and the last run's final
 checkpoint exported on its own (`megarl.checkpoint.export.export_hf`) to OUT_DIR/checkpoint_hf.
@@ -34,10 +42,45 @@ ECHO = os.path.join(ROOT, "tests", "e2e", "echo_env.py") + ":echo_env"
 # 0.1 s: a batch's three turns of 8 tokens then take ~2x a training step here (the former per-call delay of 0.8 s x 3
 # turns; 0.3 s per call made them equal, and whether a push landed inside a batch depended on the machine's load)
 STEP_DELAY_S = 0.1
-RUNS = {"sync": (["trainer.mode=sync"], 20),
-        "async": (["trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=continue",
-                   "algorithm.rollout_correction.tis=token"], 5),
-        "one_step_off": (["trainer.mode=one_step_off", "algorithm.rollout_correction.tis=token"], 3)}
+TIS = ["algorithm.rollout_correction.tis=token"]
+NO_TEACHER = ["distillation.teachers.init.enabled=false"]
+# name -> (overrides, steps trained, starting checkpoint: "step0" or (run, step): its steps then continue from there)
+RUNS = {"sync": (["trainer.mode=sync", *NO_TEACHER], 20, "step0"),
+        "async": (["trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=continue", *TIS, *NO_TEACHER], 5,
+                  "step0"),
+        "one_step_off": (["trainer.mode=one_step_off", *TIS, *NO_TEACHER], 3, "step0"),
+        "distill_self": (["trainer.mode=sync"], 1, "step0"),
+        "distill_sync": (["trainer.mode=sync"], 2, ("sync", 20)),
+        "distill_one_step_off": (["trainer.mode=one_step_off", *TIS], 2, ("sync", 20)),
+        "distill_async": (["trainer.mode=async", "trainer.max_staleness=1", *TIS], 3, ("sync", 20)),
+        # single-turn (no environment: one response per prompt, exact-match reward) in async mode
+        "distill_single_turn_async": (["trainer.mode=async", "trainer.max_staleness=1", *TIS, "rollout.env=null"], 2,
+                                      ("sync", 20))}
+DISTILL_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages", "old_log_probs", "rollout_log_probs",
+                "policy_version")
+
+
+def record_distill_batches() -> None:
+    """Wrap `RLLoop._distill` (the step's distillation advantage) so that each step's batch right after it is saved:
+    `<run dir>/distill_batches/step_N.pt` = {DISTILL_KEYS: [B, S] tensors, "teacher_log_probs": {name: [B, S]},
+    "metrics": what it returned}; N counts the run's calls from 1. The loop itself is unchanged."""
+    import torch
+
+    from megarl.trainer.rl_trainer import RLLoop
+
+    original = RLLoop._distill
+
+    def recording(self, batch, teacher_log_probs, rollout, trajectories):
+        metrics = original(self, batch, teacher_log_probs, rollout, trajectories)
+        out = os.path.join(os.path.dirname(self.metrics_path), "distill_batches")
+        os.makedirs(out, exist_ok=True)
+        n = len(os.listdir(out)) + 1
+        torch.save({**{k: batch.tensors[k].clone() for k in DISTILL_KEYS if k in batch.tensors},
+                    "teacher_log_probs": {k: v.clone() for k, v in teacher_log_probs.items()},
+                    "metrics": dict(metrics)}, os.path.join(out, f"step_{n}.pt"))
+        return metrics
+
+    RLLoop._distill = recording
 
 
 class SlowEngine:
@@ -60,6 +103,7 @@ def main(out: str) -> None:
     from megarl.config.loader import apply_overrides, parse_config
     from megarl.config.validate import validate
     from megarl.data.tool_task import build_tool_task
+    from megarl.trainer import checkpointing
     from megarl.trainer.session import TrainingSession
 
     data = build_tool_task(os.path.join(out, "data"), n_val=16, tokenizer="bpe")
@@ -70,14 +114,21 @@ def main(out: str) -> None:
         "actor.pool=train", "rollout.pool=rollout", "trainer.val_every=0", "data.prompts_per_step=8",
         "actor.mini_batch_prompts=8", f"rollout.env={ECHO}", "rollout.env_options={turns: 3}", "rollout.max_turns=3",
         "rollout.max_tokens_per_turn=8", "rollout.max_new_tokens=32", "rollout.max_prompt_tokens=160"])
+    # the teacher: the student's starting weights, TP2 as the actor (disabled by the runs without distillation)
+    raw["distillation"] = {"teachers": {"init": {"path": data["model"], "parallel": {"tp": 2},
+                                                    "micro_batch_samples": 32}}, "task_reward_coef": 0.0}
+    record_distill_batches()
     session = TrainingSession(validate(parse_config(raw, ["trainer.mode=sync"])))
     report = {}
     try:
         first = session.start()
         step0 = first.save(0, root=os.path.join(out, "step0"))
-        for name, (overrides, steps) in RUNS.items():
+        for name, (overrides, steps, start) in RUNS.items():
             run_started = time.monotonic()
-            session.train_from(step0, os.path.join(out, name), [*overrides, f"trainer.total_steps={steps}"], raw=raw,
+            source = step0 if start == "step0" else checkpointing.step_dir(os.path.join(out, start[0], "ckpt"),
+                                                                            start[1])
+            total = steps + (0 if start == "step0" else start[1])
+            session.train_from(source, os.path.join(out, name), [*overrides, f"trainer.total_steps={total}"], raw=raw,
                                rollout=SlowEngine(first.rollout) if name == "async" else None)
             seconds = time.monotonic() - run_started
             report[name] = {"seconds": seconds}
@@ -90,8 +141,10 @@ def main(out: str) -> None:
     # the last run's final checkpoint, exported on its own: what the session's export must equal
     from megarl.checkpoint.export import export_hf
 
-    last = list(RUNS)[-1]
-    export_hf(os.path.join(out, last, "ckpt", f"step_{RUNS[last][1]:06d}"), os.path.join(out, "checkpoint_hf"))
+    last, (_, steps, start) = list(RUNS.items())[-1]
+    final_step = steps + (0 if start == "step0" else start[1])
+    export_hf(os.path.join(out, last, "ckpt", f"step_{final_step:06d}"), os.path.join(out, "checkpoint_hf"))
+    report["_teacher"] = data["model"]
     with open(os.path.join(out, "runs.json"), "w") as f:
         json.dump(report, f, indent=1)
 

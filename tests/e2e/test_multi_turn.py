@@ -1,7 +1,7 @@
 """Multi-turn episodes with real engines (`tests/e2e/multi_turn_runs.py`: 4 worker processes, vLLM TP1 engines on a
 rollout pool, the tool task's random model with a byte-level BPE tokenizer and ChatML template, the echo environment
-from a user file). One session of ~30 s start-up, then 25 steps; it cannot share the quickstart pool session (that
-tokenizer has no chat template to render observations with).
+from a user file). One session of ~30 s start-up, then 25 steps and 10 with a distillation teacher (~15 s); it cannot
+share the quickstart pool session (that tokenizer has no chat template to render observations with).
 
 Every trajectory of every step is verified against the engine's tokens inside the run (`verify_trajectory`, on by
 default: the run would stop otherwise), so a passing run is itself the token-exactness check with real engines.
@@ -16,6 +16,17 @@ What the tests add, each from the engines' own numbers:
   two versions, and for each version's tokens the engine's log-probs against Megatron's recomputation with the
   weights being updated: float noise for the current version's, a real KL for the older one's -- so each turn's
   log-probs are those of the engine that sampled it.
+
+On-policy distillation through the real loop (issue 33; the same session, its teacher "init" = the student's starting
+weights, runs described in multi_turn_runs.py), from each step's recorded batch:
+- teacher = policy (step 1 from step 0): the reverse KL and every advantage are 0 within float error, while the
+  teacher's log-probs of the sampled tokens are real (< 0);
+- in sync, one_step_off and async (multi-turn), and single-turn async, from a student 20 GRPO steps away: the
+  teacher's log-probs of the batch's loss-mask tokens equal transformers' log-softmax of the teacher's HF model on the
+  batch's own token ids (so they are of the tokens the update trains on, row for row), `distill/reverse_kl/init`
+  equals the mean of (old log-prob - that) over the loss mask and is > 0, the advantages are teacher - old on the loss
+  mask, and the tokens off the loss mask (the prompt, padding, and the observation tokens inside an episode, which
+  the multi-turn runs have) get neither a teacher log-prob nor an advantage.
 """
 
 from __future__ import annotations
@@ -29,20 +40,26 @@ import pytest
 
 from tests.e2e.conftest import ROOT, read_rows
 
+DISTILL_RUNS = ("distill_sync", "distill_one_step_off", "distill_async", "distill_single_turn_async")
+# fp32 Megatron TP2 vs transformers on this model: the log-prob error is float summation order (~1e-6, measured in
+# tests/distributed/test_teacher.py); a misaligned or wrong-row teacher log-prob is off by > 0.1
+TEACHER_ATOL = 1e-4
+
 
 @pytest.fixture(scope="module")
-def runs_dir(tmp_path_factory, joined_ray_env):
+def runs(tmp_path_factory, joined_ray_env):
     out = tmp_path_factory.mktemp("multi_turn")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "e2e", "multi_turn_runs.py"), str(out)],
                           cwd=ROOT, env=joined_ray_env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     print("multi-turn runs (s):", json.load(open(out / "runs.json")))
-    return out
+    names = ("sync", "async", "one_step_off", "distill_self", *DISTILL_RUNS)
+    return {**{name: read_rows(out / name) for name in names}, "_out": out}
 
 
 @pytest.fixture(scope="module")
-def runs(runs_dir):
-    return {name: read_rows(runs_dir / name) for name in ("sync", "async", "one_step_off")}
+def runs_dir(runs):
+    return runs["_out"]
 
 
 def test_the_sessions_weights_export_as_a_model_transformers_loads(runs_dir):
@@ -64,6 +81,27 @@ def test_the_sessions_weights_export_as_a_model_transformers_loads(runs_dir):
     assert (AutoTokenizer.from_pretrained(runs_dir / "session_hf")(text)["input_ids"]
             == AutoTokenizer.from_pretrained(runs_dir / "data" / "init_model")(text)["input_ids"])
     assert not [n for n in os.listdir(runs_dir) if n.startswith(".session_hf")]
+
+
+def _distill_batches(runs, run: str) -> list[dict]:
+    """The run's recorded batches (multi_turn_runs.record_distill_batches), step order."""
+    import torch
+
+    folder = runs["_out"] / run / "distill_batches"
+    return [torch.load(folder / f"step_{i + 1}.pt") for i in range(len(os.listdir(folder)))]
+
+
+def _transformers_log_probs(model_dir, input_ids, attention_mask):
+    """[B, S] float32: log pi(input_ids[:, t] | input_ids[:, :t]) of the HF model at `model_dir` (transformers, fp32),
+    position 0 = 0."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros(lp.shape[0], 1), lp], dim=1)
 
 
 @pytest.mark.parametrize("run", ["sync", "async", "one_step_off"])
@@ -114,3 +152,46 @@ def test_one_step_off_episodes_train_on_the_batch_generated_one_version_behind(r
     # k - 2: every episode's oldest token one version behind the weights being updated
     assert [(r["async/version"], r["async/staleness_max"], r["async/staleness_mean"]) for r in rows] == \
         [(0.0, 0.0, 0.0), (0.0, 1.0, 1.0), (1.0, 1.0, 1.0)]
+
+
+def test_teacher_equal_to_the_policy_gives_zero_reverse_kl_and_zero_advantages(runs):
+    [row] = runs["distill_self"]
+    [batch] = _distill_batches(runs, "distill_self")
+    mask = batch["loss_mask"].bool()
+    teacher = batch["teacher_log_probs"]["init"]
+    assert float(teacher[mask].mean()) < -0.5  # real log-probs of sampled tokens, not an empty answer
+    assert abs(row["distill/reverse_kl/init"]) < 1e-5, row["distill/reverse_kl/init"]
+    assert float((teacher - batch["old_log_probs"])[mask].abs().max()) < TEACHER_ATOL
+    # task_reward_coef 0: nothing but the distillation advantage, which is 0 when the teacher is the policy
+    assert float(batch["advantages"].abs().max()) < TEACHER_ATOL
+
+
+@pytest.mark.parametrize("run", DISTILL_RUNS)
+def test_teacher_scores_the_trained_tokens_in_every_mode(runs, run):
+    import torch
+
+    rows, batches = runs[run], _distill_batches(runs, run)
+    assert len(batches) == len(rows) >= 2
+    model_dir = json.load(open(runs["_out"] / "runs.json"))["_teacher"]
+    for row, batch in zip(rows, batches):
+        mask = batch["loss_mask"].bool()
+        teacher, old, adv = batch["teacher_log_probs"]["init"], batch["old_log_probs"], batch["advantages"]
+        expected = _transformers_log_probs(model_dir, batch["input_ids"], batch["attention_mask"])
+        assert float((teacher - expected)[mask].abs().max()) < TEACHER_ATOL, run
+        reverse_kl = float((old - expected)[mask].mean())
+        assert row["distill/reverse_kl/init"] == pytest.approx(reverse_kl, abs=TEACHER_ATOL)
+        assert reverse_kl > 0.01  # a student 20 steps away from its starting weights
+        assert torch.allclose(adv[mask], (expected - old)[mask], atol=TEACHER_ATOL)
+        # observation tokens: inside the episode (after its first sampled token), not sampled by the student
+        first = mask.float().argmax(dim=1, keepdim=True)
+        inside = (torch.arange(mask.shape[1])[None] > first) & batch["attention_mask"].bool()
+        observation = inside & ~mask
+        if run == "distill_single_turn_async":
+            assert int(observation.sum()) == 0  # one response per row: every token after its first one is sampled
+        else:
+            assert int(observation.sum()) > 0  # the echo environment's messages between turns
+        # off the loss mask (prompt, observations, padding) the teacher scores nothing and nothing is trained
+        assert float(teacher[~mask].abs().sum()) == 0.0
+        assert float(adv[~mask].abs().sum()) == 0.0
+    if run != "distill_sync":  # the modes that train on a batch sampled one version behind
+        assert max(r["async/staleness_max"] for r in rows) == 1.0

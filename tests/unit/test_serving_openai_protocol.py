@@ -190,3 +190,91 @@ def test_a_session_chains_into_token_exact_segments_and_a_rewrite_starts_a_new_o
     assert len(first.request_ids) == 2 and len(second.request_ids) == 1
     assert len(second) > len(first)  # longer than the first, yet not its extension
     assert TOK.decode(second.token_ids, skip_special_tokens=False).startswith("<|im_start|>system\nTools: calculator")
+
+
+class TokenByTokenPolicy(CalculatorPolicy):
+    """`CalculatorPolicy` that streams (`streams_progress`, as `InProcessClient`): before its answer it hands a
+    partial output per token (each completion's ids so far), yielding to the event loop between tokens; the replies
+    carry text before the tool call and characters split over several byte tokens ("≈", "é")."""
+
+    streams_progress = True
+
+    def __init__(self, replies):
+        super().__init__()
+        self.replies = replies  # one per request, in order
+
+    async def generate(self, request, *, session_id=None, priority=0, timeout_s=None, on_progress=None):
+        self.requests.append(request)
+        ids = TOK(self.replies[len(self.requests) - 1], add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
+        n = request.sampling.samples_per_prompt
+        for k in range(1, len(ids) if on_progress is not None else 0):
+            on_progress(GenerationOutput(request.request_id, list(request.prompt_ids),
+                                         [Completion(j, ids[:k], [-0.25] * k, None, [7] * k) for j in range(n)],
+                                         False))
+            await asyncio.sleep(0)
+        completions = [Completion(j, ids, [-0.25] * len(ids), "stop", [7] * len(ids)) for j in range(n)]
+        return GenerationOutput(request.request_id, list(request.prompt_ids), completions, True)
+
+
+def test_a_stream_sends_deltas_token_by_token_that_add_up_to_the_plain_answer():
+    """With a client that hands partial outputs, `stream=True` (chat and completions) sends the text as it grows:
+    several content chunks before the finish chunk, never half a character, and the deltas concatenated equal the
+    non-streamed answer to the same request (expected: the plain response, and the reply text written here); the
+    tool call arrives as OpenAI's `tool_calls` delta, the log-probs and token ids of the deltas add up to the
+    engine's, `stream_options.include_usage` adds the usage chunk (and without it there is none)."""
+    with_call = "Result ≈ café. " + tool_call_text("12*34")
+    plain_text = "Result ≈ 408 café"
+    policy = TokenByTokenPolicy([with_call, with_call, plain_text, plain_text, plain_text, plain_text])
+    protocol, app = scripted_app(policy)
+    messages = [{"role": "user", "content": "12*34="}]
+
+    async def agent():
+        client = app_client(app)
+        out = {"plain_call": await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)}
+        stream = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, stream=True,
+                                                      logprobs=True, stream_options={"include_usage": True},
+                                                      extra_body={"return_token_ids": True})
+        out["call_chunks"] = [c async for c in stream]
+        out["plain"] = await client.chat.completions.create(model="policy", messages=messages)
+        out["chunks"] = [c async for c in await client.chat.completions.create(model="policy", messages=messages,
+                                                                               stream=True)]
+        out["plain_cmpl"] = await client.completions.create(model="policy", prompt="12*34=", stop=[" caf"])
+        out["cmpl_chunks"] = [c async for c in await client.completions.create(model="policy", prompt="12*34=",
+                                                                               stop=[" caf"], stream=True)]
+        await client.close()
+        return out
+
+    out = asyncio.run(agent())
+    ids_with_call = TOK(with_call, add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
+
+    def content_deltas(chunks):
+        return [ch.delta.content for c in chunks for ch in c.choices if ch.delta.content]
+
+    # the tool-call turn: the text before the call streams, the call comes whole at the end
+    chunks = out["call_chunks"]
+    deltas = content_deltas(chunks)
+    assert "".join(deltas) == out["plain_call"].choices[0].message.content == "Result ≈ café."
+    assert len(deltas) >= 3 and not any("\ufffd" in d for d in deltas)
+    finish_at = next(k for k, c in enumerate(chunks) if c.choices and c.choices[0].finish_reason)
+    assert chunks[finish_at].choices[0].finish_reason == "tool_calls"
+    assert max(k for k, c in enumerate(chunks) if c.choices and c.choices[0].delta.content) < finish_at
+    calls = [call for c in chunks for ch in c.choices for call in (ch.delta.tool_calls or [])]
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+        [(0, "calculator", {"expression": "12*34"})]
+    streamed_ids = [t for c in chunks for ch in c.choices for t in (ch.model_extra.get("token_ids") or [])]
+    assert streamed_ids == ids_with_call
+    assert [x.logprob for c in chunks for ch in c.choices if ch.logprobs for x in ch.logprobs.content] == \
+        [-0.25] * len(ids_with_call)
+    assert chunks[0].model_extra["prompt_token_ids"] == _rendered(messages)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids_with_call)
+    assert chunks[-1].usage == out["plain_call"].usage
+    # a plain answer, no tools, no usage asked for
+    deltas = content_deltas(out["chunks"])
+    assert "".join(deltas) == out["plain"].choices[0].message.content == plain_text and len(deltas) >= 3
+    assert not any("\ufffd" in d for d in deltas) and all(c.usage is None for c in out["chunks"])
+    # completions with a stop string: nothing past it is ever sent
+    texts = [ch.text for c in out["cmpl_chunks"] for ch in c.choices if ch.text]
+    assert "".join(texts) == out["plain_cmpl"].choices[0].text == "Result ≈ 408" and len(texts) >= 2
+    # streamed requests are recorded as the plain ones
+    records = protocol.recorder.records()
+    assert [r.choices[0].token_ids for r in records[:2]] == [ids_with_call, ids_with_call]

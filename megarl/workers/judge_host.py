@@ -1,0 +1,38 @@
+"""`JudgeHost`: one rank of the judge's engines (`reward.judge`), on a pool of their own.
+
+A `RolloutHost` whose engine reads the judge's own weights from `reward.judge.model` (`load_format="auto"`) and is
+never weight-synced: nothing pushes into it, it never sleeps, and it serves for the whole run
+(`megarl.controller.serving.start_serving` over the group, stopped when the session closes). One replica per
+`reward.judge.tp` consecutive ranks of the judge pool; the controller's `megarl.rewards.judge.Judge` sends it
+requests through a `RolloutRouter` over the replicas.
+"""
+
+from __future__ import annotations
+
+from megarl.config.schema import JobConfig
+from megarl.workers.rollout_host import RolloutHost
+
+
+class JudgeHost(RolloutHost):
+    """The judge's vLLM engine of one rank (see the module docstring)."""
+
+    sleeps_between_rollouts = False  # the judge pool is the engines' own
+
+    def __init__(self, cfg: JobConfig) -> None:
+        """Build this rank's engine of the judge model (a collective over the judge pool's world). Its prompts:
+        up to reward.judge.max_prompt_tokens plus the one candidate token of yes_no_logprob; its answers: up to
+        reward.judge.max_new_tokens."""
+        from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine, resolve_enforce_eager
+
+        judge = cfg.reward.judge
+        max_prompt = judge.max_prompt_tokens + 1
+        self.engine = VllmRolloutEngine(VllmEngineSettings(
+            model_path=judge.model, tp=judge.tp, dtype="auto", seed=0, load_format="auto",
+            max_model_len=max_prompt + judge.max_new_tokens, max_prompt_tokens=max_prompt, overlong_prompt="error",
+            kv_cache_gib=cfg.rollout.kv_cache_gib, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            enforce_eager=resolve_enforce_eager(cfg.rollout.enforce_eager, cfg.resources.device == "cpu"),
+        ))
+        self._awake = {"weights", "kv_cache"}
+
+    def _refill_weights(self) -> None:
+        raise RuntimeError("the judge engine never sleeps: its weights cannot have been dropped")
