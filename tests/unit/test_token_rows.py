@@ -1,5 +1,5 @@
 """The step's token keys by reference (issue 30, item 1): a training rank builds its share's input_ids,
-attention_mask, loss_mask and rollout_log_probs from the rollout's per-completion packages, through the controller's
+attention_mask, loss_mask and rollout_log_probs from the rollout's poll-round packages, through the controller's
 real cut (`plan_shared_calls` with `RoleHost`'s dispatch specs) and the worker's `resolve_shares`. Expected: the
 controller's own batch (`trajectories_to_batch`, the by-value path), bit for bit. The object store is stood in for by
 a dict (handle -> value): `resolve_shares` takes its `get` as a parameter; the Ray path runs in the e2e quickstart."""
@@ -17,6 +17,7 @@ from megarl.data.token_rows import (
     TokenRowsPiece,
     attach_ref,
     pack_completion,
+    pack_round,
     token_ref,
 )
 from megarl.data.trajectory import Trajectory, trajectories_to_batch
@@ -45,9 +46,11 @@ class Store:
 
 
 def _outputs(store: Store) -> list[GenerationOutput]:
-    """4 prompts x 2 completions of ragged lengths, each completion's package put as the rollout host puts it."""
+    """4 prompts x 2 completions of ragged lengths, put as the rollout host puts a poll round's: two poll rounds,
+    prompts 0 and 2 (rollout rank 0) and prompts 1 and 3 (rank 1), each round's ids and log-probs one object each
+    (`pack_round`), so a round holds rows of more than one DP share."""
     g = torch.Generator().manual_seed(0)
-    outs = []
+    outs, rounds = [], {0: [], 1: []}  # rollout rank -> [(completion, ids, log_probs)] of its round
     for i in range(4):
         prompt = torch.randint(10, 90, (2 + i,), generator=g).tolist()
         comps = []
@@ -55,9 +58,14 @@ def _outputs(store: Store) -> list[GenerationOutput]:
             n = 1 + (3 * i + 5 * k) % 6
             c = Completion(k, torch.randint(10, 90, (n,), generator=g).tolist(),
                            (-torch.rand(n, generator=g, dtype=torch.float64)).tolist(), "stop")
-            ids, log_probs = pack_completion(prompt, c.token_ids, c.log_probs)
-            comps.append(attach_ref(c, (store.put(ids), store.put(log_probs), i % 2)))  # owner: rollout rank
+            rounds[i % 2].append((c, *pack_completion(prompt, c.token_ids, c.log_probs)))
+            comps.append(c)
         outs.append(GenerationOutput(f"r{i}", prompt, comps, True))
+    for owner, kept in rounds.items():
+        ids_ref = store.put(pack_round([k[1] for k in kept]))
+        log_probs_ref = store.put(pack_round([k[2] for k in kept]))
+        for slot, (c, _, _) in enumerate(kept):
+            attach_ref(c, (ids_ref, log_probs_ref, slot, owner))
     return outs
 
 
@@ -100,16 +108,17 @@ def test_each_rank_builds_exactly_the_rows_the_controller_would_have_sent(method
             same = torch.equal(a.view(torch.int32), b.view(torch.int32)) if a.dtype == torch.float32 else \
                 torch.equal(a, b)
             assert same, (method, key)
-    # each rank fetched each object it needs once, and only its own rows' objects, only for the keys it reads: ids
-    # for input_ids, log-probs only where rollout_log_probs is read, nothing for the masks (built from the lengths)
+    # each rank fetched each object it needs once, and only the rounds of its own rows, only for the keys it reads:
+    # ids for input_ids, log-probs only where rollout_log_probs is read, nothing for the masks (built from the lengths)
     reads_log_probs = "rollout_log_probs" in got[0].keys()
     for args, _ in calls:  # the masks are built from the lengths alone: nothing to fetch
         for key in ("attention_mask", "loss_mask"):
             assert all(h.refs == [] for h in args[0].pieces[key]), key
     for (args, _), fetched in zip(calls, store.gets):
         assert len(fetched) == len(set(fetched))
-        rows = [r for h in args[0].pieces["input_ids"] for r in range(len(h.lengths))]
-        assert len(fetched) == len(rows) * (2 if reads_log_probs else 1) + sum(
+        rounds = {r for h in args[0].pieces["input_ids"] for r in h.refs}  # the ids rounds of this rank's rows
+        assert rounds <= set(fetched)
+        assert len(fetched) == len(rounds) * (2 if reads_log_probs else 1) + sum(
             1 for k, hs in args[0].pieces.items() if k not in TOKEN_KEYS for _ in hs)
 
 
