@@ -152,27 +152,30 @@ class RolloutHost:
         return {"host": socket.gethostname(), "pid": os.getpid(), "names": self.engine.shm_segments()}
 
 
-def _keep_completions(results: Sequence[Any]) -> None:
+def _keep_completions(results: Sequence[Any], put: Any = None) -> None:
     """Put the finished completions of `results` (one poll round) into the object store as two objects owned by this
     rank -- all their ids, all their log-probs (`pack_round`) -- and attach to each completion the references, its
     slot in them and this rank (`megarl.data.token_rows`): the training ranks build their rows of the step's token
     keys from them instead of the controller sending the padded batch down. Two puts per round, not per completion:
-    a `ray.put` costs ~1 ms on a small host. Not under Ray (a host built in a test process): nothing is put, the
-    batch goes by value."""
+    a `ray.put` costs ~1 ms on a small host. A result whose request will not be trained on (`keep_output` False:
+    validation, the Python API's `generate`) is not put. `put`: `ray.put`; not under Ray (a host built in a test
+    process) and no `put` given: nothing is put, the batch goes by value."""
     import ray
 
-    if not ray.is_initialized():
-        return
+    if put is None:
+        if not ray.is_initialized():
+            return
+        put = ray.put
     import torch.distributed as dist
 
     from megarl.data.token_rows import attach_ref, pack_completion, pack_round
 
-    kept = [(r.output.prompt_ids, c) for r in results if r.status == "finished" and getattr(r, "output", None)
-            is not None for c in r.output.completions]
+    kept = [(r.output.prompt_ids, c) for r in results if r.status == "finished" and r.output is not None
+            and r.keep_output for c in r.output.completions]
     if not kept:
         return
     rank = dist.get_rank() if dist.is_initialized() else -1  # named by the error when these objects are lost
     ids, log_probs = zip(*(pack_completion(p, c.token_ids, c.log_probs) for p, c in kept))
-    ids_ref, log_probs_ref = ray.put(pack_round(ids)), ray.put(pack_round(log_probs))
+    ids_ref, log_probs_ref = put(pack_round(ids)), put(pack_round(log_probs))
     for slot, (_, c) in enumerate(kept):
         attach_ref(c, (ids_ref, log_probs_ref, slot, rank))

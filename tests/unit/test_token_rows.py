@@ -181,3 +181,33 @@ def test_a_lost_completion_names_its_rollout_rank_and_rows():
     assert "OwnerDiedError: that rollout worker died" in str(lost) and "checkpoint.resume=true" in str(lost)
     assert lost_completion(OwnerDiedError((b"x" * 4).hex(), None, ""), [piece]) is None  # not one of these rows
     assert lost_completion(GetTimeoutError("slow"), [piece]) is None
+
+
+def test_a_poll_round_is_put_as_two_objects_and_only_what_will_be_trained_on():
+    """The rollout host's `_keep_completions` on one poll round: the finished results to be trained on go into two
+    objects (all ids, all log-probs), each completion referencing both with its slot, in order; a result whose
+    request will not be trained on (`keep_output` False: validation, the API's generate), an aborted one and an empty
+    round put nothing. Expected rows: `pack_completion` of each completion, the per-completion package of before."""
+    from megarl.data.token_rows import round_row
+    from megarl.rollout.engine_server import RequestResult
+    from megarl.workers.rollout_host import _keep_completions
+
+    store = Store()
+    outs = _outputs(Store())  # 4 prompts x 2 completions (their refs from _outputs are replaced below)
+    for o in outs:
+        for c in o.completions:
+            object.__delattr__(c, "token_ref")
+    results = [RequestResult("a", "finished", outs[0]), RequestResult("v", "finished", outs[1], keep_output=False),
+               RequestResult("x", "aborted"), RequestResult("b", "finished", outs[2])]
+    _keep_completions(results, put=store.put)
+    assert len(store.values) == 2  # one round: its ids and its log-probs, not two per completion
+    kept = [(o, c) for o in (outs[0], outs[2]) for c in o.completions]
+    for slot, (o, c) in enumerate(kept):
+        ids_ref, log_probs_ref, got_slot, owner = token_ref(c)
+        assert got_slot == slot and owner == -1  # no process group here: the rank is unknown
+        ids, log_probs = pack_completion(o.prompt_ids, c.token_ids, c.log_probs)
+        assert torch.equal(round_row(store.values[ids_ref], slot), ids)
+        assert torch.equal(round_row(store.values[log_probs_ref], slot), log_probs)
+    assert all(token_ref(c) is None for c in outs[1].completions + outs[3].completions)
+    _keep_completions([RequestResult("v2", "finished", outs[3], keep_output=False)], put=store.put)
+    assert len(store.values) == 2
