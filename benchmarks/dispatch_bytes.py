@@ -160,10 +160,12 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
     "seq" = that, with a score-based estimator's advantages (GRPO here; not GAE) sent as [B] per-sequence values
     (`sequence_advantages`, `megarl.algorithms.advantages.per_sequence_advantages`) and expanded over the loss mask
     on the ranks (`update_actor(per_sequence=...)`); "tokens" = that, with input_ids, attention_mask, loss_mask and
-    rollout_log_probs built on the ranks from the rollout's per-completion packages (`megarl.data.token_rows`: each
-    call's share carries, per row, its lengths, a check and the ref of what the key is built from; the rank fetches,
-    once per call, its rows' ids [P + R] int64 where it reads input_ids and log-probs [R] float32 where it reads
-    rollout_log_probs; the masks are built from the lengths).
+    rollout_log_probs built on the ranks from the rollout's poll-round packages (`megarl.data.token_rows`: each
+    call's share carries, per row, its lengths, a check, the ref of the round object the key is built from and its
+    slot in it; the rank fetches, once per call, the ids objects ([P + R] int64 per row) of the rounds its rows are
+    in where it reads input_ids and their log-probs objects ([R] float32 per row) where it reads rollout_log_probs,
+    counted as one round per rollout replica per step, other DP shares' rows included; the masks are built from the
+    lengths).
     Down: by value, each distinct per-replica argument set once through the controller (`ray.put`), its size on every
     rank that receives it; by reference, each piece once through the controller, and a rank deserialises the pieces
     of its share plus its call (an object ref counted as its 28-byte id). Up: the results, one per replica.
@@ -171,7 +173,7 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
     mode."""
     from megarl.algorithms.rollout_correction import mismatch_rows
     from megarl.controller.dispatch import plan_shared_calls, share_rows, shares_cover
-    from megarl.data.token_rows import TOKEN_KEYS, TokenRowsPiece, pack_completion, row_checks
+    from megarl.data.token_rows import TOKEN_KEYS, TokenRowsPiece, pack_completion, pack_round, row_checks
     from megarl.workers.role_host import FORWARD_OPTIONAL, RoleHost
 
     specs = dispatched_methods(RoleHost)
@@ -200,16 +202,24 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
 
     source = {k: batch[k] for k in TOKEN_KEYS} if mode == "tokens" else {}  # the rollout's packages' keys
     lengths = [S] * B  # each row: prompt_tokens of prompt, the rest sampled (the layouts' shape limits)
+    # The rollout host puts one poll round's completions as two objects (`pack_round`: all their ids, all their
+    # log-probs). Counted here: one round per rollout replica per step, its B / replicas consecutive rows -- the
+    # fewest puts and the most rows of other DP shares a rank deserialises with its own (smaller rounds: fewer).
+    rows_per_round = max(1, B // (lay.world // lay.rollout_tp))
     ids, lps = pack_completion(list(range(lay.prompt_tokens)), list(range(S - lay.prompt_tokens)),
                                [0.5] * (S - lay.prompt_tokens))
-    package = [len(pickle.dumps(ids, protocol=5)), len(pickle.dumps(lps, protocol=5))]  # the two objects per row
+    package = [len(pickle.dumps(pack_round([ids] * rows_per_round), protocol=5)),
+               len(pickle.dumps(pack_round([lps] * rows_per_round), protocol=5))]  # a round's two objects
 
     def piece(key, tensor, lo, hi):
         if source.get(key) is tensor:  # by reference: nothing put; the handle travels inside the call
             which = {"input_ids": 0, "rollout_log_probs": 1}.get(key)  # the masks: from the lengths alone
-            refs = [] if which is None else [(2 * (lo + i) + which).to_bytes(28, "little") for i in range(hi - lo)]
+            rows = [] if which is None else range(lo, hi)
+            refs = [(2 * (i // rows_per_round) + which).to_bytes(28, "little") for i in rows]  # its round's object
+            owners = [i // rows_per_round * lay.rollout_tp for i in rows]  # each row's rollout rank (replicas in order)
             return TokenRowsPiece(key, refs, [lay.prompt_tokens] * (hi - lo), lengths[lo:hi],
-                                  row_checks(tensor[lo:hi]), S, 0)  # an object ref counted as its 28-byte id
+                                  row_checks(tensor[lo:hi]), S, 0, owners,
+                                  [i % rows_per_round for i in rows])  # an object ref counted as its 28-byte id
         index = (key, id(tensor), lo, hi)
         if index not in put:
             put[index] = (len(put).to_bytes(28, "little"), len(pickle.dumps(tensor[lo:hi].clone(), protocol=5)))
@@ -235,7 +245,7 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
             if mode in ("once", "ranks", "seq", "tokens"):
                 handles = [h for hs in c[0][0].pieces.values() for h in hs]
                 n += sum(size_of[h] for h in handles if not isinstance(h, TokenRowsPiece))
-                # by reference: the rank fetches each row's package once for all the keys that read it
+                # by reference: the rank fetches each round object its rows are in once, for all the keys reading it
                 n += sum(package[int.from_bytes(r, "little") % 2]
                          for r in {r for h in handles if isinstance(h, TokenRowsPiece) for r in h.refs})
             got.append(n)
@@ -340,7 +350,7 @@ def main() -> None:
           "results kept on the ranks; once: + the batch put once; ranks: + the mismatch metrics on the ranks, "
           "rollout_log_probs only to the calls that read them; seq: + score-based advantages down as [B] values, "
           "expanded over the loss mask on the ranks; tokens: + the token keys built on the ranks from the rollout's "
-          "per-completion packages)")
+          "poll-round packages)")
     for r in out["byref"]:
         last = r[MODES[-1]]
         print(f"{r['layout'][:40]}... {r['algorithm']}: through the controller "

@@ -387,19 +387,27 @@ def plan_shared_calls(
 def resolve_shares(args: tuple, kwargs: dict, get: Callable[[list[Any]], list[Any]]) -> tuple[tuple, dict]:
     """`args` / `kwargs` with each `ShareRefs` replaced by its `Batch` (on the worker): every handle fetched with one
     `get(handles)` (values in handle order), each key's pieces concatenated on dim 0. A `TokenRowsPiece` handle is
-    built from its rows' rollout packages (`megarl.data.token_rows`), fetched in the same `get`, each once."""
+    built from its rows' rollout packages (`megarl.data.token_rows`), fetched in the same `get`, each once; one whose
+    rollout rank died raises `RolloutOutputLost` (`lost_completion`)."""
     from megarl.data.batch import Batch
 
     found = [a for a in (*args, *kwargs.values()) if isinstance(a, ShareRefs)]
     if not found:
         return args, kwargs
-    from megarl.data.token_rows import TokenRowsPiece
+    from megarl.data.token_rows import TokenRowsPiece, lost_completion
 
     handles = [h for s in found for hs in s.pieces.values() for h in hs]
     # a row piece by reference (`TokenRowsPiece`): its rows' rollout packages, each fetched once for all its keys
     plain = [h for h in handles if not isinstance(h, TokenRowsPiece)]
-    packages = list(dict.fromkeys(r for h in handles if isinstance(h, TokenRowsPiece) for r in h.refs))
-    fetched = get(plain + packages) if plain or packages else []
+    by_reference = [h for h in handles if isinstance(h, TokenRowsPiece)]
+    packages = list(dict.fromkeys(r for h in by_reference for r in h.refs))
+    try:
+        fetched = get(plain + packages) if plain or packages else []
+    except Exception as e:  # a package whose rollout rank died: our error, naming that rank and the rows
+        lost = lost_completion(e, by_reference)
+        if lost is None:
+            raise
+        raise lost from e
     value_of = dict(zip(map(id, plain), fetched[:len(plain)]))
     package_of = dict(zip(packages, fetched[len(plain):]))
     import torch

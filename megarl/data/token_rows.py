@@ -1,8 +1,10 @@
 """A step's token rows by reference: the rollout ranks keep each finished completion, the training ranks build their
 rows of the batch's token keys from it, and the controller sends only references and a small layout.
 
-    rollout host (server_poll)  : ids, log_probs = pack_completion(prompt_ids, token_ids, log_probs)
-                                  attach_ref(completion, (ray.put(ids), ray.put(log_probs)))
+    rollout host (server_poll)  : per poll round, its finished completions c_0..c_{n-1}:
+                                  ids_round = pack_round([ids_k]), log_probs_round = pack_round([log_probs_k])
+                                  (ids_k, log_probs_k = pack_completion(...)), one ray.put each, and
+                                  attach_ref(c_k, (ids_round ref, log_probs_round ref, k, rollout_rank))
     controller (RLLoop.step)    : rows = TokenRowSource.from_trajectories(trajectories, batch, pad_id)
                                   with BatchShares(...) as shares: shares.by_reference(rows); role calls as before
     training rank (resolve_shares): fetches what its keys need of its rows (each object once) and builds input_ids,
@@ -12,11 +14,14 @@ rows of the batch's token keys from it, and the controller sends only references
 The controller still receives every completion's ids and log-probs once (generation's output: it decodes them and
 computes the rewards); what no longer crosses is the padded [B, S] batch going back down. Each `TokenRowsPiece` (one
 key's rows [lo, hi) of one call's share) carries, per row, the prompt and total lengths, a checksum of the controller's
-own row of that key, and the object ref the key is built from: input_ids from the completion's ids [P + R] int64,
-rollout_log_probs from its log-probs [R] float32, the two masks from the lengths alone (nothing fetched). So a rank
-deserialises only its own rows, and of them only what the keys its method reads need. The rank compares each row it
+own row of that key, and the round object the key is built from with the row's slot in it: input_ids from the
+completion's ids [P + R] int64, rollout_log_probs from its log-probs [R] float32, the two masks from the lengths alone
+(nothing fetched). Two objects per poll round and replica, not per completion (a `ray.put` costs ~1 ms on a small
+host): a rank deserialises the rounds its rows are in -- with them the rows of other DP shares that came back in the
+same poll round (`benchmarks/dispatch_bytes.py` counts them) -- and of those only the keys its method reads need. The rank compares each row it
 built with the checksum and raises on any difference: a sample changed on the controller after generation can never
-be trained on in its old form. Only rows that are exactly one completion (prompt + response, loss mask 1 on the
+be trained on in its old form. A completion whose rollout rank died before a training rank fetched it (Ray: the
+object's owner died) raises `RolloutOutputLost` (`lost_completion`), naming that rollout rank and the rows. Only rows that are exactly one completion (prompt + response, loss mask 1 on the
 response) have references: multi-turn episodes (observation tokens inserted on the controller), samples replaced or
 rebuilt on the controller (`dataclasses.replace` drops the attribute) and samples restored from a checkpoint have
 none, and a batch with any such row sends its token keys by value, as before.
@@ -36,6 +41,11 @@ _SOURCE_OF = {"input_ids": 0, "rollout_log_probs": 1, "attention_mask": None, "l
 REF_ATTR = "token_ref"  # the attribute (not a dataclass field: `replace` and checkpoints drop it) holding the refs
 
 
+class RolloutOutputLost(RuntimeError):
+    """A training rank could not fetch a completion the rollout ranks kept (`fetch_completions`): the rollout rank
+    that owned it died, or its node was lost, between generation and the role call."""
+
+
 def pack_completion(prompt_ids: Sequence[int], token_ids: Sequence[int],
                     log_probs: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """What a rollout host puts for one finished completion, as two objects: ids [P + R] int64 (prompt then
@@ -44,8 +54,21 @@ def pack_completion(prompt_ids: Sequence[int], token_ids: Sequence[int],
             torch.tensor([float(x) for x in log_probs], dtype=torch.float32))
 
 
+def pack_round(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One poll round's rows of one kind (all ids, or all log-probs) as one object: (values [sum of lengths], the
+    concatenated rows; offsets [n + 1] int64, row k is values[offsets[k]:offsets[k + 1]])."""
+    lengths = torch.tensor([0] + [len(r) for r in rows], dtype=torch.long)
+    return torch.cat(list(rows)) if rows else torch.zeros(0), lengths.cumsum(0)
+
+
+def round_row(round_object: tuple[torch.Tensor, torch.Tensor], slot: int) -> torch.Tensor:
+    """Row `slot` of a `pack_round` object."""
+    values, offsets = round_object
+    return values[int(offsets[slot]):int(offsets[slot + 1])]
+
+
 def token_ref(obj: Any) -> Any:
-    """The (ids ref, log-probs ref) attached to a completion, sample or trajectory, or None."""
+    """The (ids round ref, log-probs round ref, slot in them, rollout rank that put them) attached to a completion, sample or trajectory, or None."""
     return getattr(obj, REF_ATTR, None)
 
 
@@ -67,9 +90,11 @@ def row_checks(tensor: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class TokenRowsPiece:
     """One key's rows [lo, hi) of a share, by reference (the handle `BatchShares.piece` gives instead of an object
-    ref): `refs[i]` the object row lo + i is built from (empty for the masks, built from the lengths), `prompt_lens`
+    ref): `refs[i]` the round object (`pack_round`) row lo + i is built from and `slots[i]` its row in it (both
+    empty for the masks, built from the lengths), `prompt_lens`
     / `lengths` its prompt and total tokens, `checks` the controller's `row_checks` of those rows; `seq_len` S and
-    `pad_id` of the batch."""
+    `pad_id` of the batch; `owners[i]` the rollout rank that put `refs[i]` (its host's rank in its worker group: the
+    first rank of its vLLM replica), for the error when it is gone."""
 
     key: str
     refs: list
@@ -78,10 +103,12 @@ class TokenRowsPiece:
     checks: torch.Tensor
     seq_len: int
     pad_id: int
+    owners: list[int] = dataclasses.field(default_factory=list)
+    slots: list[int] = dataclasses.field(default_factory=list)
 
     def assemble(self, fetched: Sequence[torch.Tensor]) -> torch.Tensor:
         """[hi - lo, S] of this key, laid out as `trajectories_to_batch`, from the fetched objects of `refs` (in
-        order); raises ValueError naming the key and row when a row differs from the controller's (`checks`)."""
+        order: a round object per row, the same object for the rows of one round); raises ValueError naming the key and row when a row differs from the controller's (`checks`)."""
         rows, S = len(self.lengths), self.seq_len
         if self.key == "input_ids":
             out = torch.full((rows, S), self.pad_id, dtype=torch.long)
@@ -97,7 +124,7 @@ class TokenRowsPiece:
             elif self.key == "loss_mask":
                 out[i, p:n] = 1
             else:
-                part = fetched[i]
+                part = round_row(fetched[i], self.slots[i])
                 want = n if self.key == "input_ids" else n - p
                 if len(part) != want:
                     raise ValueError(f"{self.key} row {i}: the rollout kept {len(part)} values but the controller's "
@@ -112,9 +139,41 @@ class TokenRowsPiece:
         return out
 
 
+def lost_completion(error: BaseException, pieces: Sequence[TokenRowsPiece]) -> Optional[RolloutOutputLost]:
+    """The `RolloutOutputLost` to raise instead of `error` -- raised by the training rank's fetch of its share
+    (`resolve_shares`) -- when `error` is Ray's for an object that can no longer be fetched
+    (`ray.exceptions.ObjectLostError`: its owner, the rollout rank's actor, died, or every copy's node went away) and
+    that object is a completion of `pieces`: naming the rollout rank, the key and the rows. Else None."""
+    lost_hex = getattr(error, "object_ref_hex", None)
+    if lost_hex is None or not _is_object_lost(error):
+        return None
+    for p in pieces:
+        rows = [i for i, r in enumerate(p.refs) if r.hex() == lost_hex]
+        if rows:
+            owner = p.owners[rows[0]] if len(p.owners) > rows[0] else "?"
+            why = ("that rollout worker died" if type(error).__name__ == "OwnerDiedError" else
+                   "the object store lost it: its node went away, or it was freed")
+            return RolloutOutputLost(
+                f"{p.key}, rows {rows} of this rank's piece: the completion kept by rollout rank {owner} (the first "
+                f"rank of its vLLM replica) is gone ({type(error).__name__}: {why} after generating this step and "
+                "before the training ranks fetched its output). This step's batch cannot be built: find the cause "
+                "(Ray's error, chained as its cause, names the worker's log), then resume the run from its last "
+                "checkpoint (`megarl train CONFIG checkpoint.resume=true`)")
+    return None
+
+
+def _is_object_lost(e: BaseException) -> bool:
+    """Whether `e` is Ray's error for an object that can no longer be fetched (owner died, all copies lost)."""
+    try:
+        from ray.exceptions import ObjectLostError
+    except ImportError:  # not under Ray: no object can be lost
+        return False
+    return isinstance(e, ObjectLostError)
+
+
 @dataclasses.dataclass
 class TokenRowSource:
-    """The batch's token keys as the rollout's completions: per row its (ids ref, log-probs ref), prompt and total
+    """The batch's token keys as the rollout's completions: per row its `token_ref`, prompt and total
     lengths; the batch's tensors of TOKEN_KEYS (by identity: `BatchShares` replaces only pieces of these very tensors,
     unchanged in place since, `versions`)."""
 
@@ -146,6 +205,7 @@ class TokenRowSource:
         if self.tensors.get(key) is not tensor or tensor._version != self.versions[key]:
             return None
         which = _SOURCE_OF[key]
-        refs = [] if which is None else [r[which] for r in self.refs[lo:hi]]
-        return TokenRowsPiece(key, refs, self.prompt_lens[lo:hi], self.lengths[lo:hi], row_checks(tensor[lo:hi]),
-                              tensor.shape[1], self.pad_id)
+        rows = [] if which is None else self.refs[lo:hi]
+        return TokenRowsPiece(key, [r[which] for r in rows], self.prompt_lens[lo:hi], self.lengths[lo:hi],
+                              row_checks(tensor[lo:hi]), tensor.shape[1], self.pad_id, [r[3] for r in rows],
+                              [r[2] for r in rows])

@@ -629,10 +629,13 @@ def runner_from_config(cfg: Any, encoder: Any, reward_fn: Any) -> EpisodeRunner:
 async def run_single_turn(client: Any, prompts: Sequence[Sequence[int]], sampling: Any, *, uid_prefix: str = "",
                           policy_version: "int | Callable[[], int] | None" = None,
                           max_concurrent: int = DEFAULT_MAX_CONCURRENT_EPISODES,
-                          timeout_s: Optional[float] = None) -> tuple[RolloutSamples, list[list[list[int]]]]:
+                          timeout_s: Optional[float] = None,
+                          keep_outputs: bool = True) -> tuple[RolloutSamples, list[list[list[int]]]]:
     """Single-turn generation as the one-turn case of the episode path: no environment, no observation; prompt i is
     one request (id f"{uid_prefix}{i}/t0", session f"{uid_prefix}{i}", seed_index i, the sampling seed of turn 0
     = `sampling.seed`, `sampling.samples_per_prompt` completions), in flight `max_concurrent` at a time.
+    `keep_outputs` False: nothing trains on these samples (validation, the Python API's `generate`), so the rollout
+    hosts put no by-reference package of them (`GenerationRequest.keep_output`).
 
     Returns (samples, versions): a `RolloutSamples` ordered by (prompt_index, sample_index) as a batch
     `generate(prompts, sampling)` returns it (prompts the prompt policy dropped in `dropped_prompt_indices`, cut
@@ -643,7 +646,7 @@ async def run_single_turn(client: Any, prompts: Sequence[Sequence[int]], samplin
     s = dataclasses.replace(sampling, seed=turn_seed(sampling.seed, 0))
 
     async def one(i: int, prompt: Sequence[int]):
-        request = GenerationRequest(f"{uid_prefix}{i}/t0", list(prompt), s, seed_index=i)
+        request = GenerationRequest(f"{uid_prefix}{i}/t0", list(prompt), s, seed_index=i, keep_output=keep_outputs)
         async with slots:
             try:
                 return await client.generate(request, session_id=f"{uid_prefix}{i}", timeout_s=timeout_s)

@@ -186,6 +186,8 @@ class GenerationRequest:
     seed_index: the request's vLLM seed is `sampling.request_seed(seed_index)`, the seed that prompt `seed_index`
         of a batch `generate(prompts, sampling)` call gets: a request reproduces that prompt's samples.
     stream: also return partial outputs (the tokens so far) from `step`/`poll` while it runs.
+    keep_output: False where nothing trains on its output (validation, the Python API's `generate`): the rollout
+        host puts no by-reference package of it into the object store (`megarl.data.token_rows`).
     """
 
     request_id: str
@@ -193,6 +195,7 @@ class GenerationRequest:
     sampling: SamplingSettings
     seed_index: int = 0
     stream: bool = False
+    keep_output: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

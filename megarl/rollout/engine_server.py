@@ -75,12 +75,14 @@ ResultStatus = Literal["finished", "aborted", "dropped", "failed", "died"]
 class RequestResult:
     """What the server hands back for a request, once: `finished` (output set), `aborted` (by `abort` or `stop`),
     `dropped` (the prompt policy refused it), `failed` (the engine refused it: `error` says why) or `died` (the
-    engine loop failed while it was in flight: `error` names the replica and the cause)."""
+    engine loop failed while it was in flight: `error` names the replica and the cause). `keep_output`: the
+    request's (`GenerationRequest.keep_output`), set when it is answered."""
 
     request_id: str
     status: ResultStatus
     output: Optional[GenerationOutput] = None
     error: Optional[str] = None
+    keep_output: bool = True
 
 
 @dataclasses.dataclass
@@ -315,6 +317,8 @@ class EngineServer:
             pending = self._pending.pop(result.request_id, None)
             if pending is None:
                 return
+            if not getattr(pending.request, "keep_output", True):
+                result = dataclasses.replace(result, keep_output=False)
             if pending.on_done is None:
                 self._results.append(result)
                 self._cond.notify_all()

@@ -152,7 +152,7 @@ class BatchProducer:
         from megarl.envs.episode import run_single_turn
 
         out, _ = asyncio.run(run_single_turn(client, prompts, sampling, uid_prefix=uid_prefix,
-                                             max_concurrent=max(1, len(prompts))))
+                                             max_concurrent=max(1, len(prompts)), keep_outputs=False))
         samples, dropped = list(out), list(out.dropped_prompt_indices)
         if dropped:
             self._warn_dropped(dropped)
@@ -170,7 +170,7 @@ class BatchProducer:
             return out
         prompts = [self.encoder.encode(r.prompt) for r in records]
         r = asyncio.run(self._generate_scored(client, records, prompts, sampling, "val/", version, "validation",
-                                              keep=len(records)))
+                                              keep=len(records), keep_outputs=False))
         return {"val/reward_mean": float(r.scores.mean()) if len(r.scores) else float("nan"),
                 "val/reward_errors": r.reward_metrics["reward/errors"]}
 
@@ -257,11 +257,12 @@ class BatchProducer:
         return r
 
     async def _generate_scored(self, client: Any, records: list, prompts: list, sampling: SamplingSettings,
-                               uid_prefix: str, version: Version, what: str, keep: int) -> GenerationRound:
+                               uid_prefix: str, version: Version, what: str, keep: int,
+                               keep_outputs: bool = True) -> GenerationRound:
         """Generate every prompt (one request each, `run_single_turn`) and score each group on the reward thread as
         its request finishes; with more prompts than `keep` (over-sampling), stop at the first `keep` finished
-        groups and abort the others' requests. Returns the `GenerationRound` of the kept groups, renumbered in prompt
-        order."""
+        groups and abort the others' requests; `keep_outputs` False (validation): no by-reference packages. Returns
+        the `GenerationRound` of the kept groups, renumbered in prompt order."""
         from megarl.envs.episode import run_single_turn
         from megarl.rewards import check_failures
         from megarl.rewards.scoring import ScoredBatch
@@ -291,7 +292,7 @@ class BatchProducer:
         watched = WatchedClient(client, on_finished)
         generation = asyncio.ensure_future(run_single_turn(
             watched, prompts, sampling, uid_prefix=uid_prefix, policy_version=version,
-            max_concurrent=max(1, len(prompts))))
+            max_concurrent=max(1, len(prompts)), keep_outputs=keep_outputs))
         try:
             if len(prompts) > keep:
                 waiter = asyncio.ensure_future(enough.wait())

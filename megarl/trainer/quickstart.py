@@ -108,7 +108,7 @@ def greedy_answers(workers, encoder, records, seed: int = 0) -> list[str]:
     texts: list[Optional[str]] = [None] * len(prompts)
     with ColocatedRollout(workers, serving_backend=serving).serving() as client:
         samples, _ = asyncio.run(run_single_turn(client, prompts, sampling, uid_prefix="eval/",
-                                                 max_concurrent=max(1, len(prompts))))
+                                                 max_concurrent=max(1, len(prompts)), keep_outputs=False))
     for s in samples:
         texts[s.prompt_index] = encoder.decode(s.response_ids)
     return ["" if t is None else t for t in texts]

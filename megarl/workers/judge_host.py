@@ -17,6 +17,7 @@ class JudgeHost(RolloutHost):
     """The judge's vLLM engine of one rank (see the module docstring)."""
 
     sleeps_between_rollouts = False  # the judge pool is the engines' own
+    keeps_completions = False  # its answers are parsed on the controller, never trained on: nothing to put
 
     def __init__(self, cfg: JobConfig) -> None:
         """Build this rank's engine of the judge model (a collective over the judge pool's world). Its prompts:

@@ -36,6 +36,7 @@ class RolloutHost:
     devices are the engine's alone (a rollout pool), which keeps the engine awake after `stop_server`."""
 
     sleeps_between_rollouts = True
+    keeps_completions = True  # False where nothing trains on the samples (the judge): no object-store puts
     server = None  # the EngineServer while serving (`start_server` .. `stop_server`)
 
     def __init__(self, cfg: JobConfig, engine_model_dir: str) -> None:
@@ -124,7 +125,8 @@ class RolloutHost:
         one), "metrics": the server's counters, "alive": whether its loop runs}."""
         server = self._serving("server_poll")
         results = server.take_results(max_wait_s)
-        _keep_completions(results)
+        if self.keeps_completions:
+            _keep_completions(results)
         return {"results": results, "metrics": server.metrics(), "alive": server.alive,
                 "error": None if server.error is None else repr(server.error)}
 
@@ -150,21 +152,30 @@ class RolloutHost:
         return {"host": socket.gethostname(), "pid": os.getpid(), "names": self.engine.shm_segments()}
 
 
-def _keep_completions(results: Sequence[Any]) -> None:
-    """Put each finished completion of `results` into the object store (its ids and its log-probs, two objects owned
-    by this rank) and attach the references to the completion (`megarl.data.token_rows`): the training ranks build
-    their rows of the step's token keys from them instead of the controller sending the padded batch down. Not
-    under Ray (a host built in a test process): nothing is put, the batch goes by value."""
+def _keep_completions(results: Sequence[Any], put: Any = None) -> None:
+    """Put the finished completions of `results` (one poll round) into the object store as two objects owned by this
+    rank -- all their ids, all their log-probs (`pack_round`) -- and attach to each completion the references, its
+    slot in them and this rank (`megarl.data.token_rows`): the training ranks build their rows of the step's token
+    keys from them instead of the controller sending the padded batch down. Two puts per round, not per completion:
+    a `ray.put` costs ~1 ms on a small host. A result whose request will not be trained on (`keep_output` False:
+    validation, the Python API's `generate`) is not put. `put`: `ray.put`; not under Ray (a host built in a test
+    process) and no `put` given: nothing is put, the batch goes by value."""
     import ray
 
-    if not ray.is_initialized():
-        return
-    from megarl.data.token_rows import attach_ref, pack_completion
+    if put is None:
+        if not ray.is_initialized():
+            return
+        put = ray.put
+    import torch.distributed as dist
 
-    for result in results:
-        output = getattr(result, "output", None)
-        if result.status != "finished" or output is None:
-            continue
-        for c in output.completions:
-            ids, log_probs = pack_completion(output.prompt_ids, c.token_ids, c.log_probs)
-            attach_ref(c, (ray.put(ids), ray.put(log_probs)))
+    from megarl.data.token_rows import attach_ref, pack_completion, pack_round
+
+    kept = [(r.output.prompt_ids, c) for r in results if r.status == "finished" and r.output is not None
+            and r.keep_output for c in r.output.completions]
+    if not kept:
+        return
+    rank = dist.get_rank() if dist.is_initialized() else -1  # named by the error when these objects are lost
+    ids, log_probs = zip(*(pack_completion(p, c.token_ids, c.log_probs) for p, c in kept))
+    ids_ref, log_probs_ref = put(pack_round(ids)), put(pack_round(log_probs))
+    for slot, (_, c) in enumerate(kept):
+        attach_ref(c, (ids_ref, log_probs_ref, slot, rank))

@@ -45,7 +45,7 @@ def test_every_step_is_logged(quickstart_run):
     assert all(r["reshard/verified_pieces"] > 0 and r["reshard/verify_time_s"] > 0 for r in rows)
     assert all(r["reshard/bytes_received"] == r["reshard/bytes_lower_bound"] for r in rows)
     # the batch goes down at most once (BatchShares): of the 5 keys the role calls read, input_ids, attention_mask,
-    # loss_mask and rollout_log_probs ([32, S]) are built on the ranks from the rollout's per-completion packages
+    # loss_mask and rollout_log_probs ([32, S]) are built on the ranks from the rollout's poll-round packages
     # (megarl.data.token_rows: 4 keys x 2 pieces, the update's 2 mini-batches of 16 rows, by reference), and GRPO's
     # advantages go down as [32] fp32 per-sequence values in 2 pieces (old and reference log-probs stay on the ranks)
     assert all(r["dispatch/batch_pieces_by_reference"] == 8 for r in rows)

@@ -1,5 +1,5 @@
 """The step's token keys by reference (issue 30, item 1): a training rank builds its share's input_ids,
-attention_mask, loss_mask and rollout_log_probs from the rollout's per-completion packages, through the controller's
+attention_mask, loss_mask and rollout_log_probs from the rollout's poll-round packages, through the controller's
 real cut (`plan_shared_calls` with `RoleHost`'s dispatch specs) and the worker's `resolve_shares`. Expected: the
 controller's own batch (`trajectories_to_batch`, the by-value path), bit for bit. The object store is stood in for by
 a dict (handle -> value): `resolve_shares` takes its `get` as a parameter; the Ray path runs in the e2e quickstart."""
@@ -17,6 +17,7 @@ from megarl.data.token_rows import (
     TokenRowsPiece,
     attach_ref,
     pack_completion,
+    pack_round,
     token_ref,
 )
 from megarl.data.trajectory import Trajectory, trajectories_to_batch
@@ -45,9 +46,11 @@ class Store:
 
 
 def _outputs(store: Store) -> list[GenerationOutput]:
-    """4 prompts x 2 completions of ragged lengths, each completion's package put as the rollout host puts it."""
+    """4 prompts x 2 completions of ragged lengths, put as the rollout host puts a poll round's: two poll rounds,
+    prompts 0 and 2 (rollout rank 0) and prompts 1 and 3 (rank 1), each round's ids and log-probs one object each
+    (`pack_round`), so a round holds rows of more than one DP share."""
     g = torch.Generator().manual_seed(0)
-    outs = []
+    outs, rounds = [], {0: [], 1: []}  # rollout rank -> [(completion, ids, log_probs)] of its round
     for i in range(4):
         prompt = torch.randint(10, 90, (2 + i,), generator=g).tolist()
         comps = []
@@ -55,9 +58,14 @@ def _outputs(store: Store) -> list[GenerationOutput]:
             n = 1 + (3 * i + 5 * k) % 6
             c = Completion(k, torch.randint(10, 90, (n,), generator=g).tolist(),
                            (-torch.rand(n, generator=g, dtype=torch.float64)).tolist(), "stop")
-            ids, log_probs = pack_completion(prompt, c.token_ids, c.log_probs)
-            comps.append(attach_ref(c, (store.put(ids), store.put(log_probs))))
+            rounds[i % 2].append((c, *pack_completion(prompt, c.token_ids, c.log_probs)))
+            comps.append(c)
         outs.append(GenerationOutput(f"r{i}", prompt, comps, True))
+    for owner, kept in rounds.items():
+        ids_ref = store.put(pack_round([k[1] for k in kept]))
+        log_probs_ref = store.put(pack_round([k[2] for k in kept]))
+        for slot, (c, _, _) in enumerate(kept):
+            attach_ref(c, (ids_ref, log_probs_ref, slot, owner))
     return outs
 
 
@@ -100,16 +108,17 @@ def test_each_rank_builds_exactly_the_rows_the_controller_would_have_sent(method
             same = torch.equal(a.view(torch.int32), b.view(torch.int32)) if a.dtype == torch.float32 else \
                 torch.equal(a, b)
             assert same, (method, key)
-    # each rank fetched each object it needs once, and only its own rows' objects, only for the keys it reads: ids
-    # for input_ids, log-probs only where rollout_log_probs is read, nothing for the masks (built from the lengths)
+    # each rank fetched each object it needs once, and only the rounds of its own rows, only for the keys it reads:
+    # ids for input_ids, log-probs only where rollout_log_probs is read, nothing for the masks (built from the lengths)
     reads_log_probs = "rollout_log_probs" in got[0].keys()
     for args, _ in calls:  # the masks are built from the lengths alone: nothing to fetch
         for key in ("attention_mask", "loss_mask"):
             assert all(h.refs == [] for h in args[0].pieces[key]), key
     for (args, _), fetched in zip(calls, store.gets):
         assert len(fetched) == len(set(fetched))
-        rows = [r for h in args[0].pieces["input_ids"] for r in range(len(h.lengths))]
-        assert len(fetched) == len(rows) * (2 if reads_log_probs else 1) + sum(
+        rounds = {r for h in args[0].pieces["input_ids"] for r in h.refs}  # the ids rounds of this rank's rows
+        assert rounds <= set(fetched)
+        assert len(fetched) == len(rounds) * (2 if reads_log_probs else 1) + sum(
             1 for k, hs in args[0].pieces.items() if k not in TOKEN_KEYS for _ in hs)
 
 
@@ -151,3 +160,54 @@ def test_only_untouched_single_completion_rows_go_by_reference():
                                   t.finish_reason), token_ref(t))
     assert TokenRowSource.from_trajectories([multi] + trajectories[1:], batch, PAD) is None
     assert set(TOKEN_KEYS) <= set(batch.keys())
+
+
+def test_a_lost_completion_names_its_rollout_rank_and_rows():
+    """Ray's error for an object that cannot be fetched becomes RolloutOutputLost naming the key, the rows of the
+    piece and the rollout rank that put it; an error about another object, or not about a lost object, is left
+    alone (None). Ray's own exception values, no Ray runtime: that a killed owner's object raises OwnerDiedError on
+    the fetch is Ray's (its own tests)."""
+    from ray.exceptions import GetTimeoutError, OwnerDiedError
+
+    from megarl.data.token_rows import RolloutOutputLost, lost_completion
+
+    refs = [bytes([i]) * 4 for i in range(3)]  # anything with .hex(): the object ids of three rows' ids
+    piece = TokenRowsPiece("input_ids", refs, [1, 1, 1], [2, 2, 2], torch.zeros(3, dtype=torch.long), 2, 0,
+                           owners=[0, 2, 2])
+    masks = TokenRowsPiece("loss_mask", [], [1, 1, 1], [2, 2, 2], torch.zeros(3, dtype=torch.long), 2, 0)
+    lost = lost_completion(OwnerDiedError(refs[2].hex(), None, ""), [masks, piece])
+    assert isinstance(lost, RolloutOutputLost)
+    assert "input_ids, rows [2] of this rank's piece" in str(lost) and "rollout rank 2" in str(lost)
+    assert "OwnerDiedError: that rollout worker died" in str(lost) and "checkpoint.resume=true" in str(lost)
+    assert lost_completion(OwnerDiedError((b"x" * 4).hex(), None, ""), [piece]) is None  # not one of these rows
+    assert lost_completion(GetTimeoutError("slow"), [piece]) is None
+
+
+def test_a_poll_round_is_put_as_two_objects_and_only_what_will_be_trained_on():
+    """The rollout host's `_keep_completions` on one poll round: the finished results to be trained on go into two
+    objects (all ids, all log-probs), each completion referencing both with its slot, in order; a result whose
+    request will not be trained on (`keep_output` False: validation, the API's generate), an aborted one and an empty
+    round put nothing. Expected rows: `pack_completion` of each completion, the per-completion package of before."""
+    from megarl.data.token_rows import round_row
+    from megarl.rollout.engine_server import RequestResult
+    from megarl.workers.rollout_host import _keep_completions
+
+    store = Store()
+    outs = _outputs(Store())  # 4 prompts x 2 completions (their refs from _outputs are replaced below)
+    for o in outs:
+        for c in o.completions:
+            object.__delattr__(c, "token_ref")
+    results = [RequestResult("a", "finished", outs[0]), RequestResult("v", "finished", outs[1], keep_output=False),
+               RequestResult("x", "aborted"), RequestResult("b", "finished", outs[2])]
+    _keep_completions(results, put=store.put)
+    assert len(store.values) == 2  # one round: its ids and its log-probs, not two per completion
+    kept = [(o, c) for o in (outs[0], outs[2]) for c in o.completions]
+    for slot, (o, c) in enumerate(kept):
+        ids_ref, log_probs_ref, got_slot, owner = token_ref(c)
+        assert got_slot == slot and owner == -1  # no process group here: the rank is unknown
+        ids, log_probs = pack_completion(o.prompt_ids, c.token_ids, c.log_probs)
+        assert torch.equal(round_row(store.values[ids_ref], slot), ids)
+        assert torch.equal(round_row(store.values[log_probs_ref], slot), log_probs)
+    assert all(token_ref(c) is None for c in outs[1].completions + outs[3].completions)
+    _keep_completions([RequestResult("v2", "finished", outs[3], keep_output=False)], put=store.put)
+    assert len(store.values) == 2
