@@ -48,6 +48,8 @@ def test_only_the_session_builds_the_rl_loop():
 COMPONENT_BENCHMARKS = {
     "benchmarks/prefix_cache.py": "two bare engine replicas (RolloutHost actors built from a model dir) behind the "
                                   "router: no actor, no config, nothing a session would build",
+    "benchmarks/rollout_puts.py": "one bare actor timing Ray's object-store puts (per completion vs per poll round): "
+                                  "no engine, no role, no config",
 }
 
 
