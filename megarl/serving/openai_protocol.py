@@ -503,7 +503,7 @@ class OpenAIProtocol:
                         first["prompt_token_ids"] = list(prompt)
                     yield first
             while True:
-                partial = await queue.get()  # bounded: the request ends within limits.request_timeout_s (None)
+                partial = await queue.get()  # bounded: `task` ends within limits.request_timeout_s, then None is put
                 if partial is None:
                     break
                 for c in partial.completions:

@@ -130,3 +130,18 @@ def export_actor_hf(actor, out: str, hf_dir: str) -> str:
     save_engine_checkpoint(actor.engine, out + "-megatron", hf_dir=hf_dir)
     megatron_to_hf(out + "-megatron", out)
     return out
+
+
+def padded_random_batch(prompt_lens: list[int], response_lens: list[int], seq_len: int, vocab: int, seed: int):
+    """A `Batch` of B = len(prompt_lens) right-padded rows [B, seq_len]: random ids in [3, vocab) (seeded, the same
+    in every process), pad id 0 after each row's prompt + response; attention_mask and response_mask (long)."""
+    from megarl.data.batch import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (len(prompt_lens), seq_len), generator=g)
+    pos = torch.arange(seq_len).unsqueeze(0)
+    plen = torch.tensor(prompt_lens).unsqueeze(1)
+    total = plen + torch.tensor(response_lens).unsqueeze(1)
+    am = (pos < total).long()
+    rm = ((pos >= plen) & (pos < total)).long()
+    return Batch({"input_ids": ids * am, "attention_mask": am, "response_mask": rm})

@@ -44,6 +44,7 @@ import pytest
 import torch
 
 from megarl.platform.spawn import run_ranks
+from tests.distributed.harness import padded_random_batch
 
 pytestmark = pytest.mark.slow
 
@@ -69,16 +70,7 @@ RESUME_STEPS, RESUME_SAVE_AT = 4, 2
 
 
 def _batch():
-    from megarl.data.batch import Batch
-
-    g = torch.Generator().manual_seed(11)
-    ids = torch.randint(3, 300, (B, S), generator=g)
-    pos = torch.arange(S).unsqueeze(0)
-    plen = torch.tensor(PROMPT).unsqueeze(1)
-    total = plen + torch.tensor(RESPONSE).unsqueeze(1)
-    am = (pos < total).long()
-    rm = ((pos >= plen) & (pos < total)).long()
-    return Batch({"input_ids": ids * am, "attention_mask": am, "response_mask": rm})
+    return padded_random_batch(PROMPT, RESPONSE, S, 300, seed=11)
 
 
 def _advantages(batch, step: int = 1):

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from megarl.platform.spawn import run_ranks
+from tests.distributed.harness import padded_random_batch
 
 B, S = 4, 16
 PROMPT = [3, 5, 2, 4]
@@ -50,17 +51,7 @@ TIS_C = 2.0
 
 
 def _batch(vocab: int):
-    from megarl.data.batch import Batch
-
-    g = torch.Generator().manual_seed(11)
-    ids = torch.randint(3, vocab, (B, S), generator=g)
-    pos = torch.arange(S).unsqueeze(0)
-    plen = torch.tensor(PROMPT).unsqueeze(1)
-    total = torch.tensor(PROMPT).unsqueeze(1) + torch.tensor(RESPONSE).unsqueeze(1)
-    am = (pos < total).long()
-    rm = ((pos >= plen) & (pos < total)).long()
-    ids = ids * am  # pad id 0 after the sequence
-    return Batch({"input_ids": ids, "attention_mask": am, "response_mask": rm})
+    return padded_random_batch(PROMPT, RESPONSE, S, vocab, seed=11)
 
 
 def _np(batch):

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from megarl.platform.spawn import run_ranks
+from tests.distributed.harness import padded_random_batch
 
 ATOL = 1e-5  # see the module docstring: measured float32 error 9.5e-7
 B, S = 4, 16
@@ -28,16 +29,7 @@ RESPONSE = [9, 6, 12, 8]
 
 def _batch(vocab: int):
     """[B, S] right-padded token ids (pad 0), attention and response masks, the same in every process."""
-    from megarl.data.batch import Batch
-
-    g = torch.Generator().manual_seed(17)
-    ids = torch.randint(3, vocab, (B, S), generator=g)
-    pos = torch.arange(S).unsqueeze(0)
-    plen = torch.tensor(PROMPT).unsqueeze(1)
-    total = plen + torch.tensor(RESPONSE).unsqueeze(1)
-    am = (pos < total).long()
-    rm = ((pos >= plen) & (pos < total)).long()
-    return Batch({"input_ids": ids * am, "attention_mask": am, "response_mask": rm})
+    return padded_random_batch(PROMPT, RESPONSE, S, vocab, seed=17)
 
 
 def _worker(rank: int, world: int, hf_dir: str, ckpt_dir: str):
