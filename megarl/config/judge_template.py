@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import string
 
-PLACEHOLDERS = ("question", "response", "reference")
+PLACEHOLDERS = ("question", "response", "reference", "transcript")
 
 
 class JudgeTemplateError(ValueError):
@@ -14,7 +14,7 @@ class JudgeTemplateError(ValueError):
 
 def load_template(spec: str) -> str:
     """The template text of `reward.judge.template`: the string itself, or the file's text for '@path'. Checked:
-    its placeholders are among {question} {response} {reference} and {response} is one of them."""
+    its placeholders are among {question} {response} {reference} {transcript} and {response} is one of them."""
     text = spec
     if spec.startswith("@"):
         try:
@@ -29,8 +29,8 @@ def load_template(spec: str) -> str:
         raise JudgeTemplateError(f"not a valid format string ({e}); write literal braces as {{{{ and }}}}") from None
     unknown = sorted(fields - set(PLACEHOLDERS))
     if unknown:
-        raise JudgeTemplateError(f"unknown placeholder(s) {unknown}; the template may use {{question}}, {{response}} "
-                                 "and {reference} (literal braces doubled)")
+        raise JudgeTemplateError(f"unknown placeholder(s) {unknown}; the template may use {{question}}, {{response}}, "
+                                 "{reference} and {transcript} (literal braces doubled)")
     if "response" not in fields:
         raise JudgeTemplateError("the template has no {response} placeholder: the judge would not see the response")
     return text

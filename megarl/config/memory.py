@@ -15,6 +15,10 @@ What one GPU of the actor's pool holds when vLLM starts (the actor is built firs
                                                                for its weights and KV cache and refuses to start
                                                                when that much is not free)
 
+The judge's pool (`reward.judge`, `judge_pool_memory`) holds only vLLM's share (rollout.gpu_memory_utilization x
+device memory), of which the judge's weight shard: the size of its weight files / reward.judge.tp (the judge loads
+in the dtype its files hold, `dtype="auto"`; any architecture vLLM serves, so no parameter count is derived).
+
 N = the HF parameter count (`ModelSpec.num_params`). Not counted: activations, the reshard bucket
 (`rollout.reshard_bucket_mb`), CUDA context, allocator fragmentation; the numbers are a lower bound, an estimate.
 """
@@ -22,6 +26,8 @@ N = the HF parameter count (`ModelSpec.num_params`). Not counted: activations, t
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 from typing import Optional
 
 from megarl.config.arch import spec_from_arch
@@ -155,6 +161,47 @@ def rollout_pool_memory(cfg, actor_estimate: MemoryEstimate) -> str:
             f"\n\n# memory per GPU of the rollout pool {cfg.rollout.pool!r}\n"
             f"vLLM              {share}\n"
             f"  of which weights {_fmt(shard)}  (the model in {cfg.model.dtype} / rollout.tp {cfg.rollout.tp})")
+
+
+WEIGHT_FILE_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+
+
+def weight_files_bytes(model_dir: str) -> Optional[int]:
+    """Bytes of an HF directory's weight files (safetensors, else .bin / .pt); None when it holds none (a path not
+    on this machine yet)."""
+    for pattern in WEIGHT_FILE_PATTERNS:
+        files = glob.glob(os.path.join(model_dir, pattern))
+        if files:
+            return sum(os.path.getsize(f) for f in files)
+    return None
+
+
+def judge_pool_memory(cfg, device_bytes: Optional[int]) -> str:
+    """'' without reward.judge; else the `--dry-run` lines of the judge's pool: vLLM's share of each device
+    (rollout.gpu_memory_utilization, the judge engines' too) and the judge's weight shard in it (its weight files /
+    reward.judge.tp). Raises ConfigError when the device memory is known and the shard exceeds the share (vLLM would
+    have no room for a KV cache)."""
+    j = cfg.reward.judge
+    if j is None:
+        return ""
+    weights = weight_files_bytes(j.model)
+    u = cfg.rollout.gpu_memory_utilization
+    share = (f"{u:.2f} x device memory (device memory unknown)" if device_bytes is None
+             else f"{_fmt(int(u * device_bytes)).strip()} ({u:.2f} x {device_bytes / GB:.2f} GB)")
+    if weights is None:
+        shard_line = f"  of which weights unknown (no weight files in {j.model!r} on this machine)"
+    else:
+        shard = weights // j.tp
+        shard_line = f"  of which weights {_fmt(shard)}  (the judge's weight files / reward.judge.tp {j.tp})"
+        if device_bytes is not None and shard >= u * device_bytes:
+            raise ConfigError(
+                f"reward.judge: the judge's weights do not fit its engines' memory: {shard / GB:.2f} GB per device "
+                f"(weight files of {j.model!r}, {weights / GB:.2f} GB, / reward.judge.tp {j.tp}) >= vLLM's share "
+                f"{u * device_bytes / GB:.2f} GB (rollout.gpu_memory_utilization {u} x {device_bytes / GB:.2f} GB), "
+                "leaving no KV cache; raise reward.judge.tp (the judge pool's devices per engine) or "
+                "rollout.gpu_memory_utilization")
+    return (f"\n\n# memory per GPU of the judge pool {j.pool!r} (reward.judge: vLLM only, never weight-synced)\n"
+            f"vLLM              {share}\n{shard_line}")
 
 
 def device_memory_bytes(cfg) -> Optional[int]:

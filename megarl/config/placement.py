@@ -69,7 +69,8 @@ def device_kind(cfg: JobConfig) -> str:
 
 def placement(cfg: JobConfig, num_layers_by_role: dict[str, int], kind: str,
               topologies: Optional[dict[str, RoleTopology]] = None) -> list[RankPlacement]:
-    """Rows for every rank of every enabled role, plus the rollout engines (on the actor's pool, or `rollout.pool`).
+    """Rows for every rank of every enabled role, plus the rollout engines (on the actor's pool, or `rollout.pool`)
+    and the judge's engines (reward.judge, on its pool).
 
     `num_layers_by_role` gives each enabled role's layer count (roles may run different models; each enabled
     distillation teacher's under "teacher/<name>"); `topologies`
@@ -115,6 +116,13 @@ def placement(cfg: JobConfig, num_layers_by_role: dict[str, int], kind: str,
         node, device = where(engines_pool, rank)
         engine, tp_rank = divmod(local, cfg.rollout.tp)
         rows.append(RankPlacement("rollout", rank, node, device, tp_rank, 0, engine, 0, None))
+    judge = cfg.reward.judge
+    if judge is not None:  # the judge's engines on a pool of their own (validated)
+        for local in range(pool_size(cfg.resources.pools[judge.pool])):
+            rank = offsets[judge.pool] + local
+            node, device = where(judge.pool, rank)
+            engine, tp_rank = divmod(local, judge.tp)
+            rows.append(RankPlacement("judge", rank, node, device, tp_rank, 0, engine, 0, None))
     return rows
 
 
@@ -123,7 +131,7 @@ def format_table(rows: list[RankPlacement], num_layers_by_role: dict[str, int]) 
     header = ("role", "rank", "node", "device", "tp", "pp", "dp", "cp", "layers")
     lines = [header]
     for r in rows:
-        if r.layers is None:  # a rollout engine rank: whole model, no pipeline or context split
+        if r.layers is None:  # a rollout or judge engine rank: whole model, no pipeline or context split
             pp, cp, layers = "-", "-", f"all (engine {r.dp})"
         else:
             pp, cp, layers = str(r.pp), str(r.cp), f"{r.layers[0]}-{r.layers[1] - 1} of {num_layers_by_role[r.role]}"

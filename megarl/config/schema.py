@@ -649,12 +649,15 @@ class JudgeConfig:
 
     model: str = opt(help="HF directory of the judge model (weights, config and a tokenizer with a chat template).")
     pool: str = opt(help="Resource pool the judge engines run on (a key of resources.pools): a pool of their own, "
-                    "hosting no role and not rollout.pool; its devices / tp engines serve the judge.")
+                    "hosting no role and not rollout.pool (no colocation: docs/judge.md says why); its devices / tp "
+                    "engines serve the judge.")
     tp: int = opt(1, "Tensor-parallel size of each judge engine; must divide the judge pool's devices.", min=1)
     template: str = opt(
         DEFAULT_JUDGE_TEMPLATE, "The judge's user message: a Python format string with the placeholders {question} "
-        "(the prompt's text, data.prompt_key), {response} (the decoded response, required) and {reference} "
-        "(data.answer_key); literal braces doubled. Or '@path/to/file.txt': the template read from that file.",
+        "(the prompt's text, data.prompt_key), {response} (the decoded response; multi-turn: the episode's final "
+        "model turn; required), {reference} (data.answer_key) and {transcript} (multi-turn: everything after the "
+        "prompt, every model turn and observation, decoded; single-turn: the response); literal braces doubled. Or "
+        "'@path/to/file.txt': the template read from that file.",
     )
     parse: Literal["number", "verdict", "yes_no_logprob"] = opt(
         "yes_no_logprob", "How the judge's answer becomes a score: number = the first number in its answer, which "
@@ -689,6 +692,13 @@ class JudgeConfig:
         0.0, "Score of a response the judge did not answer (error, timeout, overlong prompt: judge/errors) or "
         "answered unparseably (judge/parse_failures); the run goes on.",
     )
+    weight: float = opt(1.0, "The judge's score's weight in the reward: reward = weight x judge score + "
+                        "function_weight x rule score.")
+    function_weight: float = opt(
+        0.0, "Weight of the rule reward beside the judge: reward.function's score of the response (single-turn; "
+        "on_error, timeout_s and max_error_fraction apply) or the episode's summed environment rewards "
+        "(multi-turn). 0 = the judge replaces it (single-turn: reward.function is not called).",
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -711,7 +721,8 @@ class RewardConfig:
         "result dropped) and counts as a failure. null = no deadline.", unit="seconds", min=0,
     )
     judge: Optional[JudgeConfig] = opt(
-        None, "An LLM judge scores every response instead of `function` (single-turn rollouts); null = no judge.")
+        None, "An LLM judge scores every response (multi-turn: each episode's final turn), instead of `function` or "
+        "beside it by weights (judge.weight, judge.function_weight); null = no judge.")
 
 
 # --------------------------------------------------------------------------------------------------- trainer

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 
 from megarl.config.arch import arch_from_hf_config, resolve_arch
@@ -331,13 +332,13 @@ def _check_judge(cfg: JobConfig) -> None:
     if hosts:
         raise ConfigError(f"reward.judge.pool: pool {name!r} also hosts {' and '.join(hosts)}; the judge engines run "
                           "on a pool of their own (add one to resources.pools, e.g. judge: {nodes: 1, "
-                          "devices_per_node: 1})")
+                          "devices_per_node: 1}). Colocation is not supported: a pool's devices are one process "
+                          "each, owned by one worker group, and the judge's engine serves during the whole rollout "
+                          "phase (scoring groups while generation goes on), when the actor's pool holds the rollout "
+                          "engines awake and, in async modes, the other roles compute")
     devices = pool_size(pools[name])
     if devices % j.tp:
         raise ConfigError(f"reward.judge.tp={j.tp} does not divide the {devices} devices of the judge pool {name!r}")
-    if cfg.rollout.env is not None:
-        raise ConfigError(f"reward.judge: multi-turn rollouts (rollout.env={cfg.rollout.env!r}) are scored by their "
-                          "environment, not by a judge; set reward.judge: null or rollout.env: null")
     try:
         load_template(j.template)
     except JudgeTemplateError as e:
@@ -349,6 +350,12 @@ def _check_judge(cfg: JobConfig) -> None:
         raise ConfigError(f"reward.judge.score_range: low must be below high, got {list(j.score_range)}")
     if j.parse == "yes_no_logprob" and (not all(w.strip() for w in j.yes_no) or j.yes_no[0] == j.yes_no[1]):
         raise ConfigError(f"reward.judge.yes_no: two different non-empty words are needed, got {list(j.yes_no)}")
+    for key in ("weight", "function_weight"):
+        if not math.isfinite(getattr(j, key)):
+            raise ConfigError(f"reward.judge.{key}: a finite number is needed, got {getattr(j, key)}")
+    if j.weight == 0 and j.function_weight == 0:
+        raise ConfigError("reward.judge: weight and function_weight are both 0, every reward would be 0; set "
+                          "reward.judge.weight (the judge's score) and/or function_weight (reward.function's)")
 
 
 def _check_rollout(cfg: JobConfig, arch: ArchConfig, actor_parallel) -> None:

@@ -4,8 +4,10 @@
     scores = judge.score_group(questions, responses, references) # blocking, thread-safe; never raises per response
     metrics = judge.take_metrics()                               # judge/... counts of the calls since the last take
 
-Prompt. `template` (a format string with {question} {response} {reference}) is the judge's one user message, rendered
-by the judge tokenizer's chat template with the generation prompt (`render_prompt`).
+Prompt. `template` (a format string with {question} {response} {reference} {transcript}) is the judge's one user
+message, rendered by the judge tokenizer's chat template with the generation prompt (`render_prompt`). Rewards:
+`combine` weighs the judge's scores with the rule reward's (reward.judge.weight, function_weight); the callers are
+`megarl.trainer.producer.score_samples` (single-turn) and `judge_episodes` (multi-turn: each episode's final turn).
 
 Parsers (`reward.judge.parse`):
 - number: greedy answer (max_new_tokens), the first number in it (`parse_number`), which must lie in score_range;
@@ -20,9 +22,9 @@ Parsers (`reward.judge.parse`):
 
 Failures never stop the run: a request that fails (timeout, a dead engine, a refused request) or a prompt over
 max_prompt_tokens counts in `judge/errors`, an answer that does not parse in `judge/parse_failures`; either scores
-`fallback_score`. Cache (`cache: true`): a (question, response, reference) already answered (or being answered:
-a group's identical responses wait for the first) is not judged again (`judge/cache_hits`); errors are not cached;
-the least recently used entries beyond `cache_entries` are forgotten.
+`fallback_score`. Cache (`cache: true`): a (question, response, reference, transcript) already answered (or being
+answered: a group's identical responses wait for the first) is not judged again (`judge/cache_hits`); errors are not
+cached; the least recently used entries beyond `cache_entries` are forgotten.
 Concurrency: at most `max_concurrent` judge requests in flight, over every caller (one semaphore).
 
 Nothing here imports vLLM or Ray: the client is any `RolloutClient` (`RolloutRouter` over the judge's engine
@@ -63,10 +65,13 @@ def question_text(prompt: Any) -> str:
     return str(users[-1].get("content", ""))
 
 
-def render_prompt(tokenizer: Any, template: str, question: str, response: str, reference: Any) -> list[int]:
+def render_prompt(tokenizer: Any, template: str, question: str, response: str, reference: Any,
+                  transcript: Optional[str] = None) -> list[int]:
     """Token ids of the judge prompt: `template` filled in, as one user message through the tokenizer's chat
-    template with the generation prompt (tokens as the chat template's text encodes, no special tokens added)."""
-    message = template.format(question=question, response=response, reference="" if reference is None else reference)
+    template with the generation prompt (tokens as the chat template's text encodes, no special tokens added).
+    `transcript` (the {transcript} placeholder) defaults to the response (single-turn)."""
+    message = template.format(question=question, response=response, reference="" if reference is None else reference,
+                              transcript=response if transcript is None else transcript)
     text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
                                          add_generation_prompt=True)
     return list(tokenizer.encode(text, add_special_tokens=False))
@@ -120,12 +125,16 @@ class JudgeCounters:
     judged: int = 0
     latency_s: float = 0.0
     score_sum: float = 0.0
+    function_count: int = 0
+    function_sum: float = 0.0
 
     def metrics(self) -> dict[str, float]:
         return {"judge/requests": float(self.requests), "judge/cache_hits": float(self.cache_hits),
                 "judge/parse_failures": float(self.parse_failures), "judge/errors": float(self.errors),
                 "judge/latency_s": self.latency_s / self.judged if self.judged else 0.0,
-                "judge/score_mean": self.score_sum / self.responses if self.responses else float("nan")}
+                "judge/score_mean": self.score_sum / self.responses if self.responses else float("nan"),
+                **({"judge/function_score_mean": self.function_sum / self.function_count}
+                   if self.function_count else {})}
 
 
 class _Failure(Exception):
@@ -159,11 +168,12 @@ class Judge:
         self._thread.start()
 
     # ------------------------------------------------------------------------------------------------ public
-    def score_group(self, questions: Sequence[str], responses: Sequence[str],
-                    references: Sequence[Any]) -> list[float]:
-        """[len(responses)] scores of the responses (each with its question and reference), judged concurrently
+    def score_group(self, questions: Sequence[str], responses: Sequence[str], references: Sequence[Any],
+                    transcripts: Optional[Sequence[str]] = None) -> list[float]:
+        """[len(responses)] scores of the responses (each with its question and reference; `transcripts`: each
+        episode's text after the prompt, the template's {transcript}, default the responses), judged concurrently
         within max_concurrent; a failed or unparseable judgement scores fallback_score (counted)."""
-        items = list(zip(questions, responses, references))
+        items = list(zip(questions, responses, references, transcripts if transcripts is not None else responses))
         if not items:
             return []
         future = asyncio.run_coroutine_threadsafe(self._score_all(items), self._loop)
@@ -175,6 +185,20 @@ class Judge:
             future.cancel()
             raise TimeoutError(f"the judge did not score a group of {len(items)} responses within {bound:.0f} s "
                                f"(reward.judge.timeout_s={self.cfg.timeout_s} per request)") from None
+
+    def combine(self, judge_scores: Sequence[float], function_scores: Optional[Sequence[float]]) -> list[float]:
+        """[len(judge_scores)] rewards: weight x judge score + function_weight x rule score (`function_scores`, the
+        rule reward of the same responses; None when function_weight is 0). The rule scores' mean is counted
+        (`judge/function_score_mean`)."""
+        w, fw = self.cfg.weight, self.cfg.function_weight
+        if function_scores is None:
+            return [w * j for j in judge_scores]
+        if len(function_scores) != len(judge_scores):
+            raise ValueError(f"{len(function_scores)} rule scores for {len(judge_scores)} judged responses")
+        with self._counter_lock:
+            self.counters.function_count += len(function_scores)
+            self.counters.function_sum += float(sum(function_scores))
+        return [w * j + fw * f for j, f in zip(judge_scores, function_scores)]
 
     def take_metrics(self) -> dict[str, float]:
         """The `judge/...` metrics of the responses scored since the last call (then reset)."""
@@ -194,8 +218,8 @@ class Judge:
             self._semaphore = asyncio.Semaphore(self.cfg.max_concurrent)
         return list(await asyncio.gather(*(self._score_one(*item) for item in items)))
 
-    async def _score_one(self, question: str, response: str, reference: Any) -> float:
-        key = (question, response, None if reference is None else str(reference))
+    async def _score_one(self, question: str, response: str, reference: Any, transcript: str) -> float:
+        key = (question, response, None if reference is None else str(reference), transcript)
         cached = self._cache.get(key) if self.cfg.cache else None
         if cached is not None:
             self._cache.move_to_end(key)
@@ -210,7 +234,7 @@ class Judge:
         started = time.perf_counter()
         try:
             try:
-                score = await self._judge(question, response, reference)
+                score = await self._judge(question, response, reference, transcript)
             except _Failure:
                 raise
             except Exception as e:  # anything else the judging raised (a tokenizer that cannot decode, ...)
@@ -226,11 +250,11 @@ class Judge:
             self._log_failure(failure, question, response)
         return score
 
-    async def _judge(self, question: str, response: str, reference: Any) -> float:
+    async def _judge(self, question: str, response: str, reference: Any, transcript: str) -> float:
         """One response's score, or `_Failure` (kind "error": no answer; "parse": an answer without a score)."""
         c = self.cfg
         try:
-            prompt = render_prompt(self.tokenizer, self.template, question, response, reference)
+            prompt = render_prompt(self.tokenizer, self.template, question, response, reference, transcript)
         except Exception as e:  # a chat template that refuses the message
             raise _Failure("error", f"the judge prompt did not render: {type(e).__name__}: {e}") from None
         if len(prompt) > c.max_prompt_tokens:

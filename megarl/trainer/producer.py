@@ -12,7 +12,9 @@ Streaming: a single-turn group (a prompt's samples_per_prompt samples, one reque
 finishes, on the producer's reward thread, while the batch's other requests are still generating; the batch is
 returned when every group is scored. Scoring is per response (`reward_fn(text, answer, record)`), so the scores are
 the numbers scoring the whole batch afterwards gives, in the batch's order. A multi-turn episode is scored inside its
-own coroutine (its environment calls the reward function at each step), so it overlaps generation already.
+own coroutine (its environment calls the reward function at each step), so it overlaps generation already. With
+reward.judge, a single-turn group is judged on the reward thread like any reward (`score_samples`); multi-turn
+episodes are judged once the batch's episodes have ended (`judge_episodes`: each episode's final model turn).
 `time/reward_overlap_s`: the seconds of scoring that ran while the batch still had requests generating.
 
 Over-sampling (`rollout.oversample` = k > 0, single-turn): draw prompts_per_step + k prompts, keep the first
@@ -77,8 +79,9 @@ class BatchProducer:
     cfg: the `JobConfig`; loader: a `PromptLoader` (`next_batch(size)`); encoder: the prompt encoder (`encode`,
     `decode`); reward_fn(text, answer, record) -> float; episodes: an `EpisodeRunner` (rollout.env) or None
     (single-turn); sampling: the base `SamplingSettings` (default: from cfg.rollout); judge: a
-    `megarl.rollout.judge.Judge` (reward.judge) that scores every response instead of reward_fn, group by group on
-    the reward thread (its requests overlapping the batch's generation), its `judge/...` metrics in the batch's."""
+    `megarl.rollout.judge.Judge` (reward.judge) that scores every response instead of reward_fn or beside it by
+    weights, group by group on the reward thread (its requests overlapping the batch's generation; multi-turn: each
+    episode's final turn once the batch's episodes ended), its `judge/...` metrics in the batch's."""
 
     def __init__(self, cfg: Any, loader: Any, encoder: Any, reward_fn: Any, episodes: Any = None,
                  sampling: Optional[SamplingSettings] = None, judge: Any = None) -> None:
@@ -140,10 +143,15 @@ class BatchProducer:
                                    uid_prefix=f"{index}/")
         if callable(version):  # weights pushed between turns: the batch's version is its oldest token's
             version = min((v for t in result.trajectories for v in t.policy_version if v >= 0), default=version())
-        scores = torch.tensor(result.scores, dtype=torch.float32)
+        metrics = dict(result.metrics)
+        rewards = result.scores
+        if self.judge is not None:  # after the batch's episodes end, every episode's final turn at once
+            rewards = judge_episodes(self.judge, self.encoder.decode, result, list(records), f"{index}/")
+            metrics.update(self.judge.take_metrics())
+        scores = torch.tensor(rewards, dtype=torch.float32)
         reward_metrics = {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/error_frac": 0.0}
         return RolloutBatch(index, list(records), [], [], scores, reward_metrics, version=version,
-                            metrics=dict(result.metrics), rollout_s=time.perf_counter() - started,
+                            metrics=metrics, rollout_s=time.perf_counter() - started,
                             trajectories=result.trajectories)
 
     def sample(self, prompts: list[list[int]], client: Any, sampling: SamplingSettings, uid_prefix: str = ""):
@@ -164,7 +172,9 @@ class BatchProducer:
         sampling = SamplingSettings.from_config(self.cfg.rollout, validation=True)
         if self.episodes is not None:
             result = self.episodes.run(records, 1, client, sampling, version, uid_prefix="val/")
-            out = {"val/reward_mean": sum(result.scores) / max(len(result.scores), 1), "val/reward_errors": 0.0}
+            rewards = result.scores if self.judge is None else judge_episodes(
+                self.judge, self.encoder.decode, result, list(records), "val/")
+            out = {"val/reward_mean": sum(rewards) / max(len(rewards), 1), "val/reward_errors": 0.0}
             out.update({f"val/{k.split('/', 1)[1]}": v for k, v in result.metrics.items()
                         if k in ("multi_turn/tool_success_frac", "multi_turn/turns_mean")})
             return out
@@ -365,12 +375,53 @@ def score_samples(producer: Any, samples, records):
 
     r = producer.cfg.reward
     texts = [producer.encoder.decode(s.response_ids) for s in samples]
+    kept = [records[s.prompt_index] for s in samples]
     judge = getattr(producer, "judge", None)  # duck-typed hosts (tests) may have none
-    if judge is not None:
-        from megarl.rollout.judge import question_text
+    if judge is None or judge.cfg.function_weight:
+        rule = score_responses(producer.reward_fn, texts, kept, on_error=r.on_error, timeout_s=r.timeout_s)
+        if judge is None:
+            return rule
+    from megarl.rollout.judge import question_text
 
-        kept = [records[s.prompt_index] for s in samples]
-        return ScoredBatch(judge.score_group([question_text(k.prompt) for k in kept], texts,
-                                             [k.answer for k in kept]), [])
-    return score_responses(producer.reward_fn, texts, [records[s.prompt_index] for s in samples],
-                           on_error=r.on_error, timeout_s=r.timeout_s)
+    judged = judge.score_group([question_text(k.prompt) for k in kept], texts, [k.answer for k in kept])
+    if not judge.cfg.function_weight:
+        return ScoredBatch(judge.combine(judged, None), [])
+    return ScoredBatch(judge.combine(judged, rule.scores), rule.failures)
+
+
+def judge_episodes(judge: Any, decode: Callable, result: Any, records: list, uid_prefix: str) -> list[float]:
+    """[len(result.trajectories)] rewards of multi-turn episodes with a judge (`reward.judge`): each episode's final
+    model turn (the last span of its final trajectory's loss mask, decoded) is judged as {response}, its text after
+    the prompt as {transcript}, the record's prompt and answer as {question} and {reference}; the score is combined
+    with the episode's summed environment rewards (result.scores) by weight / function_weight. Every trajectory of an
+    episode (an agent's segments: uids "<prefix><record>/<episode>/s<j>") gets its episode's reward. Trajectories
+    are record-major with group_uid "<prefix><record index>" (`EpisodeRunner`, `AgentRunner`)."""
+    from megarl.rollout.judge import question_text
+
+    episode_of = ["/".join(t.uid[len(uid_prefix):].split("/")[:2]) for t in result.trajectories]
+    final = {key: i for i, key in enumerate(episode_of)}  # an episode's last trajectory: its final segment
+    order = list(final)
+    questions, responses, references, transcripts = [], [], [], []
+    for key in order:
+        t = result.trajectories[final[key]]
+        record = records[int(t.group_uid[len(uid_prefix):])]
+        questions.append(question_text(record.prompt))
+        responses.append(decode(final_turn_ids(t)))
+        references.append(record.answer)
+        transcripts.append(decode(t.token_ids[t.prompt_len:]))
+    judged = dict(zip(order, judge.score_group(questions, responses, references, transcripts)))
+    rule = list(result.scores) if judge.cfg.function_weight else None
+    return judge.combine([judged[key] for key in episode_of], rule)
+
+
+def final_turn_ids(trajectory: Any) -> list[int]:
+    """The token ids of a trajectory's last sampled span (its final model turn: the last run of loss_mask 1, or of
+    the positions after the prompt when nothing is in the loss mask, e.g. a masked episode)."""
+    mask = trajectory.loss_mask
+    end = max((i for i, m in enumerate(mask) if m), default=None)
+    if end is None:
+        return list(trajectory.token_ids[trajectory.prompt_len:])
+    start = end
+    while start > trajectory.prompt_len and mask[start - 1]:
+        start -= 1
+    return list(trajectory.token_ids[start:end + 1])

