@@ -32,8 +32,9 @@ def build_judge_model(path: str) -> str:
     return path
 
 
-def job_config(out: str, data: dict, judge_model: str, steps: int) -> dict:
-    """The quickstart's GRPO job (`megarl.trainer.quickstart.job_config`), short, with reward.judge on pool judge."""
+def job_config(out: str, data: dict, judge_model: str, steps: int, function_weight: float = 0.0) -> dict:
+    """The quickstart's GRPO job (`megarl.trainer.quickstart.job_config`), short, with reward.judge on pool judge
+    (`function_weight`: reward.function's exact-match score beside the judge's)."""
     from megarl.trainer.quickstart import QuickstartSettings
     from megarl.trainer.quickstart import job_config as quickstart_job
 
@@ -42,7 +43,8 @@ def job_config(out: str, data: dict, judge_model: str, steps: int) -> dict:
     raw = quickstart_job(settings, data)
     raw["resources"]["pools"]["judge"] = {"nodes": 1, "devices_per_node": 1}
     raw["reward"] = {"judge": {"model": judge_model, "pool": "judge", "template": TEMPLATE,
-                               "parse": "yes_no_logprob", "max_prompt_tokens": 256, "max_concurrent": 16}}
+                               "parse": "yes_no_logprob", "max_prompt_tokens": 256, "max_concurrent": 16,
+                               "function_weight": function_weight}}
     raw["checkpoint"] = {"dir": None}
     raw["logging"]["plots"] = False
     return raw
@@ -52,6 +54,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--function-weight", type=float, default=0.0,
+                   help="reward = judge score + this x exact match (reward.judge.function_weight)")
     args = p.parse_args(argv)
     import logging
 
@@ -66,7 +70,7 @@ def main(argv=None) -> int:
     out = os.path.abspath(args.out)
     data = build_arithmetic(os.path.join(out, "data"), n_val=200)
     judge_model = build_judge_model(os.path.join(out, "judge_model"))
-    cfg = validate(parse_config(job_config(out, data, judge_model, args.steps)))
+    cfg = validate(parse_config(job_config(out, data, judge_model, args.steps, args.function_weight)))
     with open(os.path.join(out, "config.yaml"), "w") as f:
         f.write(dump_yaml(cfg))
     session = TrainingSession(cfg)
@@ -75,7 +79,7 @@ def main(argv=None) -> int:
     finally:
         session.close()
     keys = ("reward/mean", "judge/requests", "judge/cache_hits", "judge/parse_failures", "judge/errors",
-            "judge/latency_s", "judge/score_mean", "time/reward_overlap_s")
+            "judge/latency_s", "judge/score_mean", "judge/function_score_mean", "time/reward_overlap_s")
     rows = [{k: r.metrics.get(k) for k in keys} for r in results]
     print(yaml.safe_dump({"steps": rows}, sort_keys=False))
     with open(os.path.join(out, "judge_metrics.json"), "w") as f:
