@@ -129,10 +129,12 @@ class PoolRollout:
         return [summary] + list(sent) + list(received)
 
 
-# Seconds one long-poll of a replica waits for results in `serve_group` (it answers at once when one is ready): the
-# end of a phase waits for the poll in progress to return, so it is kept short (0.5 s added ~0.4 s to every step of
-# the quickstart, whose rollout takes ~0.3 s).
-SERVE_POLL_WAIT_S = 0.05
+# Seconds one long-poll of a replica waits for results in `serve_group` (it answers at once when one is ready, and a
+# server being stopped answers its poll in flight at once: `stop_serving` tells the router's collectors to end first).
+# So the end of a phase does not wait for it and it can be long: each empty poll is a Ray round trip on the
+# controller and the rollout rank while the engines generate (0.05 s gave ~4 of them a step at the 0.6M-parameter
+# `benchmarks/vs_trl.py` size, whose generation takes ~0.12 s).
+SERVE_POLL_WAIT_S = 0.5
 
 
 @contextlib.contextmanager

@@ -103,3 +103,13 @@ def test_check_written_names_the_piece_and_accepts_identical_nans():
         check_written({op: checksum(data)}, lambda _: torch.zeros_like(data), rank=1, infer_rank=1)
     assert f"vLLM parameter {op.dst_param!r}" in str(err.value) and "from source rank 0" in str(err.value)
     assert "inference TP rank 1 (global rank 1)" in str(err.value)
+
+
+def test_checksum_at_the_one_row_boundary_matches_the_reference():
+    """Pieces of 65520, 65521 (one row of weights: the short path) and 65522, 131042 words (the column path) give
+    the reference sums: the two paths meet at 65521 words with the same integers."""
+    g = torch.Generator().manual_seed(4)
+    for words in (65520, 65521, 65522, 131042):
+        t = torch.randn(words, generator=g).to(torch.bfloat16)  # one 16-bit word per element
+        assert checksum(t).tolist() == reference_checksum(t), words
+        assert checksum(t.view(-1, 1)[::1]).tolist() == reference_checksum(t), words
