@@ -21,7 +21,13 @@ from typing import Optional, Sequence
 
 import megarl
 from megarl.config import ConfigError, JobConfig, dump_yaml, load_config
-from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate, rollout_pool_memory
+from megarl.config.memory import (
+    check_fits,
+    device_memory_bytes,
+    job_memory_estimate,
+    rollout_pool_memory,
+    teacher_pool_memory,
+)
 from megarl.config.placement import device_kind, format_table, placement
 from megarl.config.validate import role_archs, teacher_arch
 from megarl.rewards.scoring import RewardError
@@ -161,6 +167,7 @@ def dry_run_report(cfg: JobConfig) -> str:
         + "\n# memory per GPU of the actor's pool (static estimate, megarl/config/memory.py)\n"
         + memory.describe()
         + rollout_pool_memory(cfg, memory)
+        + teacher_pool_memory(cfg, memory)
         + f"\n\n# {order_title}\n"
         + order
         + "\n\n# schedule (trainer.mode, docs/async.md)\n"
