@@ -1,8 +1,8 @@
-"""Multi-turn episodes with real engines (`tests/e2e/multi_turn_runs.py`: 5 worker processes, vLLM TP1 engines on a
-rollout pool, a distillation teacher on a pool of its own, the tool task's random model with a byte-level BPE
-tokenizer and ChatML template, the echo environment from a user file). One session of ~30 s start-up, then 25 steps
-and 10 with a distillation teacher (~15 s); it cannot share the quickstart pool session (that tokenizer has no chat
-template to render observations with).
+"""Multi-turn episodes with real engines (`tests/e2e/multi_turn_runs.py`: 6 worker processes, vLLM TP1 engines on a
+rollout pool, two distillation teachers on pools of their own (Megatron, vLLM), the tool task's random model with a
+byte-level BPE tokenizer and ChatML template, the echo environment from a user file). One session of ~30 s start-up,
+then 25 steps and 12 with a distillation teacher (~20 s); it cannot share the quickstart pool session (that
+tokenizer has no chat template to render observations with).
 
 Every trajectory of every step is verified against the engine's tokens inside the run (`verify_trajectory`, on by
 default: the run would stop otherwise), so a passing run is itself the token-exactness check with real engines.
