@@ -120,7 +120,8 @@ class RLLoop:
         self.kl_ctl = build_kl_controller("adaptive" if kl.target is not None else "fixed", kl.coef, kl.target,
                                           kl.horizon)
         self.old_log_probs_from_update = old_log_probs_from_update(cfg)
-        # on-policy distillation: the teachers (colocated with the actor) score the sampled tokens
+        # on-policy distillation: the teachers (on the actor's pool, a pool of their own, or vLLM engines) score the
+        # sampled tokens
         self.teachers = [name for name, t in cfg.distillation.teachers.items() if t.enabled]
         self.megatron_teachers = [n for n in self.teachers if cfg.distillation.teachers[n].backend == "megatron"]
         self.update_reads_rollout_log_probs = update_reads_rollout_log_probs(cfg)

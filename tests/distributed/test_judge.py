@@ -209,10 +209,11 @@ def test_max_concurrent_bounds_the_requests_in_flight(server, judge_model):
 # --------------------------------------------------------------------------------------- vLLM-served teacher
 # The distillation teacher with backend vllm (`megarl.rollout.teacher_engine.EngineTeacher`) reads the same engine
 # path (prompt log-probs through the request server) as the judge's yes/no scores: it shares this module's engine
-# rather than start one of its own (~8 s). Measured on this model: vLLM's prompt log-probs differ from transformers'
-# fp32 log-softmax by <= 3e-6 over every position of the batch below; 2e-5 leaves a margin, while a log-prob of the
-# wrong position or row is off by > 0.1.
-TEACHER_TOLERANCE = 2e-5
+# rather than start one of its own (~8 s). Measured on this model (log-probs around -11: its random logits are
+# large): vLLM's prompt log-probs differ from transformers' fp32 log-softmax by at most 1.24e-5 over every position
+# of the batch below (not only the loss mask); 5e-5 leaves a 4x margin, while a log-prob of the wrong position or row
+# is off by > 0.1.
+TEACHER_TOLERANCE = 5e-5
 
 
 def _teacher_batch(vocab: int):
