@@ -174,7 +174,7 @@ def teacher_pool_memory(cfg, actor_estimate: MemoryEstimate) -> str:
             n = spec_from_arch(teacher_arch(t.path, f"distillation.teachers.{name}")).num_params
             shard = int(n * DTYPE_BYTES[cfg.model.dtype] / (t.parallel.tp * t.parallel.pp))
             total += shard
-            lines.append(f"teacher {name:<9} {_fmt(shard)}  (N={n / 1e9:.3f}B in {cfg.model.dtype} / tp "
+            lines.append(f"teacher {name:<9} {_fmt(shard)}  (N={n / 1e6:,.1f}M in {cfg.model.dtype} / tp "
                          f"{t.parallel.tp} x pp {t.parallel.pp})")
             if t.backend == "vllm":
                 u = cfg.rollout.gpu_memory_utilization
