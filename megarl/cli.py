@@ -27,6 +27,7 @@ from megarl.config.memory import (
     job_memory_estimate,
     judge_pool_memory,
     rollout_pool_memory,
+    teacher_pool_memory,
 )
 from megarl.config.placement import device_kind, format_table, placement
 from megarl.config.validate import role_archs, teacher_arch
@@ -168,6 +169,7 @@ def dry_run_report(cfg: JobConfig) -> str:
         + memory.describe()
         + rollout_pool_memory(cfg, memory)
         + judge_pool_memory(cfg, memory.device_bytes)
+        + teacher_pool_memory(cfg, memory)
         + f"\n\n# {order_title}\n"
         + order
         + "\n\n# schedule (trainer.mode, docs/async.md)\n"

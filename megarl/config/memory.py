@@ -10,7 +10,8 @@ What one GPU of the actor's pool holds when vLLM starts (the actor is built firs
                                                                is the param itself: 8 B)
   reference params  N / (ref tp * ref pp) x dtype bytes       (forward-only roles on the actor's pool: reference,
                                                                reward model, each distillation teacher at its
-                                                               own N, tp and pp)
+                                                               own N, tp and pp; a teacher on a pool of its own
+                                                               is counted there: `teacher_pool_memory`)
   vLLM              gpu_memory_utilization x device memory    (vLLM reserves this fraction of the *total* memory
                                                                for its weights and KV cache and refuses to start
                                                                when that much is not free)
@@ -134,8 +135,8 @@ def job_memory_estimate(cfg, device_bytes: Optional[int]) -> MemoryEstimate:
             extra_trained += c.megatron_bytes
         else:
             others.append((n_params(archs[name]), model.dtype, p.tp, p.pp))
-    for name, t in cfg.distillation.teachers.items():  # teachers are always on the actor's pool (validated)
-        if t.enabled:
+    for name, t in cfg.distillation.teachers.items():  # the teachers colocated with the actor (`teacher_pool_memory`)
+        if t.enabled and t.pool in (None, cfg.actor.pool):
             arch = teacher_arch(t.path, f"distillation.teachers.{name}")
             others.append((n_params(arch), cfg.model.dtype, t.parallel.tp, t.parallel.pp))
     # engines on a pool of their own (rollout.pool): the actor's pool keeps no vLLM share (`rollout_pool_memory`)
@@ -202,6 +203,35 @@ def judge_pool_memory(cfg, device_bytes: Optional[int]) -> str:
                 "rollout.gpu_memory_utilization")
     return (f"\n\n# memory per GPU of the judge pool {j.pool!r} (reward.judge: vLLM only, never weight-synced)\n"
             f"vLLM              {share}\n{shard_line}")
+
+
+def teacher_pool_memory(cfg, actor_estimate: MemoryEstimate) -> str:
+    """'' when every teacher is colocated with the actor (or there are none); else lines for `--dry-run`: for each
+    pool of teachers' own, per device, each teacher's weight shard there (its N / (tp * pp) in model.dtype) and their
+    sum; the actor's pool (above) counts none of them."""
+    pools: dict[str, list[str]] = {}
+    for name, t in cfg.distillation.teachers.items():
+        if t.enabled and t.pool not in (None, cfg.actor.pool):
+            pools.setdefault(t.pool, []).append(name)
+    out = []
+    for pool, names in pools.items():
+        lines, total = [], 0
+        for name in names:
+            t = cfg.distillation.teachers[name]
+            n = spec_from_arch(teacher_arch(t.path, f"distillation.teachers.{name}")).num_params
+            shard = int(n * DTYPE_BYTES[cfg.model.dtype] / (t.parallel.tp * t.parallel.pp))
+            total += shard
+            lines.append(f"teacher {name:<9} {_fmt(shard)}  (N={n / 1e6:,.1f}M in {cfg.model.dtype} / tp "
+                         f"{t.parallel.tp} x pp {t.parallel.pp})")
+            if t.backend == "vllm":
+                u = cfg.rollout.gpu_memory_utilization
+                lines.append(f"  vLLM engine: the weights above within its share of {u:.2f} x device memory "
+                             "(weights + KV cache, rollout.gpu_memory_utilization)")
+        device = actor_estimate.device_bytes
+        of = "" if device is None else f" of {device / GB:.2f} GB"
+        out.append(f"\n\n# memory per GPU of the teachers' pool {pool!r} (forward-only weights)\n"
+                   + "\n".join(lines) + f"\ntotal             {_fmt(total)}{of}")
+    return "".join(out)
 
 
 def device_memory_bytes(cfg) -> Optional[int]:

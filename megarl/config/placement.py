@@ -70,7 +70,8 @@ def device_kind(cfg: JobConfig) -> str:
 def placement(cfg: JobConfig, num_layers_by_role: dict[str, int], kind: str,
               topologies: Optional[dict[str, RoleTopology]] = None) -> list[RankPlacement]:
     """Rows for every rank of every enabled role, plus the rollout engines (on the actor's pool, or `rollout.pool`)
-    and the judge's engines (reward.judge, on its pool).
+    and the judge's engines (reward.judge, on its pool). Engine rows (the rollout's, the judge's, a vLLM-served
+    teacher's) have `layers` None, tp = the engine's TP rank, dp = the engine index.
 
     `num_layers_by_role` gives each enabled role's layer count (roles may run different models; each enabled
     distillation teacher's under "teacher/<name>"); `topologies`
@@ -97,16 +98,22 @@ def placement(cfg: JobConfig, num_layers_by_role: dict[str, int], kind: str,
             layers = (starts[c.pp], starts[c.pp] + split[c.pp])
             rows.append(RankPlacement(role, c.rank, node, device, c.tp, c.pp, c.dp, c.cp, layers))
 
-    for name, t in cfg.distillation.teachers.items():  # on the actor's pool (validated), each at its own layout
+    for name, t in cfg.distillation.teachers.items():  # on the actor's pool or their own, each at its own layout
         if not t.enabled:
             continue
         p, role = t.parallel, f"teacher/{name}"
-        topo = RoleTopology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, etp=p.etp,
-                            rank_offset=offsets[cfg.actor.pool])
+        pool = t.pool if t.pool is not None else cfg.actor.pool
+        if t.backend == "vllm":  # engines of its own: one per tp devices of its pool, each the whole model
+            for local in range(pool_size(cfg.resources.pools[pool])):
+                node, device = where(pool, offsets[pool] + local)
+                engine, tp_rank = divmod(local, p.tp)
+                rows.append(RankPlacement(role, offsets[pool] + local, node, device, tp_rank, 0, engine, 0, None))
+            continue
+        topo = RoleTopology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, etp=p.etp, rank_offset=offsets[pool])
         split = layer_split(num_layers_by_role[role], topo.pp, p.first_stage_layers, p.last_stage_layers)
         starts = [sum(split[:i]) for i in range(len(split))]
         for c in topo.coords():
-            node, device = where(cfg.actor.pool, c.rank)
+            node, device = where(pool, c.rank)
             rows.append(RankPlacement(role, c.rank, node, device, c.tp, c.pp, c.dp, c.cp,
                                       (starts[c.pp], starts[c.pp] + split[c.pp])))
 

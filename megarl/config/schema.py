@@ -815,12 +815,26 @@ class TeacherConfig(RoleConfig):
         "(checked at start-up)."
     )
     pool: Optional[str] = opt(
-        None, "Resource pool the teacher runs on; null = the actor's (colocated, offloaded per `offload` while idle). "
-        "Only the actor's pool is supported so far."
+        None, "Resource pool the teacher runs on; null = the actor's (colocated, offloaded per `offload` while idle); "
+        "another pool = the teachers' own (no rollout engines, judge or other role on it; every teacher on the "
+        "same pool and layout)."
     )
     data_source: Optional[str] = opt(
         None, "With several teachers: the value of the dataset column distillation.data_source_key whose samples "
         "this teacher scores; null = the samples no other teacher claims (at most one teacher may leave it null)."
+    )
+    backend: Literal["megatron", "vllm"] = opt(
+        "megatron", "How the teacher computes its log-probs: megatron = a forward-only Megatron role at `parallel` "
+        "(colocated or on its pool); vllm = vLLM engines on a pool of the teacher's own (`pool` required, an HF "
+        "`path`), one per parallel.tp devices, never weight-synced, the sampled tokens' log-probs read as vLLM prompt "
+        "log-probs (docs/distillation.md: which is faster where)."
+    )
+    max_concurrent: int = opt(
+        64, "backend vllm: prompt log-probs requests (one per row of a step's batch) in flight at most.", min=1,
+    )
+    request_timeout_s: float = opt(
+        600.0, "backend vllm: bound of one prompt log-probs request; past it the step fails naming the teacher.",
+        unit="s", min=0,
     )
 
 

@@ -657,9 +657,50 @@ def teacher_arch(path: str, key: str) -> ArchConfig:
     return arch_from_hf_config(hf, f"{key}.path: {meta}")
 
 
+def _check_teacher_pool(cfg: JobConfig, key: str, t) -> str:
+    """The pool teacher `t` (config key `key`) runs on: its `pool`, or the actor's when null. A pool other than the
+    actor's must exist and be the teachers' own: no rollout engines, judge or side role on it."""
+    pool, pools = (t.pool if t.pool is not None else cfg.actor.pool), cfg.resources.pools
+    if pool not in pools:
+        raise ConfigError(f"{key}.pool: unknown pool {pool!r}{did_you_mean(pool, pools)}; resources.pools has: "
+                          f"{', '.join(pools)} (null = the actor's pool, colocated)")
+    if pool == cfg.actor.pool:
+        return pool
+    hosts = [f"the {role} ({role}.pool)" for role in SIDE_ROLES
+             if cfg.role(role).enabled and cfg.role(role).pool == pool]
+    if cfg.rollout.pool == pool:
+        hosts.append("the rollout engines (rollout.pool)")
+    if cfg.reward.judge is not None and cfg.reward.judge.pool == pool:
+        hosts.append("the judge engines (reward.judge.pool)")
+    if hosts:
+        raise ConfigError(f"{key}.pool: pool {pool!r} also hosts {' and '.join(hosts)}; a teacher away from the "
+                          "actor needs a pool of the teachers' own (or pool: null, colocated with the actor)")
+    return pool
+
+
+def _check_engine_teacher(cfg: JobConfig, key: str, t, pool: str, teachers: dict) -> None:
+    """A vLLM-served teacher (`backend: vllm`): an HF directory, on a pool of its own that no other teacher shares,
+    tensor parallelism only."""
+    if pool == cfg.actor.pool:
+        raise ConfigError(f"{key}.backend: vllm runs the teacher on engines of their own: set {key}.pool to a pool "
+                          f"other than the actor's ({cfg.actor.pool!r}), or use backend: megatron to colocate it")
+    if is_megatron_checkpoint(t.path):
+        raise ConfigError(f"{key}.path: {t.path} is a Megatron checkpoint; vLLM reads an HF directory (write one "
+                          "from its step directory: `megarl export STEP_DIR --out HF_DIR`), or use backend: megatron")
+    others = [n for n, o in teachers.items() if o is not t and (o.pool if o.pool is not None else cfg.actor.pool)
+              == pool]
+    if others:
+        raise ConfigError(f"{key}.pool: pool {pool!r} also hosts the teacher(s) {others}; a vLLM teacher's engines "
+                          "need a pool of their own")
+    if t.parallel.pp != 1 or t.parallel.cp != 1:
+        raise ConfigError(f"{key}.parallel: backend vllm takes tp only (one engine per tp devices of the pool); got "
+                          f"pp={t.parallel.pp} cp={t.parallel.cp}")
+
+
 def _check_distillation(cfg: JobConfig) -> DistillationConfig:
-    """Each enabled teacher: on the actor's pool, a valid layout of its own model there (dp resolved, micro-batches
-    defaulted), all teachers on one layout (their DP split is one), the sequence length within the teacher's
+    """Each enabled teacher: on the actor's pool or a pool of the teachers' own (`_check_teacher_pool`), a valid
+    layout of its own model there (dp resolved, micro-batches defaulted), the teachers of one pool on one layout
+    (their DP split there is one), the sequence length within the teacher's
     positions, data sources that route every sample. (The tokenizers are compared at start-up:
     `megarl.roles.teacher.check_teacher_tokenizers`; a model's vocab_size may be padded beyond its tokenizer's, so it
     is not compared.) Returns the resolved section."""
@@ -674,11 +715,11 @@ def _check_distillation(cfg: JobConfig) -> DistillationConfig:
     layouts = {}
     for name, t in teachers.items():
         key = f"distillation.teachers.{name}"
-        if t.pool is not None and t.pool != cfg.actor.pool:
-            raise ConfigError(f"{key}.pool: {t.pool!r}: a teacher on a pool of its own is not supported yet; use "
-                              f"null (the actor's pool {cfg.actor.pool!r}, colocated)")
+        pool = _check_teacher_pool(cfg, key, t)
+        if t.backend == "vllm":
+            _check_engine_teacher(cfg, key, t, pool, teachers)
         arch = teacher_arch(t.path, key)
-        placed = dataclasses.replace(t, pool=cfg.actor.pool)
+        placed = dataclasses.replace(t, pool=pool)
         parallel = _check_parallel(key, placed, _pool_devices(cfg, key, placed), arch)
         t = dataclasses.replace(t, parallel=parallel)
         if t.micro_batch_samples is not None and t.micro_batch_tokens is not None:
@@ -690,12 +731,13 @@ def _check_distillation(cfg: JobConfig) -> DistillationConfig:
         if longest > arch.max_position_embeddings:
             raise ConfigError(f"{key}.path: rollout.max_prompt_tokens + max_new_tokens = {longest} exceeds the "
                               f"teacher's max_position_embeddings={arch.max_position_embeddings}")
-        layouts[name] = (parallel.tp, parallel.pp, parallel.cp, parallel.dp)
+        layouts.setdefault(pool, {})[name] = (t.backend, parallel.tp, parallel.pp, parallel.cp, parallel.dp)
         resolved[name] = t
-    if len(set(layouts.values())) > 1:
-        raise ConfigError("distillation.teachers: every teacher must have the same tp, pp, cp and dp (one DP split "
-                          "of the batch serves them all); got " + ", ".join(f"{n}: tp,pp,cp,dp={lay}"
-                                                                           for n, lay in layouts.items()))
+    for pool, on_pool in layouts.items():
+        if len(set(on_pool.values())) > 1:
+            raise ConfigError(f"distillation.teachers: every teacher on pool {pool!r} must have the same tp, pp, cp "
+                              "and dp (one DP split of the batch serves them all there; or give each a pool of its "
+                              "own); got " + ", ".join(f"{n}: tp,pp,cp,dp={lay[1:]}" for n, lay in on_pool.items()))
     if len(teachers) > 1:
         if sum(t.data_source is None for t in teachers.values()) > 1:
             raise ConfigError("distillation.teachers: with several teachers each needs a data_source, except at most "

@@ -1,11 +1,16 @@
 """Teachers of on-policy distillation (`distillation.teachers`): frozen Megatron forward-only roles, built like the
 reference (`megarl.roles.actor.Reference`) but each from its own checkpoint, that compute the log-probs of the
-student's sampled tokens.
+student's sampled tokens. (A teacher with `backend: vllm` is served on engines instead:
+`megarl.workers.teacher_host`, `megarl.rollout.teacher_engine`.)
 
 A teacher's `path` is an HF directory (weights loaded directly at the teacher's layout) or a megarl Megatron
 distributed checkpoint (a run's `step_NNNNNN/actor`: weights loaded with `load_engine_checkpoint`, its HF config and
 tokenizer files read from the checkpoint's metadata and `hf_assets/`). The student's tokenizer and every teacher's
 must be the same (`megarl.data.tokenizer_match.check_teacher_tokenizers`, on the controller at start-up).
+
+Placement (`pool`): null = the actor's pool (built by the actor pool's workers, offloaded per `offload` while idle);
+another pool = the teachers' own (a `megarl.workers.role_host.TeacherWorker` group there, a world of its own). The
+teachers of one pool share one layout (validated); teachers on different pools may differ.
 """
 
 from __future__ import annotations
@@ -65,4 +70,22 @@ def enabled_teachers(cfg: JobConfig) -> list[str]:
     return [name for name, t in cfg.distillation.teachers.items() if t.enabled]
 
 
+def teacher_pool(cfg: JobConfig, t: TeacherConfig) -> str:
+    """The resource pool teacher `t` runs on: its `pool`, or the actor's (colocated) when null."""
+    return t.pool if t.pool is not None else cfg.actor.pool
 
+
+def teacher_pools(cfg: JobConfig) -> dict[str, list[str]]:
+    """pool -> the enabled Megatron teachers (backend megatron) placed on it, in config order (validated: the
+    teachers of one pool share one layout, so one DP split of the batch serves them all there)."""
+    pools: dict[str, list[str]] = {}
+    for name in enabled_teachers(cfg):
+        t = cfg.distillation.teachers[name]
+        if t.backend == "megatron":
+            pools.setdefault(teacher_pool(cfg, t), []).append(name)
+    return pools
+
+
+def engine_teachers(cfg: JobConfig) -> list[str]:
+    """Names of the enabled vLLM-served teachers (backend vllm; each on a pool of its own, validated)."""
+    return [name for name in enabled_teachers(cfg) if cfg.distillation.teachers[name].backend == "vllm"]

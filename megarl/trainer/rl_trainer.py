@@ -88,19 +88,22 @@ class RLLoop:
     def __init__(self, cfg: JobConfig, workers, loader, encoder, reward_fn, role_groups: Optional[dict] = None,
                  val_records: Optional[list] = None, metrics_path: Optional[str] = None,
                  stop: Optional[StopRequest] = None, rollout: Optional[RolloutService] = None,
-                 judge: Optional[Any] = None) -> None:
+                 judge: Optional[Any] = None, engine_teachers: Optional[dict] = None) -> None:
         """`workers`: the actor pool's group (HybridWorker; ActorWorker with rollout.pool). `role_groups`: for each
         enabled reference / critic / reward_model, the group that hosts it (`workers` itself when colocated, else its
-        own RoleWorker group). `stop`: the controller's SIGTERM/SIGINT handlers (`megarl.trainer.stop`); `fit` ends
-        after the step in flight, checkpointed, once it is requested. `rollout`: where samples come from and weights
-        go (default `ColocatedRollout(workers)`: the actor pool's engines; the session passes a `PoolRollout` with
-        rollout.pool). `judge`: the `megarl.rollout.judge.Judge` of reward.judge (the session's), scoring instead of
-        reward_fn or beside it by weights."""
+        own RoleWorker group), and "teacher/<name>": the group hosting distillation teacher <name> when it is on a
+        pool of its own (a `TeacherWorker` group; default: `workers`). `stop`: the controller's SIGTERM/SIGINT handlers
+        (`megarl.trainer.stop`); `fit` ends after the step in flight, checkpointed, once it is requested. `rollout`:
+        where samples come from and weights go (default `ColocatedRollout(workers)`: the actor pool's engines; the
+        session passes a `PoolRollout` with rollout.pool). `judge`: the `megarl.rollout.judge.Judge` of reward.judge
+        (the session's), scoring instead of reward_fn or beside it by weights. `engine_teachers`: the vLLM-served
+        teachers (backend vllm) by name, each a `megarl.rollout.teacher_engine.EngineTeacher` (the session's)."""
         self.stop = stop
         self.cfg = cfg
         self.workers = workers
         self.rollout = rollout if rollout is not None else ColocatedRollout(workers, serving_backend=serving)
         self.role_groups = dict(role_groups or {})
+        self.engine_teachers = dict(engine_teachers or {})
         self.loader = loader
         self.encoder = encoder
         self.reward_fn = reward_fn
@@ -117,8 +120,10 @@ class RLLoop:
         self.kl_ctl = build_kl_controller("adaptive" if kl.target is not None else "fixed", kl.coef, kl.target,
                                           kl.horizon)
         self.old_log_probs_from_update = old_log_probs_from_update(cfg)
-        # on-policy distillation: the teachers (colocated with the actor) score the sampled tokens
+        # on-policy distillation: the teachers (on the actor's pool, a pool of their own, or vLLM engines) score the
+        # sampled tokens
         self.teachers = [name for name, t in cfg.distillation.teachers.items() if t.enabled]
+        self.megatron_teachers = [n for n in self.teachers if cfg.distillation.teachers[n].backend == "megatron"]
         self.update_reads_rollout_log_probs = update_reads_rollout_log_probs(cfg)
         self._actor_corrects_rollout: Optional[bool] = None  # asked of the actor's ranks on first use
         self.skip_streak: dict[str, int] = {}  # role -> optimizer steps skipped in a row (non-finite loss/grad norm)
@@ -352,7 +357,12 @@ class RLLoop:
             if self.teachers:  # the controller forms the advantages from them: [B, S] float32 each come up
                 with _timer(t, "teacher_log_probs"):
                     for name in self.teachers:
-                        out = self.workers.compute_teacher_log_probs(batch, teacher=name, fetch=("log_probs",))
+                        if self.cfg.distillation.teachers[name].backend == "vllm":
+                            teacher_log_probs[name] = self._engine_teacher(name).log_probs(
+                                batch["input_ids"], batch["attention_mask"], batch.with_loss_mask()["loss_mask"])
+                            continue
+                        out = self._teacher_group(name).compute_teacher_log_probs(batch, teacher=name,
+                                                                                  fetch=("log_probs",))
                         teacher_log_probs[name] = out.tensors["log_probs"]
             critic = self.role_groups.get("critic")
             if critic is not None:
@@ -431,11 +441,25 @@ class RLLoop:
         if "reference" in self.role_groups:
             calls.append((self.role_groups["reference"], "compute_ref_log_probs"))
         if self.teachers:
-            calls.append((self.workers, "compute_teacher_log_probs"))
+            groups = {id(g): g for g in map(self._teacher_group, self.megatron_teachers)}  # one per hosting group
+            calls += [(g, "compute_teacher_log_probs") for g in groups.values()]
         if "critic" in self.role_groups:
             calls += [(self.role_groups["critic"], "compute_values"), (self.role_groups["critic"], "update_critic")]
         calls.append((self.workers, "update_actor"))
         return calls
+
+    def _engine_teacher(self, name: str):
+        """The `EngineTeacher` of vLLM-served teacher `name` (the session started its engines)."""
+        if name not in self.engine_teachers:
+            raise RuntimeError(f"distillation.teachers.{name}: backend vllm, but this loop has no engines serving it "
+                               f"(serving: {sorted(self.engine_teachers)}); the session starts them when the teacher "
+                               "is enabled in its own config")
+        return self.engine_teachers[name]
+
+    def _teacher_group(self, name: str):
+        """The group hosting distillation teacher `name`: its `TeacherWorker` group on a pool of its own
+        (role_groups["teacher/<name>"]), else the actor pool's."""
+        return self.role_groups.get(f"teacher/{name}", self.workers)
 
     def _update_reads_rollout(self) -> bool:
         """Whether the actor's update reads rollout_log_probs: by this config (`update_reads_rollout_log_probs`) or by

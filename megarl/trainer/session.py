@@ -115,6 +115,8 @@ def placement_summary(cfg: JobConfig, device: str, threads: int) -> str:
             roles.append("rollout")
         if cfg.reward.judge is not None and name == cfg.reward.judge.pool:
             roles.append("judge")
+        roles += [f"teacher/{t}" for t, tc in cfg.distillation.teachers.items()
+                  if tc.enabled and (tc.pool if tc.pool is not None else cfg.actor.pool) == name]
         lines.append(f"pool {name}: {p.nodes} node(s) x {p.devices_per_node} {device} worker(s), {threads} thread(s) "
                      f"each: {', '.join(roles) or 'unused'}")
     for role in cfg.enabled_roles():
@@ -204,8 +206,11 @@ class TrainingSession:
         self.trainer = None  # megarl.trainer.rl_trainer.RLLoop, once started
         self.workers = None  # the actor pool's WorkerGroup, once the workers started (`start_workers`)
         self.judge = None  # the reward.judge `Judge`, once its engines serve (`_start_judge`)
+        self.engine_teachers: dict = {}  # vLLM-served teachers: name -> `EngineTeacher` (`_start_engine_teachers`)
+        self._teacher_serving: list = []  # their (group, router), stopped at `close`
         self.rollout = None  # its RolloutService: None (the loop's ColocatedRollout) or the PoolRollout
-        self.role_groups: dict = {}  # reference / critic / reward_model -> the group hosting it
+        # reference / critic / reward_model, and "teacher/<name>" for a teacher on a pool of its own -> its group
+        self.role_groups: dict = {}
         self.groups: list = []
         self.shm_reports: list = []
         self.started_ray = False
@@ -282,10 +287,48 @@ class TrainingSession:
                 role_groups[role] = WorkerGroup(make_pool(r.pool), RoleWorker, cfg, role,
                                                 env={"OMP_NUM_THREADS": str(threads), **quiet}, **call_bounds(cfg))
                 self.groups.append(role_groups[role])
+        from megarl.roles.teacher import teacher_pools
+
+        for pool, names in teacher_pools(cfg).items():  # distillation teachers away from the actor: a group per pool
+            if pool == cfg.actor.pool:
+                continue
+            from megarl.workers.role_host import TeacherWorker
+
+            group = WorkerGroup(make_pool(pool), TeacherWorker, cfg, pool, env={"OMP_NUM_THREADS": str(threads),
+                                                                                **quiet}, **call_bounds(cfg))
+            self.groups.append(group)
+            role_groups.update({f"teacher/{name}": group for name in names})
+            logger.info("teachers %s on pool %r: %s", ", ".join(names), pool, _ranks_and_pids(group.pids()))
         self.workers, self.rollout, self.role_groups = workers, rollout, role_groups
         if cfg.reward.judge is not None:
             self._start_judge(make_pool(cfg.reward.judge.pool), env)
+        self._start_engine_teachers(make_pool, env)
         return workers
+
+    def _start_engine_teachers(self, make_pool, engine_env: dict) -> None:
+        """Each vLLM-served teacher (`backend: vllm`): its `TeacherEngineHost` group on its pool, serving until
+        `close` (a `RolloutRouter` over its replicas), and the `EngineTeacher` the loop scores with."""
+        from megarl.roles.teacher import engine_teachers
+
+        names = engine_teachers(self.cfg)
+        if not names:
+            return
+        from megarl.controller import serving
+        from megarl.rollout.teacher_engine import EngineTeacher
+        from megarl.workers.teacher_host import TeacherEngineHost
+
+        for name in names:
+            t = self.cfg.distillation.teachers[name]
+            group = WorkerGroup(make_pool(t.pool), TeacherEngineHost, self.cfg, name, env=engine_env,
+                                **call_bounds(self.cfg))
+            self.groups.append(group)
+            self.shm_reports = list(self.shm_reports) + list(group.shm_segments())
+            router = serving.start_serving(group, poll_wait_s=JUDGE_POLL_WAIT_S, default_timeout_s=t.request_timeout_s)
+            self._teacher_serving.append((group, router))
+            self.engine_teachers[name] = EngineTeacher(name, router, max_concurrent=t.max_concurrent,
+                                                       timeout_s=t.request_timeout_s)
+            logger.info("teacher %s: vLLM tp %d x %d engine(s) on pool %r (pids %s), never weight-synced", name,
+                        t.parallel.tp, group.world_size // t.parallel.tp, t.pool, _ranks_and_pids(group.pids()))
 
     def _start_judge(self, pool, engine_env: dict) -> None:
         """`reward.judge`: the judge's `JudgeHost` group on its pool, serving until `close` (a `RolloutRouter` over
@@ -312,7 +355,8 @@ class TrainingSession:
 
         return RLLoop(cfg, self.workers, self.loader, self.encoder, self.reward_fn, role_groups=self.role_groups,
                       val_records=self.val, metrics_path=metrics_path, stop=stop,
-                      rollout=rollout if rollout is not None else self.rollout, judge=self.judge)
+                      rollout=rollout if rollout is not None else self.rollout, judge=self.judge,
+                      engine_teachers=self.engine_teachers)
 
     def _start_pools(self, make_pool, engine_env: dict, role_env: dict):
         """`rollout.pool` set: an `ActorWorker` group on the actor's pool (the actor and the roles placed there), a
@@ -442,6 +486,13 @@ class TrainingSession:
                     serving.stop_serving(*self._judge_serving)
                 except Exception as e:  # the workers are killed below anyway
                     logger.warning("stopping the judge's servers: %s: %s", type(e).__name__, e)
+            for serving_pair in self._teacher_serving:
+                from megarl.controller import serving
+
+                try:
+                    serving.stop_serving(*serving_pair)
+                except Exception as e:  # the workers are killed below anyway
+                    logger.warning("stopping a teacher's servers: %s: %s", type(e).__name__, e)
             for group in reversed(self.groups):
                 group.shutdown()
             self.groups = []

@@ -73,17 +73,18 @@ class RoleHost:
         for name in ROLES:
             setattr(self, name, build_role(cfg, name, rank_offset=0) if name in roles else None)
         self.offload = {name: OffloadPolicy(getattr(self, name), cfg.role(name).offload) for name in ROLES}
-        # distillation teachers (`distillation.teachers`), colocated with the actor: built on the actor's pool only;
-        # their offload policies are `offload["teacher/<name>"]`
+        # distillation teachers (`distillation.teachers`) placed on this pool (the actor's, colocated, or the
+        # teachers' own: `TeacherWorker`); their offload policies are `offload["teacher/<name>"]`
         self.teachers: dict[str, Any] = {}
-        if "actor" in roles:
-            from megarl.roles.teacher import build_teacher, enabled_teachers
+        # teacher name -> compute_teacher_log_probs calls this rank served (where each teacher really ran)
+        self.teacher_calls: collections.Counter = collections.Counter()
+        from megarl.roles.teacher import build_teacher, teacher_pools
 
-            for name in enabled_teachers(cfg):
-                t = cfg.distillation.teachers[name]
-                self.teachers[name] = build_teacher(t, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
-                                                    samples_per_prompt=cfg.rollout.samples_per_prompt)
-                self.offload[f"teacher/{name}"] = OffloadPolicy(self.teachers[name], t.offload)
+        for name in teacher_pools(cfg).get(pool, []):
+            t = cfg.distillation.teachers[name]
+            self.teachers[name] = build_teacher(t, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
+                                                samples_per_prompt=cfg.rollout.samples_per_prompt)
+            self.offload[f"teacher/{name}"] = OffloadPolicy(self.teachers[name], t.offload)
         self.events: collections.deque = collections.deque(maxlen=256)
         # results kept where they were made (`keep=` of the forward methods), by name: (rows [lo, hi) of the batch,
         # seq len, {key: [hi - lo, S] tensor} or None off the last pipeline stage)
@@ -141,13 +142,19 @@ class RoleHost:
         return self._dp_coord("reward_model")
 
     def teacher_dp(self) -> tuple[int, int]:
-        """(this rank's teacher DP rank, teacher DP size): every teacher has the same layout (validated), so one
-        DP split of the batch serves them all."""
+        """(this rank's teacher DP rank, teacher DP size): the teachers of one pool have the same layout
+        (validated), so one DP split of the batch serves them all."""
         if not self.teachers:
             raise RuntimeError(f"no distillation teachers in this worker group (pool {self.pool!r}); set "
                                "distillation.teachers")
         first = next(iter(self.teachers.values()))
         return first.dp_rank, first.dp
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def teacher_call_counts(self) -> dict:
+        """This rank's {"pool", "pid", "calls": {teacher name: compute_teacher_log_probs calls served}}: where each
+        teacher really ran (one entry per rank of the group)."""
+        return {"pool": self.pool, "pid": os.getpid(), "calls": dict(self.teacher_calls)}
 
     @dispatch(Dispatch.RANK_ZERO)
     def actor_corrects_rollout(self) -> bool:
@@ -255,6 +262,7 @@ class RoleHost:
         if teacher not in self.teachers:
             raise KeyError(f"no teacher {teacher!r} in this worker group (teachers: {sorted(self.teachers)})")
         role, policy = self.teachers[teacher], self.offload[f"teacher/{teacher}"]
+        self.teacher_calls[teacher] += 1
         policy.before_use()
         out = role.compute_log_probs(batch, with_entropy=False, share=True)
         if policy.after_use():
@@ -378,6 +386,21 @@ class RoleWorker(RoleHost):
         if role not in ("critic", "reference", "reward_model"):
             raise ValueError(f"RoleWorker hosts critic, reference or reward_model, not {role!r}")
         super().__init__(cfg, (role,), pool=cfg.role(role).pool)
+
+
+class TeacherWorker(RoleHost):
+    """One rank of a pool of distillation teachers' own (`distillation.teachers.<name>.pool` other than the actor's):
+    the enabled teachers placed there, at their layout in this pool's torch.distributed world, nothing else. The
+    controller calls `compute_teacher_log_probs` on this group as it would on the actor's."""
+
+    def __init__(self, cfg: JobConfig, pool: str) -> None:
+        """Collective over the pool: every rank builds its share of each teacher placed on `pool`."""
+        from megarl.roles.teacher import teacher_pools
+
+        if pool == cfg.actor.pool or pool not in teacher_pools(cfg):
+            raise ValueError(f"TeacherWorker hosts teachers on a pool of their own; pool {pool!r} is not one (the "
+                             f"actor's pool: {cfg.actor.pool!r}; the teachers' pools: {sorted(teacher_pools(cfg))})")
+        super().__init__(cfg, (), pool=pool)
 
 
 def _expand_sequence_advantages(batch: Batch, expansion: str) -> Batch:

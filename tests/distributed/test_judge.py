@@ -2,7 +2,8 @@
 `InProcessClient`): a tiny random Llama with a byte-level BPE tokenizer and a ChatML chat template
 (`megarl.data.chat_bpe`), so "Yes" and "No" are multi-token words whose first tokens the judge reads.
 
-One engine for the module (~8 s to build). It cannot share test_engine_server.py's: that one's tokenizer is a
+One engine for the module (~8 s to build), also serving the vLLM-served distillation teacher's tests (the same
+prompt log-probs path). It cannot share test_engine_server.py's: that one's tokenizer is a
 WordLevel vocabulary without a chat template, which a judge needs to render its prompt.
 """
 
@@ -361,3 +362,76 @@ def test_single_turn_judge_weighted_with_reward_function(server, judge_model):
     finally:
         alone.close()
     assert calls == []
+
+
+# --------------------------------------------------------------------------------------- vLLM-served teacher
+# The distillation teacher with backend vllm (`megarl.rollout.teacher_engine.EngineTeacher`) reads the same engine
+# path (prompt log-probs through the request server) as the judge's yes/no scores: it shares this module's engine
+# rather than start one of its own (~8 s). Measured on this model (log-probs around -11: its random logits are
+# large): vLLM's prompt log-probs differ from transformers' fp32 log-softmax by at most 1.24e-5 over every position
+# of the batch below (not only the loss mask); 5e-5 leaves a 4x margin, while a log-prob of the wrong position or row
+# is off by > 0.1.
+TEACHER_TOLERANCE = 5e-5
+
+
+def _teacher_batch(vocab: int):
+    """A left-padded batch [4, 24]: rows of 24, 17, 9 and 12 real tokens (random ids in [3, vocab)), the last 6, 5, 4
+    real tokens of each row on the loss mask, except row 3 (none: a row the teacher must not be asked about)."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    lengths, sampled = [24, 17, 9, 12], [6, 5, 4, 0]
+    ids = torch.zeros(4, 24, dtype=torch.long)
+    attention, loss = torch.zeros(4, 24, dtype=torch.long), torch.zeros(4, 24, dtype=torch.long)
+    for b, (n, k) in enumerate(zip(lengths, sampled)):
+        ids[b, 24 - n:] = torch.randint(3, vocab, (n,), generator=g)
+        attention[b, 24 - n:] = 1
+        loss[b, 24 - k:] = 1 if k else 0
+    return ids, attention, loss
+
+
+def test_engine_teacher_log_probs_equal_transformers(server, judge_model):
+    """Each loss-mask token's teacher log-prob, read from the engine's prompt log-probs of its row, equals
+    transformers' fp32 log-softmax of the same model on that row's unpadded ids at that position; 0 off the loss
+    mask; one request per row with a loss-mask token (row 3 has none: no request)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megarl.rollout.engine_server import InProcessClient
+    from megarl.rollout.teacher_engine import EngineTeacher
+
+    path, _ = judge_model
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids, attention, loss = _teacher_batch(model.config.vocab_size)
+    teacher = EngineTeacher("t", InProcessClient(server, default_timeout_s=60), max_concurrent=2, timeout_s=60)
+    got = teacher.log_probs(ids, attention, loss)
+    assert teacher.requests == 3
+    expected = torch.zeros(got.shape)
+    for b in range(ids.shape[0]):
+        real = attention[b].nonzero().flatten()
+        with torch.no_grad():
+            logits = model(ids[b, real][None]).logits[0].double()
+        lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[b, real][1:, None]).squeeze(-1)
+        expected[b, real[1:]] = lp.float()
+    mask = loss.bool()
+    assert float((got - expected)[mask].abs().max()) < TEACHER_TOLERANCE
+    assert float(got[~mask].abs().sum()) == 0.0
+    assert float(expected[mask].mean()) < -1.0  # real log-probs of a random model, not zeros
+
+
+def test_engine_teacher_names_the_row_it_could_not_score(server):
+    """A row over the engine's max_prompt_tokens (200) is refused by the engine: the call fails naming the teacher
+    and the row, never returning a partial [B, S]."""
+    import torch
+
+    from megarl.rollout.engine_server import InProcessClient
+    from megarl.rollout.teacher_engine import EngineTeacher
+
+    ids = torch.randint(3, 300, (2, 240))
+    attention, loss = torch.ones_like(ids), torch.zeros_like(ids)
+    attention[0, :230] = 0  # row 0: 10 tokens; row 1: 240
+    loss[:, -3:] = 1
+    teacher = EngineTeacher("big", InProcessClient(server, default_timeout_s=60), max_concurrent=4, timeout_s=60)
+    with pytest.raises(RuntimeError, match=r"^teacher 'big': the prompt log-probs request of row 1 \(240 tokens\) "
+                                           r"failed"):
+        teacher.log_probs(ids, attention, loss)

@@ -13,17 +13,22 @@ engine servers sleep STEP_DELAY_S after each decode step (`SlowEngine`): the tin
 faster than the trainer trains, and pushes land inside an episode only when generating takes longer than a training
 step, as it does with real models.
 
-On-policy distillation runs (issue 33) share the session: its workers hold one teacher, "init" = the student's own
-starting weights (the tool task's model directory), which the other runs leave disabled. "distill_self" (sync, 1 step
+On-policy distillation runs (issue 33) share the session: it holds three teachers, all the student's own starting
+weights (the tool task's model directory): "init", colocated with the actor (TP2), "pooled", on a pool of its own
+("teach", 1 device, TP1, a `TeacherWorker` group), and "engine" (backend vllm: a vLLM engine on pool "teach_vllm");
+each distillation run enables one, the other runs none. "distill_self" (sync, 1 step
 from step 0: the teacher equals the policy) and, from the sync run's step-20 checkpoint (a student 20 GRPO steps away
 from the teacher), "distill_sync" (2 steps), "distill_one_step_off" (2), "distill_async" (3, max_staleness 1) and
-"distill_single_turn_async" (2, rollout.env=null: single-turn samples of the same prompts), all with
+"distill_single_turn_async" (2, rollout.env=null: single-turn samples of the same prompts; the only one scored by
+"pooled") and "distill_engine_sync" (2, sync, single-turn, scored by "engine"), all with
 distillation.task_reward_coef 0 (the advantage is the distillation one alone). Each step's batch after the distillation
 advantage is recorded (`record_distill_batches`: `<run>/distill_batches/step_N.pt`) for the test to recompute from.
 
 After the runs, the session's current weights are written as a HuggingFace directory (`TrainingSession.export_hf`,
 what `megarl quickstart --task tools` writes its SFT model with) to OUT_DIR/session_hf, and the last run's final
-checkpoint exported on its own (`megarl.checkpoint.export.export_hf`) to OUT_DIR/checkpoint_hf.
+checkpoint exported on its own (`megarl.checkpoint.export.export_hf`) to OUT_DIR/checkpoint_hf. runs.json's
+"_teacher_calls" holds each rank's pool, pid and teacher calls served, of the actor's pool and of "teach", and the
+requests the controller sent to "engine".
 
     python tests/e2e/multi_turn_runs.py OUT_DIR     # OUT_DIR/<run>/metrics.jsonl, runs.json, the two HF dirs
 """
@@ -43,19 +48,30 @@ ECHO = os.path.join(ROOT, "tests", "e2e", "echo_env.py") + ":echo_env"
 # turns; 0.3 s per call made them equal, and whether a push landed inside a batch depended on the machine's load)
 STEP_DELAY_S = 0.1
 TIS = ["algorithm.rollout_correction.tis=token"]
-NO_TEACHER = ["distillation.teachers.init.enabled=false"]
+TEACHERS = ("init", "pooled", "engine")
+
+
+def only(teacher=None) -> list[str]:
+    """Overrides that leave teacher `teacher` the only one enabled (None: none)."""
+    return [f"distillation.teachers.{t}.enabled=false" for t in TEACHERS if t != teacher]
+
+
+NO_TEACHER = only(None)
 # name -> (overrides, steps trained, starting checkpoint: "step0" or (run, step): its steps then continue from there)
 RUNS = {"sync": (["trainer.mode=sync", *NO_TEACHER], 20, "step0"),
         "async": (["trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=continue", *TIS, *NO_TEACHER], 5,
                   "step0"),
         "one_step_off": (["trainer.mode=one_step_off", *TIS, *NO_TEACHER], 3, "step0"),
-        "distill_self": (["trainer.mode=sync"], 1, "step0"),
-        "distill_sync": (["trainer.mode=sync"], 2, ("sync", 20)),
-        "distill_one_step_off": (["trainer.mode=one_step_off", *TIS], 2, ("sync", 20)),
-        "distill_async": (["trainer.mode=async", "trainer.max_staleness=1", *TIS], 3, ("sync", 20)),
-        # single-turn (no environment: one response per prompt, exact-match reward) in async mode
-        "distill_single_turn_async": (["trainer.mode=async", "trainer.max_staleness=1", *TIS, "rollout.env=null"], 2,
-                                      ("sync", 20))}
+        "distill_self": (["trainer.mode=sync", *only("init")], 1, "step0"),
+        "distill_sync": (["trainer.mode=sync", *only("init")], 2, ("sync", 20)),
+        "distill_one_step_off": (["trainer.mode=one_step_off", *TIS, *only("init")], 2, ("sync", 20)),
+        "distill_async": (["trainer.mode=async", "trainer.max_staleness=1", *TIS, *only("init")], 3, ("sync", 20)),
+        # single-turn (no environment: one response per prompt, exact-match reward) in async mode, scored by the
+        # teacher on a pool of its own
+        "distill_single_turn_async": (["trainer.mode=async", "trainer.max_staleness=1", *TIS, "rollout.env=null",
+                                       *only("pooled")], 2, ("sync", 20)),
+        # single-turn, sync, scored by the vLLM-served teacher (backend vllm) on its pool
+        "distill_engine_sync": (["trainer.mode=sync", "rollout.env=null", *only("engine")], 2, ("sync", 20))}
 DISTILL_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages", "old_log_probs", "rollout_log_probs",
                 "policy_version")
 
@@ -121,15 +137,24 @@ def main(out: str) -> None:
     raw = apply_overrides(yaml.safe_load(open(CONFIG)), [
         f"model.path={data['model']}", f"data.train_path={data['train']}", f"data.val_path={data['val']}",
         f"logging.dir={os.path.join(out, 'session')}", "logging.plots=false", "logging.progress=lines",
-        "resources.pools={train: {nodes: 1, devices_per_node: 2}, rollout: {nodes: 1, devices_per_node: 2}}",
+        "resources.pools={train: {nodes: 1, devices_per_node: 2}, rollout: {nodes: 1, devices_per_node: 2}, "
+        "teach: {nodes: 1, devices_per_node: 1}, teach_vllm: {nodes: 1, devices_per_node: 1}}",
         "actor.pool=train", "rollout.pool=rollout", "trainer.val_every=0", "data.prompts_per_step=8",
         "actor.mini_batch_prompts=null", f"rollout.env={ECHO}", "rollout.env_options={turns: 3}", "rollout.max_turns=3",
         "rollout.max_tokens_per_turn=8", "rollout.max_new_tokens=32", "rollout.max_prompt_tokens=160"])
-    # the teacher: the student's starting weights, TP2 as the actor (disabled by the runs without distillation)
-    raw["distillation"] = {"teachers": {"init": {"path": data["model"], "parallel": {"tp": 2},
-                                                    "micro_batch_samples": 32}}, "task_reward_coef": 0.0}
+    # the teachers, all the student's starting weights: "init" colocated with the actor, TP2 as the actor, "pooled"
+    # on a pool of its own ("teach", TP1), "engine" served by a vLLM engine on its pool ("teach_vllm"); each run
+    # enables one at most (the session's workers hold them all)
+    raw["distillation"] = {"teachers": {
+        "init": {"path": data["model"], "parallel": {"tp": 2}, "micro_batch_samples": 32},
+        "pooled": {"path": data["model"], "pool": "teach", "parallel": {"tp": 1}, "micro_batch_samples": 32,
+                   "data_source": "pooled"},
+        "engine": {"path": data["model"], "pool": "teach_vllm", "backend": "vllm", "parallel": {"tp": 1},
+                   "data_source": "engine"}}, "task_reward_coef": 0.0}
     record_distill_batches()
-    session = TrainingSession(validate(parse_config(raw, ["trainer.mode=sync"])))
+    # the session's own config enables every teacher, which the runs' multi-turn episodes refuse (several teachers
+    # route by data source): it is built without rollout.env, which its workers do not read (each run sets its own)
+    session = TrainingSession(validate(parse_config(raw, ["trainer.mode=sync", "rollout.env=null"])))
     report = {}
     try:
         first = session.start()
@@ -152,6 +177,10 @@ def main(out: str) -> None:
         exporting = time.monotonic()
         session.export_hf(os.path.join(out, "session_hf"))
         report["export_hf"] = {"seconds": time.monotonic() - exporting}
+        # where each teacher ran: every rank's pool, pid and teacher calls, on the actor's pool and on "teach"
+        report["_teacher_calls"] = {"actor_pool": session.workers.teacher_call_counts(),
+                                    "teacher_pool": session.role_groups["teacher/pooled"].teacher_call_counts(),
+                                    "engine_requests": session.engine_teachers["engine"].requests}
     finally:
         session.close()
     # the last run's final checkpoint, exported on its own: what the session's export must equal

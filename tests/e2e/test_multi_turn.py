@@ -1,7 +1,8 @@
-"""Multi-turn episodes with real engines (`tests/e2e/multi_turn_runs.py`: 4 worker processes, vLLM TP1 engines on a
-rollout pool, the tool task's random model with a byte-level BPE tokenizer and ChatML template, the echo environment
-from a user file). One session of ~30 s start-up, then 25 steps and 10 with a distillation teacher (~15 s); it cannot
-share the quickstart pool session (that tokenizer has no chat template to render observations with).
+"""Multi-turn episodes with real engines (`tests/e2e/multi_turn_runs.py`: 6 worker processes, vLLM TP1 engines on a
+rollout pool, two distillation teachers on pools of their own (Megatron, vLLM), the tool task's random model with a
+byte-level BPE tokenizer and ChatML template, the echo environment from a user file). One session of ~30 s start-up,
+then 25 steps and 12 with a distillation teacher (~20 s); it cannot share the quickstart pool session (that
+tokenizer has no chat template to render observations with).
 
 Every trajectory of every step is verified against the engine's tokens inside the run (`verify_trajectory`, on by
 default: the run would stop otherwise), so a passing run is itself the token-exactness check with real engines.
@@ -17,8 +18,9 @@ What the tests add, each from the engines' own numbers:
   weights being updated: float noise for the current version's, a real KL for the older one's -- so each turn's
   log-probs are those of the engine that sampled it.
 
-On-policy distillation through the real loop (issue 33; the same session, its teacher "init" = the student's starting
-weights, runs described in multi_turn_runs.py), from each step's recorded batch:
+On-policy distillation through the real loop (issue 33; the same session, its teachers "init" (colocated with the
+actor) and "pooled" (on a pool of its own) = the student's starting weights, runs described in multi_turn_runs.py),
+from each step's recorded batch:
 - teacher = policy (step 1 from step 0): the reverse KL and every advantage are 0 within float error, while the
   teacher's log-probs of the sampled tokens are real (< 0);
 - in sync, one_step_off and async (multi-turn), and single-turn async, from a student 20 GRPO steps away: the
@@ -26,7 +28,9 @@ weights, runs described in multi_turn_runs.py), from each step's recorded batch:
   batch's own token ids (so they are of the tokens the update trains on, row for row), `distill/reverse_kl/init`
   equals the mean of (old log-prob - that) over the loss mask and is > 0, the advantages are teacher - old on the loss
   mask, and the tokens off the loss mask (the prompt, padding, and the observation tokens inside an episode, which
-  the multi-turn runs have) get neither a teacher log-prob nor an advantage.
+  the multi-turn runs have) get neither a teacher log-prob nor an advantage; the single-turn run is scored by
+  "pooled", and each rank's count of the teacher calls it served shows "pooled" ran on its pool's worker only and
+  "init" on the actor's.
 
 Agents (issue 32), on the same session:
 - an agent written against the openai client (`rollout.env: agent:...`, two sampled answers through the endpoint)
@@ -47,7 +51,15 @@ import pytest
 
 from tests.e2e.conftest import ROOT, read_rows
 
-DISTILL_RUNS = ("distill_sync", "distill_one_step_off", "distill_async", "distill_single_turn_async")
+DISTILL_RUNS = ("distill_sync", "distill_one_step_off", "distill_async", "distill_single_turn_async",
+                "distill_engine_sync")
+# the teacher each distillation run enables ("pooled": on a pool of its own; "engine": served by a vLLM engine on its
+# pool) and the steps it trains
+DISTILL_TEACHER = {"distill_self": "init", "distill_sync": "init", "distill_one_step_off": "init",
+                   "distill_async": "init", "distill_single_turn_async": "pooled", "distill_engine_sync": "engine"}
+STEPS = {"distill_self": 1, "distill_sync": 2, "distill_one_step_off": 2, "distill_async": 3,
+         "distill_single_turn_async": 2, "distill_engine_sync": 2}
+SINGLE_TURN = ("distill_single_turn_async", "distill_engine_sync")
 # fp32 Megatron TP2 vs transformers on this model: the log-prob error is float summation order (~1e-6, measured in
 # tests/distributed/test_teacher.py); a misaligned or wrong-row teacher log-prob is off by > 0.1
 TEACHER_ATOL = 1e-4
@@ -180,28 +192,57 @@ def test_teacher_scores_the_trained_tokens_in_every_mode(runs, run):
     rows, batches = runs[run], _distill_batches(runs, run)
     assert len(batches) == len(rows) >= 2
     model_dir = json.load(open(runs["_out"] / "runs.json"))["_teacher"]
+    name = DISTILL_TEACHER[run]
     for row, batch in zip(rows, batches):
         mask = batch["loss_mask"].bool()
-        teacher, old, adv = batch["teacher_log_probs"]["init"], batch["old_log_probs"], batch["advantages"]
+        assert sorted(batch["teacher_log_probs"]) == [name]
+        teacher, old, adv = batch["teacher_log_probs"][name], batch["old_log_probs"], batch["advantages"]
         expected = _transformers_log_probs(model_dir, batch["input_ids"], batch["attention_mask"])
         assert float((teacher - expected)[mask].abs().max()) < TEACHER_ATOL, run
         reverse_kl = float((old - expected)[mask].mean())
-        assert row["distill/reverse_kl/init"] == pytest.approx(reverse_kl, abs=TEACHER_ATOL)
+        assert row[f"distill/reverse_kl/{name}"] == pytest.approx(reverse_kl, abs=TEACHER_ATOL)
         assert reverse_kl > 0.01  # a student 20 steps away from its starting weights
         assert torch.allclose(adv[mask], (expected - old)[mask], atol=TEACHER_ATOL)
         # observation tokens: inside the episode (after its first sampled token), not sampled by the student
         first = mask.float().argmax(dim=1, keepdim=True)
         inside = (torch.arange(mask.shape[1])[None] > first) & batch["attention_mask"].bool()
         observation = inside & ~mask
-        if run == "distill_single_turn_async":
+        if run in SINGLE_TURN:
             assert int(observation.sum()) == 0  # one response per row: every token after its first one is sampled
         else:
             assert int(observation.sum()) > 0  # the echo environment's messages between turns
         # off the loss mask (prompt, observations, padding) the teacher scores nothing and nothing is trained
         assert float(teacher[~mask].abs().sum()) == 0.0
         assert float(adv[~mask].abs().sum()) == 0.0
-    if run != "distill_sync":  # the modes that train on a batch sampled one version behind
+    if run not in ("distill_sync", "distill_engine_sync"):  # the modes that train on a batch sampled one version behind
         assert max(r["async/staleness_max"] for r in rows) == 1.0
+
+
+def test_each_teacher_ran_on_its_own_pools_workers(runs_dir):
+    """The teacher on a pool of its own ("pooled", pool "teach") was served by that pool's worker, once per step of
+    the one run it scores, and never by the actor's pool; the colocated one ("init") by every actor-pool rank, once
+    per step of its runs, and never on "teach" (each rank's own count of the calls it served)."""
+    calls = json.load(open(runs_dir / "runs.json"))["_teacher_calls"]
+    actor_pool, teacher_pool = calls["actor_pool"], calls["teacher_pool"]
+    steps = {"init": sum(STEPS[r] for r, t in DISTILL_TEACHER.items() if t == "init"),
+             "pooled": sum(STEPS[r] for r, t in DISTILL_TEACHER.items() if t == "pooled")}
+    assert steps == {"init": 8, "pooled": 2}
+    assert [(r["pool"], r["calls"]) for r in actor_pool] == [("train", {"init": steps["init"]})] * 2
+    assert [(r["pool"], r["calls"]) for r in teacher_pool] == [("teach", {"pooled": steps["pooled"]})]
+    assert not {r["pid"] for r in teacher_pool} & {r["pid"] for r in actor_pool}
+
+
+def test_the_vllm_teacher_was_asked_once_per_sampled_row(runs):
+    """The vLLM-served teacher ("engine", backend vllm) got one prompt log-probs request per row with sampled tokens
+    of the batches of the one run it scores (counted by the controller's `EngineTeacher`), and no Megatron rank
+    served it."""
+    import torch
+
+    calls = json.load(open(runs["_out"] / "runs.json"))["_teacher_calls"]
+    rows = sum(int(b["loss_mask"].bool().any(dim=1).sum()) for b in _distill_batches(runs, "distill_engine_sync"))
+    assert rows >= 2 * 64 - 2 and calls["engine_requests"] == rows
+    assert all("engine" not in r["calls"] for r in calls["actor_pool"] + calls["teacher_pool"])
+    assert torch.is_tensor(_distill_batches(runs, "distill_engine_sync")[0]["teacher_log_probs"]["engine"])
 
 
 # ---------------------------------------------------------------------------------------------------- agents

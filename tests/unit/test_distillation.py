@@ -136,11 +136,16 @@ def test_a_teacher_is_placed_on_the_actors_pool_with_its_layout_resolved(tmp_pat
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["distillation.teachers.big.pool=other"], r"^distillation.teachers.big.pool: 'other': a teacher on a pool of "
-                                               r"its own is not supported yet"),
+    (["distillation.teachers.big.pool=other"], r"^distillation.teachers.big.pool: unknown pool 'other'"),
+    (["resources.pools.own={nodes: 1, devices_per_node: 2}", "rollout.pool=own", "distillation.teachers.big.pool=own"],
+     r"^distillation.teachers.big.pool: pool 'own' also hosts the rollout engines \(rollout.pool\)"),
+    (["resources.pools.own={nodes: 1, devices_per_node: 2}", "reference.pool=own",
+      "distillation.teachers.big.pool=own"], r"^distillation.teachers.big.pool: pool 'own' also hosts the "
+                                             r"reference"),
     (["distillation.top_k=8"], r"^distillation.top_k=8: the top-k forward KL is not supported yet"),
     (["distillation.teachers.big.parallel.tp=3"], r"^distillation.teachers.big.parallel: tp\*pp\*cp = 3\*1\*1"),
-    (["distillation.teachers.small.parallel.tp=2"], r"^distillation.teachers: every teacher must have the same tp"),
+    (["distillation.teachers.small.parallel.tp=2"], r"^distillation.teachers: every teacher on pool 'default' must "
+                                                    r"have the same tp"),
     (["distillation.teachers.small.parallel.tp=1"], r"^distillation.teachers: with several teachers each needs a "
                                                     r"data_source"),
     (["distillation.teachers.small.parallel.tp=1", "distillation.teachers.small.data_source=math",
@@ -156,6 +161,93 @@ def test_bad_teacher_configs_are_refused_naming_the_key(tmp_path, overrides, mat
         _cfg(tmp_path, f"distillation.teachers.big.path={path}", *small, *overrides)
 
 
+def test_a_teacher_on_a_pool_of_its_own_is_placed_and_counted_there(tmp_path):
+    """Placement rows of the teacher on its own pool's global ranks (after the actor's pool's 2), at its layout; the
+    --dry-run memory counts its weights on that pool, not on the actor's (against N counted by transformers)."""
+    from megarl.cli import dry_run_report
+    from megarl.config.memory import job_memory_estimate
+    from megarl.config.placement import placement
+
+    path = _teacher_dir(tmp_path / "t")
+    own = ["resources.pools.teach={nodes: 1, devices_per_node: 2}", "distillation.teachers.big.pool=teach",
+           "distillation.teachers.big.parallel.tp=2", "reference.enabled=false", "algorithm.kl.coef=0"]
+    cfg = _cfg(tmp_path, f"distillation.teachers.big.path={path}", *own)
+    colocated = _cfg(tmp_path, f"distillation.teachers.big.path={path}", *own[2:])
+    layers = {"actor": 2, "teacher/big": 2}
+    rows = [r for r in placement(cfg, layers, "cpu") if r.role == "teacher/big"]
+    assert [(r.rank, r.tp, r.dp) for r in rows] == [(2, 0, 0), (3, 1, 0)]
+    assert [(r.rank, r.tp) for r in placement(colocated, layers, "cpu") if r.role == "teacher/big"] == [(0, 0), (1, 1)]
+    # the actor's pool no longer holds the teacher's shard
+    from transformers import AutoModelForCausalLM
+
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())  # N, by transformers
+    shard = n * 4 // 2  # fp32 / tp 2
+    assert job_memory_estimate(colocated, None).other_roles_bytes - job_memory_estimate(cfg, None).other_roles_bytes \
+        == shard
+    report = dry_run_report(cfg)
+    assert "# memory per GPU of the teachers' pool 'teach'" in report
+    assert f"{shard / 1e6:9.2f} MB" in report.split("# memory per GPU of the teachers' pool")[1].split("\n")[1]
+    # teachers on different pools may have different layouts: a colocated TP1 (dp 2) beside the TP2 one
+    both = _cfg(tmp_path, f"distillation.teachers.big.path={path}", *own, f"distillation.teachers.small.path={path}",
+                "distillation.teachers.small.data_source=math")
+    assert both.distillation.teachers["small"].parallel.dp == 2
+    assert [(r.rank, r.dp) for r in placement(both, {**layers, "teacher/small": 2}, "cpu")
+            if r.role == "teacher/small"] == [(0, 0), (1, 1)]
+
+
+def test_a_vllm_teacher_gets_engines_on_its_own_pool(tmp_path):
+    """backend vllm: one engine per tp devices of its pool in the placement (engine rows: the whole model, dp = the
+    engine index), none of its weights on the actor's pool, the dry run's pool section naming the vLLM share."""
+    from megarl.cli import dry_run_report
+    from megarl.config.placement import placement
+    from megarl.roles.teacher import engine_teachers, teacher_pools
+
+    path = _teacher_dir(tmp_path / "t")
+    cfg = _cfg(tmp_path, f"distillation.teachers.big.path={path}", "distillation.teachers.big.backend=vllm",
+               "resources.pools.teach={nodes: 1, devices_per_node: 2}", "distillation.teachers.big.pool=teach",
+               "distillation.teachers.big.parallel.tp=1")
+    assert engine_teachers(cfg) == ["big"] and teacher_pools(cfg) == {}  # no Megatron teacher to build anywhere
+    rows = [r for r in placement(cfg, {"actor": 2, "reference": 2}, "cpu") if r.role == "teacher/big"]
+    assert [(r.rank, r.tp, r.dp, r.layers) for r in rows] == [(2, 0, 0, None), (3, 0, 1, None)]
+    report = dry_run_report(cfg)
+    assert "teacher/big  2     0     cpu     0   -   0   -   all (engine 0)" in report
+    assert "vLLM engine" in report.split("# memory per GPU of the teachers' pool 'teach'")[1]
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ([], r"^distillation.teachers.big.backend: vllm runs the teacher on engines of their own: set "
+         r"distillation.teachers.big.pool"),
+    (["distillation.teachers.big.pool=teach", "distillation.teachers.big.parallel.pp=2"],
+     r"^distillation.teachers.big.parallel: backend vllm takes tp only"),
+    (["distillation.teachers.big.pool=teach", "distillation.teachers.small.pool=teach",
+      "distillation.teachers.small.data_source=math"], r"^distillation.teachers.big.pool: pool 'teach' also hosts "
+                                                       r"the teacher\(s\) \['small'\]"),
+])
+def test_bad_vllm_teacher_configs_are_refused_naming_the_key(tmp_path, overrides, match):
+    from megarl.config import ConfigError
+
+    path = _teacher_dir(tmp_path / "t")
+    small = [f"distillation.teachers.small.path={path}"] if any("small" in o for o in overrides) else []
+    with pytest.raises(ConfigError, match=match):
+        _cfg(tmp_path, f"distillation.teachers.big.path={path}", "distillation.teachers.big.backend=vllm",
+             "resources.pools.teach={nodes: 1, devices_per_node: 2}", *small, *overrides)
+
+
+def test_a_vllm_teacher_from_a_megatron_checkpoint_is_refused(tmp_path):
+    import json
+
+    from megarl.config import ConfigError
+    from megarl.config.validate import MEGATRON_CHECKPOINT_META
+
+    ckpt = tmp_path / "step_000001" / "actor"
+    ckpt.mkdir(parents=True)
+    (ckpt / MEGATRON_CHECKPOINT_META).write_text(json.dumps({"hf_config": {}}))
+    with pytest.raises(ConfigError, match=r"^distillation.teachers.big.path: .* is a Megatron checkpoint; vLLM reads "
+                                          r"an HF directory"):
+        _cfg(tmp_path, f"distillation.teachers.big.path={ckpt}", "distillation.teachers.big.backend=vllm",
+             "resources.pools.teach={nodes: 1, devices_per_node: 2}", "distillation.teachers.big.pool=teach")
+
+
 def test_a_teacher_without_a_config_json_is_named(tmp_path):
     from megarl.config import ConfigError
 
@@ -168,6 +260,7 @@ def test_the_distillation_keys_are_documented():
     every key of the section."""
     text = (ROOT / "docs" / "config.md").read_text()
     for key in ("distillation.teachers.<name>.path", "distillation.teachers.<name>.data_source",
+                "distillation.teachers.<name>.pool", "distillation.teachers.<name>.backend",
                 "distillation.coef", "distillation.task_reward_coef", "distillation.top_k"):
         assert f"`{key}`" in text, key
 
