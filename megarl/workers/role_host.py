@@ -48,10 +48,10 @@ OLD_FORWARD_OPTIONAL = (*FORWARD_OPTIONAL, "rollout_log_probs", "policy_version"
 # advantages (absent only for an SFT loss); old_log_probs (absent: the update takes them from its own forward);
 # (old and ref log-probs may instead be kept on the ranks: `kept=`); ref_log_probs with KL in the loss;
 # rollout_log_probs with rollout correction (or the fused path's mismatch);
-# routed_experts with router replay
+# routed_experts with router replay; teacher_top_k_ids / teacher_top_k_log_probs with distillation.top_k
 # (or, one number per sequence, sequence_advantages [B]: expanded over the loss mask on the ranks, `per_sequence=`)
 UPDATE_ACTOR_OPTIONAL = (*MASKS, "advantages", "sequence_advantages", "old_log_probs", "ref_log_probs",
-                         "rollout_log_probs", "routed_experts")
+                         "rollout_log_probs", "routed_experts", "teacher_top_k_ids", "teacher_top_k_log_probs")
 
 
 class RoleHost:
@@ -248,15 +248,17 @@ class RoleHost:
 
     @dispatch(Dispatch.DP_SPLIT, replica_attr="teacher_dp", reads=TOKENS, optional_reads=MASKS)
     def compute_teacher_log_probs(self, batch: Batch, teacher: str, keep: Optional[str] = None,
-                                  fetch: Optional[Sequence[str]] = None) -> Optional[Batch]:
+                                  fetch: Optional[Sequence[str]] = None, top_k: int = 0) -> Optional[Batch]:
         """As `compute_ref_log_probs`, with teacher `teacher` (a name of distillation.teachers): its log_probs
         [b, S] float32 of each of this share's response tokens (0 elsewhere) on its last stage; None elsewhere. The
-        teacher is offloaded afterwards per its config. `keep`, `fetch` as in `compute_log_probs`."""
+        teacher is offloaded afterwards per its config. `keep`, `fetch` as in `compute_log_probs`. `top_k` > 0
+        (distillation.top_k): also its top-k distribution at each response token, top_k_ids [b, S, k] int64 and
+        top_k_log_probs [b, S, k] float32 (`Actor.compute_log_probs`)."""
         if teacher not in self.teachers:
             raise KeyError(f"no teacher {teacher!r} in this worker group (teachers: {sorted(self.teachers)})")
         role, policy = self.teachers[teacher], self.offload[f"teacher/{teacher}"]
         policy.before_use()
-        out = role.compute_log_probs(batch, with_entropy=False, share=True)
+        out = role.compute_log_probs(batch, with_entropy=False, share=True, top_k=top_k)
         if policy.after_use():
             self.events.append(("offload", f"teacher/{teacher}", tuple(role.engine.offloaded)))
         return self._answer(batch, out, keep, fetch)
