@@ -156,6 +156,12 @@ class RoleHost:
         them to the update only then, or on the fused path)."""
         return bool(self._role("actor").loss.corrects_rollout)
 
+    @dispatch(Dispatch.RANK_ZERO)
+    def actor_top_k_kl_coef(self) -> float:
+        """The weight of the top-k forward KL to a teacher in the actor's loss as built (0.0: no such term; its
+        update then reads no teacher_top_k_* keys)."""
+        return float(self._role("actor").loss.top_k_kl_coef)
+
     def actor_mini_batch_samples(self) -> Optional[int]:
         """The actor's global mini-batch size in samples (None = the whole batch): how the controller cuts
         `update_actor`'s batch (DP_SPLIT_MINI_BATCHES)."""

@@ -76,7 +76,7 @@ def record_distill_batches() -> None:
         os.makedirs(out, exist_ok=True)
         n = len(os.listdir(out)) + 1
         torch.save({**{k: batch.tensors[k].clone() for k in DISTILL_KEYS if k in batch.tensors},
-                    "teacher_log_probs": {k: v.clone() for k, v in teacher_log_probs.items()},
+                    "teacher_log_probs": {k: v.tensors["log_probs"].clone() for k, v in teacher_log_probs.items()},
                     "metrics": dict(metrics)}, os.path.join(out, f"step_{n}.pt"))
         return metrics
 
