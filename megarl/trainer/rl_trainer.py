@@ -121,7 +121,8 @@ class RLLoop:
         self.teachers = [name for name, t in cfg.distillation.teachers.items() if t.enabled]
         self.update_reads_rollout_log_probs = update_reads_rollout_log_probs(cfg)
         self._actor_corrects_rollout: Optional[bool] = None  # asked of the actor's ranks on first use
-        self._actor_top_k_checked = False  # the actor's top-k forward KL weight, checked on the first step
+        d = cfg.distillation  # the top-k forward KL's weight in the actor's loss, sent with each update
+        self.top_k_kl_coef = d.top_k_coef if d.enabled and d.top_k else 0.0
         self.skip_streak: dict[str, int] = {}  # role -> optimizer steps skipped in a row (non-finite loss/grad norm)
         self.next_step = 0  # 0 until `start`; then the step `run_step` runs next
         self.last_saved: Optional[int] = None  # the last step checkpointed by this process
@@ -350,7 +351,6 @@ class RLLoop:
                         ref = self.role_groups["reference"].compute_ref_log_probs(batch, fetch=("log_probs",))
                         batch.tensors["ref_log_probs"] = ref.tensors["log_probs"]
             teacher_log_probs: dict[str, Batch] = {}
-            self._check_actor_top_k_term()
             if self.teachers:  # the controller forms the advantages from them: [B, S] float32 each come up
                 top_k = self.cfg.distillation.top_k  # and the top-k distributions [B, S, k], for the actor's loss
                 fetch_teacher = ("log_probs", "top_k_ids", "top_k_log_probs") if top_k else ("log_probs",)
@@ -385,8 +385,8 @@ class RLLoop:
                     metrics.update({f"critic/{k}": v for k, v in
                                     critic.update_critic(critic_batch, kept=kept_critic or None).items()})
             with _timer(t, "update_actor"):
-                for k, v in self.workers.update_actor(actor_batch, kept=kept_actor or None,
-                                                          per_sequence=per_sequence).items():
+                for k, v in self.workers.update_actor(actor_batch, kept=kept_actor or None, per_sequence=per_sequence,
+                                                          top_k_kl_coef=self.top_k_kl_coef).items():
                     metrics[f"mismatch/{k[len('mismatch_'):]}" if k.startswith("mismatch_") else f"actor/{k}"] = v
             if pending is not None:
                 with _timer(t, "update_critic_wait"):
@@ -440,22 +440,6 @@ class RLLoop:
             calls += [(self.role_groups["critic"], "compute_values"), (self.role_groups["critic"], "update_critic")]
         calls.append((self.workers, "update_actor"))
         return calls
-
-    def _check_actor_top_k_term(self) -> None:
-        """With distillation.top_k > 0: refuse (once, on the first step) an actor whose loss was built with another
-        top-k forward KL weight than distillation.top_k_coef. A session reused for another run keeps its workers'
-        loss settings: the term would silently be missing. (The other way round, an actor built with the term fails
-        its update naming the teacher_top_k_* keys no step sends.)"""
-        d = self.cfg.distillation
-        if self._actor_top_k_checked or not (d.enabled and d.top_k):
-            return
-        want = d.top_k_coef
-        built = float(self.workers.actor_top_k_kl_coef())
-        if built != want:
-            raise RuntimeError(f"the actor's loss was built with a top-k forward KL weight of {built}, but this run's "
-                               f"config asks for {want} (distillation.top_k={d.top_k}, top_k_coef={d.top_k_coef}): "
-                               "start new workers for this run, or use the distillation settings they were built with")
-        self._actor_top_k_checked = True
 
     def _update_reads_rollout(self) -> bool:
         """Whether the actor's update reads rollout_log_probs: by this config (`update_reads_rollout_log_probs`) or by

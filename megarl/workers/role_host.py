@@ -18,6 +18,7 @@ roles' collectives need all ranks.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 from typing import Any, Callable, Optional, Sequence
@@ -156,12 +157,6 @@ class RoleHost:
         them to the update only then, or on the fused path)."""
         return bool(self._role("actor").loss.corrects_rollout)
 
-    @dispatch(Dispatch.RANK_ZERO)
-    def actor_top_k_kl_coef(self) -> float:
-        """The weight of the top-k forward KL to a teacher in the actor's loss as built (0.0: no such term; its
-        update then reads no teacher_top_k_* keys)."""
-        return float(self._role("actor").loss.top_k_kl_coef)
-
     def actor_mini_batch_samples(self) -> Optional[int]:
         """The actor's global mini-batch size in samples (None = the whole batch): how the controller cuts
         `update_actor`'s batch (DP_SPLIT_MINI_BATCHES)."""
@@ -287,7 +282,7 @@ class RoleHost:
     @dispatch(Dispatch.DP_SPLIT_MINI_BATCHES, replica_attr="actor_dp", mini_batch_attr="actor_mini_batch_samples",
               reads=TOKENS, optional_reads=UPDATE_ACTOR_OPTIONAL)
     def update_actor(self, batch: Batch, kept: Optional[dict[str, tuple[str, str]]] = None,
-                     per_sequence: Optional[str] = None) -> dict[str, float]:
+                     per_sequence: Optional[str] = None, top_k_kl_coef: Optional[float] = None) -> dict[str, float]:
         """PPO/GSPO update of the actor over mini- and micro-batches (`actor.update`).
 
         `batch`: this actor DP rank's part of every mini-batch of the step's batch, concatenated in mini-batch
@@ -302,11 +297,15 @@ class RoleHost:
         `per_sequence`: the batch carries sequence_advantages [b] float32 instead of advantages (score-based
         estimators: one number per sequence), expanded here over its loss mask as this expansion
         (`megarl.algorithms.advantages.expand_per_sequence`; bit-identical to the controller's [b, S]).
+        `top_k_kl_coef`: this update's weight of the top-k forward KL to the teachers (the run's
+        distillation.top_k_coef with distillation.top_k, else 0.0; the batch then carries teacher_top_k_ids and
+        teacher_top_k_log_probs [b, S, k]); None: the actor's loss as built. A session's workers outlive a run: the
+        run's config decides the term, as it decides the advantages.
         """
         batch = self._with_kept(batch, kept, "update_actor", "actor")
         if per_sequence is not None:
             batch = _expand_sequence_advantages(batch, per_sequence)
-        metrics = self._use_keep("actor", lambda r: r.update(batch, share=True))
+        metrics = self._use_keep("actor", lambda r: _update_with_top_k_coef(r, batch, top_k_kl_coef))
         self.events.append(("update", "actor"))
         self._offload("actor", self.offload["actor"].after_update)
         return metrics
@@ -400,3 +399,16 @@ def _expand_sequence_advantages(batch: Batch, expansion: str) -> Batch:
     tensors = {k: v for k, v in batch.tensors.items() if k != "sequence_advantages"}
     tensors["advantages"] = expand_per_sequence(batch["sequence_advantages"], batch["loss_mask"], expansion)
     return Batch(tensors, dict(batch.meta))
+
+
+def _update_with_top_k_coef(actor, batch: Batch, top_k_kl_coef: Optional[float]) -> dict[str, float]:
+    """`actor.update(batch, share=True)` with its loss's top-k forward KL weight set to `top_k_kl_coef` for this call
+    (None: as built)."""
+    built = actor.loss
+    if top_k_kl_coef is None or top_k_kl_coef == built.top_k_kl_coef:
+        return actor.update(batch, share=True)
+    actor.loss = dataclasses.replace(built, top_k_kl_coef=float(top_k_kl_coef))
+    try:
+        return actor.update(batch, share=True)
+    finally:
+        actor.loss = built

@@ -18,7 +18,9 @@ starting weights (the tool task's model directory), which the other runs leave d
 from step 0: the teacher equals the policy) and, from the sync run's step-20 checkpoint (a student 20 GRPO steps away
 from the teacher), "distill_sync" (2 steps), "distill_one_step_off" (2), "distill_async" (3, max_staleness 1) and
 "distill_single_turn_async" (2, rollout.env=null: single-turn samples of the same prompts), all with
-distillation.task_reward_coef 0 (the advantage is the distillation one alone). Each step's batch after the distillation
+distillation.task_reward_coef 0 (the advantage is the distillation one alone); "distill_top_k" (sync, 1 step from the
+step-20 checkpoint, distillation.top_k=4: the top-k forward KL term in the actor's loss too, the weights of that
+checkpoint exported to OUT_DIR/student20_hf for the test's dense computation). Each step's batch after the distillation
 advantage is recorded (`record_distill_batches`: `<run>/distill_batches/step_N.pt`) for the test to recompute from.
 
 After the runs, the session's current weights are written as a HuggingFace directory (`TrainingSession.export_hf`,
@@ -51,13 +53,15 @@ RUNS = {"sync": (["trainer.mode=sync", *NO_TEACHER], 20, "step0"),
         "one_step_off": (["trainer.mode=one_step_off", *TIS, *NO_TEACHER], 3, "step0"),
         "distill_self": (["trainer.mode=sync"], 1, "step0"),
         "distill_sync": (["trainer.mode=sync"], 2, ("sync", 20)),
+        # plus the top-k forward KL term (distillation.top_k=4) in the actor's loss: one step
+        "distill_top_k": (["trainer.mode=sync", "distillation.top_k=4"], 1, ("sync", 20)),
         "distill_one_step_off": (["trainer.mode=one_step_off", *TIS], 2, ("sync", 20)),
         "distill_async": (["trainer.mode=async", "trainer.max_staleness=1", *TIS], 3, ("sync", 20)),
         # single-turn (no environment: one response per prompt, exact-match reward) in async mode
         "distill_single_turn_async": (["trainer.mode=async", "trainer.max_staleness=1", *TIS, "rollout.env=null"], 2,
                                       ("sync", 20))}
 DISTILL_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages", "old_log_probs", "rollout_log_probs",
-                "policy_version")
+                "policy_version", "teacher_top_k_ids", "teacher_top_k_log_probs")
 
 
 def record_distill_batches() -> None:
@@ -160,6 +164,7 @@ def main(out: str) -> None:
     last, (_, steps, start) = list(RUNS.items())[-1]
     final_step = steps + (0 if start == "step0" else start[1])
     export_hf(os.path.join(out, last, "ckpt", f"step_{final_step:06d}"), os.path.join(out, "checkpoint_hf"))
+    export_hf(checkpointing.step_dir(os.path.join(out, "sync", "ckpt"), 20), os.path.join(out, "student20_hf"))
     report["_teacher"] = data["model"]
     with open(os.path.join(out, "runs.json"), "w") as f:
         json.dump(report, f, indent=1)

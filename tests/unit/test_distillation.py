@@ -353,27 +353,3 @@ def test_with_dynamic_sampling_each_sample_takes_the_source_of_the_round_that_dr
     assert sources == [f"k{s.prompt_ids[0]}p{s.prompt_ids[1]}" for s in samples]
     assert {s.prompt_ids[0] for s in samples} == {0, 1, 2}  # groups from every round: a renumbering is exercised
 
-
-def test_an_actor_built_without_the_top_k_term_is_refused_for_a_run_that_asks_for_it():
-    """`RLLoop._check_actor_top_k_term`: a reused session's actor keeps the loss it was built with; a run asking for
-    distillation.top_k with another weight is refused naming both, once checked it is not asked again, and a run
-    without top_k does not ask."""
-    from megarl.config.schema import DistillationConfig, TeacherConfig
-    from megarl.trainer.rl_trainer import RLLoop
-
-    asked = []
-
-    def loop(top_k, built):
-        d = DistillationConfig(teachers={"t": TeacherConfig(path="x")}, top_k=top_k, top_k_coef=0.5)
-        workers = types.SimpleNamespace(actor_top_k_kl_coef=lambda: asked.append(built) or built)
-        return types.SimpleNamespace(cfg=types.SimpleNamespace(distillation=d), workers=workers,
-                                     _actor_top_k_checked=False)
-
-    with pytest.raises(RuntimeError, match=r"built with a top-k forward KL weight of 0.0, but this run's config asks "
-                                           r"for 0.5 \(distillation.top_k=4"):
-        RLLoop._check_actor_top_k_term(loop(4, 0.0))
-    ok = loop(4, 0.5)
-    RLLoop._check_actor_top_k_term(ok)
-    RLLoop._check_actor_top_k_term(ok)
-    RLLoop._check_actor_top_k_term(loop(0, 0.0))
-    assert asked == [0.0, 0.5]
