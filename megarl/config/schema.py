@@ -856,8 +856,14 @@ class DistillationConfig:
         "added to the distillation advantage; 0 = pure distillation.", min=0,
     )
     top_k: int = opt(
-        0, "Top-k forward KL against the teacher's top-k distribution; 0 = off (the only value supported so far).",
-        unit="tokens", min=0,
+        0, "Tokens of the teacher's top-k distribution for the top-k forward KL loss term: at each sampled token, "
+        "sum over the teacher's k most likely tokens of p_teacher * (log p_teacher - log p_student), not "
+        "renormalised, added to the actor's loss with weight top_k_coef (docs/distillation.md); 0 = off (only the "
+        "reverse-KL advantage).", unit="tokens", min=0,
+    )
+    top_k_coef: float = opt(
+        1.0, "Weight of the top-k forward KL term in the actor's loss (aggregated as the policy loss, "
+        "algorithm.loss_agg); read only with top_k > 0.", min=0,
     )
     data_source_key: str = opt(
         "data_source", "Dataset column naming each prompt's data source (routes samples to teachers by their "

@@ -692,6 +692,10 @@ def _check_engine_teacher(cfg: JobConfig, key: str, t, pool: str, teachers: dict
     if others:
         raise ConfigError(f"{key}.pool: pool {pool!r} also hosts the teacher(s) {others}; a vLLM teacher's engines "
                           "need a pool of their own")
+    if cfg.distillation.top_k:
+        raise ConfigError(f"distillation.top_k={cfg.distillation.top_k}: {key} is vLLM-served (backend: vllm), which "
+                          "gives the log-probs of the sampled tokens only, not a top-k distribution; use top_k: 0 or "
+                          "backend: megatron for this teacher")
     if t.parallel.pp != 1 or t.parallel.cp != 1:
         raise ConfigError(f"{key}.parallel: backend vllm takes tp only (one engine per tp devices of the pool); got "
                           f"pp={t.parallel.pp} cp={t.parallel.cp}")
@@ -700,14 +704,11 @@ def _check_engine_teacher(cfg: JobConfig, key: str, t, pool: str, teachers: dict
 def _check_distillation(cfg: JobConfig) -> DistillationConfig:
     """Each enabled teacher: on the actor's pool or a pool of the teachers' own (`_check_teacher_pool`), a valid
     layout of its own model there (dp resolved, micro-batches defaulted), the teachers of one pool on one layout
-    (their DP split there is one), the sequence length within the teacher's
-    positions, data sources that route every sample. (The tokenizers are compared at start-up:
+    (their DP split there is one), the sequence length within the teacher's positions, top_k within the teacher's
+    vocabulary, data sources that route every sample. (The tokenizers are compared at start-up:
     `megarl.roles.teacher.check_teacher_tokenizers`; a model's vocab_size may be padded beyond its tokenizer's, so it
     is not compared.) Returns the resolved section."""
     d = cfg.distillation
-    if d.top_k:
-        raise ConfigError(f"distillation.top_k={d.top_k}: the top-k forward KL is not supported yet; use 0 (the "
-                          "sampled-token reverse KL)")
     teachers = {name: t for name, t in d.teachers.items() if t.enabled}
     if not teachers:
         return d
@@ -731,6 +732,9 @@ def _check_distillation(cfg: JobConfig) -> DistillationConfig:
         if longest > arch.max_position_embeddings:
             raise ConfigError(f"{key}.path: rollout.max_prompt_tokens + max_new_tokens = {longest} exceeds the "
                               f"teacher's max_position_embeddings={arch.max_position_embeddings}")
+        if d.top_k > arch.vocab_size:
+            raise ConfigError(f"distillation.top_k={d.top_k} exceeds the vocab_size of teacher {name!r}, "
+                              f"{arch.vocab_size}; use at most the vocabulary size")
         layouts.setdefault(pool, {})[name] = (t.backend, parallel.tp, parallel.pp, parallel.cp, parallel.dp)
         resolved[name] = t
     for pool, on_pool in layouts.items():
@@ -742,12 +746,6 @@ def _check_distillation(cfg: JobConfig) -> DistillationConfig:
         if sum(t.data_source is None for t in teachers.values()) > 1:
             raise ConfigError("distillation.teachers: with several teachers each needs a data_source, except at most "
                               "one (it takes the samples no other claims)")
-        if cfg.rollout.env is not None:
-            raise ConfigError("distillation.teachers: several teachers with rollout.env (multi-turn episodes) are "
-                              "not supported yet (samples are routed by their prompt's data source); use one teacher")
-        if cfg.algorithm.dynamic_sampling.enabled:
-            raise ConfigError("distillation.teachers: several teachers with algorithm.dynamic_sampling are not "
-                              "supported yet (its later rounds' prompts are not routed); use one teacher")
     if cfg.algorithm.router_replay != "none":
         raise ConfigError("distillation.teachers: with algorithm.router_replay is not supported yet")
     return dataclasses.replace(d, teachers=resolved)

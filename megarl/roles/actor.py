@@ -26,7 +26,9 @@ Actor.update(batch) -> dict of floats (every rank)
     Returned metrics: loss, pg_loss, clip_frac, approx_kl, entropy, kl (when used) — token means over the
     update; grad_norm (mean over steps), lr (last), tokens, tokens_per_s, time_s, optimizer_steps; with a rollout
     correction also rollout_tis_weight_mean, rollout_tis_clip_frac (over the tokens in the loss) and
-    rollout_masked_token_frac (loss-mask tokens excluded by the correction / loss-mask tokens).
+    rollout_masked_token_frac (loss-mask tokens excluded by the correction / loss-mask tokens); with the top-k
+    forward KL to a teacher (`PolicyLossSettings.top_k_kl_coef`) distill_top_k_kl, its token mean (nats), the term
+    top_k_kl_coef x that mean (aggregated as the policy loss) being added to the loss.
 
 Reference: a frozen Actor (no optimizer, no gradients), same or different layout; compute_log_probs only.
 """
@@ -46,6 +48,11 @@ from megarl.algorithms import (
     vocab_parallel_log_probs,
 )
 from megarl.algorithms import kl as kl_per_token
+from megarl.algorithms.distillation import (
+    top_k_forward_kl,
+    vocab_parallel_log_probs_of_ids,
+    vocab_parallel_top_k,
+)
 from megarl.algorithms.rollout_correction import (
     MISMATCH_MAX_KEYS,
     MISMATCH_SUM_KEYS,
@@ -75,6 +82,9 @@ class PolicyLossSettings:
         kl_coef, kl_kind: KL-to-reference loss term (needs `ref_log_probs` in the batch when kl_coef > 0).
         rollout_tis, rollout_c, rollout_mask, rollout_mask_c: the rollout correction
             (`megarl.algorithms.rollout_correction`: tis / c / mask / mask_c); needs `rollout_log_probs` when on.
+        top_k_kl_coef: weight of the top-k forward KL to a teacher (distillation.top_k_coef with
+            distillation.top_k > 0; `megarl.algorithms.distillation.top_k_forward_kl`); needs `teacher_top_k_ids`
+            and `teacher_top_k_log_probs` [B, S, k] when > 0.
     """
 
     name: str = "ppo"
@@ -90,6 +100,7 @@ class PolicyLossSettings:
     rollout_c: float = 2.0
     rollout_mask: str = "off"
     rollout_mask_c: Optional[float] = None
+    top_k_kl_coef: float = 0.0
 
     @property
     def corrects_rollout(self) -> bool:
@@ -110,7 +121,7 @@ class PolicyLossSettings:
 
 
 _METRICS = ["loss_sum", "units", "tokens_in_loss", "pg_loss_sum", "clip_sum", "approx_kl_sum", "entropy_sum", "kl_sum",
-            "mask_tokens", "tis_weight_sum", "tis_clip_sum"]
+            "mask_tokens", "tis_weight_sum", "tis_clip_sum", "top_k_kl_sum"]
 
 
 class Actor(Role):
@@ -140,11 +151,30 @@ class Actor(Role):
         ent = shift_to_tokens(entropy_from_vocab_parallel(shard, tp_group), mask) if with_entropy else None
         return logp, ent
 
+    def _token_top_k(self, logits: torch.Tensor, mb: dict, k: int):
+        """Token-aligned top-k of the next-token distribution, (ids [b, s, k] int64, log_probs [b, s, k] float32):
+        row t is the distribution of token t given the tokens before it (from the logits at t - 1), 0 at t = 0 and
+        where loss_mask is 0; from this TP rank's logits shard [b, s, V/tp] (`vocab_parallel_top_k`)."""
+        vocab_start, _ = self.engine.vocab_shard()
+        ids, logp = vocab_parallel_top_k(logits[:, :-1], k, self.groups.pgs.tp, vocab_start)
+        keep = mb["loss_mask"].unsqueeze(-1)
+        pad = (0, 0, 1, 0)
+        return (torch.nn.functional.pad(ids, pad) * keep.to(ids.dtype),
+                torch.nn.functional.pad(logp, pad) * keep.to(logp.dtype))
+
+    def _top_k_forward_kl(self, logits: torch.Tensor, mb: dict, mask: torch.Tensor) -> torch.Tensor:
+        """Token-aligned [b, s] top-k forward KL to the teacher (`top_k_forward_kl`) from this TP rank's logits shard
+        and the micro-batch's teacher_top_k_ids / teacher_top_k_log_probs [b, s, k]; 0 where `mask` is 0."""
+        vocab_start, _ = self.engine.vocab_shard()
+        ids, teacher = mb["teacher_top_k_ids"][:, 1:], mb["teacher_top_k_log_probs"][:, 1:]
+        student = vocab_parallel_log_probs_of_ids(logits[:, :-1], ids, self.groups.pgs.tp, vocab_start)
+        return shift_to_tokens(top_k_forward_kl(teacher, student), mask)
+
     # ------------------------------------------------------------------------------------------- API
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch, with_entropy: bool = True, share: bool = False,
                           record_routing: Optional[bool] = None, replay_routing: bool = False,
-                          replay_rollout: Optional[bool] = None) -> Optional[Batch]:
+                          replay_rollout: Optional[bool] = None, top_k: int = 0) -> Optional[Batch]:
         """Per-token log-probs (and entropy) of the response tokens; see the module docstring. `share=True`: `batch`
         is already this DP rank's share (the controller's DP_SPLIT) and the result covers it only (`Role._forward`).
 
@@ -158,6 +188,9 @@ class Actor(Role):
         the others by the router itself); the result holds the experts used for every token (`routed_experts`, for
         the update to replay) and its `meta["moe_rollout_routing_diff_frac"]` is the fraction of those replayed
         (token, layer) choices whose own top-k set differs from vLLM's (every rank; whole role).
+        top_k > 0 (a teacher's top-k distribution): the result also holds `top_k_ids` [B, S, k] int64 and
+        `top_k_log_probs` [B, S, k] float32 (`_token_top_k`; k = top_k), from the whole sequence's logits (under
+        context parallelism the engine gathers them over the CP group first: every position is the sequence's own).
         """
         batch = batch.with_loss_mask()
         batch.require("input_ids", "attention_mask", "loss_mask")
@@ -181,7 +214,10 @@ class Actor(Role):
 
         def fn(logits, mb):
             logp, ent = self._token_log_probs(logits, mb, with_entropy)
-            return {"log_probs": logp, "entropy": ent} if with_entropy else {"log_probs": logp}
+            out = {"log_probs": logp, "entropy": ent} if with_entropy else {"log_probs": logp}
+            if top_k:
+                out["top_k_ids"], out["top_k_log_probs"] = self._token_top_k(logits, mb, top_k)
+            return out
 
         out = self._forward(batch, keys, fn, share=share, routing=routing)
         if replay_routing or replay_rollout:
@@ -227,6 +263,8 @@ class Actor(Role):
             keys.append("ref_log_probs")
         if s.corrects_rollout or measure_mismatch:
             keys.append("rollout_log_probs")
+        if s.top_k_kl_coef > 0 and s.name != "sft":
+            keys += ["teacher_top_k_ids", "teacher_top_k_log_probs"]
         # fused: the update's forward is the old one. rollout: the old-log-prob forward replayed vLLM's experts and
         # recorded the ones it used (`routed_experts`, every token), which the update replays as for `old`
         replay = self.router_replay in ("old", "rollout") and not fused
@@ -279,13 +317,18 @@ class Actor(Role):
                 kl_tok = kl_per_token(logp, mb["ref_log_probs"], s.kl_kind)
                 loss_sum = loss_sum + s.kl_coef * aggregate(kl_tok, mask, **agg)
                 kl_sum = (kl_tok.detach() * fmask).sum()
+            top_k_kl_sum = torch.zeros(())
+            if s.top_k_kl_coef > 0 and s.name != "sft":  # distillation: the top-k forward KL to the teacher
+                fkl_tok = self._top_k_forward_kl(logits, mb, mask)
+                loss_sum = loss_sum + s.top_k_kl_coef * aggregate(fkl_tok, mask, **agg)
+                top_k_kl_sum = (fkl_tok.detach() * fmask).sum()
             units = count_units(mask, s.agg)
             metrics = {
                 "loss_sum": loss_sum.detach(), "units": units.float(), "tokens_in_loss": n_tok,
                 "pg_loss_sum": pg_sum.detach(), "clip_sum": clip, "approx_kl_sum": approx_kl,
                 "entropy_sum": (ent.detach() * fmask).sum(), "kl_sum": kl_sum,
                 "mask_tokens": loss_mask.float().sum(), "tis_weight_sum": torch.zeros(()),
-                "tis_clip_sum": torch.zeros(()),
+                "tis_clip_sum": torch.zeros(()), "top_k_kl_sum": top_k_kl_sum,
             }
             if s.corrects_rollout:
                 metrics["tis_weight_sum"] = rc["tis_weight_mean"] * n_tok
@@ -311,6 +354,9 @@ class Actor(Role):
         kl_sum = totals.pop("kl_sum")
         if s.kl_coef > 0:
             out["kl"] = kl_sum / n_tok
+        top_k_kl_sum = totals.pop("top_k_kl_sum")
+        if s.top_k_kl_coef > 0 and s.name != "sft":
+            out["distill_top_k_kl"] = top_k_kl_sum / n_tok
         mask_tokens = max(totals.pop("mask_tokens"), 1.0)
         tis_weight_sum, tis_clip_sum = totals.pop("tis_weight_sum"), totals.pop("tis_clip_sum")
         if s.corrects_rollout:

@@ -160,7 +160,9 @@ class Role:
         def loss_fn(output, mb):
             results = fn(output, mb)
             zero = output.sum() * 0.0
-            return zero, torch.tensor(1, dtype=torch.int), {k: v.detach().float().cpu() for k, v in results.items()}
+            # float results in float32; integer ones (a teacher's top-k token ids) keep their dtype
+            return zero, torch.tensor(1, dtype=torch.int), {
+                k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu() for k, v in results.items()}
 
         out = self.engine.run([mb.tensors for mb in mbs], loss_fn, forward_only=True, routing=routing)
         routed = None

@@ -92,6 +92,8 @@ def build_role(cfg: JobConfig, role: str, groups: Optional[RoleGroups] = None,
                                     token_dispatcher=role_cfg.moe.token_dispatcher)
     if role == "actor":
         kwargs["loss"] = PolicyLossSettings.from_config(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
+        if cfg.distillation.enabled and cfg.distillation.top_k:  # the top-k forward KL to the teachers
+            kwargs["loss"] = dataclasses.replace(kwargs["loss"], top_k_kl_coef=cfg.distillation.top_k_coef)
         kwargs["router_replay"] = cfg.algorithm.router_replay
     if role == "critic":
         kwargs["value_clip"] = role_cfg.value_clip

@@ -116,11 +116,12 @@ class BatchProducer:
         if self.cfg.rollout.oversample:
             metrics["rollout/oversampled_aborted_groups"] = float(first.aborted)
         if self.cfg.algorithm.dynamic_sampling.enabled:
-            samples, dropped, scores, reward_metrics = self.dynamic_sampling(index, client, version, t, first, metrics)
+            samples, dropped, scores, reward_metrics, records = self.dynamic_sampling(index, client, version, t,
+                                                                                     first, metrics)
             token_versions = None
         else:
             samples, dropped, scores, reward_metrics = first.samples, first.dropped, first.scores, first.reward_metrics
-            token_versions = first.token_versions
+            token_versions, records = first.token_versions, first.records
         metrics["time/reward_overlap_s"] = t.get("reward_overlap", 0.0) - overlap_before  # every round's
         if self.judge is not None:  # the responses judged since the last batch (every round's, validation's)
             metrics.update(self.judge.take_metrics())
@@ -129,7 +130,7 @@ class BatchProducer:
             oldest = min((min(v) for v in token_versions if v), default=version())
         else:
             token_versions = None
-        return RolloutBatch(index, first.records, samples, dropped, scores,
+        return RolloutBatch(index, records, samples, dropped, scores,
                             reward_metrics, version=oldest, token_versions=token_versions, metrics=metrics,
                             rollout_s=first.generate_s, reward_s=first.reward_s)
 
@@ -216,8 +217,9 @@ class BatchProducer:
         """DAPO's dynamic sampling (`algorithm.dynamic_sampling`, `megarl.algorithms.dynamic_sampling`): from the
         first round, more rounds (`_round`) until data.prompts_per_step groups have unequal final scores (rule score
         + soft overlong penalty) or max_rounds ran; returns the selected groups' samples (prompt indices renumbered
-        in training order), the dropped prompts of every round as (round, prompt), their rule scores [B] and the
-        reward metrics over every round. Logs `dynamic_sampling/{rounds,dropped_groups,filled_groups,
+        in training order), the dropped prompts of every round as (round, prompt), their rule scores [B], the
+        reward metrics over every round and the selected groups' records in training order (records[i] is the
+        record of the samples with prompt_index i). Logs `dynamic_sampling/{rounds,dropped_groups,filled_groups,
         surplus_groups}` (counts of groups)."""
         target = self.cfg.data.prompts_per_step
         rounds, flags = [first], []
@@ -250,7 +252,8 @@ class BatchProducer:
             logger.warning("step %d: %d of %d groups have all-equal scores after algorithm.dynamic_sampling."
                            "max_rounds=%d rounds; they fill the batch", index, chosen.filled, target, len(rounds))
         dropped = [(k, p) for k, r in enumerate(rounds) for p in r.dropped]
-        return samples, dropped, torch.tensor(scores, dtype=torch.float32), reward_metrics
+        records = [rounds[k].records[p] for k, p in chosen.selected]
+        return samples, dropped, torch.tensor(scores, dtype=torch.float32), reward_metrics, records
 
     # ------------------------------------------------------------------------------------------------ pieces
     def _round(self, index: int, k: int, client: Any, version: Version, t: dict) -> GenerationRound:

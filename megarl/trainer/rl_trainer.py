@@ -126,6 +126,8 @@ class RLLoop:
         self.megatron_teachers = [n for n in self.teachers if cfg.distillation.teachers[n].backend == "megatron"]
         self.update_reads_rollout_log_probs = update_reads_rollout_log_probs(cfg)
         self._actor_corrects_rollout: Optional[bool] = None  # asked of the actor's ranks on first use
+        d = cfg.distillation  # the top-k forward KL's weight in the actor's loss, sent with each update
+        self.top_k_kl_coef = d.top_k_coef if d.enabled and d.top_k else 0.0
         self.skip_streak: dict[str, int] = {}  # role -> optimizer steps skipped in a row (non-finite loss/grad norm)
         self.next_step = 0  # 0 until `start`; then the step `run_step` runs next
         self.last_saved: Optional[int] = None  # the last step checkpointed by this process
@@ -353,17 +355,19 @@ class RLLoop:
                     else:
                         ref = self.role_groups["reference"].compute_ref_log_probs(batch, fetch=("log_probs",))
                         batch.tensors["ref_log_probs"] = ref.tensors["log_probs"]
-            teacher_log_probs: dict[str, torch.Tensor] = {}
+            teacher_log_probs: dict[str, Batch] = {}
             if self.teachers:  # the controller forms the advantages from them: [B, S] float32 each come up
+                top_k = self.cfg.distillation.top_k  # and the top-k distributions [B, S, k], for the actor's loss
+                fetch_teacher = ("log_probs", "top_k_ids", "top_k_log_probs") if top_k else ("log_probs",)
                 with _timer(t, "teacher_log_probs"):
                     for name in self.teachers:
-                        if self.cfg.distillation.teachers[name].backend == "vllm":
-                            teacher_log_probs[name] = self._engine_teacher(name).log_probs(
+                        if self.cfg.distillation.teachers[name].backend == "vllm":  # log-probs only (top_k refused)
+                            log_probs = self._engine_teacher(name).log_probs(
                                 batch["input_ids"], batch["attention_mask"], batch.with_loss_mask()["loss_mask"])
+                            teacher_log_probs[name] = Batch({"log_probs": log_probs})
                             continue
-                        out = self._teacher_group(name).compute_teacher_log_probs(batch, teacher=name,
-                                                                                  fetch=("log_probs",))
-                        teacher_log_probs[name] = out.tensors["log_probs"]
+                        teacher_log_probs[name] = self._teacher_group(name).compute_teacher_log_probs(
+                            batch, teacher=name, fetch=fetch_teacher, top_k=top_k)
             critic = self.role_groups.get("critic")
             if critic is not None:
                 with _timer(t, "values"):
@@ -391,8 +395,8 @@ class RLLoop:
                     metrics.update({f"critic/{k}": v for k, v in
                                     critic.update_critic(critic_batch, kept=kept_critic or None).items()})
             with _timer(t, "update_actor"):
-                for k, v in self.workers.update_actor(actor_batch, kept=kept_actor or None,
-                                                          per_sequence=per_sequence).items():
+                for k, v in self.workers.update_actor(actor_batch, kept=kept_actor or None, per_sequence=per_sequence,
+                                                          top_k_kl_coef=self.top_k_kl_coef).items():
                     metrics[f"mismatch/{k[len('mismatch_'):]}" if k.startswith("mismatch_") else f"actor/{k}"] = v
             if pending is not None:
                 with _timer(t, "update_critic_wait"):
@@ -552,13 +556,16 @@ class RLLoop:
         tensors["returns"] = returns
         return metrics
 
-    def _distill(self, batch: Batch, teacher_log_probs: dict[str, torch.Tensor], rollout,
+    def _distill(self, batch: Batch, teacher_outputs: dict[str, Batch], rollout,
                  trajectories) -> dict[str, float]:
         """On-policy distillation: `advantages` becomes distillation.coef * (teacher log-prob - old log-prob) on
         each sampled token, from each row's teacher (by its prompt's data source when there are several), plus
-        distillation.task_reward_coef * the estimator's advantage already there. Returns
-        `distill/reverse_kl/<teacher>`: the sampled-token reverse KL (student - teacher log-prob), mean over that
-        teacher's rows' loss-mask tokens (nats per token)."""
+        distillation.task_reward_coef * the estimator's advantage already there; with distillation.top_k, the batch
+        also gets each row's teacher's top-k distribution (`teacher_top_k_ids` [B, S, k] int64,
+        `teacher_top_k_log_probs` [B, S, k] float32) for the actor's top-k forward KL term. `teacher_outputs`: each
+        teacher's `compute_teacher_log_probs` result over the whole batch. Returns `distill/reverse_kl/<teacher>`:
+        the sampled-token reverse KL (student - teacher log-prob), mean over that teacher's rows' loss-mask tokens
+        (nats per token)."""
         d = self.cfg.distillation
         tensors = batch.tensors
         mask, old = tensors["loss_mask"], tensors["old_log_probs"]
@@ -568,22 +575,37 @@ class RLLoop:
             rows = rows_by_source(self._data_sources(rollout, trajectories),
                                   {n: d.teachers[n].data_source for n in self.teachers})
         teacher = torch.zeros_like(old)
+        first = teacher_outputs[self.teachers[0]].tensors
+        top_k = {k: torch.zeros_like(first[k]) for k in ("top_k_ids", "top_k_log_probs")} if d.top_k else {}
         metrics = {}
         for name, take in rows.items():
-            teacher[take] = teacher_log_probs[name][take].to(old.dtype)
-            metrics[f"distill/reverse_kl/{name}"] = reverse_kl_mean(teacher_log_probs[name][take], old[take],
-                                                                    mask[take])
+            out = teacher_outputs[name].tensors
+            teacher[take] = out["log_probs"][take].to(old.dtype)
+            for k, v in top_k.items():
+                v[take] = out[k][take]
+            metrics[f"distill/reverse_kl/{name}"] = reverse_kl_mean(out["log_probs"][take], old[take], mask[take])
         distill = reverse_kl_advantages(teacher, old, mask, d.coef)
         tensors["advantages"] = combine_advantages(distill, tensors["advantages"], d.task_reward_coef)
+        for k, v in top_k.items():
+            tensors[f"teacher_{k}"] = v
         return metrics
 
     def _data_sources(self, rollout, trajectories) -> list:
         """Each row's data source (the `distillation.data_source_key` column of its prompt's dataset record; None
-        where the record has none), from the rollout's records and each sample's prompt index."""
+        where the record has none), from the rollout's records: single-turn, each sample's prompt index (dynamic
+        sampling renumbers both in training order); multi-turn, the episodes are record-major, samples_per_prompt
+        per record (`megarl.envs.episode.EpisodeResult`)."""
         key = self.cfg.distillation.data_source_key
         records = rollout.records
-        if rollout.trajectories is not None or len(rollout.samples) != len(trajectories):
-            raise RuntimeError("distillation: routing samples to several teachers needs single-turn samples")
+        if rollout.trajectories is not None:
+            n = self.cfg.rollout.samples_per_prompt
+            if len(trajectories) != len(records) * n:
+                raise RuntimeError(f"distillation: {len(trajectories)} episodes for {len(records)} records x "
+                                   f"samples_per_prompt={n}: cannot route them to their teachers by data source")
+            return [records[i // n].record.get(key) for i in range(len(trajectories))]
+        if len(rollout.samples) != len(trajectories):
+            raise RuntimeError(f"distillation: {len(trajectories)} rows for {len(rollout.samples)} samples: cannot "
+                               "route them to their teachers by data source")
         return [records[s.prompt_index].record.get(key) for s in rollout.samples]
 
     def sample(self, prompts: list[list[int]], sampling: SamplingSettings):

@@ -67,7 +67,8 @@ class RolloutBatch:
 
     index: the batch's number (1-based; the step it was drawn for, or the driver's count in async mode); its
         sampling seed is rollout.seed + index.
-    records: the prompts' dataset records (prompts_per_step); samples: `RolloutSample`s ordered by (prompt_index,
+    records: the prompts' dataset records (prompts_per_step; with dynamic sampling the selected groups', in
+        training order: records[s.prompt_index] is sample s's); samples: `RolloutSample`s ordered by (prompt_index,
         sample_index); dropped: prompt indices the prompt-length policy dropped; scores: [len(samples)] float32 rule
         scores; reward_metrics: `reward/errors|timeouts|error_frac`.
     version: the weights version that sampled it (the oldest, for a partial rollout).

@@ -18,6 +18,7 @@ roles' collectives need all ranks.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 from typing import Any, Callable, Optional, Sequence
@@ -48,10 +49,10 @@ OLD_FORWARD_OPTIONAL = (*FORWARD_OPTIONAL, "rollout_log_probs", "policy_version"
 # advantages (absent only for an SFT loss); old_log_probs (absent: the update takes them from its own forward);
 # (old and ref log-probs may instead be kept on the ranks: `kept=`); ref_log_probs with KL in the loss;
 # rollout_log_probs with rollout correction (or the fused path's mismatch);
-# routed_experts with router replay
+# routed_experts with router replay; teacher_top_k_ids / teacher_top_k_log_probs with distillation.top_k
 # (or, one number per sequence, sequence_advantages [B]: expanded over the loss mask on the ranks, `per_sequence=`)
 UPDATE_ACTOR_OPTIONAL = (*MASKS, "advantages", "sequence_advantages", "old_log_probs", "ref_log_probs",
-                         "rollout_log_probs", "routed_experts")
+                         "rollout_log_probs", "routed_experts", "teacher_top_k_ids", "teacher_top_k_log_probs")
 
 
 class RoleHost:
@@ -255,16 +256,18 @@ class RoleHost:
 
     @dispatch(Dispatch.DP_SPLIT, replica_attr="teacher_dp", reads=TOKENS, optional_reads=MASKS)
     def compute_teacher_log_probs(self, batch: Batch, teacher: str, keep: Optional[str] = None,
-                                  fetch: Optional[Sequence[str]] = None) -> Optional[Batch]:
+                                  fetch: Optional[Sequence[str]] = None, top_k: int = 0) -> Optional[Batch]:
         """As `compute_ref_log_probs`, with teacher `teacher` (a name of distillation.teachers): its log_probs
         [b, S] float32 of each of this share's response tokens (0 elsewhere) on its last stage; None elsewhere. The
-        teacher is offloaded afterwards per its config. `keep`, `fetch` as in `compute_log_probs`."""
+        teacher is offloaded afterwards per its config. `keep`, `fetch` as in `compute_log_probs`. `top_k` > 0
+        (distillation.top_k): also its top-k distribution at each response token, top_k_ids [b, S, k] int64 and
+        top_k_log_probs [b, S, k] float32 (`Actor.compute_log_probs`)."""
         if teacher not in self.teachers:
             raise KeyError(f"no teacher {teacher!r} in this worker group (teachers: {sorted(self.teachers)})")
         role, policy = self.teachers[teacher], self.offload[f"teacher/{teacher}"]
         self.teacher_calls[teacher] += 1
         policy.before_use()
-        out = role.compute_log_probs(batch, with_entropy=False, share=True)
+        out = role.compute_log_probs(batch, with_entropy=False, share=True, top_k=top_k)
         if policy.after_use():
             self.events.append(("offload", f"teacher/{teacher}", tuple(role.engine.offloaded)))
         return self._answer(batch, out, keep, fetch)
@@ -287,7 +290,7 @@ class RoleHost:
     @dispatch(Dispatch.DP_SPLIT_MINI_BATCHES, replica_attr="actor_dp", mini_batch_attr="actor_mini_batch_samples",
               reads=TOKENS, optional_reads=UPDATE_ACTOR_OPTIONAL)
     def update_actor(self, batch: Batch, kept: Optional[dict[str, tuple[str, str]]] = None,
-                     per_sequence: Optional[str] = None) -> dict[str, float]:
+                     per_sequence: Optional[str] = None, top_k_kl_coef: Optional[float] = None) -> dict[str, float]:
         """PPO/GSPO update of the actor over mini- and micro-batches (`actor.update`).
 
         `batch`: this actor DP rank's part of every mini-batch of the step's batch, concatenated in mini-batch
@@ -302,11 +305,15 @@ class RoleHost:
         `per_sequence`: the batch carries sequence_advantages [b] float32 instead of advantages (score-based
         estimators: one number per sequence), expanded here over its loss mask as this expansion
         (`megarl.algorithms.advantages.expand_per_sequence`; bit-identical to the controller's [b, S]).
+        `top_k_kl_coef`: this update's weight of the top-k forward KL to the teachers (the run's
+        distillation.top_k_coef with distillation.top_k, else 0.0; the batch then carries teacher_top_k_ids and
+        teacher_top_k_log_probs [b, S, k]); None: the actor's loss as built. A session's workers outlive a run: the
+        run's config decides the term, as it decides the advantages.
         """
         batch = self._with_kept(batch, kept, "update_actor", "actor")
         if per_sequence is not None:
             batch = _expand_sequence_advantages(batch, per_sequence)
-        metrics = self._use_keep("actor", lambda r: r.update(batch, share=True))
+        metrics = self._use_keep("actor", lambda r: _update_with_top_k_coef(r, batch, top_k_kl_coef))
         self.events.append(("update", "actor"))
         self._offload("actor", self.offload["actor"].after_update)
         return metrics
@@ -415,3 +422,16 @@ def _expand_sequence_advantages(batch: Batch, expansion: str) -> Batch:
     tensors = {k: v for k, v in batch.tensors.items() if k != "sequence_advantages"}
     tensors["advantages"] = expand_per_sequence(batch["sequence_advantages"], batch["loss_mask"], expansion)
     return Batch(tensors, dict(batch.meta))
+
+
+def _update_with_top_k_coef(actor, batch: Batch, top_k_kl_coef: Optional[float]) -> dict[str, float]:
+    """`actor.update(batch, share=True)` with its loss's top-k forward KL weight set to `top_k_kl_coef` for this call
+    (None: as built)."""
+    built = actor.loss
+    if top_k_kl_coef is None or top_k_kl_coef == built.top_k_kl_coef:
+        return actor.update(batch, share=True)
+    actor.loss = dataclasses.replace(built, top_k_kl_coef=float(top_k_kl_coef))
+    try:
+        return actor.update(batch, share=True)
+    finally:
+        actor.loss = built

@@ -21,7 +21,10 @@ from step 0: the teacher equals the policy) and, from the sync run's step-20 che
 from the teacher), "distill_sync" (2 steps), "distill_one_step_off" (2), "distill_async" (3, max_staleness 1) and
 "distill_single_turn_async" (2, rollout.env=null: single-turn samples of the same prompts; the only one scored by
 "pooled") and "distill_engine_sync" (2, sync, single-turn, scored by "engine"), all with
-distillation.task_reward_coef 0 (the advantage is the distillation one alone). Each step's batch after the distillation
+distillation.task_reward_coef 0 (the advantage is the distillation one alone); "distill_top_k" (sync, 1 step from the
+step-20 checkpoint, scored by "init", distillation.top_k=4: the top-k forward KL term in the actor's loss too, the
+weights of that checkpoint exported to OUT_DIR/student20_hf for the test's dense computation). Each step's batch after
+the distillation
 advantage is recorded (`record_distill_batches`: `<run>/distill_batches/step_N.pt`) for the test to recompute from.
 
 After the runs, the session's current weights are written as a HuggingFace directory (`TrainingSession.export_hf`,
@@ -64,6 +67,8 @@ RUNS = {"sync": (["trainer.mode=sync", *NO_TEACHER], 20, "step0"),
         "one_step_off": (["trainer.mode=one_step_off", *TIS, *NO_TEACHER], 3, "step0"),
         "distill_self": (["trainer.mode=sync", *only("init")], 1, "step0"),
         "distill_sync": (["trainer.mode=sync", *only("init")], 2, ("sync", 20)),
+        # plus the top-k forward KL term (distillation.top_k=4) in the actor's loss: one step
+        "distill_top_k": (["trainer.mode=sync", "distillation.top_k=4", *only("init")], 1, ("sync", 20)),
         "distill_one_step_off": (["trainer.mode=one_step_off", *TIS, *only("init")], 2, ("sync", 20)),
         "distill_async": (["trainer.mode=async", "trainer.max_staleness=1", *TIS, *only("init")], 3, ("sync", 20)),
         # single-turn (no environment: one response per prompt, exact-match reward) in async mode, scored by the
@@ -73,7 +78,7 @@ RUNS = {"sync": (["trainer.mode=sync", *NO_TEACHER], 20, "step0"),
         # single-turn, sync, scored by the vLLM-served teacher (backend vllm) on its pool
         "distill_engine_sync": (["trainer.mode=sync", "rollout.env=null", *only("engine")], 2, ("sync", 20))}
 DISTILL_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages", "old_log_probs", "rollout_log_probs",
-                "policy_version")
+                "policy_version", "teacher_top_k_ids", "teacher_top_k_log_probs")
 
 
 def record_distill_batches() -> None:
@@ -92,7 +97,7 @@ def record_distill_batches() -> None:
         os.makedirs(out, exist_ok=True)
         n = len(os.listdir(out)) + 1
         torch.save({**{k: batch.tensors[k].clone() for k in DISTILL_KEYS if k in batch.tensors},
-                    "teacher_log_probs": {k: v.clone() for k, v in teacher_log_probs.items()},
+                    "teacher_log_probs": {k: v.tensors["log_probs"].clone() for k, v in teacher_log_probs.items()},
                     "metrics": dict(metrics)}, os.path.join(out, f"step_{n}.pt"))
         return metrics
 
@@ -189,6 +194,7 @@ def main(out: str) -> None:
     last, (_, steps, start) = list(RUNS.items())[-1]
     final_step = steps + (0 if start == "step0" else start[1])
     export_hf(os.path.join(out, last, "ckpt", f"step_{final_step:06d}"), os.path.join(out, "checkpoint_hf"))
+    export_hf(checkpointing.step_dir(os.path.join(out, "sync", "ckpt"), 20), os.path.join(out, "student20_hf"))
     report["_teacher"] = data["model"]
     with open(os.path.join(out, "runs.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -23,6 +23,8 @@ actor) and "pooled" (on a pool of its own) = the student's starting weights, run
 from each step's recorded batch:
 - teacher = policy (step 1 from step 0): the reverse KL and every advantage are 0 within float error, while the
   teacher's log-probs of the sampled tokens are real (< 0);
+- with the top-k forward KL (distillation.top_k=4, sync, 1 step): the teacher's top-4 in the trained batch and the
+  actor's term equal transformers' dense computation from the teacher's and the step-20 student's weights;
 - in sync, one_step_off and async (multi-turn), and single-turn async, from a student 20 GRPO steps away: the
   teacher's log-probs of the batch's loss-mask tokens equal transformers' log-softmax of the teacher's HF model on the
   batch's own token ids (so they are of the tokens the update trains on, row for row), `distill/reverse_kl/init`
@@ -56,8 +58,9 @@ DISTILL_RUNS = ("distill_sync", "distill_one_step_off", "distill_async", "distil
 # the teacher each distillation run enables ("pooled": on a pool of its own; "engine": served by a vLLM engine on its
 # pool) and the steps it trains
 DISTILL_TEACHER = {"distill_self": "init", "distill_sync": "init", "distill_one_step_off": "init",
-                   "distill_async": "init", "distill_single_turn_async": "pooled", "distill_engine_sync": "engine"}
-STEPS = {"distill_self": 1, "distill_sync": 2, "distill_one_step_off": 2, "distill_async": 3,
+                   "distill_async": "init", "distill_top_k": "init", "distill_single_turn_async": "pooled",
+                   "distill_engine_sync": "engine"}
+STEPS = {"distill_self": 1, "distill_sync": 2, "distill_top_k": 1, "distill_one_step_off": 2, "distill_async": 3,
          "distill_single_turn_async": 2, "distill_engine_sync": 2}
 SINGLE_TURN = ("distill_single_turn_async", "distill_engine_sync")
 # fp32 Megatron TP2 vs transformers on this model: the log-prob error is float summation order (~1e-6, measured in
@@ -72,7 +75,7 @@ def runs(tmp_path_factory, joined_ray_env):
                           cwd=ROOT, env=joined_ray_env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     print("multi-turn runs (s):", json.load(open(out / "runs.json")))
-    names = ("sync", "async", "one_step_off", "distill_self", *DISTILL_RUNS)
+    names = ("sync", "async", "one_step_off", "distill_self", "distill_top_k", *DISTILL_RUNS)
     return {**{name: read_rows(out / name) for name in names}, "_out": out}
 
 
@@ -226,7 +229,7 @@ def test_each_teacher_ran_on_its_own_pools_workers(runs_dir):
     actor_pool, teacher_pool = calls["actor_pool"], calls["teacher_pool"]
     steps = {"init": sum(STEPS[r] for r, t in DISTILL_TEACHER.items() if t == "init"),
              "pooled": sum(STEPS[r] for r, t in DISTILL_TEACHER.items() if t == "pooled")}
-    assert steps == {"init": 8, "pooled": 2}
+    assert steps == {"init": 9, "pooled": 2}
     assert [(r["pool"], r["calls"]) for r in actor_pool] == [("train", {"init": steps["init"]})] * 2
     assert [(r["pool"], r["calls"]) for r in teacher_pool] == [("teach", {"pooled": steps["pooled"]})]
     assert not {r["pid"] for r in teacher_pool} & {r["pid"] for r in actor_pool}
@@ -243,6 +246,38 @@ def test_the_vllm_teacher_was_asked_once_per_sampled_row(runs):
     assert rows >= 2 * 64 - 2 and calls["engine_requests"] == rows
     assert all("engine" not in r["calls"] for r in calls["actor_pool"] + calls["teacher_pool"])
     assert torch.is_tensor(_distill_batches(runs, "distill_engine_sync")[0]["teacher_log_probs"]["engine"])
+
+
+def test_the_top_k_forward_kl_runs_through_the_loop(runs):
+    """distill_top_k (sync, 1 step from the student 20 GRPO steps away, distillation.top_k=4): the batch the update
+    trained on carries the teacher's top-4 at every loss-mask token, equal to transformers' top-4 of the teacher's
+    HF model on the batch's own ids (0 elsewhere: prompt, observations, padding), and the actor's
+    `actor/distill_top_k_kl` equals the term computed densely by transformers from the step-20 student's weights
+    (exported from its checkpoint) on those ids: it went down to the update through the real dispatch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    [row] = runs["distill_top_k"]
+    [batch] = _distill_batches(runs, "distill_top_k")
+    model_dir = json.load(open(runs["_out"] / "runs.json"))["_teacher"]
+    mask = batch["loss_mask"].bool()
+    ids, top = batch["teacher_top_k_ids"], batch["teacher_top_k_log_probs"]
+    assert ids.shape == (*mask.shape, 4) and ids.dtype == torch.int64
+
+    def log_softmax(path):
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        return torch.nn.functional.pad(torch.log_softmax(logits[:, :-1], -1), (0, 0, 1, 0))  # token-aligned
+
+    want_top, want_ids = log_softmax(model_dir).topk(4, -1)
+    assert torch.equal(ids[mask], want_ids[mask])
+    assert float((top - want_top)[mask].abs().max()) < TEACHER_ATOL
+    assert float(ids[~mask].abs().sum()) == 0 and float(top[~mask].abs().sum()) == 0.0
+    student = log_softmax(runs["_out"] / "student20_hf").gather(-1, ids)
+    dense = float(((want_top.exp() * (want_top - student)).sum(-1))[mask].mean())
+    assert dense > 1e-3  # the student is 20 steps away from the teacher (measured: 0.0097)
+    assert row["actor/distill_top_k_kl"] == pytest.approx(dense, abs=TEACHER_ATOL)
 
 
 # ---------------------------------------------------------------------------------------------------- agents

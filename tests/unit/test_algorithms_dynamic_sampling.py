@@ -105,9 +105,11 @@ class _Rounds:
 
 def _run(rounds):
     metrics = {}
-    samples, dropped, scores, reward = rounds.dynamic_sampling(7, None, 6, {}, rounds.prepared[0], metrics)
+    samples, dropped, scores, reward, records = rounds.dynamic_sampling(7, None, 6, {}, rounds.prepared[0], metrics)
     groups = [(s.prompt_ids[0], s.prompt_ids[1]) for s in samples[::2]]  # (round, prompt) of each selected group
     assert [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]  # renumbered in training order
+    # records[i] is the record of the samples renumbered i (the teachers route by it): round k, prompt p's record
+    assert records == [f"r{k}p{p}" for k, p in groups]
     return groups, scores.tolist(), dropped, reward, metrics
 
 

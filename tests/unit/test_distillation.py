@@ -83,7 +83,8 @@ def test_the_loop_forms_the_advantage_from_each_rows_teacher_and_logs_the_revers
     teacher_b_for_row0[1] = -100.0  # teacher b's log-probs of row 1 are never read: row 1 is source sa
     from_a = TEACHER.clone()
     from_a[0] = -100.0  # teacher a's of row 0 neither
-    metrics = RLLoop._distill(loop, batch, {"a": from_a, "b": teacher_b_for_row0}, None, None)
+    metrics = RLLoop._distill(loop, batch, {"a": Batch({"log_probs": from_a}),
+                                            "b": Batch({"log_probs": teacher_b_for_row0})}, None, None)
     want = 2.0 * (TEACHER - STUDENT) * MASK + 0.5 * task
     torch.testing.assert_close(batch.tensors["advantages"], want)
     # row 0 (teacher b): student - teacher on its 2 tokens = (-0.5 + 0) / 2; row 1 (teacher a): (1 - 0.5 + 2) / 3
@@ -142,15 +143,12 @@ def test_a_teacher_is_placed_on_the_actors_pool_with_its_layout_resolved(tmp_pat
     (["resources.pools.own={nodes: 1, devices_per_node: 2}", "reference.pool=own",
       "distillation.teachers.big.pool=own"], r"^distillation.teachers.big.pool: pool 'own' also hosts the "
                                              r"reference"),
-    (["distillation.top_k=8"], r"^distillation.top_k=8: the top-k forward KL is not supported yet"),
+    (["distillation.top_k=100000"], r"^distillation.top_k=100000 exceeds the vocab_size of teacher 'big', 300"),
     (["distillation.teachers.big.parallel.tp=3"], r"^distillation.teachers.big.parallel: tp\*pp\*cp = 3\*1\*1"),
     (["distillation.teachers.small.parallel.tp=2"], r"^distillation.teachers: every teacher on pool 'default' must "
                                                     r"have the same tp"),
     (["distillation.teachers.small.parallel.tp=1"], r"^distillation.teachers: with several teachers each needs a "
                                                     r"data_source"),
-    (["distillation.teachers.small.parallel.tp=1", "distillation.teachers.small.data_source=math",
-      "algorithm.dynamic_sampling.enabled=true"], r"^distillation.teachers: several teachers with "
-                                                  r"algorithm.dynamic_sampling"),
 ])
 def test_bad_teacher_configs_are_refused_naming_the_key(tmp_path, overrides, match):
     from megarl.config import ConfigError
@@ -219,6 +217,8 @@ def test_a_vllm_teacher_gets_engines_on_its_own_pool(tmp_path):
          r"distillation.teachers.big.pool"),
     (["distillation.teachers.big.pool=teach", "distillation.teachers.big.parallel.pp=2"],
      r"^distillation.teachers.big.parallel: backend vllm takes tp only"),
+    (["distillation.teachers.big.pool=teach", "distillation.top_k=4"],
+     r"^distillation.top_k=4: distillation.teachers.big is vLLM-served \(backend: vllm\), which gives the log-probs"),
     (["distillation.teachers.big.pool=teach", "distillation.teachers.small.pool=teach",
       "distillation.teachers.small.data_source=math"], r"^distillation.teachers.big.pool: pool 'teach' also hosts "
                                                        r"the teacher\(s\) \['small'\]"),
@@ -353,3 +353,98 @@ def test_dry_run_places_the_teacher_on_the_actors_ranks_at_its_own_layout(tmp_pa
             if f[0] == "teacher/big"}
     assert rows == {0: ("0", "0", "0-0 of 2"), 1: ("0", "1", "0-0 of 2"), 2: ("1", "0", "1-1 of 2"),
                     3: ("1", "1", "1-1 of 2")}
+
+
+# --------------------------------------------------------------------------------------------------- several teachers
+
+
+def _two_teachers(top_k: int = 0):
+    from megarl.config.schema import DistillationConfig, TeacherConfig
+
+    return DistillationConfig(teachers={"m": TeacherConfig(path="x", data_source="math"),
+                                        "c": TeacherConfig(path="y", data_source="code")}, coef=1.0, top_k=top_k,
+                              data_source_key="task")
+
+
+def test_multi_turn_rows_go_to_their_records_teacher_and_only_loss_mask_tokens_get_the_signal():
+    """Several teachers with multi-turn episodes (`RLLoop._data_sources` then `RLLoop._distill`, the real methods):
+    2 records (math, code) x 2 episodes, record-major as `EpisodeRunner` returns them; each row's loss mask has the
+    environment's observation tokens at 0 in the middle. Each teacher gives a constant log-prob everywhere (also on
+    prompt and observation tokens) and top-2 ids that name it: every row's advantage is its own teacher's constant
+    minus the student's on the sampled tokens and exactly 0 elsewhere, and its top-k rows are its teacher's."""
+    from megarl.data.batch import Batch
+    from megarl.data.dataset import PromptRecord
+    from megarl.trainer.rl_trainer import RLLoop
+
+    records = [PromptRecord(0, "p0", None, {"task": "math"}), PromptRecord(1, "p1", None, {"task": "code"})]
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1]] * 4)  # prompt, 2 sampled, 2 observation, 2 sampled
+    old = torch.full((4, 7), -1.0) * mask
+    cfg = types.SimpleNamespace(distillation=_two_teachers(top_k=2),
+                                rollout=types.SimpleNamespace(samples_per_prompt=2))
+    loop = types.SimpleNamespace(cfg=cfg, teachers=["m", "c"])
+    loop._data_sources = lambda rollout, trajectories: RLLoop._data_sources(loop, rollout, trajectories)
+    rollout = types.SimpleNamespace(records=records, samples=[], trajectories=[object()] * 4)
+
+    def teacher(value: float, token: int) -> Batch:
+        return Batch({"log_probs": torch.full((4, 7), value), "top_k_ids": torch.full((4, 7, 2), token),
+                      "top_k_log_probs": torch.full((4, 7, 2), value)})
+
+    batch = Batch({"loss_mask": mask, "old_log_probs": old, "advantages": torch.zeros(4, 7)})
+    metrics = RLLoop._distill(loop, batch, {"m": teacher(-0.5, 11), "c": teacher(-3.0, 22)}, rollout,
+                              rollout.trajectories)
+    own = torch.tensor([-0.5, -0.5, -3.0, -3.0])[:, None]  # rows 0-1: record 0 (math); rows 2-3: record 1 (code)
+    torch.testing.assert_close(batch.tensors["advantages"], (own + 1.0) * mask)
+    assert (batch.tensors["advantages"][mask == 0] == 0).all()
+    assert batch.tensors["teacher_top_k_ids"][:, 0, 0].tolist() == [11, 11, 22, 22]
+    torch.testing.assert_close(batch.tensors["teacher_top_k_log_probs"][:, 0, 0], own[:, 0])
+    # the reverse KL over each teacher's rows' 4 sampled tokens each: student -1 minus the teacher's constant
+    assert math.isclose(metrics["distill/reverse_kl/m"], -0.5) and math.isclose(metrics["distill/reverse_kl/c"], 2.0)
+
+
+def test_episodes_that_do_not_cover_the_records_are_refused_naming_the_counts():
+    from megarl.trainer.rl_trainer import RLLoop
+
+    cfg = types.SimpleNamespace(distillation=_two_teachers(), rollout=types.SimpleNamespace(samples_per_prompt=2))
+    rollout = types.SimpleNamespace(records=[None, None], samples=[], trajectories=[object()] * 3)
+    with pytest.raises(RuntimeError, match=r"3 episodes for 2 records x samples_per_prompt=2"):
+        RLLoop._data_sources(types.SimpleNamespace(cfg=cfg), rollout, rollout.trajectories)
+
+
+def test_with_dynamic_sampling_each_sample_takes_the_source_of_the_round_that_drew_it():
+    """`BatchProducer.produce` with dynamic sampling (the real selection over three hand-written rounds) then
+    `RLLoop._data_sources` on the batch it returns: groups refilled from later rounds are renumbered in training
+    order, and each sample's data source is that of the record its round drew (record (round k, prompt p) has
+    source "k<k>p<p>"), not the first round's record at the renumbered index."""
+    from megarl.data.dataset import PromptRecord
+    from megarl.rollout.engine import RolloutSample
+    from megarl.trainer.producer import BatchProducer, GenerationRound
+    from megarl.trainer.rl_trainer import RLLoop
+
+    same, diff = (1.0, 1.0), (0.0, 1.0)
+
+    def round_(k, scores):
+        records = [PromptRecord(p, f"r{k}p{p}", None, {"task": f"k{k}p{p}"}) for p in range(4)]
+        samples = [RolloutSample(prompt_index=p, sample_index=i, prompt_ids=[k, p], response_ids=[i],
+                                 response_log_probs=[0.0], finish_reason="stop") for p in range(4) for i in range(2)]
+        zero = {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/error_frac": 0.0}
+        return GenerationRound(records, samples, [], torch.tensor([x for pair in scores for x in pair]), zero, [])
+
+    prepared = [round_(0, [same, diff, same, diff]), round_(1, [diff, same, same, same]),
+                round_(2, [diff, diff, diff, diff])]
+    producer = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(data=types.SimpleNamespace(prompts_per_step=4),
+                                  rollout=types.SimpleNamespace(max_new_tokens=8, oversample=0),
+                                  algorithm=types.SimpleNamespace(
+                                      dynamic_sampling=types.SimpleNamespace(max_rounds=3, enabled=True),
+                                      overlong=types.SimpleNamespace(soft_cache_tokens=None))),
+        episodes=None, judge=None,
+        overlong_penalty=lambda samples, metrics: BatchProducer.overlong_penalty(producer, samples, metrics),
+        dynamic_sampling=lambda *args: BatchProducer.dynamic_sampling(producer, *args),
+        _round=lambda index, k, client, version, t: prepared[k])
+    rollout = BatchProducer.produce(producer, 1, None, 0)
+    samples = rollout.samples
+    loop = types.SimpleNamespace(cfg=types.SimpleNamespace(distillation=_two_teachers()))
+    sources = RLLoop._data_sources(loop, rollout, [None] * len(samples))
+    assert sources == [f"k{s.prompt_ids[0]}p{s.prompt_ids[1]}" for s in samples]
+    assert {s.prompt_ids[0] for s in samples} == {0, 1, 2}  # groups from every round: a renumbering is exercised
+
