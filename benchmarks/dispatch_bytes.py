@@ -325,13 +325,17 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
         far = max(sum(b - a - max(0, min(b, hi) - max(a, lo)) for a, b in share_layout(B, mini, lay.dp, k).rows)
                   for k in range(lay.dp) for lo, hi in [chunk_bounds(B, lay.dp, k)])
         peer_bytes = keys * far * S * 4
+    # GAE on the critic's ranks with several DP ranks: each last-stage critic rank all-gathers the other shares'
+    # unwhitened advantages (float32) and masks (bool) for the whitening's statistics, worker to worker
+    gae_gather_bytes = (B - min(hi - lo for lo, hi in [chunk_bounds(B, lay.dp, k) for k in range(lay.dp)])) * S * 5 \
+        if gae_here and lay.dp > 1 else 0
     token_sized = {"input_ids", "attention_mask", "loss_mask", "rollout_log_probs", "policy_version", "log_probs",
                    "entropy", "old_log_probs", "ref_log_probs", "values", "old_values", "advantages", "returns"}
     crossings = sum(1 for r in rows for k in r["keys_crossing"] if k in token_sized)
     return {"calls": rows, "through_controller_bytes": through, "max_rank_bytes": max(per_rank),
             "last_stage_max_rank_bytes": max(x for x, last in zip(per_rank, last_stage) if last),
             "token_sized_key_crossings": crossings, "results_stay": stay, "dp_peer_exchange": exchanged,
-            "dp_peer_exchange_max_rank_bytes": peer_bytes,
+            "dp_peer_exchange_max_rank_bytes": peer_bytes, "gae_allgather_max_rank_bytes": gae_gather_bytes,
             "pieces_per_key": len(cuts) - 1 if mode in BY_REFERENCE_MODES else None}
 
 
@@ -393,7 +397,8 @@ def main() -> None:
               + " -> ".join(mib(r[m]['max_rank_bytes']) for m in MODES) + "; token-sized tensor crossings "
               + " -> ".join(str(r[m]['token_sized_key_crossings']) for m in MODES)
               + f" (results stay: {last['results_stay']}; pieces per key {last['pieces_per_key']}; DP peer exchange "
-              f"{mib(last['dp_peer_exchange_max_rank_bytes'])} per rank (max))")
+              f"{mib(last['dp_peer_exchange_max_rank_bytes'])} per rank (max); GAE's all-gather "
+              f"{mib(last['gae_allgather_max_rank_bytes'])} per critic rank (max))")
         for c in last["calls"]:
             print(f"    {MODES[-1]} {c['call']:22s} {c['dir']:4s} {mib(c['bytes']):>12s}  crossing: "
                   f"{', '.join(c['keys_crossing']) or '-'}  (reads {', '.join(c['keys'])})")

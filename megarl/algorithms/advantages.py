@@ -155,9 +155,9 @@ def gae_on_share(scores: torch.Tensor, values: torch.Tensor, response_mask: torc
     Args:
         scores: [b] float, the share's sequence scores; values: [b, T] float32, its critic values; response_mask:
             [b, T] 0/1, its loss mask; rows: (lo, hi), the share's rows of the whole batch (b = hi - lo).
-        gather: with several DP shares, an all-gather over them: called with this share's
-            (lo, unwhitened advantages [b, T], mask [b, T]) and returning every share's tuple (any order); None: this
-            share is the whole batch. The whitening's mean and variance are then those of the whole batch, computed
+        gather: with several DP shares, an all-gather over them: called with this share's (lo, unwhitened
+            advantages [b, T], mask [b, T] bool) and returning every share's tuple (any order); None: this share is
+            the whole batch. The whitening's mean and variance are then those of the whole batch, computed
             by `masked_whiten` over the shares put back in row order -- the same tensor, so the same reduction order
             as the controller's (a sum of per-share partial sums would round differently).
 
@@ -171,7 +171,7 @@ def gae_on_share(scores: torch.Tensor, values: torch.Tensor, response_mask: torc
     adv, returns = gae_unwhitened(scores_to_token_rewards(scores, response_mask), values, response_mask, gamma, lam)
     if gather is None:
         return masked_whiten(adv, response_mask), returns
-    shares = sorted(gather((lo, adv, response_mask)), key=lambda s: s[0])
+    shares = sorted(gather((lo, adv, response_mask.bool())), key=lambda s: s[0])  # a bool mask: 1 byte a token
     starts = [s[0] for s in shares]
     if starts[0] != 0 or any(s[0] + len(s[1]) != n for s, n in zip(shares, starts[1:])):
         raise ValueError(f"gae_on_share: the gathered shares start at rows {starts} with "

@@ -284,7 +284,9 @@ class RLLoop:
         metrics: rewards, lengths (tokens), per-phase times in seconds (`time/<phase>_s`), tokens/s, the roles'
         update metrics (`actor/...`, `critic/...`), the reshard's bytes and time, and the batch's row pieces put into
         the object store for the role calls (`dispatch/batch_pieces_put`, `dispatch/batch_put_bytes`: each once;
-        `dispatch/batch_pieces_by_reference`: pieces of the token keys the ranks built from the rollout's packages),
+        `dispatch/batch_pieces_by_reference`: pieces of the token keys the ranks built from the rollout's packages;
+        `dispatch/token_rows_packed_pieces` / `_bytes`: pieces of the token keys built from rows the controller put
+        once as one object per piece, e.g. multi-turn episodes' -- one crossing, `TokenRowSource.from_rows`),
         and the token-sized tensors ([B, S] and up) that crossed the controller: `dispatch/token_tensors_down` (the
         batch's, each put once), `dispatch/token_results_up` (role results fetched) and `dispatch/token_crossings`
         (those plus generation's output: token ids and vLLM's log-probs).
@@ -302,8 +304,11 @@ class RLLoop:
         # once and every role call below passes the same references (`megarl.controller.shares`)
         with BatchShares(self._share_calls()) as shares:
             # the token keys stay on the rollout ranks where every row is one completion they kept: the training
-            # ranks build their rows from those packages (`megarl.data.token_rows`); else they go down by value
-            shares.by_reference(TokenRowSource.from_trajectories(trajectories, batch, self.encoder.pad_token_id or 0))
+            # ranks build their rows from those packages (`megarl.data.token_rows`); else (rows the controller built:
+            # multi-turn episodes, restored or changed samples) each piece's rows are put once as one object
+            pad = self.encoder.pad_token_id or 0
+            shares.by_reference(TokenRowSource.from_trajectories(trajectories, batch, pad)
+                                or TokenRowSource.from_rows(batch, pad))
             with _timer(t, "reward"):
                 metrics.update(rollout.reward_metrics)
                 if "reward_model" in self.role_groups:  # the learned reward is what is trained on
@@ -407,6 +412,8 @@ class RLLoop:
         metrics.update({"dispatch/batch_pieces_put": float(shares.puts), "dispatch/batch_put_bytes":
                         float(shares.put_bytes),
                         "dispatch/batch_pieces_by_reference": float(shares.by_reference_pieces),
+                        "dispatch/token_rows_packed_pieces": float(shares.packed_pieces),
+                        "dispatch/token_rows_packed_bytes": float(shares.packed_put_bytes),
                         "dispatch/token_tensors_down": float(down),
                         "dispatch/token_results_up": float(up),
                         "dispatch/token_crossings": float(generation + down + up)})
