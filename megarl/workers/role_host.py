@@ -18,6 +18,7 @@ roles' collectives need all ranks.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 from typing import Any, Callable, Optional, Sequence
@@ -29,6 +30,7 @@ from megarl.config.schema import JobConfig
 from megarl.controller.dispatch import SPLIT_ROWS_META, Dispatch, dispatch
 from megarl.data.batch import Batch
 from megarl.data.mini_batches import SHARE_META, ShareLayout
+from megarl.workers.kept_rows import all_gather_objects, exchange_rows
 from megarl.workers.offload import OffloadPolicy
 
 logger = logging.getLogger("megarl.workers")
@@ -203,12 +205,7 @@ class RoleHost:
         lo, hi = share.meta[SPLIT_ROWS_META]
         gather = None
         if critic.dp > 1:  # the whitening's statistics are the whole batch's: every DP share's rows, here
-            group = critic.groups.pgs.dp
-
-            def gather(mine):
-                got = [None] * dist.get_world_size(group)
-                dist.all_gather_object(got, mine, group=group)
-                return got
+            gather = functools.partial(all_gather_objects, group=critic.groups.pgs.dp)
         mask = share.with_loss_mask()["loss_mask"]
         advantages, returns = gae_on_share(share["scores"], values["values"], mask, float(gae["gamma"]),
                                            float(gae["lam"]), (int(lo), int(hi)), gather=gather)
@@ -240,42 +237,13 @@ class RoleHost:
                                      f"the {role}'s loss here reads {key}: send it from the controller")
                 extra[key] = torch.zeros(len(batch), seq_len)
             elif exchange:
-                extra[key] = self._exchange_rows(tensors[result_key], (lo, hi), rows, role)
+                extra[key] = exchange_rows(tensors[result_key], (lo, hi), rows, self._role(role).groups.pgs.dp)
             else:
                 idx = torch.cat([torch.arange(a - lo, b - lo) for a, b in rows])
                 extra[key] = tensors[result_key][idx]
         for name, _ in kept.values():
             self._kept.pop(name, None)
         return batch.update(extra)
-
-    def _exchange_rows(self, mine: torch.Tensor, kept: tuple[int, int], rows: list[tuple[int, int]],
-                       role: str) -> torch.Tensor:
-        """This rank's update share [sum of `rows`' lengths, ...] of a kept result, from its own kept rows `kept`
-        ([lo, hi): `mine`) and its DP peers' (`role`'s DP group; every peer calls this for the same key): the peers'
-        kept ranges and needed rows are all-gathered (integers), then each segment of `exchange_plan` is copied
-        here or sent / received point to point."""
-        from megarl.workers.kept_rows import exchange_plan
-
-        group = self._role(role).groups.pgs.dp
-        me, n = dist.get_rank(group), dist.get_world_size(group)
-        layouts = [None] * n
-        dist.all_gather_object(layouts, (tuple(kept), [tuple(r) for r in rows]), group=group)
-        plan = exchange_plan([k for k, _ in layouts], [r for _, r in layouts])
-        out = torch.empty((sum(b - a for a, b in rows), *mine.shape[1:]), dtype=mine.dtype, device=mine.device)
-        lo = kept[0]
-        pending = []
-        for seg in plan:
-            if seg.src == me and seg.dst == me:
-                out[seg.offset:seg.offset + seg.hi - seg.lo] = mine[seg.lo - lo:seg.hi - lo]
-            elif seg.src == me:
-                pending.append(dist.isend(mine[seg.lo - lo:seg.hi - lo].contiguous(),
-                                          dist.get_global_rank(group, seg.dst), group=group))
-            elif seg.dst == me:
-                pending.append(dist.irecv(out[seg.offset:seg.offset + seg.hi - seg.lo],
-                                          dist.get_global_rank(group, seg.src), group=group))
-        for work in pending:
-            work.wait()
-        return out
 
     # ------------------------------------------------------------------------------------------- role methods
     @dispatch(Dispatch.DP_SPLIT, replica_attr="actor_dp", reads=TOKENS, optional_reads=OLD_FORWARD_OPTIONAL)

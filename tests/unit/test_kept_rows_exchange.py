@@ -10,12 +10,18 @@ from megarl.controller.dispatch import chunk_bounds, shares_cover, shares_exchan
 from megarl.data.mini_batches import share_layout
 from megarl.workers.kept_rows import exchange_plan
 
+STRADDLING = ([(0, 5), (5, 12)], [[(0, 3), (8, 12)], [(3, 8)]])  # rank 1's range spans both ranks' kept rows
 
-@pytest.mark.parametrize("rows,mini,dp", [(32, 16, 2), (32, 8, 4), (2048, 512, 4), (24, 24, 3), (30, 10, 2)])
+
+@pytest.mark.parametrize("rows,mini,dp", [(32, 16, 2), (32, 8, 4), (2048, 512, 4), (24, 24, 3), (30, 10, 2),
+                                          (12, None, 2)])
 def test_carrying_out_the_plan_gives_each_rank_its_update_rows(rows, mini, dp):
     whole = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
-    kept = [chunk_bounds(rows, dp, k) for k in range(dp)]  # the forward's DP_SPLIT shares
-    needed = [share_layout(rows, mini, dp, k).rows for k in range(dp)]
+    if mini is None:
+        kept, needed = STRADDLING
+    else:
+        kept = [chunk_bounds(rows, dp, k) for k in range(dp)]  # the forward's DP_SPLIT shares
+        needed = [share_layout(rows, mini, dp, k).rows for k in range(dp)]
     plan = exchange_plan(kept, needed)
     received = {k: torch.full((sum(b - a for a, b in needed[k]), 3), float("nan")) for k in range(dp)}
     sent_rows = [0] * dp
