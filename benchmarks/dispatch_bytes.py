@@ -165,18 +165,26 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
     slot in it; the rank fetches, once per call, the ids objects ([P + R] int64 per row) of the rounds its rows are
     in where it reads input_ids and their log-probs objects ([R] float32 per row) where it reads rollout_log_probs,
     counted as one round per rollout replica per step, other DP shares' rows included; the masks are built from the
-    lengths).
+    lengths); "gae" = that, with GAE on the critic's ranks where its results stay (`RoleHost.compute_values(gae=)`:
+    the critic's forward reads the scores [B] of its share; values, returns and advantages are kept on its ranks for
+    both updates, nothing token-sized comes up or goes down for them); "peers" = that, with the results kept also
+    where the update is cut differently over the same DP ranks (several mini-batches: `WorkerGroup.results_exchange`),
+    the ranks exchanging the rows of their update shares among their DP peers (`RoleHost._with_kept(exchange=True)`,
+    `megarl.workers.kept_rows`; those bytes, worker to worker, reported as dp_peer_exchange_max_rank_bytes).
     Down: by value, each distinct per-replica argument set once through the controller (`ray.put`), its size on every
     rank that receives it; by reference, each piece once through the controller, and a rank deserialises the pieces
     of its share plus its call (an object ref counted as its 28-byte id). Up: the results, one per replica.
     Generation's output is counted as its [B, S] token ids and log-probs (the samples' payload), the same in every
     mode."""
     from megarl.algorithms.rollout_correction import mismatch_rows
-    from megarl.controller.dispatch import plan_shared_calls, share_rows, shares_cover
+    from megarl.controller.dispatch import chunk_bounds, plan_shared_calls, share_rows, shares_cover, shares_exchange
+    from megarl.data.mini_batches import share_layout
     from megarl.data.token_rows import TOKEN_KEYS, TokenRowsPiece, pack_completion, pack_round, row_checks
-    from megarl.workers.role_host import FORWARD_OPTIONAL, RoleHost
+    from megarl.workers.role_host import FORWARD_OPTIONAL, MASKS, RoleHost
 
     specs = dispatched_methods(RoleHost)
+    if mode not in GAE_MODES:  # before GAE moved to the critic's ranks: its forward read no scores
+        specs["compute_values"] = dataclasses.replace(specs["compute_values"], optional_reads=MASKS)
     if mode in ("reads", "once"):  # before the mismatch moved to the ranks: the forward read no log-probs
         specs["compute_log_probs"] = dataclasses.replace(specs["compute_log_probs"], optional_reads=FORWARD_OPTIONAL)
     _, _, batch, _, _ = step_inputs(lay)
@@ -190,7 +198,10 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
     replica = [(r // lay.tp) % lay.dp for r in ranks]
     last_stage = [r >= lay.world - lay.world // lay.pp for r in ranks]
     mini = lay.mini_batch_prompts * lay.samples_per_prompt
-    stay = mode != "before" and shares_cover(replica, replica, B, mini)
+    covered = shares_cover(replica, replica, B, mini)
+    # several mini-batches over several DP ranks: the ranks exchange their kept rows among their DP peers
+    exchanged = mode in EXCHANGE_MODES and not covered and shares_exchange(replica, replica, B, mini)
+    stay = mode != "before" and (covered or exchanged)
     rows, per_rank = [], [0] * lay.world
     through = 0
     step_calls = ["compute_log_probs", "compute_ref_log_probs"] + (["compute_values", "update_critic"] if critic
@@ -200,7 +211,7 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
         for lo, hi in ranges for x in (lo, hi)})
     put: dict[tuple, tuple[bytes, int]] = {}  # (key, tensor id, lo, hi) -> (handle, pickled bytes): one put each
 
-    source = {k: batch[k] for k in TOKEN_KEYS} if mode == "tokens" else {}  # the rollout's packages' keys
+    source = {k: batch[k] for k in TOKEN_KEYS} if mode in TOKEN_MODES else {}  # the rollout's packages' keys
     lengths = [S] * B  # each row: prompt_tokens of prompt, the rest sampled (the layouts' shape limits)
     # The rollout host puts one poll round's completions as two objects (`pack_round`: all their ids, all their
     # log-probs). Counted here: one round per rollout replica per step, its B / replicas consecutive rows -- the
@@ -232,7 +243,7 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
         spec = specs[name] if mode != "before" else dataclasses.replace(specs[name], reads=None, optional_reads=())
         m = mini if spec.mode is DP_SPLIT_MINI_BATCHES else None
         known = set(put)
-        if mode in ("once", "ranks", "seq", "tokens"):
+        if mode in BY_REFERENCE_MODES:
             calls = plan_shared_calls(spec, (data,), kwargs or {}, lay.world, replica, piece, cuts, name,
                                       mini_batch_samples=m)
             size_of.update(put.values())
@@ -242,7 +253,7 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
         got = []
         for c in calls:
             n = sizes.setdefault(id(c), len(pickle.dumps(c, protocol=5)))
-            if mode in ("once", "ranks", "seq", "tokens"):
+            if mode in BY_REFERENCE_MODES:
                 handles = [h for hs in c[0][0].pieces.values() for h in hs]
                 n += sum(size_of[h] for h in handles if not isinstance(h, TokenRowsPiece))
                 # by reference: the rank fetches each round object its rows are in once, for all the keys reading it
@@ -254,7 +265,7 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
         for r, x in enumerate(got):
             per_rank[r] += x
         share = calls[0][0][0]
-        by_ref = mode in ("once", "ranks", "seq", "tokens")
+        by_ref = mode in BY_REFERENCE_MODES
         keys = sorted(share.pieces if by_ref else share.keys())
         sent = sorted({k for k, *_ in new_pieces}) if by_ref else keys  # what crossed in this call
         rows.append({"call": name, "dir": "down", "keys": keys, "keys_crossing": sent,
@@ -269,9 +280,9 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
 
     up("generate", {"input_ids": batch["input_ids"], "rollout_log_probs": batch["rollout_log_probs"]})
     down("compute_log_probs", Batch({k: v for k, v in batch.tensors.items() if k != "policy_version"})
-         if mode in ("ranks", "seq", "tokens") else batch)  # one weights version: RLLoop leaves the versions out
+         if mode in RANKS_MODES else batch)  # one weights version: RLLoop leaves the versions out
     old = f()
-    if mode in ("ranks", "seq", "tokens"):
+    if mode in RANKS_MODES:
         rows_up = mismatch_rows(old, batch["rollout_log_probs"], batch["loss_mask"])
         up("compute_log_probs", rows_up if stay else {"log_probs": old, **rows_up})
     else:
@@ -282,32 +293,59 @@ def byref_step(lay: Layout, critic: bool, mode: str) -> dict:
     if not stay:
         up("compute_ref_log_probs", {"log_probs": ref})
         batch = batch.update({"ref_log_probs": ref})
+    gae_here = critic and stay and mode in GAE_MODES  # GAE on the critic's ranks: nothing comes up or goes down
     if critic:
-        down("compute_values", batch)
+        # GAE elsewhere: RLLoop leaves the scores out of the critic's forward
+        down("compute_values", batch if gae_here or mode not in GAE_MODES else Batch(
+            {k: v for k, v in batch.tensors.items() if k != "scores"}))
         values = f()
-        up("compute_values", {"values": values})
+        if not gae_here:
+            up("compute_values", {"values": values})
         batch = batch.update({"old_values": values})
-    if mode in ("seq", "tokens") and not critic:  # GRPO: one number per sequence, [B] down, expanded on the ranks
+    if mode in SEQ_MODES and not critic:  # GRPO: one number per sequence, [B] down, expanded on the ranks
         batch = batch.update({"sequence_advantages": torch.rand(B, generator=g), "returns": f()})
     else:
         batch = batch.update({"advantages": f(), "returns": f()})
     kept = {"old_log_probs", "ref_log_probs", "old_values"} if stay else set()
+    if gae_here:
+        kept |= {"advantages", "returns"}
     trimmed = Batch({k: v for k, v in batch.tensors.items() if k not in kept})
     if critic:
         down("update_critic", trimmed)
-    if mode in ("ranks", "seq", "tokens"):  # no rollout correction, a separate old-log-prob forward: no vLLM log-probs
+    if mode in RANKS_MODES:  # no rollout correction, a separate old-log-prob forward: no vLLM log-probs
         trimmed = Batch({k: v for k, v in trimmed.tensors.items() if k != "rollout_log_probs"})
     down("update_actor", trimmed)
+    # worker to worker (not through the controller): the rows of a rank's update share its DP peers kept, per key
+    # read from the kept store (float32 [rows, S])
+    peer_bytes = 0
+    if exchanged:
+        reads_kept = {"update_actor": {"old_log_probs", "ref_log_probs"} | ({"advantages"} if critic else set()),
+                      "update_critic": {"old_values", "returns"} if critic else set()}
+        keys = sum(len(v) for v in reads_kept.values())
+        far = max(sum(b - a - max(0, min(b, hi) - max(a, lo)) for a, b in share_layout(B, mini, lay.dp, k).rows)
+                  for k in range(lay.dp) for lo, hi in [chunk_bounds(B, lay.dp, k)])
+        peer_bytes = keys * far * S * 4
+    # GAE on the critic's ranks with several DP ranks: each last-stage critic rank all-gathers the other shares'
+    # unwhitened advantages (float32) and masks (bool) for the whitening's statistics, worker to worker
+    gae_gather_bytes = (B - min(hi - lo for lo, hi in [chunk_bounds(B, lay.dp, k) for k in range(lay.dp)])) * S * 5 \
+        if gae_here and lay.dp > 1 else 0
     token_sized = {"input_ids", "attention_mask", "loss_mask", "rollout_log_probs", "policy_version", "log_probs",
                    "entropy", "old_log_probs", "ref_log_probs", "values", "old_values", "advantages", "returns"}
     crossings = sum(1 for r in rows for k in r["keys_crossing"] if k in token_sized)
     return {"calls": rows, "through_controller_bytes": through, "max_rank_bytes": max(per_rank),
             "last_stage_max_rank_bytes": max(x for x, last in zip(per_rank, last_stage) if last),
-            "token_sized_key_crossings": crossings, "results_stay": stay,
-            "pieces_per_key": len(cuts) - 1 if mode in ("once", "ranks", "seq", "tokens") else None}
+            "token_sized_key_crossings": crossings, "results_stay": stay, "dp_peer_exchange": exchanged,
+            "dp_peer_exchange_max_rank_bytes": peer_bytes, "gae_allgather_max_rank_bytes": gae_gather_bytes,
+            "pieces_per_key": len(cuts) - 1 if mode in BY_REFERENCE_MODES else None}
 
 
-MODES = ("before", "reads", "once", "ranks", "seq", "tokens")
+MODES = ("before", "reads", "once", "ranks", "seq", "tokens", "gae", "peers")
+BY_REFERENCE_MODES = MODES[2:]
+RANKS_MODES = MODES[3:]
+SEQ_MODES = MODES[4:]
+TOKEN_MODES = MODES[5:]
+GAE_MODES = MODES[6:]
+EXCHANGE_MODES = MODES[7:]
 
 
 def byref_table(lay: Layout) -> list[dict]:
@@ -350,14 +388,17 @@ def main() -> None:
           "results kept on the ranks; once: + the batch put once; ranks: + the mismatch metrics on the ranks, "
           "rollout_log_probs only to the calls that read them; seq: + score-based advantages down as [B] values, "
           "expanded over the loss mask on the ranks; tokens: + the token keys built on the ranks from the rollout's "
-          "poll-round packages)")
+          "poll-round packages; gae: + GAE on the critic's ranks, values, advantages and returns kept there; peers: + "
+          "results kept where the update is cut differently, rows exchanged among DP peers)")
     for r in out["byref"]:
         last = r[MODES[-1]]
         print(f"{r['layout'][:40]}... {r['algorithm']}: through the controller "
               + " -> ".join(mib(r[m]['through_controller_bytes']) for m in MODES) + "; per rank (max) "
               + " -> ".join(mib(r[m]['max_rank_bytes']) for m in MODES) + "; token-sized tensor crossings "
               + " -> ".join(str(r[m]['token_sized_key_crossings']) for m in MODES)
-              + f" (results stay: {last['results_stay']}; pieces per key {last['pieces_per_key']})")
+              + f" (results stay: {last['results_stay']}; pieces per key {last['pieces_per_key']}; DP peer exchange "
+              f"{mib(last['dp_peer_exchange_max_rank_bytes'])} per rank (max); GAE's all-gather "
+              f"{mib(last['gae_allgather_max_rank_bytes'])} per critic rank (max))")
         for c in last["calls"]:
             print(f"    {MODES[-1]} {c['call']:22s} {c['dir']:4s} {mib(c['bytes']):>12s}  crossing: "
                   f"{', '.join(c['keys_crossing']) or '-'}  (reads {', '.join(c['keys'])})")

@@ -26,6 +26,8 @@ two sampled tokens the recursion continues as if the gap were not there (see ``g
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 from megarl.algorithms.masked import masked_whiten
@@ -116,6 +118,16 @@ def gae(
             masked.
         returns: [B, T] float32, ``A_t + V_t`` before whitening (the critic's target), 0 where masked.
     """
+    adv, returns = gae_unwhitened(token_rewards, values, response_mask, gamma, lam)
+    return masked_whiten(adv, response_mask), returns
+
+
+@torch.no_grad()
+def gae_unwhitened(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
+                   gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gae` before its whitening: (advantages [B, T] float32, not whitened, masked positions not zeroed; returns
+    [B, T] float32, 0 where masked). Row-wise: each row's output depends on that row alone, so a row share of the
+    batch gives that share's rows bit for bit (`gae_on_share`)."""
     _check_2d("token_rewards", token_rewards, response_mask)
     _check_2d("values", values, response_mask)
     rewards, vals = _float(token_rewards), _float(values)
@@ -130,7 +142,42 @@ def gae(
         next_value = torch.where(valid[:, t], vals[:, t], next_value)
         next_adv = torch.where(valid[:, t], a, next_adv)
     returns = torch.where(valid, adv + vals, 0.0)
-    return masked_whiten(adv, response_mask), returns
+    return adv, returns
+
+
+@torch.no_grad()
+def gae_on_share(scores: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float,
+                 rows: tuple[int, int],
+                 gather: Optional[Callable[[tuple], list[tuple]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE of one DP share of the batch, on the critic's rank that holds its values: bit for bit the share's rows
+    of the controller's `gae(scores_to_token_rewards(scores_all, mask_all), values_all, mask_all, gamma, lam)`.
+
+    Args:
+        scores: [b] float, the share's sequence scores; values: [b, T] float32, its critic values; response_mask:
+            [b, T] 0/1, its loss mask; rows: (lo, hi), the share's rows of the whole batch (b = hi - lo).
+        gather: with several DP shares, an all-gather over them: called with this share's (lo, unwhitened
+            advantages [b, T], mask [b, T] bool) and returning every share's tuple (any order); None: this share is
+            the whole batch. The whitening's mean and variance are then those of the whole batch, computed
+            by `masked_whiten` over the shares put back in row order -- the same tensor, so the same reduction order
+            as the controller's (a sum of per-share partial sums would round differently).
+
+    Returns: (advantages [b, T] float32 whitened over the whole batch's valid tokens, 0 where masked; returns [b, T]
+        float32, the critic's target).
+    """
+    lo, hi = rows
+    if scores.shape[0] != hi - lo or values.shape[0] != hi - lo:
+        raise ValueError(f"gae_on_share: the share holds rows [{lo}, {hi}) but scores has {scores.shape[0]} and "
+                         f"values {values.shape[0]} rows")
+    adv, returns = gae_unwhitened(scores_to_token_rewards(scores, response_mask), values, response_mask, gamma, lam)
+    if gather is None:
+        return masked_whiten(adv, response_mask), returns
+    shares = sorted(gather((lo, adv, response_mask.bool())), key=lambda s: s[0])  # a bool mask: 1 byte a token
+    starts = [s[0] for s in shares]
+    if starts[0] != 0 or any(s[0] + len(s[1]) != n for s, n in zip(shares, starts[1:])):
+        raise ValueError(f"gae_on_share: the gathered shares start at rows {starts} with "
+                         f"{[len(s[1]) for s in shares]} rows each: they must tile the batch from row 0")
+    whole = masked_whiten(torch.cat([s[1] for s in shares]), torch.cat([s[2] for s in shares]))
+    return whole[lo:hi], returns
 
 
 @register_advantage("grpo")

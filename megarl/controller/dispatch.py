@@ -268,6 +268,24 @@ def shares_cover(producer_replica_of: Sequence[int], consumer_replica_of: Sequen
     return True
 
 
+def shares_exchange(producer_replica_of: Sequence[int], consumer_replica_of: Sequence[int], rows: int,
+                    mini_batch_samples: Optional[int]) -> bool:
+    """Whether results kept by the DP_SPLIT method's ranks (replicas `producer_replica_of`) can feed the
+    DP_SPLIT_MINI_BATCHES method's shares (`consumer_replica_of`, `mini_batch_samples`) of `rows` rows by the ranks
+    exchanging rows among their DP peers (`RoleHost._with_kept(exchange=True)`) where `shares_cover` is False: the
+    same replica of every rank in both (the same DP groups; the forward's shares then tile the batch over each
+    group), and the update can be cut."""
+    if list(producer_replica_of) != list(consumer_replica_of) or rows < max(producer_replica_of) + 1:
+        return False
+    n = max(consumer_replica_of) + 1
+    try:
+        for k in range(n):
+            share_layout(rows, mini_batch_samples, n, k)
+    except ValueError:
+        return False
+    return True
+
+
 def concat_results(parts: list[Any]) -> Any:
     """Concatenate per-replica results in order (see the module docstring for the types)."""
     import torch

@@ -47,7 +47,10 @@ class BatchShares:
     e.g. a loss mask changed after the first call, counts again); `token_results_up` -- (method, key) of each such
     tensor a call inside the block returned to the controller (`note_result`, by `PendingCall.result`).
     `by_reference_pieces` / `keys_by_reference` -- pieces sent as references to the rollout's packages instead of
-    put (`by_reference`): they do not cross.
+    put (`by_reference`): they do not cross. `packed_pieces` -- pieces of rows the controller built itself
+    (`TokenRowSource.from_rows`, e.g. multi-turn episodes): each piece's ids, log-probs and loss masks are one object
+    put once for every key and call reading them, counted in `token_tensors_down` as one token-sized crossing
+    ("token_rows") however many keys and pieces; `packed_put_bytes` -- their tensor bytes.
     """
 
     def __init__(self, calls: Sequence[tuple[Any, str]]) -> None:
@@ -66,6 +69,8 @@ class BatchShares:
         self.token_results_up: list[tuple[str, str]] = []
         self._source: Any = None  # by_reference
         self.by_reference_pieces = 0
+        self.packed_pieces = 0
+        self._packed_bytes = 0
         self.keys_by_reference: list[str] = []
         self._outer: Optional[BatchShares] = None
 
@@ -96,7 +101,12 @@ class BatchShares:
             if ref is not None:
                 self._refs[index] = ref
                 self._held[id(tensor)] = tensor
-                self.by_reference_pieces += 1
+                if getattr(ref, "packed", False):  # rows the controller built, put once for all their keys
+                    self.packed_pieces += 1
+                    if ("token_rows", id(self._source)) not in self.token_tensors_down:
+                        self.token_tensors_down.append(("token_rows", id(self._source)))
+                else:
+                    self.by_reference_pieces += 1
                 if key not in self.keys_by_reference:
                     self.keys_by_reference.append(key)
         if ref is None:
@@ -110,6 +120,10 @@ class BatchShares:
             if part.dim() >= 2 and (key, id(tensor)) not in self.token_tensors_down:
                 self.token_tensors_down.append((key, id(tensor)))
         return ref
+
+    @property
+    def packed_put_bytes(self) -> int:
+        return int(getattr(self._source, "put_bytes", 0) or 0) if self._source is not None else self._packed_bytes
 
     def note_result(self, method: str, result: Any) -> None:
         """Count the token-sized tensors (two or more dims) of a call's collected `result` (a `Batch`, or anything
@@ -127,4 +141,5 @@ class BatchShares:
         _active.shares = self._outer
         self._refs.clear()
         self._held.clear()
+        self._packed_bytes = self.packed_put_bytes
         self._source = None

@@ -59,6 +59,7 @@ from megarl.controller.dispatch import (
     resolve_shares,
     share_rows,
     shares_cover,
+    shares_exchange,
 )
 from megarl.controller.resource_pool import ResourcePool
 from megarl.controller.shares import active_shares
@@ -427,6 +428,20 @@ class WorkerGroup:
                              f"this group; it has {self.methods}")
         return shares_cover(self._replicas(what, p, self.call_timeout_s), self._replicas(what, c, self.call_timeout_s),
                             rows, self._mini_batch_samples(what, c, self.call_timeout_s))
+
+    def results_exchange(self, producer: str, consumer: str, rows: int) -> bool:
+        """Whether results of `producer` kept on the ranks can feed `consumer` (as in `results_stay`) where its shares
+        are cut differently, the ranks exchanging the rows among their DP peers (`update_*(exchange_kept=True)`;
+        `megarl.controller.dispatch.shares_exchange`: the same replicas in both, e.g. several mini-batches over
+        several DP ranks)."""
+        what = f"{self.worker_cls.__name__}.{producer} -> {consumer}"
+        p, c = self._methods.get(producer), self._methods.get(consumer)
+        if p is None or c is None or p.mode is not Dispatch.DP_SPLIT or c.mode is not Dispatch.DP_SPLIT_MINI_BATCHES:
+            raise ValueError(f"{what}: results_exchange pairs a DP_SPLIT method with a DP_SPLIT_MINI_BATCHES one of "
+                             f"this group; it has {self.methods}")
+        return shares_exchange(self._replicas(what, p, self.call_timeout_s),
+                               self._replicas(what, c, self.call_timeout_s), rows,
+                               self._mini_batch_samples(what, c, self.call_timeout_s))
 
     def share_bounds(self, method: str, rows: int) -> set[int]:
         """The row boundaries of every replica's share of the DP method `method` over a batch of `rows` rows (where

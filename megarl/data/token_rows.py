@@ -24,7 +24,10 @@ be trained on in its old form. A completion whose rollout rank died before a tra
 object's owner died) raises `RolloutOutputLost` (`lost_completion`), naming that rollout rank and the rows. Only rows that are exactly one completion (prompt + response, loss mask 1 on the
 response) have references: multi-turn episodes (observation tokens inserted on the controller), samples replaced or
 rebuilt on the controller (`dataclasses.replace` drops the attribute) and samples restored from a checkpoint have
-none, and a batch with any such row sends its token keys by value, as before.
+none. A batch with any such row is rows the controller built (`TokenRowSource.from_rows`): each piece of its rows
+(ids, log-probs, loss masks, unpadded) is put once as one object (`pack_rows`) that every key and call reading those
+rows references -- one crossing instead of four keys by value -- and the ranks rebuild the four keys from it, checked
+the same way.
 """
 
 from __future__ import annotations
@@ -59,6 +62,19 @@ def pack_round(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
     concatenated rows; offsets [n + 1] int64, row k is values[offsets[k]:offsets[k + 1]])."""
     lengths = torch.tensor([0] + [len(r) for r in rows], dtype=torch.long)
     return torch.cat(list(rows)) if rows else torch.zeros(0), lengths.cumsum(0)
+
+
+# where each key's rows are in a `pack_rows` object
+PACKED_INDEX = {"input_ids": 0, "rollout_log_probs": 1, "loss_mask": 2}
+
+
+def pack_rows(input_ids: torch.Tensor, rollout_log_probs: torch.Tensor, loss_mask: torch.Tensor,
+              lengths: Sequence[int]) -> tuple:
+    """Rows of a batch the controller built (each row's first `lengths[i]` tokens; the rest is padding) as one
+    object: (ids, log-probs, loss masks), each a `pack_round` of the unpadded rows (int64, float32, uint8)."""
+    def pack(t, dtype):
+        return pack_round([t[i, :n].to(dtype) for i, n in enumerate(lengths)])
+    return (pack(input_ids, torch.long), pack(rollout_log_probs, torch.float32), pack(loss_mask, torch.uint8))
 
 
 def round_row(round_object: tuple[torch.Tensor, torch.Tensor], slot: int) -> torch.Tensor:
@@ -105,6 +121,9 @@ class TokenRowsPiece:
     pad_id: int
     owners: list[int] = dataclasses.field(default_factory=list)
     slots: list[int] = dataclasses.field(default_factory=list)
+    # the rows were put by the controller (`TokenRowSource.from_rows`: rows it built itself, e.g. multi-turn episodes):
+    # refs[i] is one object (`pack_rows`) holding the piece's ids, log-probs and loss masks, unpadded, for every key
+    packed: bool = False
 
     def assemble(self, fetched: Sequence[torch.Tensor]) -> torch.Tensor:
         """[hi - lo, S] of this key, laid out as `trajectories_to_batch`, from the fetched objects of `refs` (in
@@ -119,7 +138,13 @@ class TokenRowsPiece:
         else:
             raise ValueError(f"TokenRowsPiece: no layout for key {self.key!r}; keys by reference: {TOKEN_KEYS}")
         for i, (p, n) in enumerate(zip(self.prompt_lens, self.lengths)):
-            if self.key == "attention_mask":
+            if self.packed and self.key != "attention_mask":
+                part = round_row(fetched[i][PACKED_INDEX[self.key]], self.slots[i])
+                if len(part) != n:
+                    raise ValueError(f"{self.key} row {i}: the controller's packed row has {len(part)} values but the "
+                                     f"row has {n} tokens")
+                out[i, :n] = part
+            elif self.key == "attention_mask":
                 out[i, :n] = 1
             elif self.key == "loss_mask":
                 out[i, p:n] = 1
@@ -199,13 +224,60 @@ class TokenRowSource:
         return cls(refs, [t.prompt_len for t in trajectories], [len(t) for t in trajectories], tensors, pad_id,
                    {k: v._version for k, v in tensors.items()})
 
+    # rows the controller built (`from_rows`): per piece [lo, hi), the ref of its `pack_rows` object, put once
+    packed: Optional[dict] = None
+    put_bytes: int = 0  # tensor bytes of the packed objects put
+    put: Optional[Any] = None  # how a packed object is put (default `ray.put`)
+
+    @classmethod
+    def from_rows(cls, batch: Any, pad_id: int, put: Optional[Any] = None) -> Optional["TokenRowSource"]:
+        """The source of a batch whose rows the controller built itself (multi-turn episodes: observation tokens
+        inserted between the turns; samples restored from a checkpoint or changed after generation: no references):
+        each piece's ids, log-probs and loss masks, unpadded, are `ray.put` once as one object (`pack_rows`), which
+        every key of every call reading those rows references -- the rows cross once, and a rank fetches only the
+        pieces of its share; attention_mask is built from the lengths. None unless the batch has all four keys and
+        every attention mask is a prefix of ones (`trajectories_to_batch`'s layout). `put`: value -> handle (default
+        `ray.put`)."""
+        if any(k not in batch.tensors for k in TOKEN_KEYS):
+            return None
+        attention = batch.tensors["attention_mask"]
+        lengths = attention.sum(-1)
+        prefix = torch.arange(attention.shape[1])[None, :] < lengths[:, None]
+        if not torch.equal(attention.bool(), prefix):
+            return None
+        tensors = {k: batch.tensors[k] for k in TOKEN_KEYS}
+        return cls([], [0] * len(lengths), [int(n) for n in lengths], tensors, pad_id,
+                   {k: v._version for k, v in tensors.items()}, packed={}, put=put)
+
     def piece(self, key: str, tensor: torch.Tensor, lo: int, hi: int) -> Optional[TokenRowsPiece]:
         """The by-reference handle of `tensor[lo:hi]` when `tensor` is this source's `key`, not changed in place since
-        (its version counter), else None (it goes by value)."""
+        (its version counter), else None (it goes by value). From `from_rows`: the first handle of a piece puts its
+        `pack_rows` object (`ray.put`)."""
         if self.tensors.get(key) is not tensor or tensor._version != self.versions[key]:
             return None
+        if self.packed is not None:
+            return self._packed_piece(key, tensor, lo, hi)
         which = _SOURCE_OF[key]
         rows = [] if which is None else self.refs[lo:hi]
         return TokenRowsPiece(key, [r[which] for r in rows], self.prompt_lens[lo:hi], self.lengths[lo:hi],
                               row_checks(tensor[lo:hi]), tensor.shape[1], self.pad_id, [r[3] for r in rows],
                               [r[2] for r in rows])
+
+    def _packed_piece(self, key: str, tensor: torch.Tensor, lo: int, hi: int) -> TokenRowsPiece:
+        if any(self.tensors[k]._version != self.versions[k] for k in self.tensors):
+            raise ValueError(f"TokenRowSource: a token key of the batch was changed in place after the source was "
+                             f"made; make the source after the batch is final ({key} rows [{lo}, {hi}))")
+        if (lo, hi) not in self.packed:
+            if self.put is None:
+                import ray
+
+                self.put = ray.put
+            t = self.tensors
+            obj = pack_rows(t["input_ids"][lo:hi], t["rollout_log_probs"][lo:hi], t["loss_mask"][lo:hi],
+                            self.lengths[lo:hi])
+            self.put_bytes += sum(v.numel() * v.element_size() for pair in obj for v in pair)
+            self.packed[(lo, hi)] = self.put(obj)
+        ref = self.packed[(lo, hi)]
+        n = hi - lo
+        return TokenRowsPiece(key, [ref] * n, self.prompt_lens[lo:hi], self.lengths[lo:hi], row_checks(tensor[lo:hi]),
+                              tensor.shape[1], self.pad_id, [], list(range(n)), packed=True)

@@ -291,7 +291,9 @@ class RLLoop:
         metrics: rewards, lengths (tokens), per-phase times in seconds (`time/<phase>_s`), tokens/s, the roles'
         update metrics (`actor/...`, `critic/...`), the reshard's bytes and time, and the batch's row pieces put into
         the object store for the role calls (`dispatch/batch_pieces_put`, `dispatch/batch_put_bytes`: each once;
-        `dispatch/batch_pieces_by_reference`: pieces of the token keys the ranks built from the rollout's packages),
+        `dispatch/batch_pieces_by_reference`: pieces of the token keys the ranks built from the rollout's packages;
+        `dispatch/token_rows_packed_pieces` / `_bytes`: pieces of the token keys built from rows the controller put
+        once as one object per piece, e.g. multi-turn episodes' -- one crossing, `TokenRowSource.from_rows`),
         and the token-sized tensors ([B, S] and up) that crossed the controller: `dispatch/token_tensors_down` (the
         batch's, each put once), `dispatch/token_results_up` (role results fetched) and `dispatch/token_crossings`
         (those plus generation's output: token ids and vLLM's log-probs).
@@ -309,8 +311,11 @@ class RLLoop:
         # once and every role call below passes the same references (`megarl.controller.shares`)
         with BatchShares(self._share_calls()) as shares:
             # the token keys stay on the rollout ranks where every row is one completion they kept: the training
-            # ranks build their rows from those packages (`megarl.data.token_rows`); else they go down by value
-            shares.by_reference(TokenRowSource.from_trajectories(trajectories, batch, self.encoder.pad_token_id or 0))
+            # ranks build their rows from those packages (`megarl.data.token_rows`); else (rows the controller built:
+            # multi-turn episodes, restored or changed samples) each piece's rows are put once as one object
+            pad = self.encoder.pad_token_id or 0
+            shares.by_reference(TokenRowSource.from_trajectories(trajectories, batch, pad)
+                                or TokenRowSource.from_rows(batch, pad))
             with _timer(t, "reward"):
                 metrics.update(rollout.reward_metrics)
                 if "reward_model" in self.role_groups:  # the learned reward is what is trained on
@@ -369,16 +374,23 @@ class RLLoop:
                         teacher_log_probs[name] = self._teacher_group(name).compute_teacher_log_probs(
                             batch, teacher=name, fetch=fetch_teacher, top_k=top_k)
             critic = self.role_groups.get("critic")
+            gae_here = critic is not None and self._gae_on_ranks(stay)
             if critic is not None:
                 with _timer(t, "values"):
                     keep = f"{step}/values" if stay["values"] else None
-                    # the advantages need them here; the critic's update reads its own copy
-                    values = critic.compute_values(batch, keep=keep, fetch=("values",))
-                    batch.tensors["old_values"] = values.tensors["values"]
+                    if gae_here:  # GAE on the critic's ranks: values, returns and advantages stay there
+                        gae = {"gamma": self.cfg.algorithm.gamma, "lam": self.cfg.algorithm.lam,
+                               "keep_advantages": f"{step}/advantages"}
+                        critic.compute_values(batch, keep=keep, fetch=(), gae=gae)
+                        kept_critic["returns"] = (keep, "returns")
+                        kept_actor["advantages"] = (gae["keep_advantages"], "advantages")
+                    else:  # the advantages need them here; the critic's update reads its own copy
+                        values = critic.compute_values(_without(batch, {"scores"}), keep=keep, fetch=("values",))
+                        batch.tensors["old_values"] = values.tensors["values"]
                     if keep is not None:
                         kept_critic["old_values"] = (keep, "values")
             with _timer(t, "advantages"):
-                extra = self._advantages(batch)
+                extra = {} if gae_here else self._advantages(batch)
                 if teacher_log_probs:
                     extra.update(self._distill(batch, teacher_log_probs, rollout, trajectories))
             train_batch = self._filter_overlong(batch, trajectories, metrics)
@@ -389,14 +401,19 @@ class RLLoop:
             actor_batch, per_sequence = _sequence_advantages(actor_batch)
             pending = None
             if critic is not None and critic is not self.workers:
-                pending = critic.update_critic.submit(critic_batch, kept=kept_critic or None)  # overlaps the actor's
+                pending = critic.update_critic.submit(critic_batch, kept=kept_critic or None,  # overlaps the actor's
+                                                      exchange_kept=bool(kept_critic) and stay["exchange_critic"])
             elif critic is not None:
                 with _timer(t, "update_critic"):
-                    metrics.update({f"critic/{k}": v for k, v in
-                                    critic.update_critic(critic_batch, kept=kept_critic or None).items()})
+                    metrics.update({f"critic/{k}": v for k, v in critic.update_critic(
+                        critic_batch, kept=kept_critic or None,
+                        exchange_kept=bool(kept_critic) and stay["exchange_critic"]).items()})
+            # the actor's update exchanges its kept rows among DP peers when any of them was cut differently
+            exchange = (("old_log_probs" in kept_actor or "ref_log_probs" in kept_actor) and stay["exchange_actor"]
+                        or "advantages" in kept_actor and stay["exchange_advantages"])
             with _timer(t, "update_actor"):
                 for k, v in self.workers.update_actor(actor_batch, kept=kept_actor or None, per_sequence=per_sequence,
-                                                          top_k_kl_coef=self.top_k_kl_coef).items():
+                                                      exchange_kept=exchange, top_k_kl_coef=self.top_k_kl_coef).items():
                     metrics[f"mismatch/{k[len('mismatch_'):]}" if k.startswith("mismatch_") else f"actor/{k}"] = v
             if pending is not None:
                 with _timer(t, "update_critic_wait"):
@@ -409,6 +426,8 @@ class RLLoop:
         metrics.update({"dispatch/batch_pieces_put": float(shares.puts), "dispatch/batch_put_bytes":
                         float(shares.put_bytes),
                         "dispatch/batch_pieces_by_reference": float(shares.by_reference_pieces),
+                        "dispatch/token_rows_packed_pieces": float(shares.packed_pieces),
+                        "dispatch/token_rows_packed_bytes": float(shares.packed_put_bytes),
                         "dispatch/token_tensors_down": float(down),
                         "dispatch/token_results_up": float(up),
                         "dispatch/token_crossings": float(generation + down + up)})
@@ -477,21 +496,50 @@ class RLLoop:
 
     def _results_stay(self, rows: int) -> dict[str, bool]:
         """Which forward results of this step stay on the ranks that compute them and feed the update there instead
-        of travelling controller -> rank (`WorkerGroup.results_stay`: each rank's forward share holds the rows of its
-        update share; the same pool with the same pipeline stages for the reference): "old" (old log-probs: the
-        controller still fetches them, for the mismatch metrics; not with router replay, whose experts travel with
-        them), "ref" (reference log-probs: not fetched unless KL is in the reward) and "values" (fetched for the
-        advantages)."""
+        of travelling controller -> rank: "old" (old log-probs: the controller still fetches them, for the mismatch
+        metrics, unless kept; not with router replay, whose experts travel with them), "ref" (reference log-probs: the
+        same pool with the same pipeline stages; not fetched unless KL is in the reward), "values" (the critic's:
+        fetched for the advantages unless GAE runs on its ranks, `_gae_on_ranks`) and "advantages" (GAE's advantages,
+        kept by the critic's forward for the actor's update: the critic on the actor's group with the actor's
+        layout). A result stays where each rank's forward share holds the rows of its update share
+        (`WorkerGroup.results_stay`: one DP replica, or one mini-batch cut as the forward was), or where the update
+        is cut differently over the same DP ranks and the ranks exchange the rows among their DP peers
+        (`WorkerGroup.results_exchange`: several mini-batches over several DP ranks) -- then "exchange_actor" /
+        "exchange_critic" say that the actor's / critic's update must ask for that exchange (`exchange_kept=True`)."""
         a = self.cfg.actor.parallel
         ref = self.role_groups.get("reference")
         critic = self.role_groups.get("critic")
-        return {
-            "old": (not self.old_log_probs_from_update and self.cfg.algorithm.router_replay == "none"
-                    and self.workers.results_stay("compute_log_probs", "update_actor", rows)),
-            "ref": (ref is self.workers and not self.kl_in_reward and self.cfg.reference.parallel.pp == a.pp
-                    and self.workers.results_stay("compute_ref_log_probs", "update_actor", rows)),
-            "values": critic is not None and critic.results_stay("compute_values", "update_critic", rows),
-        }
+        same_as_actor = lambda p: (p.tp, p.pp, p.cp, p.ep) == (a.tp, a.pp, a.cp, a.ep)  # noqa: E731
+
+        def reach(group, producer: str, consumer: str, exchangeable: bool = True) -> tuple[bool, bool]:
+            """(stays, only by the DP peers' exchange)"""
+            if group.results_stay(producer, consumer, rows):
+                return True, False
+            return (True, True) if exchangeable and group.results_exchange(producer, consumer, rows) else (False,
+                                                                                                           False)
+
+        no = (False, False)
+        old = (reach(self.workers, "compute_log_probs", "update_actor")
+               if not self.old_log_probs_from_update and self.cfg.algorithm.router_replay == "none" else no)
+        ref_ = (reach(self.workers, "compute_ref_log_probs", "update_actor",
+                      exchangeable=same_as_actor(self.cfg.reference.parallel))
+                if ref is self.workers and not self.kl_in_reward and self.cfg.reference.parallel.pp == a.pp else no)
+        values = reach(critic, "compute_values", "update_critic") if critic is not None else no
+        adv = (reach(self.workers, "compute_values", "update_actor",
+                     exchangeable=same_as_actor(self.cfg.critic.parallel))
+               if critic is self.workers and values[0] else no)
+        return {"old": old[0], "ref": ref_[0], "values": values[0], "advantages": adv[0],
+                "exchange_actor": (old[1] and old[0]) or (ref_[1] and ref_[0]), "exchange_advantages": adv[1],
+                "exchange_critic": values[1]}
+
+    def _gae_on_ranks(self, stay: dict[str, bool]) -> bool:
+        """Whether GAE runs on the critic's ranks (`RoleHost.compute_values(gae=)`: bit for bit the controller's),
+        so that neither the values nor the advantages and returns cross the controller: GAE with the token rewards
+        made of the scores alone (no KL in the reward: its log-probs are on other ranks; no distillation: it adds to
+        the advantages here), the critic's values staying for its update and its advantages for the actor's
+        (`_results_stay`)."""
+        return (self.estimator == "gae" and stay["values"] and stay["advantages"] and not self.kl_in_reward
+                and not self.teachers)
 
     def _filter_overlong(self, batch: Batch, trajectories, metrics: dict[str, float]) -> Batch:
         """The batch the updates train on: with `algorithm.overlong.filter`, truncated trajectories' (finish_reason

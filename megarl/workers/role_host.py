@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any, Callable, Optional, Sequence
@@ -30,6 +31,7 @@ from megarl.config.schema import JobConfig
 from megarl.controller.dispatch import SPLIT_ROWS_META, Dispatch, dispatch
 from megarl.data.batch import Batch
 from megarl.data.mini_batches import SHARE_META, ShareLayout
+from megarl.workers.kept_rows import all_gather_objects, exchange_rows
 from megarl.workers.offload import OffloadPolicy
 
 logger = logging.getLogger("megarl.workers")
@@ -182,20 +184,49 @@ class RoleHost:
             if SPLIT_ROWS_META not in share.meta:
                 raise ValueError(f"keep={keep!r} needs the controller's DP_SPLIT share (meta[{SPLIT_ROWS_META!r}])")
             lo, hi = share.meta[SPLIT_ROWS_META]
-            self._kept.pop(keep, None)
-            while len(self._kept) >= MAX_KEPT:  # results nobody read (a step that failed between): oldest first
-                self._kept.pop(next(iter(self._kept)))
-            self._kept[keep] = ((int(lo), int(hi)), share.seq_len, None if result is None else dict(result.tensors))
+            self._keep(keep, (int(lo), int(hi)), share.seq_len, None if result is None else dict(result.tensors))
         if result is None or fetch is None:
             return result
         if not fetch:
             return None
         return Batch({k: result.tensors[k] for k in fetch if k in result.tensors}, dict(result.meta))
 
-    def _with_kept(self, batch: Batch, kept: Optional[dict[str, tuple[str, str]]], method: str, role: str) -> Batch:
+    def _keep(self, name: str, rows: tuple[int, int], seq_len: int, tensors: Optional[dict]) -> None:
+        """Keep `tensors` ({key: [hi - lo, S]} of the batch's rows [lo, hi); None off the last pipeline stage) under
+        `name` for a later update's `kept=`."""
+        self._kept.pop(name, None)
+        while len(self._kept) >= MAX_KEPT:  # results nobody read (a step that failed between): oldest first
+            self._kept.pop(next(iter(self._kept)))
+        self._kept[name] = ((int(rows[0]), int(rows[1])), seq_len, tensors)
+
+    def _gae_here(self, share: Batch, values: Optional[Batch], gae: dict) -> Optional[Batch]:
+        """`values` (this rank's compute_values result; None off the last stage) with advantages and returns [b, S]
+        float32 of GAE over `share`'s scores and loss mask (`gae_on_share`); None off the last stage."""
+        from megarl.algorithms.advantages import gae_on_share
+
+        if values is None:
+            return None
+        if "scores" not in share:
+            raise KeyError(f"compute_values(gae=...) needs scores [b] in its share; it has {sorted(share.keys())}: "
+                           "put the step's scores in the batch before the call")
+        critic = self._role("critic")
+        lo, hi = share.meta[SPLIT_ROWS_META]
+        gather = None
+        if critic.dp > 1:  # the whitening's statistics are the whole batch's: every DP share's rows, here
+            gather = functools.partial(all_gather_objects, group=critic.groups.pgs.dp)
+        mask = share.with_loss_mask()["loss_mask"]
+        advantages, returns = gae_on_share(share["scores"], values["values"], mask, float(gae["gamma"]),
+                                           float(gae["lam"]), (int(lo), int(hi)), gather=gather)
+        return values.update({"advantages": advantages, "returns": returns})
+
+    def _with_kept(self, batch: Batch, kept: Optional[dict[str, tuple[str, str]]], method: str, role: str,
+                   exchange: bool = False) -> Batch:
         """`batch` (this rank's update share, its layout in meta) plus, for each `batch key -> (kept name, result key)`
         of `kept`, this share's rows of that kept result (taken out of the store). Off the last pipeline stage, where
-        no forward result exists and the loss never reads it, zeros of the same shape."""
+        no forward result exists and the loss never reads it, zeros of the same shape. `exchange` (the same on every
+        rank: the controller's `WorkerGroup.results_stay` found the forward and update shares cut differently over
+        the same DP ranks): the rows this rank's share needs and another DP peer kept come from that peer over
+        `role`'s DP group, point to point (`megarl.workers.kept_rows.exchange_plan`); a collective of the group."""
         if not kept:
             return batch
         rows = ShareLayout.from_meta(batch.meta[SHARE_META]).rows
@@ -205,7 +236,7 @@ class RoleHost:
                 raise KeyError(f"{method}: no result kept under {name!r} on this rank (kept: {sorted(self._kept)}); "
                                "the forward with keep= must run on this group before the update")
             (lo, hi), seq_len, tensors = self._kept[name]
-            if any(a < lo or b > hi for a, b in rows):
+            if not exchange and any(a < lo or b > hi for a, b in rows):
                 raise ValueError(f"{method}: this rank kept rows [{lo}, {hi}) of {name!r} but its update share needs "
                                  f"{rows}: send {key} from the controller (WorkerGroup.results_stay is False here)")
             if tensors is None:
@@ -213,6 +244,8 @@ class RoleHost:
                     raise ValueError(f"{method}: {name!r} was computed off this rank's last pipeline stage but "
                                      f"the {role}'s loss here reads {key}: send it from the controller")
                 extra[key] = torch.zeros(len(batch), seq_len)
+            elif exchange:
+                extra[key] = exchange_rows(tensors[result_key], (lo, hi), rows, self._role(role).groups.pgs.dp)
             else:
                 idx = torch.cat([torch.arange(a - lo, b - lo) for a, b in rows])
                 extra[key] = tensors[result_key][idx]
@@ -272,13 +305,30 @@ class RoleHost:
             self.events.append(("offload", f"teacher/{teacher}", tuple(role.engine.offloaded)))
         return self._answer(batch, out, keep, fetch)
 
-    @dispatch(Dispatch.DP_SPLIT, replica_attr="critic_dp", reads=TOKENS, optional_reads=MASKS)
+    @dispatch(Dispatch.DP_SPLIT, replica_attr="critic_dp", reads=TOKENS, optional_reads=(*MASKS, "scores"))
     def compute_values(self, batch: Batch, keep: Optional[str] = None,
-                       fetch: Optional[Sequence[str]] = None) -> Optional[Batch]:
+                       fetch: Optional[Sequence[str]] = None, gae: Optional[dict] = None) -> Optional[Batch]:
         """This critic DP rank's share -> values [b, S] float32 (token-aligned, 0 outside the response) on the last
         stage; None elsewhere. The critic stays on the device for its update. `keep`, `fetch` as in
-        `compute_log_probs`."""
+        `compute_log_probs`.
+        `gae` ({"gamma", "lam", "keep_advantages": name}; with `keep`; the share then carries scores [b]): GAE runs
+        here, on the values just computed (`megarl.algorithms.advantages.gae_on_share`: bit for bit the controller's
+        `gae` over the whole batch; with several critic DP ranks the unwhitened advantages are all-gathered over the
+        critic's DP group for the whitening's statistics). The result also holds returns [b, S] (kept with the
+        values under `keep`, for `update_critic`'s `kept=`), and the advantages [b, S] are kept under
+        `gae["keep_advantages"]` (for `update_actor`'s `kept=` on this same group); neither comes up unless
+        fetched."""
         out = self._use_keep("critic", lambda r: r.compute_values(batch, share=True))
+        if gae is not None:
+            if keep is None:
+                raise ValueError("compute_values(gae=...) keeps its advantages and returns on this rank: pass keep=")
+            out = self._gae_here(batch, out, gae)
+            if out is not None:
+                lo, hi = batch.meta[SPLIT_ROWS_META]
+                self._keep(gae["keep_advantages"], (int(lo), int(hi)), batch.seq_len,
+                           {"advantages": out.tensors.pop("advantages")})
+            else:
+                self._keep(gae["keep_advantages"], tuple(batch.meta[SPLIT_ROWS_META]), batch.seq_len, None)
         return self._answer(batch, out, keep, fetch)
 
     @dispatch(Dispatch.DP_SPLIT, replica_attr="reward_model_dp", reads=TOKENS)
@@ -290,7 +340,8 @@ class RoleHost:
     @dispatch(Dispatch.DP_SPLIT_MINI_BATCHES, replica_attr="actor_dp", mini_batch_attr="actor_mini_batch_samples",
               reads=TOKENS, optional_reads=UPDATE_ACTOR_OPTIONAL)
     def update_actor(self, batch: Batch, kept: Optional[dict[str, tuple[str, str]]] = None,
-                     per_sequence: Optional[str] = None, top_k_kl_coef: Optional[float] = None) -> dict[str, float]:
+                     per_sequence: Optional[str] = None, exchange_kept: bool = False,
+                     top_k_kl_coef: Optional[float] = None) -> dict[str, float]:
         """PPO/GSPO update of the actor over mini- and micro-batches (`actor.update`).
 
         `batch`: this actor DP rank's part of every mini-batch of the step's batch, concatenated in mini-batch
@@ -301,7 +352,8 @@ class RoleHost:
         lr), identical on every rank. Afterwards the actor's gradients and optimizer state go to host memory when
         `actor.offload` asks for them: the reshard reads only the parameters.
         `kept`: batch key -> (name, result key) of results kept on this rank by a forward with `keep=` (old or
-        reference log-probs), read here instead of sent (`_with_kept`).
+        reference log-probs), read here instead of sent (`_with_kept`); `exchange_kept`: the forward's shares were
+        cut differently (several mini-batches over several DP ranks): the rows kept by DP peers come from them.
         `per_sequence`: the batch carries sequence_advantages [b] float32 instead of advantages (score-based
         estimators: one number per sequence), expanded here over its loss mask as this expansion
         (`megarl.algorithms.advantages.expand_per_sequence`; bit-identical to the controller's [b, S]).
@@ -310,7 +362,7 @@ class RoleHost:
         teacher_top_k_log_probs [b, S, k]); None: the actor's loss as built. A session's workers outlive a run: the
         run's config decides the term, as it decides the advantages.
         """
-        batch = self._with_kept(batch, kept, "update_actor", "actor")
+        batch = self._with_kept(batch, kept, "update_actor", "actor", exchange=exchange_kept)
         if per_sequence is not None:
             batch = _expand_sequence_advantages(batch, per_sequence)
         metrics = self._use_keep("actor", lambda r: _update_with_top_k_coef(r, batch, top_k_kl_coef))
@@ -319,14 +371,15 @@ class RoleHost:
         return metrics
 
     @dispatch(Dispatch.DP_SPLIT_MINI_BATCHES, replica_attr="critic_dp", mini_batch_attr="critic_mini_batch_samples",
-              reads=(*TOKENS, "returns"), optional_reads=(*MASKS, "old_values"))  # old_values: or kept
-    def update_critic(self, batch: Batch, kept: Optional[dict[str, tuple[str, str]]] = None) -> dict[str, float]:
+              reads=TOKENS, optional_reads=(*MASKS, "returns", "old_values"))  # returns, old_values: or kept
+    def update_critic(self, batch: Batch, kept: Optional[dict[str, tuple[str, str]]] = None,
+                      exchange_kept: bool = False) -> dict[str, float]:
         """Value-loss update of the critic (`critic.update`). `batch` as in `update_actor` (cut for the critic's DP
         ranks and mini-batches), with returns and old_values [b, S] float32 instead of the policy keys -> the
         update's metrics (value_loss, value_clip_frac, value_mean, grad_norm, lr, tokens, ...), identical on every
         rank. Offloaded afterwards per `critic.offload`. `kept` as in `update_actor` (the values kept by
-        `compute_values`)."""
-        batch = self._with_kept(batch, kept, "update_critic", "critic")
+        `compute_values`, and the returns where GAE ran there: `compute_values(gae=)`; `exchange_kept` as there)."""
+        batch = self._with_kept(batch, kept, "update_critic", "critic", exchange=exchange_kept)
         return self._use("critic", lambda r: r.update(batch, share=True))
 
     # ------------------------------------------------------------------------------------------- checkpoints

@@ -70,9 +70,12 @@ def test_one_step_off_resume_repeats_the_uninterrupted_run_bit_for_bit(runs):
     resumed = runs["rows"]["one_step_off_resumed"]
     assert [r["step"] for r in resumed] == list(range(16, 21))
     assert resumed[0]["async/restored_batches"] == 1  # step 16's batch came from the checkpoint, generated on v14
-    # ... and went down by value (its token keys put by the controller) where the uninterrupted run built them on the
-    # ranks from the rollout's completions: every metric below and the weights equal, so the two paths train alike
-    assert resumed[0]["dispatch/token_tensors_down"] == 4 and resumed[0]["dispatch/batch_pieces_by_reference"] == 0
+    # ... and its rows crossed once (no rollout references after a restore: each piece's ids, log-probs and loss masks
+    # put by the controller as one object, `TokenRowSource.from_rows`; 4 keys by value before) where the uninterrupted
+    # run built them on the ranks from the rollout's completions: every metric below and the weights equal, so the
+    # two paths train alike
+    assert resumed[0]["dispatch/token_tensors_down"] == 1 and resumed[0]["dispatch/batch_pieces_by_reference"] == 0
+    assert resumed[0]["dispatch/token_rows_packed_pieces"] > 0 and full[16]["dispatch/token_rows_packed_pieces"] == 0
     assert full[16]["dispatch/token_tensors_down"] == 0 and full[16]["dispatch/batch_pieces_by_reference"] > 0
     for row in resumed:
         for key, value in row.items():

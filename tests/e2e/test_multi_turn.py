@@ -138,10 +138,17 @@ def test_episodes_take_their_turns(runs, run):
         assert row["multi_turn/turns_cut"] > 0
         assert row["multi_turn/template_mismatch"] == 0  # no episode masked: the defaults would have stopped the run
         # the observation tokens are inserted on the controller: an episode is no one completion of the engines, so
-        # its token keys go down by value (input_ids, attention_mask, loss_mask, rollout_log_probs; a mixed-version
-        # batch's policy_version too), nothing by reference
+        # nothing is by reference to the rollout's packages; its rows cross once instead (each piece's ids, log-probs
+        # and loss masks one object, put once, `TokenRowSource.from_rows`), the ranks rebuilding their shares'
+        # four token keys from it: 1 token-sized crossing down (4 when they went by value), plus, in a batch mixing
+        # weights versions (the asynchronous runs), policy_version by value
         assert row["dispatch/batch_pieces_by_reference"] == 0
-        assert row["dispatch/token_tensors_down"] >= 4
+        assert row["dispatch/token_rows_packed_pieces"] > 0
+        if run == "sync":  # generation's ids and log-probs up, the episode rows down
+            assert row["dispatch/token_tensors_down"] == 1, row
+            assert row["dispatch/token_crossings"] == 3 + row["dispatch/token_results_up"], row
+        else:
+            assert row["dispatch/token_tensors_down"] in (1, 2), row
 
 
 def test_bpe_turns_that_do_not_re_encode_to_themselves_are_trained_as_sampled(runs):

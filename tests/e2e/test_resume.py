@@ -22,8 +22,9 @@ optimizer steps per trainer step: prompts_per_step 8, mini_batch_prompts 4). Its
 uninterrupted run's weights and Adam moments, tensor by tensor within LAYOUT_TOL of that tensor's largest magnitude
 (the checkpoint's keys and global shapes do not depend on the layout), and the same scheduler position and step
 counter. The expected values always come from an uninterrupted run made in the same session on the same machine.
-PPO's 4-step run is also the suite's PPO-with-a-critic run: GAE from a colocated TP2 critic, every metric finite, one
-critic optimizer step per RL step, the critic's weights moved by its updates (tests/e2e/critic_checks.py).
+PPO's 4-step run is also the suite's PPO-with-a-critic run: GAE from a colocated TP2 critic (on its ranks: nothing
+token-sized of it crosses the controller), every metric finite, one critic optimizer step per RL step, the critic's
+weights moved by its updates (tests/e2e/critic_checks.py).
 (Until 2026-12-03 each algorithm made a separate 2-step run to stop, and the offload check was a run of its own:
 three `megarl train` start-ups of ~30 s that the copy of the uninterrupted run's step-2 checkpoint replaces.)
 """
@@ -212,11 +213,16 @@ def _check_resume_at_another_layout(run_dir, ckpt, full: list[dict], full_final:
 
 
 def _assert_ppo_ran_its_critic(rows: list[dict]) -> None:
-    """PPO preset: GAE advantages from a critic (TP=2) colocated with the actor; every metric finite."""
+    """PPO preset: GAE advantages from a critic (TP=2) colocated with the actor; every metric finite. GAE ran on
+    the critic's ranks (`RoleHost.compute_values(gae=)`): no values came up and no advantages or returns went down,
+    so generation's ids and log-probs were the step's only token-sized crossings of the controller (5 when GAE ran
+    on the controller: values up, advantages and returns down)."""
     for r in rows:
         for key in ("critic/value_loss", "critic/grad_norm", "actor/loss", "reward/mean"):
             assert math.isfinite(r[key]), (key, r[key])
         assert r["critic/optimizer_steps"] == 1
+        assert (r["dispatch/token_results_up"], r["dispatch/token_tensors_down"],
+                r["dispatch/token_crossings"]) == (0, 0, 2), r["step"]
 
 
 def test_breaking_config_change_is_refused(tmp_path, quickstart_run):

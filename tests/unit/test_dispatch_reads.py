@@ -41,7 +41,9 @@ def _plan(method: str, batch: Batch, world: int = 4, replicas=(0, 0, 1, 1), mini
     # of the batch unless it mixes weights versions)
     ("compute_log_probs", {"input_ids", "attention_mask", "loss_mask", "rollout_log_probs", "policy_version"}),
     ("compute_ref_log_probs", {"input_ids", "attention_mask", "loss_mask"}),
-    ("compute_values", {"input_ids", "attention_mask", "loss_mask"}),
+    # the critic's forward reads the scores for GAE on its ranks (`compute_values(gae=)`; RLLoop leaves them out
+    # of the batch otherwise)
+    ("compute_values", {"input_ids", "attention_mask", "loss_mask", "scores"}),
     ("score", {"input_ids", "attention_mask"}),
     # the update reads the policy keys; never scores, group ids, returns or versions
     ("update_actor", {"input_ids", "attention_mask", "loss_mask", "advantages", "old_log_probs", "ref_log_probs",

@@ -211,3 +211,56 @@ def test_a_poll_round_is_put_as_two_objects_and_only_what_will_be_trained_on():
     assert all(token_ref(c) is None for c in outs[1].completions + outs[3].completions)
     _keep_completions([RequestResult("v2", "finished", outs[3], keep_output=False)], put=store.put)
     assert len(store.values) == 2
+
+
+def _multi_turn(trajectories):
+    """The step's trajectories with an observation token inside every response of 3+ tokens (as a multi-turn
+    episode's: loss mask 0, log-prob 0, context version) and no rollout references: rows the controller built."""
+    out = []
+    for t in trajectories:
+        mask, log_probs, versions = list(t.loss_mask), list(t.log_probs), list(t.policy_version)
+        if len(t) - t.prompt_len >= 3:
+            gap = t.prompt_len + 1
+            mask[gap], log_probs[gap], versions[gap] = 0, 0.0, -1
+        out.append(Trajectory(t.token_ids, t.prompt_len, mask, log_probs, versions, t.uid, t.group_uid,
+                              t.finish_reason))
+    return out
+
+
+@pytest.mark.parametrize("method", ["compute_log_probs", "compute_ref_log_probs", "update_actor"])
+def test_rows_the_controller_built_are_put_once_per_piece_and_rebuilt_exactly(method):
+    """Multi-turn episodes (`TokenRowSource.from_rows`): one object per piece, holding that piece's ids, log-probs and
+    loss masks (gaps included), shared by every key; each rank rebuilds its share bit for bit as the by-value path
+    sends it and fetches only its own pieces' objects."""
+    trajectories = _multi_turn(_step(Store())[0])
+    assert TokenRowSource.from_trajectories(trajectories, trajectories_to_batch(trajectories, PAD), PAD) is None
+    batch = trajectories_to_batch(trajectories, pad_id=PAD)
+    assert any(int((m[1:] - m[:-1]).abs().sum()) > 2 for m in batch["loss_mask"])  # a gap inside some response
+    store = Store()
+    source = TokenRowSource.from_rows(batch, PAD, put=store.put)
+    got, calls = _shares(method, batch, source, store)
+    want = _shares(method, batch, _NoSource(), Store())[0]  # the by-value path
+    for share, by_value in zip(got, want):
+        assert sorted(share.keys()) == sorted(by_value.keys())
+        for key in share.keys():
+            a, b = share[key], by_value[key]
+            assert a.dtype == b.dtype and a.shape == b.shape, key
+            same = torch.equal(a.view(torch.int32), b.view(torch.int32)) if a.dtype == torch.float32 else \
+                torch.equal(a, b)
+            assert same, (method, key)
+    packed = set(source.packed.values())
+    for (args, _), fetched in zip(calls, store.gets):
+        pieces = args[0].pieces
+        mine = {r for k in TOKEN_KEYS if k in pieces for h in pieces[k] for r in h.refs}
+        assert all(isinstance(h, TokenRowsPiece) and h.packed for k in TOKEN_KEYS if k in pieces for h in pieces[k])
+        assert mine and mine == {r for r in fetched if r in packed}  # its own pieces' objects only, once each
+        assert len(fetched) == len(set(fetched))
+    assert len(packed) == len({(h.refs[0]) for args, _ in calls for h in args[0].pieces["input_ids"]})
+
+
+def test_rows_not_in_the_batch_layout_are_not_packed():
+    trajectories, batch = _step(Store())
+    holes = batch.update({"attention_mask": batch["attention_mask"].flip(-1)})  # not a prefix of ones
+    assert TokenRowSource.from_rows(holes, PAD) is None
+    assert TokenRowSource.from_rows(Batch({k: v for k, v in batch.tensors.items() if k != "rollout_log_probs"}),
+                                    PAD) is None
