@@ -13,6 +13,7 @@ from typing import Optional
 from megarl.config.arch import spec_from_arch
 from megarl.config.placement import role_topology
 from megarl.config.schema import JobConfig, ModelConfig
+from megarl.engine.lora import LoraSettings
 from megarl.engine.moe import MoeSettings
 from megarl.models.spec import ModelSpec
 from megarl.parallel.groups import RoleGroups, build_role_groups
@@ -93,6 +94,10 @@ def build_role(cfg: JobConfig, role: str, groups: Optional[RoleGroups] = None,
     if role == "actor":
         kwargs["loss"] = PolicyLossSettings.from_config(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
         kwargs["router_replay"] = cfg.algorithm.router_replay
+        if cfg.actor.lora is not None:
+            lora = cfg.actor.lora
+            kwargs["lora"] = LoraSettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                                          targets=tuple(lora.targets))
     if role == "critic":
         kwargs["value_clip"] = role_cfg.value_clip
         kwargs["agg"] = cfg.algorithm.setting("loss_agg")

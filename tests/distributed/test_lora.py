@@ -8,6 +8,9 @@ One spawn of 2 ranks, three layouts in turn: TP2, PP2, PP2xVPP2, on a 4-layer ti
   - with `adapters_disabled` the logits are transformers' base logits (the reference-from-base);
   - the gradients of a next-token loss on the adapters equal peft's (a fused linear's shared A gets the sum of its
     q/k/v or gate/up A gradients), and the optimizer holds the adapters only: a step changes them, not the base.
+Then at TP2: (resume) a checkpoint of the trained adapters + optimizer holds the adapters only (no base tensor), and
+a fresh engine loading it takes the same next step bit for bit; (reference for free) the LoRA actor's base with the
+adapters off (`BaseOfActor`) gives bit-identical log-probs to a separate `Reference` role built on the same base.
 """
 
 from __future__ import annotations
@@ -85,8 +88,68 @@ def _ranks(rank: int, world: int, hf_dir: str, out_dir: str) -> dict:
             out["adapter_dir"] = write_peft_adapter(f"{out_dir}/{name}", engine.spec, settings, tensors,
                                                     base_model=hf_dir)["out"]
         results[name] = out
+        if name == "tp2":
+            results["resume"] = _resume(engine, hf_dir, out_dir, groups, settings, ids)
+            results["reference"] = _reference(hf_dir, groups, settings)
         del engine
     return results
+
+
+def _lora_params(engine) -> dict:
+    from megarl.checkpoint.engine_io import engine_named_parameters
+
+    return {c: p.detach().clone() for c, _, p in engine_named_parameters(engine) if p.requires_grad}
+
+
+def _resume(engine, hf_dir, out_dir, groups, settings, ids) -> dict:
+    """Save the trained engine (adapters + optimizer), load into a fresh one, one more step on both."""
+    from megarl.checkpoint.dist_ckpt import load_engine_checkpoint, save_engine_checkpoint
+    from megarl.checkpoint.engine_io import build_engine_from_hf
+    from megarl.engine import OptimizerSettings
+    from megarl.engine.lora import lora_transform
+    from tests.distributed.harness import next_token_ce_loss, read_dcp
+
+    from megarl.checkpoint.lora_export import engine_lora_shards, peft_tensors
+
+    path = f"{out_dir}/ckpt"
+    save_engine_checkpoint(engine, path, hf_dir=hf_dir, with_optimizer=True)
+    shards = engine_lora_shards(engine)
+    saved = peft_tensors(engine.spec, settings, shards) if shards is not None else None
+    fresh = build_engine_from_hf(hf_dir, groups, optimizer=OptimizerSettings(lr=1e-2, clip_grad=0.0),
+                                 transforms=[lora_transform(settings)])
+    load_engine_checkpoint(fresh, path, with_optimizer=True)
+    loaded_equal = all(torch.equal(a, b) for a, b in zip(_lora_params(engine).values(), _lora_params(fresh).values()))
+    for e in (engine, fresh):
+        e.run([{"input_ids": ids}], next_token_ce_loss(e), forward_only=False)
+        e.step()
+    after, after_fresh = _lora_params(engine), _lora_params(fresh)
+    import json
+    import os
+
+    keys = sorted(read_dcp(path)) if groups.coord.rank == 0 else None
+    meta = json.load(open(os.path.join(path, "megarl_checkpoint.json")))
+    return dict(path=path, saved=saved, loaded_equal=loaded_equal, same_step=all(torch.equal(after[k], after_fresh[k]) for k in after),
+                keys=keys, meta_base=meta.get("base_model"), meta_rank=(meta.get("lora") or {}).get("rank"))
+
+
+def _reference(hf_dir, groups, settings) -> dict:
+    from megarl.engine import OptimizerSettings
+    from megarl.models.spec import ModelSpec
+    from megarl.roles.actor import Actor, BaseOfActor, Reference
+    from tests.distributed.harness import padded_random_batch
+
+    spec = ModelSpec.from_hf_dir(hf_dir)
+    actor = Actor(spec, groups, hf_dir=hf_dir, optimizer=OptimizerSettings(), lora=settings)
+    _random_b(actor.engine)
+    reference = Reference(spec, groups, hf_dir=hf_dir)
+    batch = padded_random_batch([3, 5], [6, 4], 12, 300, seed=9)
+    base = BaseOfActor(actor).compute_log_probs(batch, with_entropy=False)
+    ref = reference.compute_log_probs(batch, with_entropy=False)
+    own = actor.compute_log_probs(batch, with_entropy=False)
+    if ref is None:
+        return {}
+    return dict(base_equals_reference=torch.equal(base["log_probs"], ref["log_probs"]),
+                adapters_matter=(own["log_probs"] - ref["log_probs"]).abs().max().item())
 
 
 def _peft_reference(hf_dir: str, adapter_dir: str, ids: torch.Tensor):
@@ -111,6 +174,27 @@ def test_lora_tp_pp_vpp_match_peft(tmp_path):
     hf_dir = make_hf_model("qwen2", str(tmp_path / "hf"), num_hidden_layers=LAYERS, tie_word_embeddings=False)
     per_rank = run_ranks(2, _ranks, hf_dir, str(tmp_path / "adapters"), timeout_s=600)
     ids = _ids()
+    resume = [r["resume"] for r in per_rank]
+    assert all(r["loaded_equal"] and r["same_step"] for r in resume), resume
+    assert resume[0]["keys"] and all("lora_" in k for k in resume[0]["keys"] if not k.startswith("optimizer")), \
+        f"the LoRA checkpoint holds more than the adapters: {resume[0]['keys']}"
+    assert resume[0]["meta_base"] == hf_dir and resume[0]["meta_rank"] == SETTINGS["rank"], resume[0]
+    # `megarl export --lora` of that checkpoint (a process of its own): the adapters as they were saved
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    cli = tmp_path / "cli_export"
+    proc = subprocess.run([sys.executable, "-m", "megarl", "export", resume[0]["path"], "--out", str(cli), "--lora"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exported = load_file(str(cli / "adapter_model.safetensors"))
+    assert exported.keys() == resume[0]["saved"].keys()
+    assert all(torch.equal(exported[k], resume[0]["saved"][k]) for k in exported)
+    reference = [r["reference"] for r in per_rank if r["reference"]]
+    assert reference and all(r["base_equals_reference"] for r in reference), reference
+    assert all(r["adapters_matter"] > 1e-3 for r in reference), reference
     for name in LAYOUTS:
         info = [r[name] for r in per_rank]
         assert all(i["trainable_all_lora"] and i["n_trainable"] > 0 for i in info), (name, info)
