@@ -105,11 +105,10 @@ def _resume(engine, hf_dir, out_dir, groups, settings, ids) -> dict:
     """Save the trained engine (adapters + optimizer), load into a fresh one, one more step on both."""
     from megarl.checkpoint.dist_ckpt import load_engine_checkpoint, save_engine_checkpoint
     from megarl.checkpoint.engine_io import build_engine_from_hf
+    from megarl.checkpoint.lora_export import engine_lora_shards, peft_tensors
     from megarl.engine import OptimizerSettings
     from megarl.engine.lora import lora_transform
     from tests.distributed.harness import next_token_ce_loss, read_dcp
-
-    from megarl.checkpoint.lora_export import engine_lora_shards, peft_tensors
 
     path = f"{out_dir}/ckpt"
     save_engine_checkpoint(engine, path, hf_dir=hf_dir, with_optimizer=True)
@@ -128,7 +127,8 @@ def _resume(engine, hf_dir, out_dir, groups, settings, ids) -> dict:
 
     keys = sorted(read_dcp(path)) if groups.coord.rank == 0 else None
     meta = json.load(open(os.path.join(path, "megarl_checkpoint.json")))
-    return dict(path=path, saved=saved, loaded_equal=loaded_equal, same_step=all(torch.equal(after[k], after_fresh[k]) for k in after),
+    same_step = all(torch.equal(after[k], after_fresh[k]) for k in after)
+    return dict(path=path, saved=saved, loaded_equal=loaded_equal, same_step=same_step,
                 keys=keys, meta_base=meta.get("base_model"), meta_rank=(meta.get("lora") or {}).get("rank"))
 
 
