@@ -28,7 +28,7 @@ def test_shards_come_back_as_peft_modules(tp):
     shapes = cached_hf_shapes(spec)
     g = torch.Generator().manual_seed(0)
     expected, shards = {}, {}
-    for target, ((parent, attr), kind) in TARGETS.items():
+    for (parent, attr), kind in TARGETS.values():
         base = f"decoder.layers.1.{parent}.{attr}"
         layout = module_param_layout(spec, base + ".weight")
         hf_b = {n: torch.randn(shapes[n][0], RANK, generator=g) for n in layout.hf_names}
