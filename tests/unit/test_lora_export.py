@@ -40,11 +40,11 @@ def test_shards_come_back_as_peft_modules(tp):
             expected[module + ".lora_A.weight"] = a
         if kind == "column":  # B split like the weight's rows, A replicated
             shards[base + ".lora_B.weight"] = [
-                build_shard(spec, layout, r, tp, lambda n, d, s, e: hf_b[n].narrow(0, s, e - s)) for r in range(tp)]
+                build_shard(spec, layout, r, tp, lambda n, d, s, e, hf_b=hf_b: hf_b[n].narrow(0, s, e - s)) for r in range(tp)]
             shards[base + ".lora_A.weight"] = [a]
         else:  # A split like the weight's columns, B replicated
             shards[base + ".lora_A.weight"] = [
-                build_shard(spec, layout, r, tp, lambda n, d, s, e: a.narrow(1, s, e - s)) for r in range(tp)]
+                build_shard(spec, layout, r, tp, lambda n, d, s, e, a=a: a.narrow(1, s, e - s)) for r in range(tp)]
             shards[base + ".lora_B.weight"] = [hf_b[layout.hf_names[0]]]
     out = peft_tensors(spec, LoraSettings(rank=RANK), shards)
     assert sorted(out) == sorted(expected)
