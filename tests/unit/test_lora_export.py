@@ -39,8 +39,10 @@ def test_shards_come_back_as_peft_modules(tp):
             expected[module + ".lora_B.weight"] = hf_b[n]
             expected[module + ".lora_A.weight"] = a
         if kind == "column":  # B split like the weight's rows, A replicated
-            shards[base + ".lora_B.weight"] = [
-                build_shard(spec, layout, r, tp, lambda n, d, s, e, hf_b=hf_b: hf_b[n].narrow(0, s, e - s)) for r in range(tp)]
+            def read_b(n, d, s, e, hf_b=hf_b):
+                return hf_b[n].narrow(0, s, e - s)
+
+            shards[base + ".lora_B.weight"] = [build_shard(spec, layout, r, tp, read_b) for r in range(tp)]
             shards[base + ".lora_A.weight"] = [a]
         else:  # A split like the weight's columns, B replicated
             shards[base + ".lora_A.weight"] = [
