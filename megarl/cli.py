@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, metavar="HF_DIR", help="output directory (must be empty or absent)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing model at --out")
     export.add_argument("--max-shard-gb", type=float, default=2.0, help="largest safetensors file, GiB")
+    export.add_argument("--lora", action="store_true",
+                        help="the checkpoint's LoRA adapters (actor.lora) as a PEFT adapter directory "
+                        "(adapter_config.json + adapter_model.safetensors) for the HF base model")
     quickstart = sub.add_parser(
         "quickstart",
         help="SFT then GRPO teach a small model two-digit addition; held-out accuracy in OUT/summary.json",
@@ -217,10 +220,13 @@ def _export(args: argparse.Namespace) -> int:
     import json
 
     from megarl.checkpoint.errors import CheckpointError
-    from megarl.checkpoint.export import export_hf  # lazy: torch, megatron-core
+    from megarl.checkpoint.export import export_hf, export_lora  # lazy: torch, megatron-core
 
     try:
-        stats = export_hf(args.checkpoint, args.out, overwrite=args.overwrite, max_shard_gb=args.max_shard_gb)
+        if args.lora:
+            stats = export_lora(args.checkpoint, args.out, overwrite=args.overwrite)
+        else:
+            stats = export_hf(args.checkpoint, args.out, overwrite=args.overwrite, max_shard_gb=args.max_shard_gb)
     except CheckpointError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return EXIT_USAGE

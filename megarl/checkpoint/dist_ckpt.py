@@ -23,6 +23,7 @@ what megatron-core's save/load are): ranks outside the role pass `engine=None` a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -46,6 +47,7 @@ from megarl.checkpoint.name_map import (
     param_layouts,
     shard_segments,
 )
+from megarl.engine.lora import engine_lora_settings, is_lora_param
 from megarl.models.gpt import DTYPES
 from megarl.models.spec import ARCHITECTURES, ModelSpec, moe_hf_config_fields
 from megarl.platform.distributed import named_barrier
@@ -130,10 +132,13 @@ def engine_sharded_state_dict(engine, raw: Optional[dict] = None) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     sd = module_sharded_state_dict(engine) if raw is None else raw
+    adapters_only = engine_lora_settings(engine) is not None  # LoRA: the frozen base stays in its HF directory
     out = {}
     for name, item in sd.items():
         if isinstance(item, ShardedObject) or name.endswith("_extra_state"):
             continue  # local-spec / bf16 extra state is None; TE fp8 scaling state is not carried over
+        if adapters_only and not is_lora_param(name):
+            continue
         if _local_name(engine, name) in VOCAB_KEYS:
             entry = _vocab_entry(engine, item, VOCAB_KEYS[0] if engine.spec.tie_word_embeddings else item.key)
             if entry is not None:  # None: this TP rank holds padding rows only
@@ -276,7 +281,9 @@ def save_engine_checkpoint(engine, out: str, overwrite: bool = False, hf_config:
         _prepared(sd)
         dist_checkpointing.save(sd, tmp)
     infos: list[Any] = [None] * dist.get_world_size()
-    mine = (engine.dtype, common_state(engine) if trained else None) if engine is not None else None
+    lora = engine_lora_settings(engine) if engine is not None else None
+    mine = (engine.dtype, common_state(engine) if trained else None,
+            dataclasses.asdict(lora) if lora is not None else None) if engine is not None else None
     dist.all_gather_object(infos, mine)
     if dist.get_rank() == 0:
         if hf_config is None:
@@ -285,7 +292,9 @@ def save_engine_checkpoint(engine, out: str, overwrite: bool = False, hf_config:
                 raise CheckpointError("save_engine_checkpoint: rank 0 must be in the role or pass hf_config")
             hf_config = spec_to_hf_config(src)
         dtype = next(i[0] for i in infos if i)
-        _write_meta(tmp, hf_config, dtype, assets)
+        lora = next((i[2] for i in infos if i), None)
+        extra = {} if lora is None else {"lora": lora, "base_model": os.path.abspath(hf_dir) if hf_dir else None}
+        _write_meta(tmp, hf_config, dtype, assets, extra)
         common = merge_common_states([i[1] for i in infos if i])
         if common is not None:
             torch.save(common, os.path.join(tmp, ENGINE_STATE))
@@ -318,9 +327,18 @@ def load_engine_checkpoint(engine, mdir: str, with_optimizer: bool = False) -> N
         except CheckpointError as e:
             err = str(e)
     _broadcast_error(err)
+    adapters_only = False
     if engine is not None:
         meta = read_meta(mdir)
         check_same_model(engine.spec, spec_from_hf_config(meta["hf_config"]))
+        lora = engine_lora_settings(engine)
+        adapters_only = lora is not None
+        saved = meta.get("lora")
+        if adapters_only != (saved is not None) or (saved and saved["rank"] != lora.rank) or \
+                (saved and tuple(saved["targets"]) != tuple(lora.targets)):
+            raise CheckpointError(f"{mdir} holds {'LoRA adapters ' + str(saved) if saved else 'a full model'} but "
+                                  f"the engine is built with {'LoRA ' + str(lora) if lora else 'no LoRA'}: set "
+                                  "actor.lora as when the checkpoint was saved")
     trained = with_optimizer and engine is not None and engine.trainable
     with megatron_on_cpu():
         from megatron.core.dist_checkpointing.mapping import apply_factory_merges
@@ -344,6 +362,8 @@ def load_engine_checkpoint(engine, mdir: str, with_optimizer: bool = False) -> N
     with torch.no_grad():
         params = dict(engine.module.named_parameters())
         for name, param in params.items():
+            if adapters_only and not is_lora_param(name):
+                continue  # the frozen base: loaded from its HF directory when the engine was built
             if _local_name(engine, name) in VOCAB_KEYS:
                 t = loaded.get(name)
                 n = 0 if t is None else t.shape[0]
@@ -383,9 +403,11 @@ def spec_to_hf_config(spec: ModelSpec) -> dict:
     return cfg
 
 
-def _write_meta(tmp: str, hf_config: dict, dtype: str, assets) -> None:
+def _write_meta(tmp: str, hf_config: dict, dtype: str, assets, extra: Optional[dict] = None) -> None:
+    """`extra`: with LoRA, {"lora": LoraSettings as a dict, "base_model": the base's HF directory}."""
     with open(os.path.join(tmp, META_NAME), "w") as f:
-        json.dump({"format": FORMAT, "dtype": dtype, "hf_config": hf_config}, f, indent=2, sort_keys=True)
+        json.dump({"format": FORMAT, "dtype": dtype, "hf_config": hf_config, **(extra or {})}, f, indent=2,
+                  sort_keys=True)
     if assets:
         os.makedirs(os.path.join(tmp, ASSETS_DIR), exist_ok=True)
         for path in assets:

@@ -17,6 +17,7 @@ from megarl.checkpoint.hf_io import HFReader
 from megarl.checkpoint.name_map import ParamLayout, build_shard, canonical_name, module_param_layout, validate_tp
 from megarl.engine import MegatronEngine
 from megarl.engine.heads import HF_HEAD_NAME, MEGATRON_HEAD_NAME
+from megarl.engine.lora import is_lora_param
 
 
 def stage_layer_offset(module) -> int:
@@ -104,6 +105,8 @@ def load_hf_into_engine(engine, hf_dir: str, reader: Optional[HFReader] = None) 
     validate_tp(spec, topo.tp, topo.expert_tp)
     nbytes = 0
     for canonical, name, param in engine_named_parameters(engine):
+        if is_lora_param(name):  # LoRA adapters (megarl.engine.lora) are not in the base; they keep their init
+            continue
         if scalar and name == MEGATRON_HEAD_NAME:
             if HF_HEAD_NAME in reader.files:
                 t = reader.read(HF_HEAD_NAME)

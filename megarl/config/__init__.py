@@ -8,6 +8,7 @@ from megarl.config.arch import resolve_arch
 from megarl.config.errors import ConfigError
 from megarl.config.loader import apply_overrides, dump_yaml, from_dict, load_config, parse_config, to_dict
 from megarl.config.schema import (
+    ActorConfig,
     AlgorithmConfig,
     ArchConfig,
     CheckpointConfig,
@@ -16,6 +17,7 @@ from megarl.config.schema import (
     JobConfig,
     KLConfig,
     LoggingConfig,
+    LoraConfig,
     ModelConfig,
     OffloadConfig,
     OptimizerConfig,
@@ -36,6 +38,6 @@ __all__ = [
     "AlgorithmConfig", "ArchConfig", "CheckpointConfig", "ConfigError", "CriticConfig", "DataConfig", "JobConfig",
     "KLConfig", "LoggingConfig", "ModelConfig", "OffloadConfig", "OptimizerConfig", "ParallelConfig", "PoolConfig",
     "ReferenceConfig", "ResourcesConfig", "RewardConfig", "RewardModelConfig", "RoleConfig", "RolloutConfig",
-    "TrainedRoleConfig", "TrainerConfig", "apply_overrides", "dump_yaml", "from_dict", "load_config", "parse_config",
-    "resolve_arch", "to_dict", "validate",
+    "TrainedRoleConfig", "ActorConfig", "LoraConfig", "TrainerConfig", "apply_overrides", "dump_yaml", "from_dict",
+    "load_config", "parse_config", "resolve_arch", "to_dict", "validate",
 ]

@@ -20,6 +20,11 @@ The judge's pool (`reward.judge`, `judge_pool_memory`) holds only vLLM's share (
 device memory), of which the judge's weight shard: the size of its weight files / reward.judge.tp (the judge loads
 in the dtype its files hold, `dtype="auto"`; any architecture vLLM serves, so no parameter count is derived).
 
+With `actor.lora` (megarl.engine.lora) the base is frozen: actor params are N plus the adapters' n, grads and
+optimizer state cover the n adapter parameters only (`lora_num_params`; adapters in the model's dtype, so bf16 ones
+have an fp32 master copy), and no reference model is built (its log-probs come from the actor's base weights):
+`lora_saved_bytes` is what this saves against full fine-tuning, shown by `describe`.
+
 N = the HF parameter count (`ModelSpec.num_params`). Not counted: activations, the reshard bucket
 (`rollout.reshard_bucket_mb`), CUDA context, allocator fragmentation; the numbers are a lower bound, an estimate.
 """
@@ -58,6 +63,7 @@ class MemoryEstimate:
     other_roles_bytes: int
     gpu_memory_utilization: float
     device_bytes: Optional[int]
+    lora_saved_bytes: int = 0  # with actor.lora: bytes full fine-tuning (and its reference model) would add
 
     @property
     def megatron_bytes(self) -> int:
@@ -83,6 +89,9 @@ class MemoryEstimate:
             f"optimizer state   {_fmt(self.optimizer_bytes)}  (fp32 master + Adam m, v; sharded over DP)",
             f"other roles       {_fmt(self.other_roles_bytes)}  (forward-only roles on the actor's pool)",
         ]
+        if self.lora_saved_bytes:
+            lines.append(f"LoRA saves        {_fmt(self.lora_saved_bytes)}  (frozen base: grads and optimizer state of "
+                         "the adapters only, no reference model)")
         if self.device_bytes is None:
             lines.append(f"vLLM              {self.gpu_memory_utilization:.2f} x device memory (device memory unknown)")
             lines.append(f"total             {_fmt(self.megatron_bytes)} + vLLM share  (estimate, per GPU)")
@@ -111,6 +120,16 @@ def estimate_memory(num_params: int, *, dtype: str, tp: int, pp: int, dp: int, g
                           gpu_memory_utilization, device_bytes)
 
 
+def lora_num_params(spec, rank: int, targets) -> int:
+    """Adapter parameters of a dense `ModelSpec` with LoRA rank `rank` on `targets` (megarl.engine.lora.TARGETS):
+    r * (in + out) per adapted linear per layer."""
+    h, d = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
+    ffn = spec.ffn_hidden_size
+    sizes = {"qkv": (h, q + 2 * kv), "proj": (q, h), "fc1": (h, 2 * ffn), "fc2": (ffn, h)}
+    return spec.num_layers * sum(rank * sum(sizes[t]) for t in targets)
+
+
 def job_memory_estimate(cfg, device_bytes: Optional[int]) -> MemoryEstimate:
     """The estimate for a validated `JobConfig`: the actor, the forward-only roles (reference, reward model,
     distillation teachers) on the actor's pool, and vLLM. A critic on the actor's pool is counted like the actor
@@ -121,11 +140,17 @@ def job_memory_estimate(cfg, device_bytes: Optional[int]) -> MemoryEstimate:
         return spec_from_arch(arch).num_params
 
     a = cfg.actor.parallel
+    lora = getattr(cfg.actor, "lora", None)
     others = []
     extra_trained = 0
+    reference_bytes = 0
     for name in cfg.enabled_roles():
         role = cfg.role(name)
         if name == "actor" or role.pool != cfg.actor.pool:
+            continue
+        if name == "reference" and lora is not None:  # the actor's base weights with the adapters off
+            p = role.parallel
+            reference_bytes = int(n_params(archs[name]) / (p.tp * p.pp) * DTYPE_BYTES[cfg.model.dtype])
             continue
         model = getattr(role, "model", None) or cfg.model
         p = role.parallel
@@ -144,7 +169,15 @@ def job_memory_estimate(cfg, device_bytes: Optional[int]) -> MemoryEstimate:
     est = estimate_memory(n_params(archs["actor"]), dtype=cfg.model.dtype, tp=a.tp, pp=a.pp, dp=a.dp,
                           gpu_memory_utilization=share, other_roles=tuple(others),
                           device_bytes=device_bytes)
-    return dataclasses.replace(est, other_roles_bytes=est.other_roles_bytes + extra_trained)
+    est = dataclasses.replace(est, other_roles_bytes=est.other_roles_bytes + extra_trained)
+    if lora is None:
+        return est
+    n = lora_num_params(spec_from_arch(archs["actor"]), lora.rank, lora.targets)
+    adapters = estimate_memory(n, dtype=cfg.model.dtype, tp=a.tp, pp=a.pp, dp=a.dp, gpu_memory_utilization=0.0)
+    lora_est = dataclasses.replace(est, params_bytes=est.params_bytes + adapters.params_bytes,
+                                   grads_bytes=adapters.grads_bytes, optimizer_bytes=adapters.optimizer_bytes)
+    return dataclasses.replace(lora_est, lora_saved_bytes=est.megatron_bytes + reference_bytes -
+                               lora_est.megatron_bytes)
 
 
 def rollout_pool_memory(cfg, actor_estimate: MemoryEstimate) -> str:

@@ -265,6 +265,33 @@ class TrainedRoleConfig(RoleConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA adapters on the actor's linears (megarl.engine.lora; docs/lora.md): the base weights are frozen, the
+    optimizer holds the adapters only, checkpoints hold the adapters (and the base's path)."""
+
+    rank: int = opt(8, "Rank r of each adapter (B @ A is [out, r] @ [r, in]).", min=1)
+    alpha: float = opt(16.0, "Scaling numerator: the weight delta is (alpha / rank) * B @ A (PEFT's lora_alpha).",
+                       min=0)
+    dropout: float = opt(0.0, "Dropout probability on the adapters' input (training forwards only).", min=0)
+    targets: tuple[str, ...] = opt(
+        ("qkv", "proj", "fc1", "fc2"),
+        "Adapted linears of every layer: qkv (fused q/k/v), proj (attention output), fc1 (fused gate/up), fc2 "
+        "(down). Mixture-of-experts models: qkv, proj only (adapters on experts are not built).",
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ActorConfig(TrainedRoleConfig):
+    """The policy being trained."""
+
+    lora: Optional[LoraConfig] = opt(
+        None, "LoRA adapters instead of full fine-tuning; null = full fine-tuning. With LoRA the reference "
+        "log-probs come from the actor's own base weights with the adapters off (no reference model is built: "
+        "reference.enabled only switches them on, on the actor's pool and layout).",
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CriticConfig(TrainedRoleConfig):
     """The value model (PPO / GAE). May run a different model than the actor."""
 
@@ -884,7 +911,7 @@ class JobConfig:
 
     model: ModelConfig = opt(help="The policy model (actor, reference, rollout; critic unless overridden).")
     resources: ResourcesConfig = opt(factory=ResourcesConfig, help="Device pools.")
-    actor: TrainedRoleConfig = opt(factory=TrainedRoleConfig, help="The policy being trained.")
+    actor: ActorConfig = opt(factory=ActorConfig, help="The policy being trained.")
     critic: CriticConfig = opt(factory=CriticConfig, help="The value model (PPO).")
     reference: ReferenceConfig = opt(factory=ReferenceConfig, help="The frozen reference policy (KL).")
     reward_model: RewardModelConfig = opt(factory=RewardModelConfig, help="A learned reward model.")

@@ -100,6 +100,35 @@ def check_supported(cfg: JobConfig) -> None:
             separate[r.pool] = role
 
 
+def _check_lora(cfg: JobConfig, actor_arch: ArchConfig, resolved_roles: dict) -> None:
+    """actor.lora: valid targets for the model; the reference (if enabled) is the actor's base on the actor's pool
+    and layout, so `resolved_roles["reference"]` takes the actor's parallel layout."""
+    lora = cfg.actor.lora
+    if lora is None:
+        return
+    valid = ("qkv", "proj", "fc1", "fc2")
+    for t in lora.targets:
+        if t == "experts":
+            raise ConfigError("actor.lora.targets: 'experts' (adapters on routed experts) is not built yet; use "
+                              "qkv, proj, fc1, fc2 (qkv, proj on a mixture-of-experts model)")
+        if t not in valid:
+            raise ConfigError(f"actor.lora.targets: unknown target {t!r}; valid: {', '.join(valid)}")
+    if not lora.targets:
+        raise ConfigError("actor.lora.targets is empty: name at least one of qkv, proj, fc1, fc2")
+    if lora.dropout >= 1:
+        raise ConfigError(f"actor.lora.dropout={lora.dropout} must be < 1")
+    if actor_arch.num_experts > 0 and {"fc1", "fc2"} & set(lora.targets):
+        raise ConfigError(f"actor.lora.targets {list(lora.targets)}: the model is a mixture of experts, whose MLPs "
+                          "are experts; adapters on experts are not built yet: use targets [qkv, proj]")
+    ref = resolved_roles.get("reference")
+    if ref is not None:
+        if ref.pool != cfg.actor.pool:
+            raise ConfigError(f"reference.pool={ref.pool!r}: with actor.lora the reference log-probs come from the "
+                              f"actor's own base weights (adapters off), on the actor's pool {cfg.actor.pool!r}; set "
+                              "reference.pool to it (no reference model is built)")
+        resolved_roles["reference"] = dataclasses.replace(ref, parallel=resolved_roles["actor"].parallel)
+
+
 def _check_pool_rollout_supported(cfg: JobConfig) -> None:
     """What engines on a pool of their own (`rollout.pool`) do not run yet, refused by key."""
     name = cfg.rollout.pool
@@ -146,6 +175,7 @@ def validate(cfg: JobConfig) -> JobConfig:
         resolved_roles[name] = role
     for name, arch in archs.items():
         _check_sequence_length(cfg, name, arch)
+    _check_lora(cfg, archs["actor"], resolved_roles)
     _check_rollout(cfg, archs["actor"], resolved_roles["actor"].parallel)
     distillation = _check_distillation(cfg)
     _check_router_replay(cfg, archs["actor"])

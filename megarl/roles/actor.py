@@ -60,6 +60,7 @@ from megarl.algorithms.rollout_correction import (
     mismatch_sums,
 )
 from megarl.data.batch import Batch
+from megarl.engine.lora import LoraSettings, adapters_disabled, lora_transform
 from megarl.engine.moe import (
     RoutingRecorder,
     RoutingReplayer,
@@ -130,7 +131,11 @@ class Actor(Role):
     head = "lm"
 
     def __init__(self, *args, loss: PolicyLossSettings = PolicyLossSettings(), router_replay: str = "none",
-                 **kwargs) -> None:
+                 lora: Optional[LoraSettings] = None, **kwargs) -> None:
+        """`lora`: LoRA adapters on the actor's linears (megarl.engine.lora), the base frozen."""
+        if lora is not None:
+            kwargs["transforms"] = (*kwargs.get("transforms", ()), lora_transform(lora))
+        self.lora = lora
         super().__init__(*args, **kwargs)
         self.loss = loss
         if router_replay not in ("none", "old", "rollout"):
@@ -371,6 +376,33 @@ class Actor(Role):
         if self.engine.spec.is_moe:
             out.update(moe_update_metrics(self.engine, self.last_routing))
         return out
+
+
+class BaseOfActor:
+    """The reference policy of a LoRA actor: the actor's own base weights with its adapters off (no second model).
+    Answers `compute_log_probs` as a `Reference` would; it has no engine of its own (nothing to offload)."""
+
+    def __init__(self, actor: Actor) -> None:
+        if actor.lora is None:
+            raise ValueError("BaseOfActor needs an actor built with LoRA adapters (actor.lora)")
+        self.actor = actor
+
+    @property
+    def groups(self):
+        return self.actor.groups
+
+    @property
+    def dp(self) -> int:
+        return self.actor.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.actor.dp_rank
+
+    def compute_log_probs(self, batch: Batch, with_entropy: bool = True, share: bool = False) -> Optional[Batch]:
+        with adapters_disabled(self.actor.engine.chunks):
+            return self.actor.compute_log_probs(batch, with_entropy=with_entropy, share=share, record_routing=False,
+                                                replay_rollout=False)
 
 
 class Reference(Actor):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -99,11 +99,12 @@ class Role:
         recompute: bool = False,
         moe: Optional[MoeSettings] = None,
         vpp: int = 1,
+        transforms: Sequence = (),
     ) -> None:
         self.engine = MegatronEngine(
             spec, groups, dtype=dtype, optimizer=optimizer, seed=seed, first_stage_layers=first_stage_layers,
             last_stage_layers=last_stage_layers, recompute=recompute, head=self.head, moe=moe,
-            vpp=vpp,
+            vpp=vpp, transforms=transforms,
         )
         self.batching = batching
         if hf_dir is not None:

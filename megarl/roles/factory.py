@@ -13,6 +13,7 @@ from typing import Optional
 from megarl.config.arch import spec_from_arch
 from megarl.config.placement import role_topology
 from megarl.config.schema import JobConfig, ModelConfig
+from megarl.engine.lora import LoraSettings
 from megarl.engine.moe import MoeSettings
 from megarl.models.spec import ModelSpec
 from megarl.parallel.groups import RoleGroups, build_role_groups
@@ -95,6 +96,10 @@ def build_role(cfg: JobConfig, role: str, groups: Optional[RoleGroups] = None,
         if cfg.distillation.enabled and cfg.distillation.top_k:  # the top-k forward KL to the teachers
             kwargs["loss"] = dataclasses.replace(kwargs["loss"], top_k_kl_coef=cfg.distillation.top_k_coef)
         kwargs["router_replay"] = cfg.algorithm.router_replay
+        if cfg.actor.lora is not None:
+            lora = cfg.actor.lora
+            kwargs["lora"] = LoraSettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                                          targets=tuple(lora.targets))
     if role == "critic":
         kwargs["value_clip"] = role_cfg.value_clip
         kwargs["agg"] = cfg.algorithm.setting("loss_agg")

@@ -73,9 +73,20 @@ class RoleHost:
             raise ValueError(f"a RoleHost hosts roles among {ROLES}, not {unknown}")
         self.cfg = cfg
         self.pool = pool
+        # with actor.lora the reference is the actor's base with its adapters off (`BaseOfActor`): no model, no
+        # offload of its own
+        base_reference = cfg.actor.lora is not None and "reference" in roles
+        if base_reference and "actor" not in roles:
+            raise ValueError("with actor.lora the reference is the actor's base: host it with the actor")
         for name in ROLES:
+            if name == "reference" and base_reference:
+                from megarl.roles.actor import BaseOfActor
+
+                self.reference = BaseOfActor(self.actor)
+                continue
             setattr(self, name, build_role(cfg, name, rank_offset=0) if name in roles else None)
-        self.offload = {name: OffloadPolicy(getattr(self, name), cfg.role(name).offload) for name in ROLES}
+        self.offload = {name: OffloadPolicy(None if name == "reference" and base_reference else getattr(self, name),
+                                            cfg.role(name).offload) for name in ROLES}
         # distillation teachers (`distillation.teachers`) placed on this pool (the actor's, colocated, or the
         # teachers' own: `TeacherWorker`); their offload policies are `offload["teacher/<name>"]`
         self.teachers: dict[str, Any] = {}

@@ -139,3 +139,27 @@ def test_dry_run_counts_the_judge_pool_and_refuses_a_judge_that_does_not_fit(tmp
     err = capsys.readouterr().err
     assert "reward.judge: the judge's weights do not fit its engines' memory: 3.00 GB per device" in err
     assert "vLLM's share 2.50 GB" in err and "raise reward.judge.tp" in err
+
+
+# PEFT's count for LoRA r=16 on q, k, v, o, gate, up, down of Llama-2-7B (`print_trainable_parameters`): 39,976,960;
+# megarl's fused linears share one A for q/k/v (saves 2 x 16 x 4096 per layer) and for gate/up (16 x 4096)
+LORA16_PARAMS = 39_976_960 - 32 * (2 * 16 * 4096 + 16 * 4096)
+
+
+def test_lora_estimate_counts_adapters_only_and_no_reference():
+    cfg = load_config(QUICKSTART, [*LLAMA2_7B, "actor.lora.rank=16"])  # actor TP2 bf16, reference TP2 enabled
+    shard, adapters = LLAMA2_7B_PARAMS / 2, LORA16_PARAMS / 2
+    est = job_memory_estimate(cfg, device_bytes=80 * GB)
+    assert est.params_bytes == int(shard * 2) + int(adapters * 2)
+    assert est.grads_bytes == int(adapters * 4) and est.optimizer_bytes == int(adapters * 12)
+    assert est.other_roles_bytes == 0  # the reference is the actor's base with the adapters off
+    full = int(shard * 2) + int(shard * 4) + int(shard * 12) + int(shard * 2)
+    assert est.lora_saved_bytes == full - est.megatron_bytes
+    assert "LoRA saves" in est.describe()
+
+
+def test_lora_config_refusals():
+    with pytest.raises(ConfigError, match="experts"):
+        load_config(QUICKSTART, ["actor.lora.targets=[qkv,experts]"])
+    with pytest.raises(ConfigError, match="unknown target 'mlp'"):
+        load_config(QUICKSTART, ["actor.lora.targets=[mlp]"])
