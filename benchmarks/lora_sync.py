@@ -23,6 +23,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.reshard import PRESETS  # noqa: E402
+from megarl.platform.host import host_cpu  # noqa: E402
 from megarl.reshard.lora_sync import sync_bytes  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -165,10 +166,10 @@ def main(argv=None) -> int:
     os.makedirs(RESULTS, exist_ok=True)
     if args.simulate:
         with open(os.path.join(RESULTS, "lora_sync_sim.json"), "w") as f:
-            json.dump(simulate(args.gbps), f, indent=1)
+            json.dump({**simulate(args.gbps), "host_cpu": host_cpu()}, f, indent=1)
     if args.measure:
         with open(os.path.join(RESULTS, "lora_sync_quickstart_cpu.json"), "w") as f:
-            json.dump(measure(args.repeats), f, indent=1)
+            json.dump({**measure(args.repeats), "host_cpu": host_cpu()}, f, indent=1)
     return 0
 
 
