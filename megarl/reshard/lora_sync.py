@@ -11,6 +11,14 @@
   them at every step, so those ops go dense; embeddings, norms and untargeted linears are unchanged and move
   nothing); `verify_sync` checks every written piece as for full weights (`megarl.reshard.verify`).
 
+Wiring into the actor's sync (not done here: `megarl.engine.lora` lands on another branch). Where the hybrid worker
+builds its sources (`megarl/workers/hybrid.py`, `megatron_sources(self.actor.engine)`; `workers/pool_sync.py` alike):
+  merged:  `merge_lora_sources(sources, {canonical name of m's weight: lora_delta(m) for m in lora_modules(chunks)})`
+           (the adapter parameters among the sources are never read: the plan names base weights only);
+  adapter: `engine_lora_shards(engine)` + `peft_tensors(...)` (megarl.checkpoint.lora_export) on the actor's first
+           rank, broadcast to every inference rank, `sync_adapter(rollout_engine, tensors, peft_adapter_config(...),
+           sent_checksums)` there, after one full base sync (the base never changes: no reshard at later steps).
+
 Bytes per sync (element size e; per adapted linear of in x out, rank r): adapter r (in + out) e to every inference
 rank (each needs the full adapter: vLLM slices it); merged in x out x e spread over a replica's ranks, to every
 replica. `sync_bytes` computes both; `benchmarks/lora_sync.py` measures them and the time per sync.
