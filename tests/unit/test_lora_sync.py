@@ -23,11 +23,13 @@ def _adapter(r=2, out=3, inp=4):
 def test_merged_sources_add_the_delta_in_float32_and_round_once():
     base = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.bfloat16)
     norm = torch.ones(2)
-    delta = torch.tensor([[0.00390625, 0.5], [-1.0, 0.0]])  # 2^-8: below bf16's step at 1.0 (2^-7), rounds to even
+    # 2^-8 + 2^-20: 1 + it lies just above the midpoint of bf16's step at 1.0 (2^-7), so one rounding gives
+    # 1 + 2^-7; casting the delta to bf16 first (2^-8) and adding in bf16 would tie and round to even: 1.0
+    delta = torch.tensor([[2.0**-8 + 2.0**-20, 0.5], [-1.0, 0.0]])
     merged = merge_lora_sources({"fc.weight": base, "norm.weight": norm}, {"fc.weight": delta})
     assert merged["norm.weight"] is norm  # untouched sources are passed through, not copied
     assert merged["fc.weight"].dtype == torch.bfloat16
-    assert merged["fc.weight"].float().tolist() == [[1.0, 2.5], [2.0, 4.0]]
+    assert merged["fc.weight"].float().tolist() == [[1.0 + 2.0**-7, 2.5], [2.0, 4.0]]
     assert base.float().tolist() == [[1.0, 2.0], [3.0, 4.0]]  # the actor's weights are not modified
 
 
