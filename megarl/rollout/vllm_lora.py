@@ -144,8 +144,8 @@ def verify_adapter_slots(worker: Any, tensors: dict[str, torch.Tensor], config: 
     bad: list[str] = []
     for module_name, layer in manager.modules.items():
         shard = shards.get(module_name)
-        if shard is None or not hasattr(layer, "lora_a_stacked"):
-            continue
+        if shard is None or not isinstance(getattr(layer, "lora_a_stacked", None), tuple):
+            continue  # not a linear LoRA layer (embedding / logits LoRA: megarl's adapters have none)
         hf_modules = [p.hf_name.removesuffix(".weight") for p in shard.parts] if shard.kind in ("qkv", "gate_up") \
             else [module_name]
         for i, (hf_module, part) in enumerate(zip(hf_modules, shard.parts)):

@@ -59,12 +59,12 @@ def _peft_adapter(hf_dir: str, seed: int):
 
 
 def _corrupt_one_slot(worker):
-    """Flip the sign of one element of the first adapted layer's active lora_B slot (a bug injection)."""
+    """Flip the sign of one element of the first qkv_proj's active lora_B slot, q part (a bug injection)."""
     from megarl.rollout.vllm_lora import ADAPTER_ID
 
     manager = worker.model_runner.lora_manager._adapter_manager
     slot = manager.lora_index_to_id.index(ADAPTER_ID)
-    layer = next(m for m in manager.modules.values() if hasattr(m, "lora_b_stacked"))
+    layer = next(m for name, m in manager.modules.items() if name.endswith("self_attn.qkv_proj"))
     layer.lora_b_stacked[0][slot, 0, 0, 0].neg_()
 
 
