@@ -65,6 +65,9 @@ class VllmShardSink:
         self._dtypes = {s.name: s.dtype for s in described}
         self._shapes = {s.name: tuple(s.shape) for s in described if getattr(s, "shape", None) is not None}
         self._known = set(self._dtypes)
+        # An engine built with LoRA support names its wrapped linears and embeddings `<module>.base_layer.<param>`;
+        # the plan uses the plain vLLM names: translate (the plain name -> the engine's).
+        self._engine_name = {n.replace(".base_layer.", "."): n for n in self._known if ".base_layer." in n}
         self._slots_done: dict[str, set[int]] = {}
         self._live: Optional[dict[str, torch.Tensor]] = None
         self.tensors_fed = 0
@@ -78,6 +81,7 @@ class VllmShardSink:
         return self._live
 
     def target(self, param: str, shape, dtype) -> torch.Tensor:
+        param = self._engine_name.get(param, param)
         slot = split_expert_slot(param)
         if slot is not None:
             base, expert = slot
@@ -105,6 +109,7 @@ class VllmShardSink:
         return t
 
     def commit(self, param: str) -> None:
+        param = self._engine_name.get(param, param)
         slot = split_expert_slot(param)
         if slot is None:
             self._done.append(param)

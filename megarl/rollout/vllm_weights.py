@@ -177,8 +177,10 @@ def describe_params(worker: Any) -> list[ParamShard]:
             name = f"{mod_name}.{pname}" if mod_name else pname
             t = meta.get(pname, live)
             shape, dtype = tuple(t.shape), t.dtype
-            leaf = mod_name.rpartition(".")[2]
-            prefix = mod_name[: len(mod_name) - len(leaf)]
+            # An engine built with LoRA support wraps each linear as `<module>.base_layer`: HF names drop it.
+            hf_mod = mod_name.removesuffix(".base_layer")
+            leaf = hf_mod.rpartition(".")[2]
+            prefix = hf_mod[: len(hf_mod) - len(leaf)]
             hf = lambda sub, prefix=prefix, pname=pname: f"{prefix}{sub}.{pname}"  # noqa: E731
             tp_rank, tp_size = getattr(mod, "tp_rank", 0), getattr(mod, "tp_size", 1)
             kw: dict[str, Any] = dict(name=name, shape=shape, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
