@@ -105,11 +105,22 @@ def test_check_written_names_the_piece_and_accepts_identical_nans():
     assert "inference TP rank 1 (global rank 1)" in str(err.value)
 
 
-def test_checksum_at_the_one_row_boundary_matches_the_reference():
-    """Pieces of 65520, 65521 (one row of weights: the short path) and 65522, 131042 words (the column path) give
-    the reference sums: the two paths meet at 65521 words with the same integers."""
+def test_checksum_at_the_path_boundary_matches_the_reference():
+    """Pieces around one row of weights (65520-65522 words) and around 2^17 words, where the float64 short path
+    (at most 2^17) meets the column path (above), give the reference sums: the same integers on both sides."""
     g = torch.Generator().manual_seed(4)
-    for words in (65520, 65521, 65522, 131042):
+    for words in (65520, 65521, 65522, 131042, 2**17 - 1, 2**17, 2**17 + 1, 3 * 65521 + 7):
         t = torch.randn(words, generator=g).to(torch.bfloat16)  # one 16-bit word per element
         assert checksum(t).tolist() == reference_checksum(t), words
         assert checksum(t.view(-1, 1)[::1]).tolist() == reference_checksum(t), words
+
+
+@pytest.mark.parametrize("words", [2**17, 2**17 + 1])
+def test_checksum_is_exact_at_the_largest_sums(words):
+    """Every word at its extreme (-2^15: the largest |S1| and |S2| a piece of this length can have) on both sides of
+    the float64 path's bound: the sums still equal numpy's int64 reference to the last unit (a path in a float type
+    too narrow for them, float32, rounds them)."""
+    t = torch.full((words,), -(2**15), dtype=torch.int16).view(torch.bfloat16)
+    assert checksum(t).tolist() == reference_checksum(t)
+    t = torch.full((words,), 2**15 - 1, dtype=torch.int16).view(torch.bfloat16)
+    assert checksum(t).tolist() == reference_checksum(t)
