@@ -145,7 +145,8 @@ def main() -> None:
     from megarl.checkpoint.tiny import build_tiny_llama
 
     results = {"command": shlex.join(["python", "benchmarks/teacher_backends.py", *sys.argv[1:]]),
-               "machine": describe_host(host_cpu()), "python": platform.python_version(),
+               "machine": describe_host(host_cpu()), "host_cpu": host_cpu(),
+               "python": platform.python_version(),
                "torch": torch.__version__, "vllm": vllm.__version__, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
                "load_average_before": os.getloadavg(), "sizes": {}}
     with tempfile.TemporaryDirectory() as tmp:
