@@ -44,8 +44,11 @@ def arm_config(base: dict, rank, lr_mult: float) -> dict:
     return cfg
 
 
-def run_arm(arm: str, out: str, steps: int, val_every: int, seed: int, lr_mult: float) -> dict:
-    """One arm in this process: data, session (sft=True), the quickstart's SFT, then `steps` GRPO steps."""
+def run_arm(arm: str, out: str, steps: int, val_every: int, seed: int, lr_mult: float, base=None,
+            export_sft=None) -> dict:
+    """One arm in this process: data, session (sft=True), the quickstart's SFT, then `steps` GRPO steps.
+    base: start from this HF model (the full arm's SFT export) and skip the SFT; export_sft: write the model after
+    SFT there (`TrainingSession.export_hf`)."""
     from megarl.platform.vendor_logs import quiet_vendors
 
     quiet_vendors("error")
@@ -64,7 +67,10 @@ def run_arm(arm: str, out: str, steps: int, val_every: int, seed: int, lr_mult: 
     rank = ARMS[arm]
     s = QuickstartSettings(out=out, grpo_steps=steps, val_every=val_every, seed=seed)
     data = build_arithmetic(os.path.join(out, "data"), n_val=s.n_val, seed=s.seed)
-    cfg = validate(parse_config(arm_config(job_config(s, data), rank, lr_mult)))
+    job = job_config(s, data)
+    if base:
+        job["model"]["path"] = base
+    cfg = validate(parse_config(arm_config(job, rank, lr_mult)))
     sft_lr = s.sft_lr * (lr_mult if rank is not None else 1.0)
     train = list(PromptDataset.from_config(cfg.data, split="train"))
     val = list(PromptDataset.from_config(cfg.data, split="val"))
@@ -73,8 +79,10 @@ def run_arm(arm: str, out: str, steps: int, val_every: int, seed: int, lr_mult: 
     try:
         workers = session.start_workers()
         rng = random.Random(s.seed + 2)
-        for _ in range(s.sft_steps):
+        for _ in range(0 if base else s.sft_steps):
             session.sft_step(sft_batch(session.encoder, rng.sample(train, s.sft_batch)), sft_lr)
+        if export_sft:
+            session.export_hf(export_sft)
         workers.sync_weights()
         after_sft = accuracy(greedy_answers(workers, session.encoder, val), val)
         sft_s = time.perf_counter() - t0
@@ -104,7 +112,8 @@ def run_arm(arm: str, out: str, steps: int, val_every: int, seed: int, lr_mult: 
                  or ("reshard" in k and "bytes" in k)} for r in results]
     step_times = [p["time/step_s"] for p in per_step if "time/step_s" in p]
     sync = sorted({k for p in per_step for k in p if "bytes" in k})
-    return {"arm": arm, "rank": rank, "lr": cfg.actor.optimizer.lr, "sft_lr": sft_lr,
+    return {"arm": arm, "rank": rank, "lr": cfg.actor.optimizer.lr, "sft_lr": None if base else sft_lr,
+            "start": "the full arm's SFT model" if base else "own SFT from the random model",
             "accuracy_by_step": curve, "per_step": per_step, "sft_s": round(sft_s, 1), "rl_s": round(rl_s, 1),
             "step_s_mean": round(sum(step_times) / max(len(step_times), 1), 3),
             "trainable_params": trainable, "optimizer_state_bytes": 8 * trainable,
@@ -130,7 +139,8 @@ def markdown(result: dict) -> str:
               "metrics |", "|---|---|---|---|---|---|---|---|---|"]
     for name, a in arms.items():
         adapter = a["adapter_sync_bytes_per_step"]
-        lines.append(f"| {name} | {a['lr']:.1e} / {a['sft_lr']:.1e} | {a['trainable_params']:,} | "
+        sft_lr = "-" if a.get("sft_lr") is None else format(a["sft_lr"], ".1e")
+        lines.append(f"| {name} | {a['lr']:.1e} / {sft_lr} | {a['trainable_params']:,} | "
                      f"{a['optimizer_state_bytes']:,} B | {a['step_s_mean']:.2f} s | "
                      f"{a['written_bytes_per_step']:,} B | {a['changed_bytes_per_step']:,} B | "
                      f"{'-' if adapter is None else format(adapter, ',')} B"
@@ -156,6 +166,10 @@ def main(argv=None) -> int:
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--json", default=None)
     p.add_argument("--md", default=None)
+    p.add_argument("--shared-sft", action="store_true",
+                   help="LoRA arms start from the full arm's SFT model (no SFT of their own); runs full first")
+    p.add_argument("--base", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--export-sft", default=None, help=argparse.SUPPRESS)
     p.add_argument("--render", default=None, help="rewrite --md from this result JSON (no run)")
     p.add_argument("--arm", choices=list(ARMS), help=argparse.SUPPRESS)  # internal: one arm in this process
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -167,7 +181,8 @@ def main(argv=None) -> int:
             f.write(markdown(result))
         return 0
     if args.arm:
-        result = run_arm(args.arm, args.out, args.steps, args.val_every, args.seed, args.lora_lr_mult)
+        result = run_arm(args.arm, args.out, args.steps, args.val_every, args.seed, args.lora_lr_mult, args.base,
+                         args.export_sft)
         with open(os.path.join(args.out, "arm.json"), "w") as f:
             json.dump(result, f)
         return 0
@@ -178,9 +193,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="megarl-lora-") as tmp:
         for arm in args.arms.split(","):
             out = os.path.join(tmp, arm)
+            sft_model = os.path.join(tmp, "sft_model")
+            extra = []
+            if args.shared_sft:
+                extra = ["--export-sft", sft_model] if ARMS[arm] is None else ["--base", sft_model]
             subprocess.run([sys.executable, os.path.abspath(__file__), "--arm", arm, "--out", out, "--steps",
                             str(args.steps), "--val-every", str(args.val_every), "--seed", str(args.seed),
-                            "--lora-lr-mult", str(args.lora_lr_mult)], cwd=ROOT, env=env, check=True, timeout=3600)
+                            "--lora-lr-mult", str(args.lora_lr_mult), *extra], cwd=ROOT, env=env, check=True,
+                           timeout=3600)
             with open(os.path.join(out, "arm.json")) as f:
                 arms[arm] = json.load(f)
             print(arm, json.dumps(arms[arm]["accuracy_by_step"]), arms[arm]["step_s_mean"], flush=True)
@@ -188,7 +208,9 @@ def main(argv=None) -> int:
         "what": "LoRA rank 8 and 32 vs full fine-tuning, quickstart SFT then GRPO, same steps",
         "command": "python benchmarks/lora.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": datetime.date.today().isoformat(), "host_cpu": host_cpu(),
-        "setup": ("Every arm: the quickstart's random Llama, its 300 seeded SFT steps, then "
+        "shared_sft": args.shared_sft,
+        "setup": (("LoRA arms start from the full arm's SFT model (shared warm-up). " if args.shared_sft else "")
+                  + "Every arm: the quickstart's random Llama, its 300 seeded SFT steps, then "
                   f"{args.steps} GRPO steps of 32 prompts x 8 samples, actor TP2 + vLLM TP2 on 2 CPU processes; "
                   f"LoRA arms: lr x {args.lora_lr_mult:g} (SFT and GRPO), alpha = 2 x rank, targets qkv, proj, "
                   "fc1, fc2, merged sync."),
