@@ -97,3 +97,23 @@ def sync_bytes(linears: list[tuple[int, int]], rank: int, elem_bytes: int, infer
     merged = sum(i * o for i, o in linears) * elem_bytes
     return {"adapter": adapter * infer_tp * replicas, "merged": merged * replicas,
             "adapter_per_rank": adapter, "merged_per_rank": merged // infer_tp}
+
+
+def actor_sync_sources(engine) -> dict[str, torch.Tensor]:
+    """The reshard sources of the actor's weight sync: `megatron_sources(engine)`, and with `actor.lora` (merged
+    sync) each adapted weight replaced by base + (alpha / rank) B·A (`merge_lora_sources`) and the adapter matrices
+    dropped (the plan names base weights only). Without LoRA: `megatron_sources(engine)` as it is (no copies)."""
+    from megarl.checkpoint.engine_io import canonical_name, expert_offset, stage_layer_offset
+    from megarl.engine.lora import engine_lora_settings, is_lora_param, lora_delta, lora_modules
+    from megarl.reshard.sources import megatron_sources
+
+    sources = megatron_sources(engine)
+    if engine_lora_settings(engine) is None:
+        return sources
+    experts = expert_offset(engine)
+    deltas = {}
+    for chunk in engine.chunks:  # chunk-local names -> canonical (global layer) names, chunk by chunk (VPP)
+        offset = stage_layer_offset(chunk)
+        for name, module in lora_modules(chunk):
+            deltas[canonical_name(f"{name}.weight", offset, experts)] = lora_delta(module)
+    return merge_lora_sources({n: t for n, t in sources.items() if not is_lora_param(n)}, deltas)

@@ -23,8 +23,8 @@ from megarl.controller.dispatch import Dispatch, dispatch
 from megarl.platform.device import empty_device_cache
 from megarl.reshard.executor import execute_reshard
 from megarl.reshard.layouts import TrainLayout
+from megarl.reshard.lora_sync import actor_sync_sources
 from megarl.reshard.planner import check_engine_mapping, plan_reshard
-from megarl.reshard.sources import megatron_sources
 from megarl.reshard.vllm_sink import VllmShardSink
 from megarl.workers.role_host import ROLES, RoleHost
 from megarl.workers.rollout_host import RolloutHost
@@ -81,7 +81,7 @@ class HybridWorker(RoleHost, RolloutHost):
         # actor's weights never share the GPU with it. Never write into a sleeping engine's weights.
         self._wake(("weights",))
         self.offload["actor"].before_use(("params",))  # gradients and optimizer state stay in host memory
-        sources = megatron_sources(self.actor.engine)  # global layer and expert names
+        sources = actor_sync_sources(self.actor.engine)  # global layer and expert names; LoRA merged
         report = execute_reshard(self.plan, sources, self.sink,
                                  bucket_bytes=self.bucket_bytes, verify=self.cfg.rollout.verify_sync)
         # the actor's last use in a step: its parameters (per actor.offload) make room for the rollout

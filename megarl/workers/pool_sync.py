@@ -71,12 +71,12 @@ class ActorWorker(RoleHost):
         """Send this rank's share of the actor's current weights (after update `version`) to the rollout ranks the
         plan routes them to; returns this rank's reshard metrics (bytes sent, seconds). Runs concurrently with the
         rollout pool's `receive_weights` (the controller submits both)."""
-        from megarl.reshard.sources import megatron_sources
+        from megarl.reshard.lora_sync import actor_sync_sources
 
         if self.bridge is None:
             raise RuntimeError("send_weights before connect_bridge: the controller connects the bridge at start-up")
         self.offload["actor"].before_use(("params",))
-        report = execute_reshard(self.plan, megatron_sources(self.actor.engine), None, bucket_bytes=self.bucket_bytes,
+        report = execute_reshard(self.plan, actor_sync_sources(self.actor.engine), None, bucket_bytes=self.bucket_bytes,
                                  transport=self.bridge.transport, rank=self.bridge.rank,
                                  verify=self.cfg.rollout.verify_sync)
         moved = self._offload("actor", self.offload["actor"].after_use)

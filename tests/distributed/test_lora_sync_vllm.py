@@ -68,7 +68,7 @@ def _corrupt_one_slot(worker):
     layer.lora_b_stacked[0][slot, 0, 0, 0].neg_()
 
 
-def _worker(rank, world_size, hf_dir, merged_dir, adapters):
+def _worker(rank, world_size, hf_dir, merged_dir, adapters, export_dir):
     from megarl.checkpoint.hf_io import HFReader
     from megarl.engine.megatron_engine import OptimizerSettings
     from megarl.parallel.groups import build_role_groups
@@ -117,6 +117,25 @@ def _worker(rank, world_size, hf_dir, merged_dir, adapters):
     out["merged"] = gen()
     out["delta_names"] = sorted(deltas)
     out["merged_bytes"] = report.bytes_received
+
+    # the actor's own sync (workers/hybrid.py, pool_sync.py): a megarl LoRA actor (random non-zero B, seeded),
+    # `actor_sync_sources` merging its adapters, verified; its PEFT export is what transformers + peft run
+    from megarl.checkpoint.engine_io import build_engine_from_hf, engine_named_parameters
+    from megarl.checkpoint.lora_export import engine_lora_shards, peft_tensors, write_peft_adapter
+    from megarl.engine.lora import LoraSettings, lora_transform
+    from megarl.reshard.lora_sync import actor_sync_sources
+
+    lora = LoraSettings(rank=RANK, alpha=ALPHA)
+    actor = build_engine_from_hf(hf_dir, groups, optimizer=settings, transforms=[lora_transform(lora)])
+    g = torch.Generator().manual_seed(7)
+    for canonical, _, p in engine_named_parameters(actor):
+        if canonical.endswith("lora_B.weight"):
+            p.data.copy_(0.5 * torch.randn(p.shape, generator=g))
+    sources = actor_sync_sources(actor)
+    out["actor_source_names"] = sorted(sources)
+    out["actor_report_verified"] = execute_reshard(plan, sources, sink, delta=state, verify=True).verified_pieces
+    out["actor_merged"] = gen()
+    write_peft_adapter(export_dir, spec, lora, peft_tensors(spec, lora, engine_lora_shards(actor)), base_model=hf_dir)
     engine.close()
     return out
 
@@ -134,9 +153,27 @@ def lora_run(tmp_path_factory):
     shutil.copytree(hf_dir, merged_dir)
     names = load_file(os.path.join(hf_dir, "model.safetensors")).keys()
     save_file({n: first[3][n] for n in names}, os.path.join(merged_dir, "model.safetensors"), metadata={"format": "pt"})
-    [out] = run_ranks(1, _worker, hf_dir, merged_dir, [first[:2], second[:2]], timeout_s=600,
+    export_dir = str(tmp_path_factory.mktemp("peft") / "actor_adapter")
+    [out] = run_ranks(1, _worker, hf_dir, merged_dir, [first[:2], second[:2]], export_dir, timeout_s=600,
                       env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    out["actor_peft_greedy"] = _peft_greedy(hf_dir, export_dir)
     return out, hf_greedy(hf_dir, PROMPTS, MAX_NEW), first[2], second[2]
+
+
+def _peft_greedy(hf_dir: str, adapter_dir: str) -> list[list[int]]:
+    """transformers + peft (`PeftModel.from_pretrained` on the exported adapter directory): greedy continuations."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), adapter_dir)
+    greedy = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            gen = model.eval().generate(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                                        pad_token_id=0, attention_mask=torch.ones_like(ids))
+            greedy.append(gen[0, len(prompt):].tolist())
+    return greedy
 
 
 def test_base_sync_matches_transformers_and_the_adapters_change_generations(lora_run):
@@ -165,3 +202,14 @@ def test_merged_sync_through_the_delta_reshard_matches_peft(lora_run):
     # only the adapted linears changed: 2 layers x (qkv, proj, fc1, fc2) (one rank: every op is local, so the
     # bytes that would travel are benchmarks/lora_sync.py's to count, not this test's)
     assert len(out["delta_names"]) == 8 and all("linear_" in n for n in out["delta_names"])
+
+
+def test_actor_sync_merges_the_actors_adapters_and_matches_peft_on_its_export(lora_run):
+    """The wiring of the actor's weight sync (`actor_sync_sources`, used by workers/hybrid.py and pool_sync.py):
+    a megarl LoRA actor's merged weights, verified by `verify_sync`'s checksums, generate greedily what
+    transformers + peft generate on that actor's PEFT export (`megarl export --lora`'s writer)."""
+    out, base, peft1, _ = lora_run
+    assert out["actor_peft_greedy"] != base and out["actor_peft_greedy"] != peft1  # the adapters matter
+    assert out["actor_merged"] == out["actor_peft_greedy"]
+    assert out["actor_report_verified"] > 0  # pieces checked against their checksums
+    assert not any("lora_" in n for n in out["actor_source_names"])  # the plan names base weights only
