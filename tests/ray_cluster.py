@@ -141,9 +141,10 @@ class LocalRayCluster:
     STOP_TIMEOUT_S = 30.0
     TERM_GRACE_S = 3.0  # measured: ray's processes exit on SIGTERM within it, but one may ignore SIGTERM for 30 s
 
-    def __init__(self, num_cpus: int = 6) -> None:
-        """`num_cpus`: logical CPUs (Ray's accounting only: one per worker slot of a pool); 6 = the largest session
-        that joins it (tests/e2e/multi_turn_runs.py: actor 2 + rollout 2 + two teacher pools of 1)."""
+    def __init__(self, num_cpus: int = 7) -> None:
+        """`num_cpus`: logical CPUs (Ray's accounting only: one per worker slot of a pool); 7 = the largest session
+        that joins it (tests/e2e/multi_turn_runs.py: actor 2 + rollout 2 + two teacher pools of 1 + a judge pool of
+        1)."""
         self.temp_dir = tempfile.mkdtemp(prefix="mrray", dir="/tmp")
         self.port, client_port = free_ports(2)
         self.address = f"127.0.0.1:{self.port}"

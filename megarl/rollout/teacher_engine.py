@@ -32,7 +32,9 @@ from megarl.rollout.engine import GenerationRequest, SamplingSettings
 
 class EngineTeacher:
     """The controller side of one vLLM-served teacher (see the module docstring). Thread-safe: each call runs its
-    requests on an event loop of its own."""
+    requests on an event loop of its own (`asyncio.run` on the calling thread, which must run no event loop: the
+    training step's thread runs none in any mode -- the async modes' rollout driver and one_step_off's producer run
+    their loops on threads of their own -- and the router settles each request on the loop that made it)."""
 
     def __init__(self, name: str, client, *, max_concurrent: int, timeout_s: float) -> None:
         """`client`: a `RolloutClient` over the teacher's engines; `max_concurrent`: requests in flight at most;

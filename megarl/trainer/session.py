@@ -353,9 +353,15 @@ class TrainingSession:
         (`rollout`, when given, instead), with `cfg` (this session's or a run's, `train_from`)."""
         from megarl.trainer.rl_trainer import RLLoop
 
+        # the session's judge scores the runs that ask for one (reward.judge set); a run without it (train_from with
+        # reward.judge=null) scores with reward.function alone, as its config says
+        if cfg.reward.judge is not None and self.judge is None:
+            raise ValueError("this run sets reward.judge, but the session was started without one (its judge engines "
+                             "start with the session): set reward.judge in the session's own config")
         return RLLoop(cfg, self.workers, self.loader, self.encoder, self.reward_fn, role_groups=self.role_groups,
                       val_records=self.val, metrics_path=metrics_path, stop=stop,
-                      rollout=rollout if rollout is not None else self.rollout, judge=self.judge,
+                      rollout=rollout if rollout is not None else self.rollout,
+                      judge=self.judge if cfg.reward.judge is not None else None,
                       engine_teachers=self.engine_teachers)
 
     def _start_pools(self, make_pool, engine_env: dict, role_env: dict):
@@ -448,7 +454,8 @@ class TrainingSession:
         `self.start().save(0, root=...)`): copy it into `run_dir`/ckpt, validate `raw` (a config mapping; default
         this session's config) plus `overrides` with that checkpoint directory (checkpoint.resume and
         checkpoint.allow_config_change on), log into `run_dir` (metrics.jsonl there), and fit a new `RLLoop` over
-        the session's groups, loader and reward (`rollout`: a service to use instead of the session's). Runs that
+        the session's groups, loader and reward (`rollout`: a service to use instead of the session's; the session's
+        judge only when the run's config sets reward.judge, which needs one in the session's config). Runs that
         differ only in their options share one start-up this way (tests/e2e/async_runs.py, benchmarks/async.py).
         Returns the run's `StepResult`s."""
         from megarl.config import to_dict

@@ -20,12 +20,18 @@ each distillation run enables one, the other runs none. "distill_self" (sync, 1 
 from step 0: the teacher equals the policy) and, from the sync run's step-20 checkpoint (a student 20 GRPO steps away
 from the teacher), "distill_sync" (2 steps), "distill_one_step_off" (2), "distill_async" (3, max_staleness 1) and
 "distill_single_turn_async" (2, rollout.env=null: single-turn samples of the same prompts; the only one scored by
-"pooled") and "distill_engine_sync" (2, sync, single-turn, scored by "engine"), all with
+"pooled"), "distill_engine_sync" (2, sync, single-turn, scored by "engine") and "distill_engine_async" (2, async,
+max_staleness 1, multi-turn, scored by "engine"; the last run), all with
 distillation.task_reward_coef 0 (the advantage is the distillation one alone); "distill_top_k" (sync, 1 step from the
 step-20 checkpoint, scored by "init", distillation.top_k=4: the top-k forward KL term in the actor's loss too, the
 weights of that checkpoint exported to OUT_DIR/student20_hf for the test's dense computation). Each step's batch after
 the distillation
 advantage is recorded (`record_distill_batches`: `<run>/distill_batches/step_N.pt`) for the test to recompute from.
+
+The session also holds an LLM judge (reward.judge on pool "judge": the tool task's model, yes_no_logprob through
+JUDGE_TEMPLATE), which one run enables: "judge_async" (async, max_staleness 1, 2 steps from step 0, single-turn, no
+teacher); each step's trained rollout batch is recorded as the step takes it (`record_judged_batches`:
+`<run>/judged_batches/step_N.json`). runs.json's "_judge" holds the judge's config.
 
 After the runs, the session's current weights are written as a HuggingFace directory (`TrainingSession.export_hf`,
 what `megarl quickstart --task tools` writes its SFT model with) to OUT_DIR/session_hf, and the last run's final
@@ -76,7 +82,20 @@ RUNS = {"sync": (["trainer.mode=sync", *NO_TEACHER], 20, "step0"),
         "distill_single_turn_async": (["trainer.mode=async", "trainer.max_staleness=1", *TIS, "rollout.env=null",
                                        *only("pooled")], 2, ("sync", 20)),
         # single-turn, sync, scored by the vLLM-served teacher (backend vllm) on its pool
-        "distill_engine_sync": (["trainer.mode=sync", "rollout.env=null", *only("engine")], 2, ("sync", 20))}
+        "distill_engine_sync": (["trainer.mode=sync", "rollout.env=null", *only("engine")], 2, ("sync", 20)),
+        # multi-turn episodes (observation tokens between the turns) in async mode, scored by the vLLM-served teacher:
+        # its prompt log-probs requests are made from the training step while the rollout driver's thread generates
+        "distill_engine_async": (["trainer.mode=async", "trainer.max_staleness=1", *TIS, *only("engine")], 2,
+                                 ("sync", 20))}
+# the LLM judge (reward.judge, on pool "judge"): the tool task's own model (its BPE tokenizer has a ChatML template),
+# P(Yes)/(P(Yes)+P(No)) of its next token; the session starts it, and only the runs below enable it (the others set
+# reward.judge=null, as their raw config has none)
+JUDGE_TEMPLATE = ("Question: {question}\nResponse: {response}\nReference answer: {reference}\n"
+                  "Is the response correct? Answer Yes or No.")
+# single-turn (rollout.env=null: each group judged on the reward thread as it finishes, overlapping generation) in
+# async mode, from step 0, no teacher: reward = the judge's score alone (function_weight 0)
+JUDGE_RUNS = {"judge_async": (["trainer.mode=async", "trainer.max_staleness=1", *TIS, "rollout.env=null",
+                               *NO_TEACHER], 2)}
 DISTILL_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages", "old_log_probs", "rollout_log_probs",
                 "policy_version", "teacher_top_k_ids", "teacher_top_k_log_probs")
 
@@ -102,6 +121,37 @@ def record_distill_batches() -> None:
         return metrics
 
     RLLoop._distill = recording
+
+
+def record_judged_batches() -> None:
+    """Wrap `RLLoop.step` so that, in a run with a judge, the rollout batch each step trains on is saved as it is
+    taken: `<run dir>/judged_batches/step_N.json` = [{"prompt", "answer", "response_ids", "reward"}] per sample (its
+    record's prompt and answer, the sampled ids, the reward the step trains on). The loop itself is unchanged."""
+    from megarl.trainer.rl_trainer import RLLoop
+
+    original = RLLoop.step
+
+    def recording(self, step):
+        schedule = self.schedule
+        if self.producer.judge is not None and not getattr(schedule.take, "recording", False):
+            take = schedule.take
+
+            def recorded_take(step, t):
+                rollout = take(step, t)
+                out = os.path.join(os.path.dirname(self.metrics_path), "judged_batches")
+                os.makedirs(out, exist_ok=True)
+                rows = [{"prompt": rollout.records[s.prompt_index].prompt,
+                         "answer": rollout.records[s.prompt_index].answer, "response_ids": list(s.response_ids),
+                         "reward": float(score)} for s, score in zip(rollout.samples, rollout.scores.tolist())]
+                with open(os.path.join(out, f"step_{step}.json"), "w") as f:
+                    json.dump(rows, f)
+                return rollout
+
+            recorded_take.recording = True
+            schedule.take = recorded_take
+        return original(self, step)
+
+    RLLoop.step = recording
 # an agent written against the openai client (two sampled answers, `two_sampled_turns`) through the endpoint, in the
 # two off-policy modes. The session's actor.mini_batch_prompts is null (one optimizer step over a step's samples, as
 # 8 prompts made it before): the workers' mini-batch size is fixed when they start, and an agent's segments make a
@@ -143,7 +193,8 @@ def main(out: str) -> None:
         f"model.path={data['model']}", f"data.train_path={data['train']}", f"data.val_path={data['val']}",
         f"logging.dir={os.path.join(out, 'session')}", "logging.plots=false", "logging.progress=lines",
         "resources.pools={train: {nodes: 1, devices_per_node: 2}, rollout: {nodes: 1, devices_per_node: 2}, "
-        "teach: {nodes: 1, devices_per_node: 1}, teach_vllm: {nodes: 1, devices_per_node: 1}}",
+        "teach: {nodes: 1, devices_per_node: 1}, teach_vllm: {nodes: 1, devices_per_node: 1}, "
+        "judge: {nodes: 1, devices_per_node: 1}}",
         "actor.pool=train", "rollout.pool=rollout", "trainer.val_every=0", "data.prompts_per_step=8",
         "actor.mini_batch_prompts=null", f"rollout.env={ECHO}", "rollout.env_options={turns: 3}", "rollout.max_turns=3",
         "rollout.max_tokens_per_turn=8", "rollout.max_new_tokens=32", "rollout.max_prompt_tokens=160"])
@@ -157,9 +208,14 @@ def main(out: str) -> None:
         "engine": {"path": data["model"], "pool": "teach_vllm", "backend": "vllm", "parallel": {"tp": 1},
                    "data_source": "engine"}}, "task_reward_coef": 0.0}
     record_distill_batches()
+    record_judged_batches()
+    judge = {"model": data["model"], "pool": "judge", "template": JUDGE_TEMPLATE, "parse": "yes_no_logprob",
+             "max_prompt_tokens": 200, "max_concurrent": 16}
+    raw_judge = {**raw, "reward": {**raw.get("reward", {}), "judge": judge}}
     # the session's own config enables every teacher, which the runs' multi-turn episodes refuse (several teachers
-    # route by data source): it is built without rollout.env, which its workers do not read (each run sets its own)
-    session = TrainingSession(validate(parse_config(raw, ["trainer.mode=sync", "rollout.env=null"])))
+    # route by data source): it is built without rollout.env, which its workers do not read (each run sets its own);
+    # it has the judge, whose engines then serve the session (the runs without reward.judge do not use it)
+    session = TrainingSession(validate(parse_config(raw_judge, ["trainer.mode=sync", "rollout.env=null"])))
     report = {}
     try:
         first = session.start()
@@ -168,6 +224,11 @@ def main(out: str) -> None:
         for name, (overrides, steps) in AGENT_RUNS.items():
             run_started = time.monotonic()
             session.train_from(step0, os.path.join(out, name), [*overrides, f"trainer.total_steps={steps}"], raw=raw)
+            report[name] = {"seconds": time.monotonic() - run_started}
+        for name, (overrides, steps) in JUDGE_RUNS.items():
+            run_started = time.monotonic()
+            session.train_from(step0, os.path.join(out, name), [*overrides, f"trainer.total_steps={steps}"],
+                               raw=raw_judge)
             report[name] = {"seconds": time.monotonic() - run_started}
         for name, (overrides, steps, start) in RUNS.items():
             run_started = time.monotonic()
@@ -196,6 +257,7 @@ def main(out: str) -> None:
     export_hf(os.path.join(out, last, "ckpt", f"step_{final_step:06d}"), os.path.join(out, "checkpoint_hf"))
     export_hf(checkpointing.step_dir(os.path.join(out, "sync", "ckpt"), 20), os.path.join(out, "student20_hf"))
     report["_teacher"] = data["model"]
+    report["_judge"] = judge
     with open(os.path.join(out, "runs.json"), "w") as f:
         json.dump(report, f, indent=1)
 

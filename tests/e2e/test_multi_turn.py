@@ -1,5 +1,6 @@
-"""Multi-turn episodes with real engines (`tests/e2e/multi_turn_runs.py`: 6 worker processes, vLLM TP1 engines on a
-rollout pool, two distillation teachers on pools of their own (Megatron, vLLM), the tool task's random model with a
+"""Multi-turn episodes with real engines (`tests/e2e/multi_turn_runs.py`: 7 worker processes, vLLM TP1 engines on a
+rollout pool, two distillation teachers on pools of their own (Megatron, vLLM), an LLM judge on its pool, the tool
+task's random model with a
 byte-level BPE tokenizer and ChatML template, the echo environment from a user file). One session of ~30 s start-up,
 then 25 steps and 12 with a distillation teacher (~20 s); it cannot share the quickstart pool session (that
 tokenizer has no chat template to render observations with).
@@ -34,6 +35,10 @@ from each step's recorded batch:
   "pooled", and each rank's count of the teacher calls it served shows "pooled" ran on its pool's worker only and
   "init" on the actor's.
 
+- the vLLM-served teacher ("engine") in sync single-turn and async multi-turn runs: the same checks, and one
+  prompt log-probs request per row with sampled tokens.
+The LLM judge (issue 33 item 3), on the same session: 2 async single-turn steps, each trained reward equal to the
+judge model's own transformers computation of its yes/no score, its judge/ metrics logged each step.
 Agents (issue 32), on the same session:
 - an agent written against the openai client (`rollout.env: agent:...`, two sampled answers through the endpoint)
   under one_step_off (3 steps) and async (max_staleness 1, rollout.partial=continue, 4 steps): its tokens' versions
@@ -54,14 +59,15 @@ import pytest
 from tests.e2e.conftest import ROOT, read_rows
 
 DISTILL_RUNS = ("distill_sync", "distill_one_step_off", "distill_async", "distill_single_turn_async",
-                "distill_engine_sync")
+                "distill_engine_sync", "distill_engine_async")
+ENGINE_RUNS = ("distill_engine_sync", "distill_engine_async")  # scored by the vLLM-served teacher
 # the teacher each distillation run enables ("pooled": on a pool of its own; "engine": served by a vLLM engine on its
 # pool) and the steps it trains
 DISTILL_TEACHER = {"distill_self": "init", "distill_sync": "init", "distill_one_step_off": "init",
                    "distill_async": "init", "distill_top_k": "init", "distill_single_turn_async": "pooled",
-                   "distill_engine_sync": "engine"}
+                   "distill_engine_sync": "engine", "distill_engine_async": "engine"}
 STEPS = {"distill_self": 1, "distill_sync": 2, "distill_top_k": 1, "distill_one_step_off": 2, "distill_async": 3,
-         "distill_single_turn_async": 2, "distill_engine_sync": 2}
+         "distill_single_turn_async": 2, "distill_engine_sync": 2, "distill_engine_async": 2}
 SINGLE_TURN = ("distill_single_turn_async", "distill_engine_sync")
 # fp32 Megatron TP2 vs transformers on this model: the log-prob error is float summation order (~1e-6, measured in
 # tests/distributed/test_teacher.py); a misaligned or wrong-row teacher log-prob is off by > 0.1
@@ -75,7 +81,7 @@ def runs(tmp_path_factory, joined_ray_env):
                           cwd=ROOT, env=joined_ray_env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     print("multi-turn runs (s):", json.load(open(out / "runs.json")))
-    names = ("sync", "async", "one_step_off", "distill_self", "distill_top_k", *DISTILL_RUNS)
+    names = ("sync", "async", "one_step_off", "distill_self", "distill_top_k", *DISTILL_RUNS, "judge_async")
     return {**{name: read_rows(out / name) for name in names}, "_out": out}
 
 
@@ -244,13 +250,13 @@ def test_each_teacher_ran_on_its_own_pools_workers(runs_dir):
 
 def test_the_vllm_teacher_was_asked_once_per_sampled_row(runs):
     """The vLLM-served teacher ("engine", backend vllm) got one prompt log-probs request per row with sampled tokens
-    of the batches of the one run it scores (counted by the controller's `EngineTeacher`), and no Megatron rank
-    served it."""
+    of the batches of the two runs it scores (single-turn sync, multi-turn async; counted by the controller's
+    `EngineTeacher`), and no Megatron rank served it."""
     import torch
 
     calls = json.load(open(runs["_out"] / "runs.json"))["_teacher_calls"]
-    rows = sum(int(b["loss_mask"].bool().any(dim=1).sum()) for b in _distill_batches(runs, "distill_engine_sync"))
-    assert rows >= 2 * 64 - 2 and calls["engine_requests"] == rows
+    rows = sum(int(b["loss_mask"].bool().any(dim=1).sum()) for run in ENGINE_RUNS for b in _distill_batches(runs, run))
+    assert rows >= 2 * 2 * 64 - 4 and calls["engine_requests"] == rows
     assert all("engine" not in r["calls"] for r in calls["actor_pool"] + calls["teacher_pool"])
     assert torch.is_tensor(_distill_batches(runs, "distill_engine_sync")[0]["teacher_log_probs"]["engine"])
 
@@ -285,6 +291,62 @@ def test_the_top_k_forward_kl_runs_through_the_loop(runs):
     dense = float(((want_top.exp() * (want_top - student)).sum(-1))[mask].mean())
     assert dense > 1e-3  # the student is 20 steps away from the teacher (measured: 0.0097)
     assert row["actor/distill_top_k_kl"] == pytest.approx(dense, abs=TEACHER_ATOL)
+
+
+# ---------------------------------------------------------------------------------------------------- judge
+# The session's judge (reward.judge on pool "judge": the tool task's model served by a vLLM engine, P(Yes)/(P(Yes)+
+# P(No)) of its next token), enabled by one run only: judge_async (single-turn, async, max_staleness 1, 2 steps).
+# Measured on this model: the engine's two-way probability differs from transformers' fp32 one by < 1e-5 (float
+# error of the prompt log-probs); a score of another response or prompt differs by > 1e-2.
+JUDGE_ATOL = 1e-4
+
+
+def test_judge_scores_are_the_rewards_trained_on_in_async_mode(runs):
+    """judge_async: every reward of each step's trained batch (recorded as the step took it) equals the judge
+    model's own transformers computation -- the softmax over the first tokens of "Yes" and "No" of its fp32 logits
+    after the run's template, filled in with the sample's question, decoded response and reference answer and
+    rendered by the judge tokenizer's chat template -- and the judge/ metrics are logged every step (every response
+    judged or answered from the cache, none failed or unparseable)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rows = runs["judge_async"]
+    assert [r["step"] for r in rows] == [1, 2]
+    judge = json.load(open(runs["_out"] / "runs.json"))["_judge"]
+    tokenizer = AutoTokenizer.from_pretrained(judge["model"])
+    model = AutoModelForCausalLM.from_pretrained(judge["model"], dtype=torch.float32).eval()
+    yes, no = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("Yes", "No"))
+    for row in rows:
+        batch = json.load(open(runs["_out"] / "judge_async" / "judged_batches" / f"step_{row['step']}.json"))
+        assert len(batch) == row["samples"] == 64
+        expected = []
+        for sample in batch:
+            response = tokenizer.decode(sample["response_ids"], skip_special_tokens=True).strip()
+            message = judge["template"].format(question=sample["prompt"], response=response,
+                                               reference=sample["answer"])
+            text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                                 add_generation_prompt=True)
+            ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+            with torch.no_grad():
+                last = model(ids).logits[0, -1].double()
+            expected.append(float(torch.softmax(last[[yes, no]], dim=0)[0]))
+        got = [sample["reward"] for sample in batch]
+        assert max(abs(g - e) for g, e in zip(got, expected)) < JUDGE_ATOL, row["step"]
+        assert max(expected) - min(expected) > 1e-3  # the scores differ between samples: not one constant
+        assert row["reward/mean"] == pytest.approx(sum(expected) / len(expected), abs=JUDGE_ATOL)
+        # two requests per judged response (the Yes and No candidates), the rest answered by the cache
+        assert row["judge/requests"] / 2 + row["judge/cache_hits"] == 64, row
+        assert row["judge/errors"] == 0 and row["judge/parse_failures"] == 0, row
+        assert row["judge/score_mean"] == pytest.approx(row["reward/mean"], abs=JUDGE_ATOL)
+        assert row["async/staleness_max"] <= 1
+
+
+def test_runs_without_reward_judge_do_not_use_the_sessions_judge(runs):
+    """The session started the judge (its config has reward.judge); the runs whose own config has none
+    (`train_from` with the driver's raw config) are scored by their own rewards: no judge/ metric in their rows."""
+    for run in ("sync", "async", "distill_single_turn_async", "distill_engine_sync"):
+        assert all(not any(k.startswith("judge/") for k in r) for r in runs[run]), run
+    assert all("judge/requests" in r for r in runs["judge_async"])
 
 
 # ---------------------------------------------------------------------------------------------------- agents
