@@ -136,6 +136,17 @@ def _worker(rank, world_size, hf_dir, merged_dir, adapters, export_dir):
     out["actor_report_verified"] = execute_reshard(plan, sources, sink, delta=state, verify=True).verified_pieces
     out["actor_merged"] = gen()
     write_peft_adapter(export_dir, spec, lora, peft_tensors(spec, lora, engine_lora_shards(actor)), base_model=hf_dir)
+    # the adapter-only path with that same export: the base weights back into the engine, then the exported
+    # adapter_model.safetensors + adapter_config.json loaded in memory
+    import json
+
+    from safetensors.torch import load_file
+
+    execute_reshard(plan, base_sources, sink, delta=state)
+    exported = load_file(os.path.join(export_dir, "adapter_model.safetensors"))
+    exported_conf = json.load(open(os.path.join(export_dir, "adapter_config.json")))
+    sync_adapter(engine, exported, exported_conf, sent_checksums=adapter_checksums(exported))
+    out["actor_adapter"] = gen()
     engine.close()
     return out
 
@@ -213,3 +224,11 @@ def test_actor_sync_merges_the_actors_adapters_and_matches_peft_on_its_export(lo
     assert out["actor_merged"] == out["actor_peft_greedy"]
     assert out["actor_report_verified"] > 0  # pieces checked against their checksums
     assert not any("lora_" in n for n in out["actor_source_names"])  # the plan names base weights only
+
+
+def test_adapter_sync_of_the_actors_export_matches_peft_on_it(lora_run):
+    """The adapter-only path with megarl's own export (not a peft-built adapter): the engine back on the base
+    weights, the actor's exported adapter loaded in memory generates greedily what transformers + peft generate on
+    that export -- the same as the merged sync of the same actor."""
+    out, base, *_ = lora_run
+    assert out["actor_adapter"] == out["actor_peft_greedy"] != base
