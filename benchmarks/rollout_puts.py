@@ -37,7 +37,7 @@ def main() -> None:
     h = Host.remote()
     for n, p, r in ((64, 8, 16), (64, 8, 64)):
         for rounds in (0, 1, 4):
-            out = [ray.get(h.step.remote(n, p, r, rounds)) for _ in range(8)][1:]
+            out = [ray.get(h.step.remote(n, p, r, rounds), timeout=300) for _ in range(8)][1:]
             ts = [o[0] for o in out]
             what = "per completion" if rounds == 0 else f"{rounds} poll round(s)"
             print(f"{n} completions (P {p}, R {r}), {what}: {out[0][1]} puts, median "

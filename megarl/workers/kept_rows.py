@@ -84,6 +84,11 @@ def exchange_rows(mine: torch.Tensor, kept: tuple[int, int], rows: Sequence[tupl
         elif move.dst == me:
             pending.append(dist.irecv(out[move.offset:move.offset + n], dist.get_global_rank(group, move.src),
                                       group=group))
-    for work in pending:
-        work.wait()
+    for work in pending:  # bounded by the process group's timeout (`init_distributed(timeout_s=)`)
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise RuntimeError(f"exchange_rows: rank {me} of its DP group waited for its peers' kept rows "
+                               f"(rows {list(rows)}, kept {tuple(kept)}) past the process group's timeout: a peer "
+                               f"did not take part in this exchange ({e})") from e
     return out
