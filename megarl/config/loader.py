@@ -188,6 +188,8 @@ def coerce(tp: Any, value: Any, path: str) -> Any:
     if origin is Literal:
         if isinstance(value, (bool, int, float, str)) and value in args and type(value) in {type(a) for a in args}:
             return value
+        if isinstance(value, bool) and str(value).lower() in args:  # YAML reads `false` as a bool; the choice is text
+            return str(value).lower()
         hint = did_you_mean(str(value), [str(a) for a in args]) if isinstance(value, str) else ""
         raise ConfigError(f"{path}: expected {type_name(tp)}, got {value!r}{hint}")
     if origin is tuple:

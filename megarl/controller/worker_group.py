@@ -10,7 +10,8 @@ Start-up (what torchrun would do, done by the controller):
 
 Calls: every `@dispatch(mode)` method of `worker_cls` becomes a method of the group with the same name. A controller
 call plans the per-rank arguments (`megarl.controller.dispatch.plan_calls`; each distinct argument set is
-`ray.put` once, so a broadcast batch is serialised once, not once per rank; inside a `BatchShares` block a DP call's
+`ray.put` once when it is large (`INLINE_ARGS_BYTES`) and several ranks receive it, so a broadcast batch is serialised
+once, not once per rank; smaller and per-rank sets go with the call itself; inside a `BatchShares` block a DP call's
 batch goes as references to row pieces put once per block: `megarl.controller.shares`), calls *every* rank, waits for
 all of them and collects (`dispatch.collect`); `group.method.submit(...)` returns a `PendingCall` instead of waiting, so
 calls on different groups can overlap. A worker exception is re-raised on the controller as `WorkerError` naming the
@@ -77,6 +78,40 @@ PROCESS_GROUP_TIMEOUT_S = 1800.0
 # Seconds a rank may wait for the pieces of its share (`BatchShares`: put by the controller before the call, so
 # they exist; the bound only names a lost object store).
 SHARE_FETCH_TIMEOUT_S = 300.0
+
+
+# Argument sets of a call below this many tensor bytes go with the call itself (Ray inlines values below its
+# `max_direct_call_object_size`, 100 KiB, into the task and puts larger ones into the object store on its own); one
+# ray.put (~1 ms on a small host, plus the rank's fetch before it can start) is made only for a larger set that
+# several ranks receive, so it is stored once. Measured at the 0.72M-parameter `benchmarks/vs_trl.py` step: two puts
+# per role call, ~8 of them a step, were most of the controller's own time.
+INLINE_ARGS_BYTES = 64 * 1024
+
+
+def payload_bytes(obj: Any, limit: int) -> int:
+    """Tensor, array and bytes payload of `obj` (containers, `Batch`es and dataclasses walked), counted up to
+    `limit` (it stops once reached): whether an argument set is worth one shared object-store put."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    total, stack = 0, [obj]
+    while stack and total < limit:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+        elif isinstance(x, np.ndarray):
+            total += x.nbytes
+        elif isinstance(x, (bytes, bytearray, memoryview, str)):
+            total += len(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            stack.extend(x)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+    return total
 
 
 def heartbeat_interval_s(heartbeat_timeout_s: float) -> float:
@@ -397,12 +432,15 @@ class WorkerGroup:
                                       shares.cuts(len(args[0])), what, mini_batch_samples=mini)
         else:
             calls = plan_calls(spec, args, kwargs, self.world_size, replica_of, what, mini_batch_samples=mini)
-        put: dict[int, Any] = {}  # one ray.put per distinct argument set
+        sharing: dict[int, int] = {}  # ranks given each distinct argument set
+        for c in calls:
+            sharing[id(c)] = sharing.get(id(c), 0) + 1
+        put: dict[int, Any] = {}  # one ray.put per distinct large argument set that several ranks receive
         refs = []
         for actor, c in zip(self._actors, calls):
-            if id(c) not in put:
+            if sharing[id(c)] > 1 and id(c) not in put and payload_bytes(c, INLINE_ARGS_BYTES) >= INLINE_ARGS_BYTES:
                 put[id(c)] = ray.put(c)
-            refs.append(actor.call.remote(name, put[id(c)]))
+            refs.append(actor.call.remote(name, put.get(id(c), c)))
         deadline = None if timeout is None else time.monotonic() + timeout
         return PendingCall(self, what, spec, refs, replica_of, timeout, deadline)
 

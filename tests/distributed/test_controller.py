@@ -285,6 +285,26 @@ def test_batch_shares_put_each_row_piece_once_and_ranks_get_only_their_share(gro
         BatchShares([(group, "nope")])
 
 
+def test_small_arguments_go_with_the_call_and_a_large_broadcast_is_put_once(group, monkeypatch):
+    """A call's argument set goes with the call when it is small or one rank's own (no `ray.put`: Ray inlines it, or
+    puts a large one itself); one `ray.put` is made for a large argument set that every rank receives. Counted on
+    the controller's `ray.put` (observed, still called); the ranks' answers show each got the right value."""
+    from megarl.controller import worker_group as wg
+
+    puts = []
+    real_put = ray.put
+    monkeypatch.setattr(ray, "put", lambda value, **kw: puts.append(value) or real_put(value, **kw))
+    assert group.echo("x", y=5) == [(0, "x", 5), (1, "x", 5)] and puts == []  # small broadcast: inline
+    assert group.affine([1, 2], b=[3, 4]) == [13, 124] and puts == []  # per-rank values: inline
+    big = torch.arange(wg.INLINE_ARGS_BYTES // 4 + 1, dtype=torch.float32)  # just over the bound
+    out = group.echo(big)
+    assert len(puts) == 1 and all(torch.equal(x, big) for _, x, _ in out)
+    parts = group.double(torch.arange(2 * (wg.INLINE_ARGS_BYTES // 4 + 1), dtype=torch.float32))  # DP halves
+    assert len(puts) == 1 and parts.shape[0] == 2 * (wg.INLINE_ARGS_BYTES // 4 + 1)  # each rank's own: no put
+    assert wg.payload_bytes({"a": [big, (b"xy", "z")]}, 10**9) == big.numel() * 4 + 3
+    assert wg.payload_bytes([big, big], 100) >= 100  # stops once the limit is reached
+
+
 def test_undecorated_methods_are_not_exposed(group):
     assert "hidden" not in group.methods and "echo" in group.methods
     with pytest.raises(AttributeError, match=r"no controller method 'hidden'.*exposed: \[.*'echo'"):

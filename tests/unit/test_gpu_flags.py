@@ -1,5 +1,6 @@
 """Flags that decide CUDA-only code paths, checked on CPU (issue 15 items 11, 12)."""
 
+import os
 import sys
 
 import pytest
@@ -37,3 +38,22 @@ def test_enforce_eager_option():
     assert resolve_enforce_eager("false", on_cpu=True) is False
     with pytest.raises(ValueError, match="rollout.enforce_eager must be auto, true or false, got 'yes'"):
         resolve_enforce_eager("yes", on_cpu=True)
+
+
+def test_enforce_eager_from_the_command_line_and_yaml():
+    """`rollout.enforce_eager=false` on the command line (YAML reads `false` as a bool) selects the text choice
+    "false"; a bool never matches another Literal's choices."""
+    from megarl.config import load_config
+    from megarl.config.loader import coerce
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = load_config(os.path.join(root, "yaml_configs", "cpu_quickstart.yaml"), ["rollout.enforce_eager=false"])
+    assert cfg.rollout.enforce_eager == "false"
+    cfg = load_config(os.path.join(root, "yaml_configs", "cpu_quickstart.yaml"), ["rollout.enforce_eager=true"])
+    assert cfg.rollout.enforce_eager == "true"
+    from typing import Literal
+
+    from megarl.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="expected one of 'a', 'b', got False"):
+        coerce(Literal["a", "b"], False, "x.y")
