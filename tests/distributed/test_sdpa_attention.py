@@ -31,11 +31,10 @@ def _both(rank: int, world: int, hf_dir: str):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     import megarl.models.sdpa_attention as sdpa
-    from megarl.checkpoint.engine_io import build_engine_from_hf, engine_named_parameters
+    from megarl.checkpoint.engine_io import build_engine_from_hf, engine_logits, engine_named_parameters
     from megarl.engine import OptimizerSettings
     from megarl.parallel.groups import build_role_groups
     from megarl.parallel.topology import RoleTopology
-    from megarl.checkpoint.engine_io import engine_logits
     from tests.distributed.harness import next_token_ce_loss
 
     groups = build_role_groups(RoleTopology(tp=1, pp=1, dp=1))
