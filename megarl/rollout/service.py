@@ -19,7 +19,11 @@ Nothing here imports vLLM, Ray or the controller: a service holds a worker group
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
 from typing import Any, ContextManager, Iterator, Optional, Protocol
+
+logger = logging.getLogger("megarl.rollout")
 
 
 class RolloutService(Protocol):
@@ -99,8 +103,16 @@ class ColocatedRollout:
         return metrics
 
     def close(self) -> None:
-        """Collect the last phase's stop (see `overlap_phase_ends`); idempotent."""
-        self.finish_phase("at close")
+        """Collect the last phase's stop (see `overlap_phase_ends`) and raise its error; idempotent. Called while
+        another exception is on its way up (a `finally` after a failed step), the stop's error is logged instead:
+        the first failure stays the one reported."""
+        if sys.exc_info()[0] is None:
+            self.finish_phase("at close")
+            return
+        try:
+            self.finish_phase("at close")
+        except Exception as e:  # noqa: BLE001 -- the exception in flight is the one to report
+            logger.error("ColocatedRollout.close (during another failure): %s", e)
 
 
 class PoolRollout:

@@ -7,6 +7,7 @@ other module's group may share."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 
@@ -183,11 +184,12 @@ def test_a_stop_submitted_without_waiting_ends_the_engine_loop_before_the_next_w
     assert [c["aborted"] for c in counters] == [1.0, 1.0]  # the stop had a running request to abort
 
 
-def test_overlapped_phases_serve_and_a_failed_stop_fails_the_next_weight_sync(group):
+def test_overlapped_phases_serve_and_a_failed_stop_fails_the_next_weight_sync(group, caplog):
     """`ColocatedRollout(overlap_phase_ends=True)`: the first phase's start is awaited (the layout), the next ones
     are submitted without waiting; each stop is submitted at the end of the phase and collected before the weight
     sync, which runs with no engine loop alive. A phase whose engine loop died on rank 1: its stop raises there, and
-    the next weight sync raises that error naming the phase (not lost with the deferred stop)."""
+    the next weight sync raises that error naming the phase (not lost with the deferred stop); collected at `close`
+    while another failure propagates, it is logged and that failure stays the one raised."""
     service = ColocatedRollout(group, serving_backend=serving, overlap_phase_ends=True)
 
     async def two(tag):
@@ -210,6 +212,15 @@ def test_overlapped_phases_serve_and_a_failed_stop_fails_the_next_weight_sync(gr
     service.close()  # nothing left to collect
     with service.serving() as client:  # the group serves again
         assert len(asyncio.run(two("after"))) == 2
+        ray.get(group.rank_call(0, "break_engine_loop"), timeout=60)
+    # closed while the step's own failure is on its way up: that one stays the error, the stop's is logged
+    with caplog.at_level("ERROR", logger="megarl.rollout"), pytest.raises(ValueError, match="the step's own"):
+        try:
+            raise ValueError("the step's own failure")
+        finally:
+            service.close()
+    assert any(re.search(r"serving phase \d+ \(collected at close\).*rank 0 .*the engine loop had died", r.message,
+                         re.S) for r in caplog.records), [r.message for r in caplog.records]
     service.close()
     assert group.engine_loops() == [[], []]
 
