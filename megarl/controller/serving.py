@@ -8,10 +8,32 @@ A replica is reached through its first TP rank alone (`WorkerGroup.rank_call`, i
 group, beside the worker thread): `RayReplica.submit`/`abort` send without waiting; `poll` is the bounded long-poll
 (`RolloutHost.server_poll`), the one place a dead replica shows: Ray raises `RayActorError` for a call on an actor
 whose process died, which becomes `ReplicaDied` naming the replica and its rank.
+
+A phase off the critical path (`begin_serving` .. `end_serving` .. `finish_serving`; the sync schedule's colocated
+phases, `megarl.rollout.service.ColocatedRollout`): each phase gets an id (increasing over the run).
+- `begin_serving` submits every rank's `start_server(phase=id)` without waiting and builds the router from the
+  layout the group's earlier phase reported (`start_server`'s {"replica", "tp_rank"} per rank; a layout is fixed for
+  a group's life); a replica's collector waits for its ranks' start answers (within `START_WAIT_S`) before its first
+  long-poll and checks each against that layout, so a start that failed or disagrees fails the replica's requests
+  (`ReplicaDied` naming the phase). A submit may still reach a rank before its start ran (the serve concurrency
+  group is not ordered against the worker thread): it names the phase and waits for that phase's server there
+  (`RolloutHost._serving`, bounded by `START_WAIT_S`).
+- `end_serving` tells the collectors to end and submits every rank's `stop_server` without waiting. What makes this
+  safe: Ray runs one caller's calls to an actor on one concurrency group (here the default one, the worker thread)
+  in submission order, so every later role call of the controller on those workers (the reference's log-probs, the
+  update, the weight sync) starts only after `stop_server` returned there -- after the engine loop was joined and the
+  engine put back to sleep; the engine thread never runs beside a role call
+  (tests/distributed/test_rollout_router.py checks this order on the workers).
+- `finish_serving` collects the start's and the stop's answers (raising the first error, naming the phase and where
+  it was collected) and joins the router's collectors: called before the next call that needs the engine asleep
+  and in order anyway (the weight sync), at the next phase's start and at close, so a failed stop still fails the
+  step it ended.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import threading
 from typing import Any, Optional, Sequence
 
@@ -30,21 +52,29 @@ class RayReplica:
     their timeout instead of failing in seconds."""
 
     def __init__(self, group: Any, rank: int, name: str, *, poll_slack_s: float = 30.0,
-                 followers: Sequence[int] = ()) -> None:
+                 followers: Sequence[int] = (), phase: Optional[int] = None,
+                 starts: Optional[dict[int, tuple[Any, dict]]] = None, start_wait_s: float = 0.0) -> None:
+        """`phase`: the serving phase's id, passed with every per-rank call (None: a phase without one). `starts`:
+        rank -> (the ref of its `start_server` call in flight, the {"replica", "tp_rank"} it must answer) for this
+        replica's ranks, awaited (within `start_wait_s`) before the first long-poll; None: started already."""
         self.group, self.rank, self.name = group, rank, name
         self.poll_slack_s = poll_slack_s
         self.followers = list(followers)
+        self.phase = phase
+        self._starts = dict(starts or {})
+        self.start_wait_s = start_wait_s
+        self._phase_kwargs = {} if phase is None else {"phase": phase, "start_wait_s": start_wait_s}
         self._checks: dict[int, Any] = {}  # follower rank -> its server_alive ref in flight
         self._sent: list = []  # refs of submits/aborts not yet checked
         self._lock = threading.Lock()
 
     def submit(self, entries: Sequence[tuple[GenerationRequest, int]]) -> None:
-        ref = self.group.rank_call(self.rank, "server_submit", list(entries))
+        ref = self.group.rank_call(self.rank, "server_submit", list(entries), **self._phase_kwargs)
         with self._lock:
             self._sent.append(("server_submit", ref))
 
     def abort(self, request_ids: Sequence[str]) -> None:
-        ref = self.group.rank_call(self.rank, "server_abort", list(request_ids))
+        ref = self.group.rank_call(self.rank, "server_abort", list(request_ids), **self._phase_kwargs)
         with self._lock:
             self._sent.append(("server_abort", ref))
 
@@ -53,10 +83,12 @@ class RayReplica:
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         bound = max_wait_s + self.poll_slack_s
+        self._confirm_started()
         self._check_followers()
         try:
             self._check_sent()
-            got = ray.get(self.group.rank_call(self.rank, "server_poll", max_wait_s), timeout=bound)
+            got = ray.get(self.group.rank_call(self.rank, "server_poll", max_wait_s, **self._phase_kwargs),
+                          timeout=bound)
         except RayActorError as e:
             raise ReplicaDied(f"{self.name}: its actor died ({type(e).__name__}: {str(e).splitlines()[0]})") from None
         except GetTimeoutError:
@@ -68,6 +100,31 @@ class RayReplica:
             raise ReplicaDied(f"{self.name}: its engine loop stopped: {got['error']}")
         return got
 
+    def _confirm_started(self) -> None:
+        """Wait for the `start_server` answers of this replica's ranks (once; each within `start_wait_s`); raise
+        `ReplicaDied` naming the phase and rank when one failed, did not answer, or reports another place in the
+        layout than the one the router was built on."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        phase = f"serving phase {self.phase}"
+        for rank, (ref, expected) in sorted(self._starts.items()):
+            try:
+                got = ray.get(ref, timeout=self.start_wait_s)
+            except GetTimeoutError:
+                raise ReplicaDied(f"{self.name}: start_server of {phase} on rank {rank} did not answer within "
+                                  f"{self.start_wait_s:g} s") from None
+            except RayActorError as e:
+                raise ReplicaDied(f"{self.name}: the actor of rank {rank} died before start_server of {phase} "
+                                  f"answered ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+            except RayTaskError as e:
+                raise ReplicaDied(f"{self.name}: start_server of {phase} failed on rank {rank}: "
+                                  f"{str(e).splitlines()[-1]}") from None
+            if dict(got) != dict(expected):
+                raise ReplicaDied(f"{self.name}: start_server of {phase} on rank {rank} answered {got}, but the "
+                                  f"router was built for {expected} (the layout of the group's earlier phase)")
+            del self._starts[rank]
+
     def _check_followers(self) -> None:
         """Raise `ReplicaDied` naming a follower rank whose check answered that it died (its actor, or its loop with
         an error); a follower whose server already stopped is the end of a phase, not a death."""
@@ -76,7 +133,7 @@ class RayReplica:
 
         for rank in self.followers:
             if rank not in self._checks:
-                self._checks[rank] = self.group.rank_call(rank, "server_alive")
+                self._checks[rank] = self.group.rank_call(rank, "server_alive", **self._phase_kwargs)
         ready, _ = ray.wait(list(self._checks.values()), num_returns=len(self._checks), timeout=0)
         for rank, ref in list(self._checks.items()):
             if ref not in ready:
@@ -116,13 +173,25 @@ def start_serving(group: Any, *, round_steps: int = 16, weight_version: Optional
     `EngineServer`) and return a router over the replicas' first ranks, in replica order (`sticky_sessions`:
     `RolloutRouter`'s)."""
     infos = group.start_server(round_steps=round_steps, weight_version=weight_version, step_delay_s=step_delay_s)
+    return _router_over(group, infos, default_timeout_s=default_timeout_s, poll_wait_s=poll_wait_s,
+                        weight_version=weight_version, sticky_sessions=sticky_sessions)
+
+
+def _router_over(group: Any, infos: Sequence[dict], *, phase: Optional[int] = None, start: Any = None,
+                 start_wait_s: float = 0.0, **router_options: Any) -> RolloutRouter:
+    """A `RolloutRouter` over the replicas of the layout `infos` (each rank's {"replica", "tp_rank"}), its handles on
+    the replicas' first ranks; `start`: the `PendingCall` of `start_server` still in flight (each handle awaits its
+    ranks' answers, see `RayReplica`)."""
     leaders = sorted((info["replica"], rank) for rank, info in enumerate(infos) if info["tp_rank"] == 0)
-    followers = {replica: [rank for rank, info in enumerate(infos) if info["replica"] == replica and info["tp_rank"]]
-                 for replica, _ in leaders}
-    handles = [RayReplica(group, rank, f"replica {replica} (rank {rank})", followers=followers[replica])
-               for replica, rank in leaders]
-    return RolloutRouter(handles, default_timeout_s=default_timeout_s, poll_wait_s=poll_wait_s,
-                         weight_version=weight_version, sticky_sessions=sticky_sessions)
+    members = {replica: [rank for rank, info in enumerate(infos) if info["replica"] == replica]
+               for replica, _ in leaders}
+    handles = []
+    for replica, rank in leaders:
+        starts = None if start is None else {r: (start.refs[r], dict(infos[r])) for r in members[replica]}
+        handles.append(RayReplica(group, rank, f"replica {replica} (rank {rank})",
+                                  followers=[r for r in members[replica] if r != rank], phase=phase, starts=starts,
+                                  start_wait_s=start_wait_s))
+    return RolloutRouter(handles, **router_options)
 
 
 def stop_serving(group: Any, router: RolloutRouter, timeout_s: float = 60.0) -> list[dict[str, float]]:
@@ -134,3 +203,90 @@ def stop_serving(group: Any, router: RolloutRouter, timeout_s: float = 60.0) -> 
         return group.stop_server(timeout_s=timeout_s)
     finally:
         router.close()
+
+
+# Seconds a phase's per-rank calls wait for its `start_server` (the controller's collectors and the ranks' submits,
+# `begin_serving`): the start runs on the worker thread after whatever the controller sent there before it.
+START_WAIT_S = 300.0
+_PHASE_IDS = itertools.count(1)  # the serving phases' ids, increasing over the controller's life
+
+
+@dataclasses.dataclass
+class ServingPhase:
+    """One serving phase off the critical path (see the module docstring): its `id`, the `group`, the `router`
+    over it, the `layout` (each rank's {"replica", "tp_rank"}), and the calls still to collect: `start` (None: it
+    was awaited) and `stop` (None until `end_serving`)."""
+
+    id: int
+    group: Any
+    router: RolloutRouter
+    layout: list
+    start: Any = None
+    stop: Any = None
+
+
+def begin_serving(group: Any, *, layout: Optional[Sequence[dict]] = None, round_steps: int = 16,
+                  weight_version: Optional[int] = None, default_timeout_s: float = 600.0, poll_wait_s: float = 0.5,
+                  sticky_sessions: bool = True, step_delay_s: float = 0.0,
+                  start_wait_s: float = START_WAIT_S) -> ServingPhase:
+    """Start a serving phase: every rank's `start_server(phase=id)` (options as `start_serving`'s) and a router over
+    the replicas. `layout`: what an earlier phase's start returned for this group (`ServingPhase.layout`): the start
+    is submitted without waiting and the router built from it; None: the start is awaited (a group's first phase)."""
+    phase = next(_PHASE_IDS)
+    options = dict(round_steps=round_steps, weight_version=weight_version, step_delay_s=step_delay_s, phase=phase)
+    router_options = dict(default_timeout_s=default_timeout_s, poll_wait_s=poll_wait_s,
+                          weight_version=weight_version, sticky_sessions=sticky_sessions)
+    if layout is None:
+        infos = group.start_server(**options)
+        return ServingPhase(phase, group, _router_over(group, infos, phase=phase, **router_options), list(infos))
+    if len(layout) != group.world_size:
+        raise ValueError(f"begin_serving: the layout has {len(layout)} ranks, the group {group.world_size}; pass "
+                         "the `layout` of this group's earlier phase")
+    start = group.start_server.submit(**options)
+    router = _router_over(group, layout, phase=phase, start=start, start_wait_s=start_wait_s, **router_options)
+    return ServingPhase(phase, group, router, [dict(i) for i in layout], start=start)
+
+
+def end_serving(phase: ServingPhase, timeout_s: float = 60.0) -> None:
+    """End the phase without waiting: the router's collectors told to end (new requests refused) and every rank's
+    `stop_server` submitted; `finish_serving` collects it. Relies on Ray's order of one caller's calls on the workers'
+    default concurrency group (see the module docstring): the next role call runs after the stop there."""
+    phase.router.begin_close()
+    phase.stop = phase.group.stop_server.submit(timeout_s=timeout_s)
+
+
+def finish_serving(phase: ServingPhase, where: str) -> list[dict[str, float]]:
+    """Collect the phase's start (when it was not awaited) and stop answers and join the router's collectors;
+    returns each rank's server counters. Raises the first failure, naming the phase and `where` it was collected
+    (e.g. "before the weight sync") -- `WorkerError`/`CallTimeout` as the group raised it, with the phase in front;
+    the layout check of the start raises RuntimeError."""
+    from megarl.controller.worker_group import CallTimeout, WorkerError
+
+    if phase.stop is None:
+        raise RuntimeError(f"finish_serving: serving phase {phase.id} was not ended (end_serving first)")
+    errors: list[BaseException] = []
+    stopped: list[dict[str, float]] = []
+    prefix = f"serving phase {phase.id} (collected {where})"
+    for what, call in (("start_server", phase.start), ("stop_server", phase.stop)):
+        if call is None:
+            continue
+        try:
+            got = call.result()
+        except WorkerError as e:
+            errors.append(WorkerError(f"{prefix}: {e}", e.rank))
+            continue
+        except CallTimeout as e:
+            errors.append(CallTimeout(f"{prefix}: {e}", e.ranks))
+            continue
+        if what == "stop_server":
+            stopped = got
+        elif [dict(i) for i in got] != phase.layout:
+            errors.append(RuntimeError(f"{prefix}: start_server answered the layout {got}, but the router was built "
+                                       f"for {phase.layout} (the group's earlier phase)"))
+    try:
+        phase.router.close()
+    except BaseException as e:  # noqa: BLE001 -- raised below, after the workers' own failures
+        errors.append(e)
+    if errors:
+        raise errors[0]
+    return stopped

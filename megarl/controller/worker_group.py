@@ -157,6 +157,12 @@ class PendingCall:
             self._shares.note_result(self._what, out)
         return out
 
+    @property
+    def refs(self) -> list:
+        """The Ray ObjectRef of each rank's call, in rank order (`ray.get` of one gives that rank's result, or
+        raises its error): for a caller that waits on some ranks alone (`megarl.controller.serving.RayReplica`)."""
+        return list(self._refs)
+
     def done(self) -> bool:
         """Whether every rank has answered (without waiting)."""
         import ray

@@ -19,7 +19,11 @@ Nothing here imports vLLM, Ray or the controller: a service holds a worker group
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
 from typing import Any, ContextManager, Iterator, Optional, Protocol
+
+logger = logging.getLogger("megarl.rollout")
 
 
 class RolloutService(Protocol):
@@ -43,23 +47,72 @@ class ColocatedRollout:
 
     `workers`: the group (its ranks' request servers and `sync_weights` controller method).
     `serving_backend`: what starts and stops the group's request servers (`megarl.controller.serving`, passed by the
-    trainer: the controller layer sits above this one); None: `serving` refuses."""
+    trainer: the controller layer sits above this one); None: `serving` refuses.
+    `overlap_phase_ends`: take a phase's start and stop off the controller's critical path (the sync schedule,
+    where one thread runs every phase; `megarl.controller.serving.begin_serving`): from the second phase on, the
+    start is submitted without waiting (the router built from the first phase's layout) and the stop is submitted
+    at the end of the `with` block and collected -- its error raised, naming the phase -- before the next weight
+    sync, at the next phase's start, or at `close`. False: every phase starts and stops before `serving` yields /
+    returns (`serve_group`)."""
 
-    def __init__(self, workers: Any, serving_backend: Any = None) -> None:
+    def __init__(self, workers: Any, serving_backend: Any = None, overlap_phase_ends: bool = False) -> None:
         self.workers = workers
         self.serving_backend = serving_backend
         self.weight_version: Optional[int] = None
+        self.overlap_phase_ends = overlap_phase_ends
+        self._layout: Optional[list] = None  # each rank's {"replica", "tp_rank"}, from the first phase's start
+        self._ending: Any = None  # the ended phase whose start/stop answers are not collected yet
 
     def serving(self) -> ContextManager[Any]:
         """The request-level path for one phase (`serve_group`): every rank's server starts with its engine woken
-        and stops with it put back to sleep."""
-        return serve_group(self.serving_backend, self.workers, self.weight_version)
+        and stops with it put back to sleep (with `overlap_phase_ends`, see the class docstring)."""
+        if not self.overlap_phase_ends:
+            return serve_group(self.serving_backend, self.workers, self.weight_version)
+        return self._overlapped_phase()
+
+    @contextlib.contextmanager
+    def _overlapped_phase(self) -> Iterator[Any]:
+        backend = _backend(self.serving_backend)
+        self.finish_phase("at the next phase's start")
+        phase = backend.begin_serving(self.workers, layout=self._layout, weight_version=self.weight_version,
+                                      poll_wait_s=SERVE_POLL_WAIT_S)
+        self._layout = phase.layout
+        try:
+            yield phase.router
+        except BaseException:
+            backend.end_serving(phase)
+            backend.finish_serving(phase, "as the phase failed")
+            raise
+        backend.end_serving(phase)  # every later call on the workers runs after the stop (Ray's order)
+        self._ending = phase
+
+    def finish_phase(self, where: str) -> None:
+        """Collect the ended phase's start and stop (raising its error, naming the phase and `where`); no-op when
+        none is left."""
+        phase, self._ending = self._ending, None
+        if phase is not None:
+            _backend(self.serving_backend).finish_serving(phase, where)
 
     def push_weights(self, version: int) -> list[dict[str, float]]:
-        """The local reshard of every rank (`HybridWorker.sync_weights`); returns each rank's reshard metrics."""
+        """The local reshard of every rank (`HybridWorker.sync_weights`); returns each rank's reshard metrics. The
+        ended phase's stop is collected first: the sync would run after it on the workers anyway (Ray's order of the
+        default concurrency group), and a failed stop then fails the step it ended."""
+        self.finish_phase("before the weight sync")
         metrics = self.workers.sync_weights()
         self.weight_version = version
         return metrics
+
+    def close(self) -> None:
+        """Collect the last phase's stop (see `overlap_phase_ends`) and raise its error; idempotent. Called while
+        another exception is on its way up (a `finally` after a failed step), the stop's error is logged instead:
+        the first failure stays the one reported."""
+        if sys.exc_info()[0] is None:
+            self.finish_phase("at close")
+            return
+        try:
+            self.finish_phase("at close")
+        except Exception as e:  # noqa: BLE001 -- the exception in flight is the one to report
+            logger.error("ColocatedRollout.close (during another failure): %s", e)
 
 
 class PoolRollout:

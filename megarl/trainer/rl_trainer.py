@@ -101,7 +101,9 @@ class RLLoop:
         self.stop = stop
         self.cfg = cfg
         self.workers = workers
-        self.rollout = rollout if rollout is not None else ColocatedRollout(workers, serving_backend=serving)
+        # sync: one thread runs every phase, whose start and stop leave the critical path (`overlap_phase_ends`)
+        self.rollout = rollout if rollout is not None else ColocatedRollout(
+            workers, serving_backend=serving, overlap_phase_ends=cfg.trainer.mode == "sync")
         self.role_groups = dict(role_groups or {})
         self.engine_teachers = dict(engine_teachers or {})
         self.loader = loader
@@ -184,14 +186,20 @@ class RLLoop:
         return self.next_step
 
     def close(self) -> None:
-        """Stop the rollout schedule's driver, end the progress bar and flush and close the metric sinks
-        (TensorBoard, W&B). Idempotent."""
-        self.schedule.close()
-        if self.progress is not None:
-            self.progress.close()
-        for sink in self.sinks:
-            sink.close()
-        self.sinks = []
+        """Stop the rollout schedule's driver, collect the rollout service's last serving phase (`ColocatedRollout.
+        close`: its stop's error raised), end the progress bar and flush and close the metric sinks (TensorBoard,
+        W&B). Idempotent."""
+        try:
+            self.schedule.close()
+            close_rollout = getattr(self.rollout, "close", None)  # a phase's stop not collected yet (colocated)
+            if close_rollout is not None:
+                close_rollout()
+        finally:
+            if self.progress is not None:
+                self.progress.close()
+            for sink in self.sinks:
+                sink.close()
+            self.sinks = []
 
     def run_step(self) -> StepResult:
         """Step `next_step` and what follows it: validation every `trainer.val_every` steps (`val/reward_mean`), a

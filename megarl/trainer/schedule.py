@@ -216,7 +216,8 @@ class Schedule:
         started, reward_before = time.perf_counter(), t.get("reward", 0.0)
         with self.rollout.serving() as client:
             batch = self.producer.produce(step, client, step - 1, t)
-        # the rollout phase: all but the scoring left after the last request (the servers' start and stop included)
+        # the rollout phase: all but the scoring left after the last request (the servers' start and stop included;
+        # colocated, the controller only submits them: `ColocatedRollout.overlap_phase_ends`)
         t["rollout"] = time.perf_counter() - started - (t.get("reward", 0.0) - reward_before)
         return batch
 

