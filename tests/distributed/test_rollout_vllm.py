@@ -171,19 +171,25 @@ def test_weight_updates_change_generations_without_stale_cache(engine, models):
     assert _greedy(engine) == ref
 
 
-def test_direct_load_twice_through_the_same_tensors_and_refusals(engine, models):
+def _qkv_weight_shape(worker) -> tuple[int, ...]:
+    return tuple(worker.model_runner.get_model().model.layers[0].self_attn.qkv_proj.weight.shape)
+
+
+def test_direct_load_twice_through_the_same_tensors_and_refusals(engine, models, monkeypatch):
     """The direct CPU load (`vllm_weights.load_vllm_shards_cpu_fast`: each linear's kernel rebuilt by vLLM's own
     `process_weights_after_loading`, no layerwise reload): two syncs with different weights fed through the SAME
     tensors (a persistent reshard sink reuses its staging buffers) each generate what transformers does on those
     weights, greedy tokens and log-probs; writing into the fed tensors after a sync changes nothing (the engine
-    holds copies, not the caller's memory); a shard of the wrong shape or dtype is refused, naming it, before
-    anything is loaded."""
+    holds copies, not the caller's memory, with vLLM's oneDNN kernel and with its torch fallback); a shard of the
+    wrong shape or dtype is refused, naming it, before anything is loaded."""
     from transformers import AutoModelForCausalLM
 
     base, other, ref, ref_other = models
     shards = engine.param_shards()
     sds = {"base": _load_sd(base), "other": _load_sd(other)}
-    fed = {p.name: build_shard(p, sds["other"].__getitem__) for p in shards}
+    # build_shard returns a replicated parameter's full tensor itself: clone, so that writing into `fed` below does
+    # not write into the weights read from the files
+    fed = {p.name: build_shard(p, sds["other"].__getitem__).clone() for p in shards}
 
     def write(which: str) -> None:
         for p in shards:
@@ -204,6 +210,21 @@ def test_direct_load_twice_through_the_same_tensors_and_refusals(engine, models)
     write("other")  # no sync: the engine must not see this
     assert _greedy(engine) == ref
     assert engine.load_paths["direct"] == direct + 2
+    assert engine.llm.collective_rpc(_qkv_weight_shape) == [(0,)]  # oneDNN packed a copy, vLLM dropped the weight
+
+    # vLLM's torch fallback kernel (a CPU without oneDNN) computes from `layer.weight` itself: it must be the
+    # engine's own copy, not the fed tensor
+    import vllm._custom_ops as vllm_ops
+
+    monkeypatch.setattr(vllm_ops, "_supports_onednn", False)
+    engine.update_weights(iter(fed.items()), layout="vllm_shard")
+    assert engine.llm.collective_rpc(_qkv_weight_shape) == [(256, 128)]  # the fallback kernel ran
+    assert _greedy(engine) == ref_other
+    write("base")  # no sync
+    assert _greedy(engine) == ref_other
+    monkeypatch.undo()
+    engine.update_weights(iter(fed.items()), layout="vllm_shard")
+    assert engine.llm.collective_rpc(_qkv_weight_shape) == [(0,)] and _greedy(engine) == ref
 
     name = "model.layers.1.mlp.down_proj.weight"
     bad_shape = {**fed, name: fed[name][:, :-1]}
