@@ -46,11 +46,19 @@ Weight updates (`update_weights`), two layouts:
   for the reshard engine.
 - layout="vllm_shard": (vLLM name, THIS RANK'S SHARD in vLLM layout, see `param_shards()` /
   `megarl.rollout.vllm_layout`) pairs: no rank ever holds more than its own shard.
-  * CPU: the same layerwise machinery, but each fed parameter's weight_loader is swapped for a plain shape-checked
-    copy (`_copy_shard`) before `make_online_process_loader` wraps it, so nothing narrows; the layer is repacked by
-    its own `process_weights_after_loading` when complete; the original loaders are put back afterwards. A layer
-    must be fed all its parameters in one call (an incomplete layer would be processed with uninitialised
-    elements at `finalize_layerwise_reload`); layers not fed keep their current weights.
+  * CPU (`vllm_weights.load_vllm_shards_cpu_fast`; `load_paths` counts which path ran), every shard checked
+    against the shape and dtype vLLM loads there first (ValueError naming it, nothing loaded):
+    - "direct", when every fed parameter is of a kind it knows (unquantized linear weights and biases, unquantized
+      embeddings / lm_head, tied or not, norms): a linear weight becomes a copy of the shard and the layer's own
+      `quant_method.process_weights_after_loading` rebuilds whichever CPU kernel vLLM picked (oneDNN, sgl,
+      zentorch, torch) from it; embeddings, biases and norms are copied in place (a tied lm_head re-processed
+      too). About 2x cheaper than the layerwise reload at 0.7M parameters (benchmarks/vs_trl.py).
+    - "layerwise", otherwise (MoE experts, quantized methods, LoRA-wrapped `base_layer`s, anything else): the
+      layerwise machinery, but each fed parameter's weight_loader is swapped for a plain shape-checked copy
+      (`_copy_shard`) before `make_online_process_loader` wraps it, so nothing narrows; the layer is repacked by
+      its own `process_weights_after_loading` when complete; the original loaders are put back afterwards. A
+      layer must be fed all its parameters in one call (an incomplete layer would be processed with
+      uninitialised elements at `finalize_layerwise_reload`); layers not fed keep their current weights.
   * GPU: `reload_weights(weights_iterator=..., is_checkpoint_format=False)`, which `param.copy_`s each shard into
     the (unrepacked) kernel parameter in place.
   What does NOT work on CPU: writing into the parameters (they read as shape (0,) after repacking); feeding a
