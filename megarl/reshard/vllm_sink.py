@@ -9,8 +9,10 @@ Two ways a shard reaches the engine, chosen per parameter:
   and no reload call. Addresses do not change, so CUDA graphs captured by vLLM stay valid.
 - **Staged** (CPU, or a parameter whose dtype/shape differs from what the wire carries): the executor writes into
   a staging tensor; `finish` hands the staged shards to `engine.update_weights(..., layout="vllm_shard")`, which on
-  the CPU build goes through vLLM's layerwise reload (oneDNN repacking: the live parameters cannot be written
-  directly). The staging holds at most one inference shard of the model (what this rank's engine holds anyway).
+  the CPU build copies them in and has vLLM rebuild each layer's CPU kernel (oneDNN repacking: the live parameters
+  cannot be written directly; see `megarl.rollout.vllm_adapter`, "Weight updates"); the engine keeps no reference
+  to the staging tensors. The staging holds at most one inference shard of the model (what this rank's engine
+  holds anyway).
 
 `finish` then resets the prefix cache, so no KV block computed with old weights is reused.
 

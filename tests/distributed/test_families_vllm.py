@@ -101,19 +101,25 @@ def _family_worker(rank, world_size, hf_dir, export_root):
         after, _ = _observe(engine, actor)
         out = export_actor_hf(actor, os.path.join(export_root, name), hf_dir)
         results[name] = {"mismatch": mismatch, "fed": sink.tensors_fed, "params": len(shards),
-                         "before": before, "after": after, "exported": out}
+                         "before": before, "after": after, "exported": out, "paths": dict(engine.load_paths)}
         del actor
     engine.close()
     return results
 
 
-def _vllm_reference_worker(rank, world_size, dirs):
+def _vllm_reference_worker(rank, world_size, dirs, pushes):
     """vLLM loading each HF dir itself (load_format auto, TP1): greedy tokens and their log-probs. Each rank of the
     world is its own TP1 replica and loads every `world_size`-th dir (the ranks build their engines in step: vLLM's
     external launcher creates its process groups over the world at each engine's start), so the 12 loads take half
-    the time on 2 ranks."""
+    the time on 2 ranks.
+
+    pushes {dir: other dir}: the engine that loaded `dir` is then fed, as TP1 vLLM shards (the direct CPU load
+    path), the other dir's weights and then its own again; out[("pushed", dir)] = {"pushed": [(dir fed, greedy
+    tokens, log-probs)], "paths": engine.load_paths}."""
+    from megarl.checkpoint.hf_io import HFReader
     from megarl.rollout.engine import SamplingSettings
     from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine
+    from megarl.rollout.vllm_layout import build_shard
 
     if len(dirs) % world_size:
         raise ValueError(f"{len(dirs)} dirs do not split evenly over {world_size} ranks")
@@ -124,6 +130,15 @@ def _vllm_reference_worker(rank, world_size, dirs):
                                                       max_prompt_tokens=48, kv_cache_gib=1.0))
         samples = engine.generate(PROMPTS, greedy)
         out[d] = ([s.response_ids for s in samples], [s.response_log_probs for s in samples])
+        if d in pushes:
+            pushed = []
+            for fed in (pushes[d], d):
+                reader = HFReader(fed)
+                engine.update_weights(((p.name, build_shard(p, reader.read)) for p in engine.param_shards()),
+                                      layout="vllm_shard")
+                samples = engine.generate(PROMPTS, greedy)
+                pushed.append((fed, [s.response_ids for s in samples], [s.response_log_probs for s in samples]))
+            out[("pushed", d)] = {"pushed": pushed, "paths": dict(engine.load_paths)}
         engine.close()
     return out
 
@@ -164,7 +179,8 @@ def family_runs(tmp_path_factory):
         runs[fam] = per_rank
     exported = [r[lay]["exported"] for fam in FAMILIES for r in runs[fam][:1] for lay, _, _ in LAYOUTS]
     vllm_ref = {}
-    for part in run_ranks(2, _vllm_reference_worker, list(dirs.values()) + exported, timeout_s=900,
+    pushes = {d: runs[fam][0]["tp2"]["exported"] for fam, d in dirs.items()}  # TP1 direct loads: updated, original
+    for part in run_ranks(2, _vllm_reference_worker, list(dirs.values()) + exported, pushes, timeout_s=900,
                           env={"VLLM_CPU_KVCACHE_SPACE": "1"}):
         vllm_ref.update(part)
     hf = {}
@@ -227,6 +243,26 @@ def test_after_update_matches_exported_weights(family_runs, fam, lay):
     ours = per_rank[0][lay]["after"]["sampled_lps"]
     worst = max(abs(a - b) for x, y in zip(ours, hf[lay][1]) for a, b in zip(x, y))
     assert worst <= TOL, f"after the update: sampled-token log-probs differ from transformers' by {worst:.2e}"
+
+
+@pytest.mark.parametrize("fam", list(FAMILIES))
+def test_direct_cpu_loads_match_vllm_own_load(family_runs, fam):
+    """Every reshard above (TP2, two per actor layout) and two TP1 syncs (the tp2 export, then the original weights
+    again) took the direct CPU load path (`vllm_weights.load_vllm_shards_cpu_fast`); each TP1 sync generates what
+    vLLM loading the same weights from their HF dir does (tied embeddings included: the tied lm_head's kernel
+    follows the embedding), and the second sync takes effect."""
+    d, per_rank, vllm_ref, _ = _case(family_runs, fam, "tp2")
+    for r in per_rank:
+        assert r["tp2"]["paths"] == {"direct": 2} and r["pp2"]["paths"] == {"direct": 4}, (r["tp2"]["paths"],
+                                                                                         r["pp2"]["paths"])
+    pushed = vllm_ref[("pushed", d)]
+    assert pushed["paths"] == {"direct": 2}, pushed["paths"]
+    (exported, ids_1, lps_1), (again, ids_2, lps_2) = pushed["pushed"]
+    assert again == d and ids_1 != ids_2
+    for fed, ids, lps in pushed["pushed"]:
+        assert ids == vllm_ref[fed][0], f"TP1 direct load of {fed} vs vLLM loading it"
+        worst = max(abs(a - b) for x, y in zip(lps, vllm_ref[fed][1]) for a, b in zip(x, y))
+        assert worst <= TOL, f"greedy log-probs differ from vLLM's own load by {worst:.2e}"
 
 
 @pytest.mark.parametrize("fam", SCALED)

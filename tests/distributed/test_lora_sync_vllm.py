@@ -147,6 +147,7 @@ def _worker(rank, world_size, hf_dir, merged_dir, adapters, export_dir):
     exported_conf = json.load(open(os.path.join(export_dir, "adapter_config.json")))
     sync_adapter(engine, exported, exported_conf, sent_checksums=adapter_checksums(exported))
     out["actor_adapter"] = gen()
+    out["load_paths"] = dict(engine.load_paths)
     engine.close()
     return out
 
@@ -210,6 +211,8 @@ def test_merged_sync_through_the_delta_reshard_matches_peft(lora_run):
     out, base, peft1, _ = lora_run
     assert out["unloaded"] == base
     assert out["merged"] == peft1
+    # the LoRA engine's linears are `base_layer`s of vLLM's LoRA wrappers: not a kind the direct CPU load knows
+    assert set(out["load_paths"]) == {"layerwise"}, out["load_paths"]
     # only the adapted linears changed: 2 layers x (qkv, proj, fc1, fc2) (one rank: every op is local, so the
     # bytes that would travel are benchmarks/lora_sync.py's to count, not this test's)
     assert len(out["delta_names"]) == 8 and all("linear_" in n for n in out["delta_names"])

@@ -132,13 +132,14 @@ def _feed_and_compare(path: str, family: str, tp: int, ep: bool, generate: bool 
                 hf[piece.hf_name].narrow(piece.dim, piece.start, piece.length))
         sink.commit(param)
     sink.finish()
+    paths = dict(engine.load_paths)
     fed = dict(sink.last_fed)
     expert_shapes = {s.name: s.shape for s in engine.param_shards() if s.kind == "experts"}
     loader = engine.llm.collective_rpc(_vllm_loader_expert_shards,
                                        args=(path, FAMILIES[family][2], expert_shapes))[0]
     out = dict(tp_rank=engine.tp_rank, expert_shapes=expert_shapes,
                experts_equal={n: torch.equal(fed[n], loader[n]) for n in loader},
-               fed_expert_names=sorted(n for n in fed if n in expert_shapes))
+               fed_expert_names=sorted(n for n in fed if n in expert_shapes), paths=paths)
     if generate:
         greedy = SamplingSettings(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
         out["ours"] = [(s.response_ids, s.response_log_probs) for s in engine.generate(PROMPTS, greedy)]
@@ -167,6 +168,7 @@ def moe_dirs(tmp_path_factory):
 def _check(result: dict, ref_greedy, tp: int, ep: bool) -> None:
     assert result["experts_equal"] and all(result["experts_equal"].values()), result["experts_equal"]
     assert result["fed_expert_names"] == sorted(result["expert_shapes"])  # the stacked tensors were fed
+    assert result["paths"] == {"layerwise": 1}  # experts: not a kind the direct CPU load knows (vllm_weights)
     local = 4 // tp if ep else 4
     moe_rows = EXPERT_WIDTH if ep else EXPERT_WIDTH // tp
     for name, shape in result["expert_shapes"].items():

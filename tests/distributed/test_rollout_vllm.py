@@ -161,13 +161,80 @@ def test_weight_updates_change_generations_without_stale_cache(engine, models):
     base, other, ref, ref_other = models
     assert _greedy(engine) == ref  # fills the prefix cache with the old weights' KV
     changed = _load_sd(other)
+    direct = engine.load_paths["direct"]
     n = engine.update_weights(((p.name, build_shard(p, changed.__getitem__)) for p in engine.param_shards()),
                               layout="vllm_shard")
-    assert n == 15
+    assert n == 15 and engine.load_paths["direct"] == direct + 1
     assert _greedy(engine) == ref_other
     n = engine.update_weights(iter(_load_sd(base).items()), layout="hf")
     assert n == 21
     assert _greedy(engine) == ref
+
+
+def _qkv_weight_shape(worker) -> tuple[int, ...]:
+    return tuple(worker.model_runner.get_model().model.layers[0].self_attn.qkv_proj.weight.shape)
+
+
+def test_direct_load_twice_through_the_same_tensors_and_refusals(engine, models, monkeypatch):
+    """The direct CPU load (`vllm_weights.load_vllm_shards_cpu_fast`: each linear's kernel rebuilt by vLLM's own
+    `process_weights_after_loading`, no layerwise reload): two syncs with different weights fed through the SAME
+    tensors (a persistent reshard sink reuses its staging buffers) each generate what transformers does on those
+    weights, greedy tokens and log-probs; writing into the fed tensors after a sync changes nothing (the engine
+    holds copies, not the caller's memory, with vLLM's oneDNN kernel and with its torch fallback); a shard of the
+    wrong shape or dtype is refused, naming it, before anything is loaded."""
+    from transformers import AutoModelForCausalLM
+
+    base, other, ref, ref_other = models
+    shards = engine.param_shards()
+    sds = {"base": _load_sd(base), "other": _load_sd(other)}
+    # build_shard returns a replicated parameter's full tensor itself: clone, so that writing into `fed` below does
+    # not write into the weights read from the files
+    fed = {p.name: build_shard(p, sds["other"].__getitem__).clone() for p in shards}
+
+    def write(which: str) -> None:
+        for p in shards:
+            fed[p.name].copy_(build_shard(p, sds[which].__getitem__))
+
+    def lp_gap(path: str) -> float:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        out = engine.generate(PROMPTS, GREEDY)
+        return max(abs(a - b) for s in out
+                   for a, b in zip(hf_token_log_probs(hf, s.prompt_ids, s.response_ids), s.response_log_probs))
+
+    direct = engine.load_paths["direct"]
+    engine.update_weights(iter(fed.items()), layout="vllm_shard")
+    assert _greedy(engine) == ref_other and lp_gap(other) < 1e-3
+    write("base")
+    engine.update_weights(iter(fed.items()), layout="vllm_shard")  # the same tensor objects, the original values
+    assert _greedy(engine) == ref and lp_gap(base) < 1e-3
+    write("other")  # no sync: the engine must not see this
+    assert _greedy(engine) == ref
+    assert engine.load_paths["direct"] == direct + 2
+    assert engine.llm.collective_rpc(_qkv_weight_shape) == [(0,)]  # oneDNN packed a copy, vLLM dropped the weight
+
+    # vLLM's torch fallback kernel (a CPU without oneDNN) computes from `layer.weight` itself: it must be the
+    # engine's own copy, not the fed tensor
+    import vllm._custom_ops as vllm_ops
+
+    monkeypatch.setattr(vllm_ops, "_supports_onednn", False)
+    engine.update_weights(iter(fed.items()), layout="vllm_shard")
+    assert engine.llm.collective_rpc(_qkv_weight_shape) == [(256, 128)]  # the fallback kernel ran
+    assert _greedy(engine) == ref_other
+    write("base")  # no sync
+    assert _greedy(engine) == ref_other
+    monkeypatch.undo()
+    engine.update_weights(iter(fed.items()), layout="vllm_shard")
+    assert engine.llm.collective_rpc(_qkv_weight_shape) == [(0,)] and _greedy(engine) == ref
+
+    name = "model.layers.1.mlp.down_proj.weight"
+    bad_shape = {**fed, name: fed[name][:, :-1]}
+    with pytest.raises(ValueError, match=rf"{name}: shard \(128, 255\) torch.float32 != this rank's \(128, 256\)"):
+        engine.update_weights(iter(bad_shape.items()), layout="vllm_shard")
+    bad_dtype = {**fed, "model.norm.weight": fed["model.norm.weight"].double()}
+    with pytest.raises(ValueError, match=r"model.norm.weight: shard \(128,\) torch.float64 != this rank's \(128,\) "
+                                         r"torch.float32"):
+        engine.update_weights(iter(bad_dtype.items()), layout="vllm_shard")
+    assert _greedy(engine) == ref  # nothing of `other` (in `fed`, listed before the bad shard) was loaded
 
 
 def test_sleep_and_wake_are_cpu_noops_logged_once(engine, caplog):
@@ -416,6 +483,7 @@ def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_pe
     n = eng.update_weights(((p.name, build_shard(p, changed.__getitem__)) for p in shards), layout="vllm_shard")
     greedy_after = _greedy(eng, mine)
     info = dict(tp_rank=eng.tp_rank, tp_ranks=eng.tp_ranks, replica=eng.replica_index, shm=shm,
+                shard_load=eng.load_paths["direct"],
                 shards={p.name: (p.shape, [(x.start, x.length) for x in p.parts], p.pad_rows) for p in shards})
     try:  # ranks of one replica given different prompts: refused on every rank of it, before vLLM sees them
         eng.generate([mine[0][: 1 + eng.tp_rank]], SamplingSettings(max_new_tokens=NEW))
@@ -524,7 +592,7 @@ def test_tp2_two_ranks_dummy_load_then_pushed_weights(models):
         shm = info["shm"]
         assert shm["uses_shm"], "vLLM fell back to gloo for the TP all-reduce"
         assert f"{shm['tag']}tp:0-[0-1]-cpushm_{rank}" in shm["segments"], shm
-        assert greedy == ref and after == ref_other and n == 15
+        assert greedy == ref and after == ref_other and n == 15 and info["shard_load"] == 1  # the direct path
         qkv = info["shards"]["model.layers.0.self_attn.qkv_proj.weight"]
         # 4 q heads / 2 kv heads over TP2: q heads [2r, 2r+2), kv head r
         assert qkv == ((128, 128), [(64 * rank, 64), (32 * rank, 32), (32 * rank, 32)], 0)
@@ -563,7 +631,7 @@ def test_two_replicas_of_tp2_on_four_ranks(models):
         assert info["replica"] == r and info["tp_ranks"] == [2 * r, 2 * r + 1] and info["tp_rank"] == rank % 2
         want = ref[:1] if r == 0 else ref[1:]
         want_after = ref_other[:1] if r == 0 else ref_other[1:]
-        assert greedy == want and after == want_after and n == 15
+        assert greedy == want and after == want_after and n == 15 and info["shard_load"] == 1  # the direct path
         assert info["requests"] == want_after and info["in_flight"] == []
         assert f"submit: ranks [{2 * r + 1}] of the TP replica [{2 * r}, {2 * r + 1}]" in info["order"], info["order"]
         assert info["push"] == (push_refs[:1] if r == 0 else push_refs[1:]) and info["push_in_flight"] == []
