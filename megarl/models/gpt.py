@@ -221,12 +221,6 @@ def build_gpt_model(spec: ModelSpec, groups: RoleGroups, config, vp_stage: Optio
         from megarl.models.context_parallel import use_all_gather_cp_attention
 
         use_all_gather_cp_attention(layer_spec)
-    elif not transformer_engine_available():
-        # megatron's local attention is unfused (repeat_interleave, baddbmm, mask, softmax, bmm): one fused SDPA call
-        from megarl.models.sdpa_attention import sdpa_applies, use_sdpa_attention
-
-        if sdpa_applies(config):
-            use_sdpa_attention(layer_spec)
     rope_type = spec.rope_scaling.rope_type if spec.rope_scaling else None
     model = GPTModel(
         config=config,
