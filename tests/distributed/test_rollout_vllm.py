@@ -640,36 +640,3 @@ def test_two_replicas_of_tp2_on_four_ranks(models):
         assert len(info["varied"]) == (3 if r == 0 else 40)
         assert info["varied"][:3] == want[0][:3] and (r == 0 or info["varied"][:NEW] == want[0])
 
-
-def _compiled_worker(rank: int, world: int, base: str, other: str):
-    """An engine compiled by vLLM (`enforce_eager=False`: inductor on CPU): greedy tokens before a weight update,
-    after a shard-layout update to `other` and after an HF-layout update back, and the log-probs of a seeded sample."""
-    from megarl.rollout.vllm_adapter import VllmRolloutEngine
-
-    eng = VllmRolloutEngine(_settings(base, enforce_eager=False))
-    before = _greedy(eng)
-    changed = _load_sd(other)
-    eng.update_weights(((p.name, build_shard(p, changed.__getitem__)) for p in eng.param_shards()),
-                       layout="vllm_shard")
-    after = _greedy(eng)
-    sampled = eng.generate(PROMPTS[:1], SamplingSettings(temperature=1.0, max_new_tokens=NEW, seed=3))[0]
-    eng.update_weights(iter(_load_sd(base).items()), layout="hf")
-    back = _greedy(eng)
-    compiled = not eng.llm.llm_engine.vllm_config.model_config.enforce_eager
-    eng.close()
-    return compiled, before, after, back, (sampled.prompt_ids, sampled.response_ids, sampled.response_log_probs)
-
-
-def test_compiled_engine_generates_from_every_weight_update(models):
-    """`rollout.enforce_eager=false` on CPU (what `benchmarks/vs_trl.py` runs): vLLM compiles the model with inductor,
-    and every weight update must reach the compiled graph (a graph that captured the first weights as constants
-    would keep generating from them). Oracle: transformers' greedy tokens and log-probs of each model. Its own rank
-    process: a compiled engine is a build-time setting, the module's eager engine cannot be reused, and two engines
-    in one process share vLLM's global state."""
-    base, other, ref, ref_other = models
-    compiled, before, after, back, (prompt, resp, lps) = run_ranks(
-        1, _compiled_worker, base, other, timeout_s=300, env={"VLLM_CPU_KVCACHE_SPACE": "1"})[0]
-    assert compiled
-    assert before == ref and after == ref_other and back == ref
-    ref_lp = hf_token_log_probs(other, prompt, resp)
-    assert max(abs(a - b) for a, b in zip(ref_lp, lps)) < 1e-3
