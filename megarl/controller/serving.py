@@ -271,6 +271,9 @@ def finish_serving(phase: ServingPhase, where: str) -> list[dict[str, float]]:
         if call is None:
             continue
         try:
+            # bounded: `PendingCall.result` raises CallTimeout naming a rank whose heartbeat goes unanswered for
+            # resources.heartbeat_timeout_s (and at call_timeout_s when set); stop_server joins its loop within
+            # its own timeout_s (60 s)
             got = call.result()
         except WorkerError as e:
             errors.append(WorkerError(f"{prefix}: {e}", e.rank))
