@@ -334,6 +334,7 @@ class RLLoop:
             stay = self._results_stay(len(batch))
             kept_actor: dict[str, tuple[str, str]] = {}  # batch key -> (name, result key) kept on the actor's ranks
             kept_critic: dict[str, tuple[str, str]] = {}
+            ref_pending = None  # the reference's call when its results stay on the actor's ranks
             if not self.old_log_probs_from_update:  # else the update's own forward gives them (and the mismatch)
                 with _timer(t, "old_log_probs"):
                     keep = f"{step}/old_log_probs" if stay["old"] else None
@@ -363,7 +364,12 @@ class RLLoop:
                 with _timer(t, "ref_log_probs"):
                     if stay["ref"]:  # read by the actor's loss only: they stay on the ranks that made them
                         keep = f"{step}/ref_log_probs"
-                        self.role_groups["reference"].compute_ref_log_probs(batch, keep=keep, fetch=())
+                        # submitted, not waited on: the controller forms the advantages meanwhile and submits the
+                        # actor's update behind it (the same ranks run one caller's role calls in submission order,
+                        # `WorkerGroup`), and collects this call's answer first, so a failure here is named as the
+                        # reference's
+                        ref_pending = self.role_groups["reference"].compute_ref_log_probs.submit(
+                            batch, keep=keep, fetch=())
                         kept_actor["ref_log_probs"] = (keep, "log_probs")
                     else:
                         ref = self.role_groups["reference"].compute_ref_log_probs(batch, fetch=("log_probs",))
@@ -420,8 +426,14 @@ class RLLoop:
             exchange = (("old_log_probs" in kept_actor or "ref_log_probs" in kept_actor) and stay["exchange_actor"]
                         or "advantages" in kept_actor and stay["exchange_advantages"])
             with _timer(t, "update_actor"):
-                for k, v in self.workers.update_actor(actor_batch, kept=kept_actor or None, per_sequence=per_sequence,
-                                                      exchange_kept=exchange, top_k_kl_coef=self.top_k_kl_coef).items():
+                update = self.workers.update_actor.submit(actor_batch, kept=kept_actor or None,
+                                                          per_sequence=per_sequence, exchange_kept=exchange,
+                                                          top_k_kl_coef=self.top_k_kl_coef)
+            if ref_pending is not None:  # time/ref_log_probs_s: its submission and the wait for its answer
+                with _timer(t, "ref_log_probs"):
+                    ref_pending.result()
+            with _timer(t, "update_actor"):
+                for k, v in update.result().items():
                     metrics[f"mismatch/{k[len('mismatch_'):]}" if k.startswith("mismatch_") else f"actor/{k}"] = v
             if pending is not None:
                 with _timer(t, "update_critic_wait"):
