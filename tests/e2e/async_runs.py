@@ -25,20 +25,28 @@ CONFIG = os.path.join(ROOT, "yaml_configs", "cpu_quickstart_rollout_pool.yaml")
 TIS = ["algorithm.rollout_correction.tis=token"]
 
 # name -> (overrides, steps, resumed from (run, step) or None, checkpoint every)
+# Lengths (tests/e2e/test_async_modes.py's bar: the last 5 steps' reward > the first 5's + 0.2; measured here, first
+# 5 steps 0.13 in every run): one_step_off's 18 steps end at 0.56 (20: 0.70), async4's 24 at 0.65 (its rewards rise
+# ~5 steps later: 20 steps end at 0.37, too near the bar). A resumed run needs only as many steps as the checks read:
+# one_step_off's, 3 to compare bit for bit; async4's, 5 (the up to max_staleness + 1 batches its checkpoint buffers).
+# No "async1" (async, max_staleness 1): it trained step for step what one_step_off trains (the same rewards at every
+# step of 20: with 'wait' and a bound of 1 the driver runs exactly one batch ahead), and the bound 1 of async mode
+# on real engines is checked on the "continue" run (async, max_staleness 1), the schedule's bounds 1 and 3 in
+# tests/unit/test_schedule.py.
 RUNS = {
     # the synchronous run test_rollout_pool.py checks (bytes, verification, greedy after the step-10 sync: the
     # validation at step 10 and that step's checkpoint)
     "sync": (["trainer.mode=sync", "trainer.val_every=10"], 20, None, 10),
-    "one_step_off": (["trainer.mode=one_step_off", *TIS], 20, None, 15),
-    "one_step_off_resumed": (["trainer.mode=one_step_off", *TIS], 20, ("one_step_off", 15), 0),
-    "async1": (["trainer.mode=async", "trainer.max_staleness=1", *TIS], 20, None, 0),
-    "async4": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 30, None, 25),
-    "async4_resumed": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 30, ("async4", 25), 0),
+    "one_step_off": (["trainer.mode=one_step_off", *TIS], 18, None, 15),
+    "one_step_off_resumed": (["trainer.mode=one_step_off", *TIS], 18, ("one_step_off", 15), 0),
+    "async4": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 24, None, 19),
+    "async4_resumed": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 24, ("async4", 19), 0),
     # full-length responses (ignore_eos) on engines slowed to STEP_DELAY_S per decode step (`SlowEngine`): generating
     # a batch (32 steps, > 2 s) takes longer than a training step (< 1.5 s here), so every push lands while the
-    # batch's requests are in the engines and responses mix two versions
+    # batch's requests are in the engines and responses mix two versions (steps 2 and 3: step 1 trains batch 1,
+    # generated on version 0 before any push)
     "continue": (["trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=continue",
-                  "rollout.ignore_eos=true", *TIS], 5, None, 0),
+                  "rollout.ignore_eos=true", *TIS], 3, None, 0),
 }
 
 
