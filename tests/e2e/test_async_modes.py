@@ -1,13 +1,14 @@
 """trainer.mode one_step_off and async with real engines: the rollout-pool quickstart (actor TP2 on 2 processes, two
 vLLM TP1 engines on 2 more, `yaml_configs/cpu_quickstart_rollout_pool.yaml`) and the colocated quickstart (2
-processes) in one_step_off.
+processes) in one_step_off, run by the same driver.
 
 The pool runs share one `TrainingSession` with the synchronous run of `tests/e2e/test_rollout_pool.py` (the
 `pool_runs` fixture, `tests/e2e/async_runs.py`): its four workers and engines start once (~30 s here) and each run
 starts from the same step-0 checkpoint, so this module costs the runs' 66 steps (~0.7 s each on this 2-core machine;
 the partial-rollout run's 3 steps ~3 s each, its engines slowed so that pushes land mid-request) plus the colocated
-CLI run (~32 s). The lengths are what the checks need (`tests/e2e/async_runs.py` says why each): the rewards of this
-task only rise after ~10 steps, those of max_staleness 4 ~5 steps later.
+CLI run's 18 steps (~15 s; its start-up overlaps the session's push probe and close). The lengths are what the
+checks need (`tests/e2e/async_runs.py` says why each): the rewards of this task only rise after ~10 steps, those of
+max_staleness 4 ~5 steps later.
 
 What each check compares with, not from the schedules' own description:
 - learning: the reward of the last 5 steps vs the first 5, the bar of the synchronous tests (+0.2);
@@ -26,13 +27,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.e2e.conftest import ROOT, assert_checkpoint_loads_without_pickle
+from tests.e2e.conftest import assert_checkpoint_loads_without_pickle, read_rows
 
 # what a resumed run may log differently: wall times (seconds, "_s") and rates, and the resume's own counts
 # dispatch/: how the step's batch reached the ranks -- a batch restored from the checkpoint has no references to the
@@ -124,21 +123,18 @@ def test_partial_rollouts_carry_both_versions_with_each_parts_engine_log_probs(r
     print("partial rollouts: lag0 vs lag1 KL", [(r["mismatch/lag0/kl"], r["mismatch/lag1/kl"]) for r in mixed])
 
 
-def test_colocated_one_step_off_learns(tmp_path, joined_ray_env):
+def test_colocated_one_step_off_learns(runs):
     """The hybrid engine (2 processes, engines in the actor's) in one_step_off: the next batch's generation is queued
     on the same processes before this step's forwards, so only the controller's own work overlaps it on CPU.
-    18 steps, as the pool's one_step_off run (whose rewards it repeated step for step over 20 when measured: last 5
-    of 18 at 0.56, first 5 at 0.13)."""
-    config = os.path.join(ROOT, "yaml_configs", "cpu_quickstart.yaml")
-    proc = subprocess.run([sys.executable, "-m", "megarl", "train", config, "trainer.mode=one_step_off",
-                           "algorithm.rollout_correction.tis=token", "trainer.val_every=0", "logging.plots=false",
-                           "trainer.total_steps=18",
-                           f"logging.dir={tmp_path / 'run'}", "checkpoint.dir=null"], cwd=ROOT, env=joined_ray_env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    `megarl train yaml_configs/cpu_quickstart.yaml trainer.mode=one_step_off ...`, 18 steps, run by the pool runs'
+    driver (`tests/e2e/async_runs.py`: COLOCATED, started before its push probe so that their waits overlap)."""
+    report = json.load(open(runs["out"] / "runs.json"))["_colocated"]
+    log = (runs["out"] / "colocated.log").read_text()
+    assert report["returncode"] == 0, log[-8000:]
+    rows = read_rows(runs["out"] / "colocated")
+    assert [r["step"] for r in rows] == list(range(1, 19))
     first, last = _rewards(rows)
-    print(f"colocated one_step_off: first 5 steps {first:.3f}, last 5 {last:.3f}")
+    print(f"colocated one_step_off: first 5 steps {first:.3f}, last 5 {last:.3f} ({report['seconds']:.1f} s)")
     assert last > first + 0.2
     assert [r["async/staleness_max"] for r in rows] == [0.0] + [1.0] * (len(rows) - 1)
 
