@@ -9,13 +9,22 @@ differ in trainer.mode and its options, nothing else); a run resumed from anothe
 continuation. Each run is `TrainingSession.train_from`: its own `RLLoop` over the session's worker groups and
 rollout service.
 
-    python tests/e2e/async_runs.py OUT_DIR   # OUT_DIR/<run>/metrics.jsonl, <run>/ckpt, runs.json, config.json
+The driver also runs the colocated quickstart in one_step_off (`COLOCATED`: `megarl train` as a user runs it, the
+hybrid engine on 2 processes of its own; `tests/e2e/test_async_modes.py::test_colocated_one_step_off_learns`),
+started before the push probe: the probe's engines mostly sleep (PROBE_STEP_DELAY_S per decode step), so its
+start-up (~15 s: imports, 2 workers, vLLM) overlaps the probe and this session's close instead of following them (it
+takes 2 of the shared cluster's 7 CPU slots, the session 4). The training runs before are not overlapped: the
+partial-rollout run needs its engines slower than its trainer, and a busier CPU would slow the trainer.
+
+    python tests/e2e/async_runs.py OUT_DIR   # OUT_DIR/<run>/metrics.jsonl, <run>/ckpt, runs.json, config.json,
+                                             # colocated/metrics.jsonl, colocated.log
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -25,21 +34,44 @@ CONFIG = os.path.join(ROOT, "yaml_configs", "cpu_quickstart_rollout_pool.yaml")
 TIS = ["algorithm.rollout_correction.tis=token"]
 
 # name -> (overrides, steps, resumed from (run, step) or None, checkpoint every)
+# Lengths (tests/e2e/test_async_modes.py's bar: the last 5 steps' reward > the first 5's + 0.2; measured here, first
+# 5 steps 0.13 in every run): one_step_off's 18 steps end at 0.56 (20: 0.70), async4's 24 at 0.65 (its rewards rise
+# ~5 steps later: 20 steps end at 0.37, too near the bar). A resumed run needs only as many steps as the checks read:
+# one_step_off's, 3 to compare bit for bit; async4's, 5 (the up to max_staleness + 1 batches its checkpoint buffers).
+# No "async1" (async, max_staleness 1): it trained step for step what one_step_off trains (the same rewards at every
+# step of 20: with 'wait' and a bound of 1 the driver runs exactly one batch ahead), and the bound 1 of async mode
+# on real engines is checked on the "continue" run (async, max_staleness 1), the schedule's bounds 1 and 3 in
+# tests/unit/test_schedule.py.
 RUNS = {
     # the synchronous run test_rollout_pool.py checks (bytes, verification, greedy after the step-10 sync: the
     # validation at step 10 and that step's checkpoint)
     "sync": (["trainer.mode=sync", "trainer.val_every=10"], 20, None, 10),
-    "one_step_off": (["trainer.mode=one_step_off", *TIS], 20, None, 15),
-    "one_step_off_resumed": (["trainer.mode=one_step_off", *TIS], 20, ("one_step_off", 15), 0),
-    "async1": (["trainer.mode=async", "trainer.max_staleness=1", *TIS], 20, None, 0),
-    "async4": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 30, None, 25),
-    "async4_resumed": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 30, ("async4", 25), 0),
+    "one_step_off": (["trainer.mode=one_step_off", *TIS], 18, None, 15),
+    "one_step_off_resumed": (["trainer.mode=one_step_off", *TIS], 18, ("one_step_off", 15), 0),
+    "async4": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 24, None, 19),
+    "async4_resumed": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 24, ("async4", 19), 0),
     # full-length responses (ignore_eos) on engines slowed to STEP_DELAY_S per decode step (`SlowEngine`): generating
     # a batch (32 steps, > 2 s) takes longer than a training step (< 1.5 s here), so every push lands while the
-    # batch's requests are in the engines and responses mix two versions
+    # batch's requests are in the engines and responses mix two versions (steps 2 and 3: step 1 trains batch 1,
+    # generated on version 0 before any push)
     "continue": (["trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=continue",
-                  "rollout.ignore_eos=true", *TIS], 5, None, 0),
+                  "rollout.ignore_eos=true", *TIS], 3, None, 0),
 }
+
+
+# the colocated quickstart (yaml_configs/cpu_quickstart.yaml) in one_step_off: 18 steps, as the pool's one_step_off
+# run (the same rewards step for step over 20 when measured: last 5 of 18 at 0.56, first 5 at 0.13)
+COLOCATED = [os.path.join(ROOT, "yaml_configs", "cpu_quickstart.yaml"), "trainer.mode=one_step_off", *TIS,
+             "trainer.val_every=0", "logging.plots=false", "trainer.total_steps=18", "checkpoint.dir=null"]
+COLOCATED_TIMEOUT_S = 600
+
+
+def start_colocated(out: str, env: dict) -> subprocess.Popen:
+    """`megarl train` of COLOCATED into OUT/colocated (its output in OUT/colocated.log), on the cluster of `env`."""
+    with open(os.path.join(out, "colocated.log"), "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "megarl", "train", *COLOCATED,
+                                 f"logging.dir={os.path.join(out, 'colocated')}"], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
 
 
 STEP_DELAY_S = 0.07
@@ -120,6 +152,7 @@ def push_mid_request_probe(service, prompts: list[list[int]]) -> dict:
 
 
 def main(out: str) -> None:
+    env = dict(os.environ)  # the colocated run's: this driver's as it started (RAY_ADDRESS: the shared cluster)
     import yaml
 
     from megarl.config.loader import parse_config
@@ -136,6 +169,7 @@ def main(out: str) -> None:
     base = validate(parse_config(data, ["trainer.mode=one_step_off", *TIS]))
     session = TrainingSession(base)
     report = {}
+    colocated = None
     try:
         started = time.monotonic()
         first = session.start()
@@ -152,12 +186,29 @@ def main(out: str) -> None:
             seconds = time.monotonic() - run_started
             report[name] = {"seconds": seconds, "steps": steps, "resumed_from": resumed_from}
             print(f"[async_runs] {name}: {seconds:.1f} s", flush=True)
+        colocated_started = time.monotonic()
+        colocated = start_colocated(out, env)
+        probe_started = time.monotonic()
         probe_prompts = [first.encoder.encode(r.prompt) for r in first.val_records[:4]]
         with open(os.path.join(out, "push_probe.json"), "w") as f:
             json.dump(push_mid_request_probe(first.rollout, probe_prompts), f)
-        report["_session"] = {"start_s": start_s}
+        report["_session"] = {"start_s": start_s, "probe_s": time.monotonic() - probe_started}
+    except BaseException:
+        if colocated is not None:  # its driver ends its workers with it
+            colocated.kill()
+            colocated.wait()
+        raise
     finally:
         session.close()
+    try:
+        returncode = colocated.wait(timeout=COLOCATED_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        colocated.kill()
+        colocated.wait()
+        raise
+    report["_colocated"] = {"returncode": returncode, "seconds": time.monotonic() - colocated_started}
+    print(f"[async_runs] colocated: {report['_colocated']['seconds']:.1f} s (from its start, before the probe)",
+          flush=True)
     with open(os.path.join(out, "runs.json"), "w") as f:
         json.dump(report, f, indent=1)
     with open(os.path.join(out, "config.json"), "w") as f:  # the config the runs share (before their overrides)

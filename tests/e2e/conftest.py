@@ -72,7 +72,9 @@ def quickstart_run(tmp_path_factory) -> QuickstartRun:
 @pytest.fixture(scope="session")
 def pool_runs(tmp_path_factory, joined_ray_env) -> dict:
     """The rollout-pool quickstart's runs in one session (`tests/e2e/async_runs.py`: sync, one_step_off, async, their
-    resumes, partial rollouts): {"out": its directory, "rows": {run: metrics rows}, "cfg": the shared config}."""
+    resumes, partial rollouts; and, overlapping the session's last part, the colocated quickstart's `megarl train` in
+    one_step_off, out / "colocated"): {"out": its directory, "rows": {run: metrics rows}, "cfg": the shared
+    config}."""
     out = tmp_path_factory.mktemp("pool_runs")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "e2e", "async_runs.py"), str(out)], cwd=ROOT,
                           env=joined_ray_env, capture_output=True, text=True, timeout=900)

@@ -1,43 +1,40 @@
-"""The rollout pool (`rollout.pool`) fed from the actor layouts that test_rollout_pool.py (actor TP2 -> two TP1
+"""The rollout pool (`rollout.pool`) fed from an actor layout that test_rollout_pool.py (actor TP2 -> two TP1
 engines) does not cover:
 
   moe_ep2   the MoE quickstart's tiny Qwen3-MoE (4 experts, top-2), actor EP2 (tp1, dp2: each rank the only holder
-            of 2 experts, every other tensor on both) on pool "train" -> ONE vLLM engine at TP2 on pool "rollout";
-  dense_pp2 the quickstart's tiny Llama, actor PP2 (tp1: stage 0 = embedding + layer 0, stage 1 = layer 1 + final
-            norm + lm_head) on pool "train" -> ONE vLLM engine at TP2 on pool "rollout".
+            of 2 experts, every other tensor on both) on pool "train" -> ONE vLLM engine at TP2 on pool "rollout".
 
-One driver process (`drive`, through the Python API `megarl.RLTrainer`, the engine `megarl train` runs) trains both
-jobs one after the other on the suite's shared Ray cluster (`joined_ray_env`): per job the start-up sync (version
-0), 2 GRPO steps (each an update and a sync over the bridge: two syncs after an update are logged), greedy
-generation of the first validation prompts through the engine, and the HF export of the actor's weights at that
-point. No reference model (kl.coef 0): it is not what is tested and costs a Megatron model per rank.
+An actor PP2 on the pool (the job "dense_pp2" this module also ran until 2026-12-06, ~25 s) is covered below the
+e2e level: real Megatron PP2 stages sending over a bridge into a TP2 engine's ranks, every received shard equal to
+the HF slice, verified, each stage sending what the plan says (tests/distributed/test_reshard_executor.py,
+`x:pp2 on 2,3->tp2 on 0,1`); each stage's bytes derived by hand (tests/unit/test_reshard_disaggregated.py::
+test_pp2_actor_into_one_tp2_engine); a PP2 actor trained end to end (tests/e2e/test_resume.py) and exported
+(tests/distributed/test_checkpoint_layouts.py); what the pool adds to a real run (verification, shards, greedy after
+a sync) here and in test_rollout_pool.py.
+
+The driver process (`drive`, through the Python API `megarl.RLTrainer`, the engine `megarl train` runs) trains the
+job on the suite's shared Ray cluster (`joined_ray_env`): the start-up sync (version 0), 2 GRPO steps (each an
+update and a sync over the bridge: two syncs after an update are logged), greedy generation of the first validation
+prompts through the engine, and the HF export of the actor's weights at that point. No reference model (kl.coef 0):
+it is not what is tested and costs a Megatron model per rank.
 
 What each sync is compared with, none of it from the planner or the run's own description (the expected bytes are
 counted here from transformers' own parameter shapes of the config's architecture, `_hf_shapes`):
 - every rollout rank receives exactly its vLLM TP2 shard: half of every tensor vLLM splits, all of every tensor it
   replicates (the RMS norms, Qwen3's per-head q/k norms, the MoE router), `_tp2_shard_bytes`; the engine ranks hold
   nothing, so that is also the lower bound the run reports;
-- the bytes the two actor ranks send add up to the two shards, balanced by this theory:
-    moe_ep2: a rank must send its own 2 experts' halves to both engine ranks (half the experts' bytes each);
-      everything else is held by both, so the least any plan can make the busier rank send is half of the total,
-      which the planner reaches exactly (it levels the shared tensors between the ranks): max/mean == 1;
-    dense_pp2: nothing is held twice, so each stage sends exactly what only it holds: stage 0 the embedding and
-      layer 0 (to both engine ranks: their two halves and both copies of the replicated norms), stage 1 layer 1,
-      the final norm (twice) and lm_head -- derived here tensor by tensor; max/mean is fixed by the model;
+- the bytes the two actor ranks send add up to the two shards, balanced by this theory: a rank must send its own 2
+  experts' halves to both engine ranks (half the experts' bytes each); everything else is held by both, so the least
+  any plan can make the busier rank send is half of the total, which the planner reaches exactly (it levels the
+  shared tensors between the ranks): max/mean == 1;
 - every sync is verified: each rollout rank checked every piece the plan routes into it against its sender's
   checksum (`rollout.verify_sync`, pieces > 0);
 - greedy after a sync: the engine's greedy texts for the first GREEDY_PROMPTS validation prompts, after step 2's
   sync, equal transformers' greedy decoding of the exported weights, prompt for prompt.
 
-Cost (2-core machine shared with other tests, measured when written): 61-71 s for the module on the shared cluster --
-the driver 56.5 s / 64.1 s in two runs (its imports ~5 s, moe_ep2 28-35 s, dense_pp2 24-27 s), the checks ~4 s --
-over the 45 s asked. It cannot be much cheaper
-while it trains two real jobs: each starts 4 worker processes (2 Megatron ranks, a 2-rank vLLM engine, the bridge) in
-~15 s, its first rollout warms vLLM's kernels (~3 s, ~6 s with fused MoE), and the export reads a Megatron
-checkpoint (~3.5 s to save); the 2 steps themselves take ~1 s. One driver for both jobs already saves the second
-controller's imports and two `megarl export` subprocesses (the first version, two `megarl train` runs plus exports
-and a greedy validation of all 32 prompts, cost 132 s); both jobs at once would need 8 of the shared cluster's 4 Ray
-CPU slots, and the 2 cores are busy during start-up anyway.
+Cost (2-core machine shared with other tests): moe_ep2 28-35 s (4 worker processes: 2 Megatron ranks, a 2-rank
+vLLM engine, the bridge, in ~15 s; its first rollout warms vLLM's fused MoE kernels, ~6 s; the export reads a
+Megatron checkpoint, ~3.5 s to save; the 2 steps ~1 s) plus the driver's imports (~5 s).
 """
 
 from __future__ import annotations
@@ -57,7 +54,6 @@ GREEDY_PROMPTS = 8
 POOLS = {"train": {"nodes": 1, "devices_per_node": 2}, "rollout": {"nodes": 1, "devices_per_node": 2}}
 LAYOUTS = {
     "moe_ep2": ("cpu_quickstart_moe.yaml", {"tp": 1, "pp": 1, "cp": 1, "dp": 2, "ep": 2}),
-    "dense_pp2": ("cpu_quickstart_rollout_pool.yaml", {"tp": 1, "pp": 2, "cp": 1, "dp": 1}),
 }
 
 
@@ -169,12 +165,6 @@ def _tp2_shard_bytes(shapes: dict) -> int:
     return sum(_nbytes(s) if _replicated_by_vllm_tp(n) else _nbytes(s) // 2 for n, s in shapes.items())
 
 
-def _sent_to_tp2_engine(names, shapes: dict) -> int:
-    """Bytes a training rank that alone holds `names` sends to one TP2 engine: each split tensor once (half to each
-    engine rank), each replicated one twice (whole to each)."""
-    return sum(2 * _nbytes(shapes[n]) if _replicated_by_vllm_tp(n) else _nbytes(shapes[n]) for n in names)
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_sync_is_verified(runs, name):
     for r in runs[name]["rows"]:
@@ -210,24 +200,6 @@ def test_ep2_senders_send_half_each(runs):
         assert r["reshard/pool/sent_max_bytes"] == r["reshard/pool/sent_mean_bytes"]
     print(f"moe_ep2: actor ranks sent {sent} B (max/mean {max(sent) / (total / 2):.6f}; theory: {total // 2} each, "
           f"of which {experts // 2} its own experts)")
-
-
-def test_pp2_stages_send_what_only_they_hold(runs):
-    """PP2 (tp1): nothing is held twice, so there is no choice: stage 0 sends the embedding and layer 0, stage 1
-    layer 1, the final norm and lm_head, each split tensor once and each replicated one twice (`_sent_to_tp2_engine`).
-    max/mean is therefore fixed by the model: (stage 1) / mean, the final norm's two copies more than stage 0."""
-    run = runs["dense_pp2"]
-    shapes = _hf_shapes(run["cfg"]["model"]["arch"])
-    stage0 = [n for n in shapes if n.startswith("model.embed_tokens.") or n.startswith("model.layers.0.")]
-    stage1 = [n for n in shapes if n not in stage0]
-    assert all(n.startswith(("model.layers.1.", "model.norm.", "lm_head.")) for n in stage1)
-    expected = [_sent_to_tp2_engine(stage0, shapes), _sent_to_tp2_engine(stage1, shapes)]
-    for r in run["rows"]:
-        sent = [r[f"reshard/pool/sent_bytes_rank{i}"] for i in (0, 1)]
-        assert sent == expected, (r["step"], sent, expected)
-        assert r["reshard/pool/sent_max_bytes"] / r["reshard/pool/sent_mean_bytes"] == max(expected) / (
-            sum(expected) / 2)
-    print(f"dense_pp2: stages sent {sent} B (max/mean {max(sent) / (sum(sent) / 2):.6f})")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
