@@ -1,15 +1,16 @@
 """Multi-turn episodes with real engines (`tests/e2e/multi_turn_runs.py`: 7 worker processes, vLLM TP1 engines on a
 rollout pool, two distillation teachers on pools of their own (Megatron, vLLM), an LLM judge on its pool, the tool
 task's random model with a
-byte-level BPE tokenizer and ChatML template, the echo environment from a user file). One session of ~30 s start-up,
-then 25 steps and 12 with a distillation teacher (~20 s); it cannot share the quickstart pool session (that
+byte-level BPE tokenizer and ChatML template, the echo environment from a user file). One session of ~40 s start-up
+(its five worker groups, one after the other), then 18 steps and 13 with a distillation teacher (~80 s in all, the
+async run with its slowed engines the longest: runs.json's seconds); it cannot share the quickstart pool session (that
 tokenizer has no chat template to render observations with).
 
 Every trajectory of every step is verified against the engine's tokens inside the run (`verify_trajectory`, on by
 default: the run would stop otherwise), so a passing run is itself the token-exactness check with real engines.
 What the tests add, each from the engines' own numbers:
 - every episode took its 3 turns (the observations were rendered and fed back), or was cut by the limits, counted;
-- on the BPE vocabulary, sampled at temperature 1 with the defaults (on_template_mismatch: error), 20 sync steps ran
+- on the BPE vocabulary, sampled at temperature 1 with the defaults (on_template_mismatch: error), 5 sync steps ran
   with no episode masked, while turns that are not the canonical encoding of their text, and turns holding ids
   beyond the tokenizer, were sampled and counted (issue 29: such turns used to stop the run at step 1);
 - one_step_off (3 steps): episodes of the next batch produced beside training take their turns, each batch from
@@ -24,9 +25,9 @@ actor) and "pooled" (on a pool of its own) = the student's starting weights, run
 from each step's recorded batch:
 - teacher = policy (step 1 from step 0): the reverse KL and every advantage are 0 within float error, while the
   teacher's log-probs of the sampled tokens are real (< 0);
-- with the top-k forward KL (distillation.top_k=4, sync, 1 step): the teacher's top-4 in the trained batch and the
-  actor's term equal transformers' dense computation from the teacher's and the step-20 student's weights;
-- in sync, one_step_off and async (multi-turn), and single-turn async, from a student 20 GRPO steps away: the
+- with the top-k forward KL (distillation.top_k=4, distill_sync's first step): the teacher's top-4 in the trained
+  batch and the actor's term equal transformers' dense computation from the teacher's and the step-5 student's weights;
+- in sync, one_step_off and async (multi-turn), and single-turn async, from a student 5 GRPO steps away: the
   teacher's log-probs of the batch's loss-mask tokens equal transformers' log-softmax of the teacher's HF model on the
   batch's own token ids (so they are of the tokens the update trains on, row for row), `distill/reverse_kl/init`
   equals the mean of (old log-prob - that) over the loss mask and is > 0, the advantages are teacher - old on the loss
@@ -41,7 +42,7 @@ The LLM judge (issue 33 item 3), on the same session: 2 async single-turn steps,
 judge model's own transformers computation of its yes/no score, its judge/ metrics logged each step.
 Agents (issue 32), on the same session:
 - an agent written against the openai client (`rollout.env: agent:...`, two sampled answers through the endpoint)
-  under one_step_off (3 steps) and async (max_staleness 1, rollout.partial=continue, 4 steps): its tokens' versions
+  under one_step_off (3 steps) and async (max_staleness 1, rollout.partial=continue, 2 steps): its tokens' versions
   are those the mode promises (async: where a push lands inside episodes, each token keeps its engine's version), its
   `agent/` metrics are logged, no episode errs or times out, and a step's sample count (one per segment) is not
   fixed.
@@ -64,9 +65,9 @@ ENGINE_RUNS = ("distill_engine_sync", "distill_engine_async")  # scored by the v
 # the teacher each distillation run enables ("pooled": on a pool of its own; "engine": served by a vLLM engine on its
 # pool) and the steps it trains
 DISTILL_TEACHER = {"distill_self": "init", "distill_sync": "init", "distill_one_step_off": "init",
-                   "distill_async": "init", "distill_top_k": "init", "distill_single_turn_async": "pooled",
+                   "distill_async": "init", "distill_single_turn_async": "pooled",
                    "distill_engine_sync": "engine", "distill_engine_async": "engine"}
-STEPS = {"distill_self": 1, "distill_sync": 2, "distill_top_k": 1, "distill_one_step_off": 2, "distill_async": 3,
+STEPS = {"distill_self": 1, "distill_sync": 2, "distill_one_step_off": 2, "distill_async": 2,
          "distill_single_turn_async": 2, "distill_engine_sync": 2, "distill_engine_async": 2}
 SINGLE_TURN = ("distill_single_turn_async", "distill_engine_sync")
 # fp32 Megatron TP2 vs transformers on this model: the log-prob error is float summation order (~1e-6, measured in
@@ -81,7 +82,7 @@ def runs(tmp_path_factory, joined_ray_env):
                           cwd=ROOT, env=joined_ray_env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     print("multi-turn runs (s):", json.load(open(out / "runs.json")))
-    names = ("sync", "async", "one_step_off", "distill_self", "distill_top_k", *DISTILL_RUNS, "judge_async")
+    names = ("sync", "async", "one_step_off", "distill_self", *DISTILL_RUNS, "judge_async")
     return {**{name: read_rows(out / name) for name in names}, "_out": out}
 
 
@@ -159,11 +160,11 @@ def test_episodes_take_their_turns(runs, run):
 
 def test_bpe_turns_that_do_not_re_encode_to_themselves_are_trained_as_sampled(runs):
     rows = runs["sync"]
-    assert [r["step"] for r in rows] == list(range(1, 21))  # 20 steps, none stopped by a sampled turn
+    assert [r["step"] for r in rows] == list(range(1, 6))  # 5 steps, none stopped by a sampled turn
     noncanonical = sum(r["multi_turn/noncanonical_turns"] for r in rows)
     undecodable = sum(r["multi_turn/undecodable_turns"] for r in rows)
     turns = sum(r["multi_turn/turns_mean"] * r["samples"] for r in rows)
-    print(f"sync, 20 steps: {turns:.0f} sampled turns, {noncanonical:.0f} non-canonical, {undecodable:.0f} holding "
+    print(f"sync, 5 steps: {turns:.0f} sampled turns, {noncanonical:.0f} non-canonical, {undecodable:.0f} holding "
           "an id beyond the tokenizer, 0 masked")
     # what a random model over a 400-id BPE vocabulary samples: both cases, often (the premise of this test)
     assert noncanonical > 0.1 * turns and undecodable > 0
@@ -217,7 +218,7 @@ def test_teacher_scores_the_trained_tokens_in_every_mode(runs, run):
         assert float((teacher - expected)[mask].abs().max()) < TEACHER_ATOL, run
         reverse_kl = float((old - expected)[mask].mean())
         assert row[f"distill/reverse_kl/{name}"] == pytest.approx(reverse_kl, abs=TEACHER_ATOL)
-        assert reverse_kl > 0.01  # a student 20 steps away from its starting weights
+        assert reverse_kl > 0.01  # a student 5 steps away from its starting weights (measured: >= 0.023)
         assert torch.allclose(adv[mask], (expected - old)[mask], atol=TEACHER_ATOL)
         # observation tokens: inside the episode (after its first sampled token), not sampled by the student
         first = mask.float().argmax(dim=1, keepdim=True)
@@ -242,7 +243,7 @@ def test_each_teacher_ran_on_its_own_pools_workers(runs_dir):
     actor_pool, teacher_pool = calls["actor_pool"], calls["teacher_pool"]
     steps = {"init": sum(STEPS[r] for r, t in DISTILL_TEACHER.items() if t == "init"),
              "pooled": sum(STEPS[r] for r, t in DISTILL_TEACHER.items() if t == "pooled")}
-    assert steps == {"init": 9, "pooled": 2}
+    assert steps == {"init": 7, "pooled": 2}
     assert [(r["pool"], r["calls"]) for r in actor_pool] == [("train", {"init": steps["init"]})] * 2
     assert [(r["pool"], r["calls"]) for r in teacher_pool] == [("teach", {"pooled": steps["pooled"]})]
     assert not {r["pid"] for r in teacher_pool} & {r["pid"] for r in actor_pool}
@@ -262,16 +263,15 @@ def test_the_vllm_teacher_was_asked_once_per_sampled_row(runs):
 
 
 def test_the_top_k_forward_kl_runs_through_the_loop(runs):
-    """distill_top_k (sync, 1 step from the student 20 GRPO steps away, distillation.top_k=4): the batch the update
-    trained on carries the teacher's top-4 at every loss-mask token, equal to transformers' top-4 of the teacher's
-    HF model on the batch's own ids (0 elsewhere: prompt, observations, padding), and the actor's
-    `actor/distill_top_k_kl` equals the term computed densely by transformers from the step-20 student's weights
+    """distill_sync's first step (sync, from the student 5 GRPO steps away, distillation.top_k=4): the batch the
+    update trained on carries the teacher's top-4 at every loss-mask token, equal to transformers' top-4 of the
+    teacher's HF model on the batch's own ids (0 elsewhere: prompt, observations, padding), and the actor's
+    `actor/distill_top_k_kl` equals the term computed densely by transformers from the step-5 student's weights
     (exported from its checkpoint) on those ids: it went down to the update through the real dispatch."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    [row] = runs["distill_top_k"]
-    [batch] = _distill_batches(runs, "distill_top_k")
+    row, batch = runs["distill_sync"][0], _distill_batches(runs, "distill_sync")[0]
     model_dir = json.load(open(runs["_out"] / "runs.json"))["_teacher"]
     mask = batch["loss_mask"].bool()
     ids, top = batch["teacher_top_k_ids"], batch["teacher_top_k_log_probs"]
@@ -287,9 +287,9 @@ def test_the_top_k_forward_kl_runs_through_the_loop(runs):
     assert torch.equal(ids[mask], want_ids[mask])
     assert float((top - want_top)[mask].abs().max()) < TEACHER_ATOL
     assert float(ids[~mask].abs().sum()) == 0 and float(top[~mask].abs().sum()) == 0.0
-    student = log_softmax(runs["_out"] / "student20_hf").gather(-1, ids)
+    student = log_softmax(runs["_out"] / "student_hf").gather(-1, ids)
     dense = float(((want_top.exp() * (want_top - student)).sum(-1))[mask].mean())
-    assert dense > 1e-3  # the student is 20 steps away from the teacher (measured: 0.0097)
+    assert dense > 1e-3  # the student is 5 steps away from the teacher (measured: 0.0080; 0.0097 after 20 steps)
     assert row["actor/distill_top_k_kl"] == pytest.approx(dense, abs=TEACHER_ATOL)
 
 
@@ -391,7 +391,7 @@ def test_agent_one_step_off_trains_each_batch_on_tokens_one_version_behind(agent
 
 def test_agent_async_keeps_token_versions_within_the_staleness_bound(agent_runs):
     rows = agent_runs["agent_async"]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         lags = _lags(row)
         assert abs(sum(lags.values()) - 1) < 1e-9 and max(lags) <= 1 and row["async/staleness_max"] <= 1, row
