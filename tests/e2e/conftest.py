@@ -6,6 +6,9 @@ every check that needs "the plain quickstart": the golden reward curve, the firs
 plots, learning, fp32 rollout/actor agreement, /dev/shm left as found, and the uninterrupted reference of the resume,
 offload and API tests (steps 1-4 and the step-2 / step-4 checkpoints; validation only at steps 10 and 20 and a
 constant LR, so its first steps are those of any shorter run of the same config).
+
+The two runs that end abnormally (a killed worker; SIGTERM then Ctrl-C) are session fixtures too: each also serves
+a check of training (tests/e2e/fault_runs.py).
 """
 
 from __future__ import annotations
@@ -84,3 +87,21 @@ def pool_runs(tmp_path_factory, joined_ray_env) -> dict:
     print("pool runs (s):", {k: round(v["seconds"], 1) for k, v in report.items() if "seconds" in v},
           report["_session"])
     return {"out": out, "rows": rows, "cfg": json.load(open(out / "config.json"))}
+
+
+@pytest.fixture(scope="session")
+def killed_worker_run(tmp_path_factory):
+    """PPO (colocated TP2 critic) whose worker rank 1 is SIGKILLed after step 4 (tests/e2e/fault_runs.py): the
+    fault checks of test_worker_faults.py and the uninterrupted PPO run of test_resume.py."""
+    from tests.e2e.fault_runs import killed_worker_run
+
+    return killed_worker_run(tmp_path_factory.mktemp("killed_worker"))
+
+
+@pytest.fixture(scope="session")
+def signal_runs(tmp_path_factory) -> dict:
+    """The bf16 TIS REINFORCE++ quickstart stopped by SIGTERM after step 4, then resumed and stopped by Ctrl-C
+    (tests/e2e/fault_runs.py): the checks of test_stop_signal.py and test_rollout_correction.py."""
+    from tests.e2e.fault_runs import signal_runs
+
+    return signal_runs(tmp_path_factory.mktemp("signals"))

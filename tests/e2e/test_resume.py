@@ -3,7 +3,9 @@
 For GRPO (actor + reference) and PPO (actor + reference + critic, colocated):
   uninterrupted: steps 1-4 in one run with checkpoints after steps 2 and 4 -- for GRPO the session's shared
                  `quickstart_run` (tests/e2e/conftest.py: 20 steps, a checkpoint every 2, constant LR, validation only
-                 at steps 10 and 20, so its steps 1-4 are those of a 4-step run), for PPO a 4-step run here;
+                 at steps 10 and 20, so its steps 1-4 are those of a 4-step run), for PPO the session's
+                 `killed_worker_run` (tests/e2e/fault_runs.py: 200 steps, a checkpoint every 2, no validation,
+                 constant LR, a worker killed after step 4 was logged and checkpointed: test_worker_faults.py);
   interrupted:   what a run stopped after step 2 leaves is its step-2 checkpoint, and the uninterrupted run saved
                  exactly that one (same config and seed, deterministic on one host): a copy of it is resumed with
                  trainer.total_steps=4. (A stop mid-run by a signal, and the resume of what that run saved, is
@@ -22,11 +24,12 @@ optimizer steps per trainer step: prompts_per_step 8, mini_batch_prompts 4). Its
 uninterrupted run's weights and Adam moments, tensor by tensor within LAYOUT_TOL of that tensor's largest magnitude
 (the checkpoint's keys and global shapes do not depend on the layout), and the same scheduler position and step
 counter. The expected values always come from an uninterrupted run made in the same session on the same machine.
-PPO's 4-step run is also the suite's PPO-with-a-critic run: GAE from a colocated TP2 critic (on its ranks: nothing
+That PPO run is also the suite's PPO-with-a-colocated-critic run: GAE from a colocated TP2 critic (on its ranks: nothing
 token-sized of it crosses the controller), every metric finite, one critic optimizer step per RL step, the critic's
 weights moved by its updates (tests/e2e/critic_checks.py).
 (Until 2026-12-03 each algorithm made a separate 2-step run to stop, and the offload check was a run of its own:
-three `megarl train` start-ups of ~30 s that the copy of the uninterrupted run's step-2 checkpoint replaces.)
+three `megarl train` start-ups of ~30 s that the copy of the uninterrupted run's step-2 checkpoint replaces; until
+2026-12-06 PPO's uninterrupted run was a 4-step run of its own.)
 """
 
 from __future__ import annotations
@@ -44,10 +47,10 @@ import torch
 from tests.distributed.harness import read_dcp
 from tests.e2e.conftest import QUICKSTART_SAVE_EVERY, assert_checkpoint_loads_without_pickle
 from tests.e2e.critic_checks import assert_critic_weights_changed
+from tests.e2e.fault_runs import PPO
 from tests.subprocess_env import clean_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PPO = ("algorithm.name=ppo", "critic.enabled=true", "critic.parallel={tp: 2}", "critic.optimizer.lr=1e-3")
 LAYOUT_TOL = 1e-6  # another layout: step 3's loss and grad norm, step 4's loss, Adam moments (relative)
 # another layout after resumed Adam steps: step 4's grad norm and the step-4 weights (relative). Adam passes a
 # gradient's reduction-order noise to a weight with gain lr / sqrt(v), large where v is small (an embedding row of a
@@ -90,8 +93,8 @@ def _assert_same_checkpoint(a: str, b: str, role: str) -> int:
 
 def _assert_same_schedule(a: str, b: str, role: str) -> None:
     """Same scheduler position and step counter. The schedule's length (lr_decay_steps, wd_incr_steps) follows
-    trainer.total_steps (20 in the shared run, 4 here); every rate at the position must be equal (the quickstart's LR
-    is constant)."""
+    trainer.total_steps (20 or 200 in the uninterrupted runs, 4 here); every rate at the position must be equal (the
+    quickstart's LR is constant)."""
     sa = torch.load(os.path.join(a, role, "engine_state.pt"), weights_only=True)
     sb = torch.load(os.path.join(b, role, "engine_state.pt"), weights_only=True)
     length = {"lr_decay_steps", "wd_incr_steps"}
@@ -129,10 +132,9 @@ def test_resume_is_bit_identical(tmp_path, algo, request, joined_ray_env):
     if algo == "grpo":
         shared = request.getfixturevalue("quickstart_run")
         full, full_ckpt = shared.rows[:4], shared.ckpt_dir
-    else:
-        full_run, full_ckpt = tmp_path / "full", tmp_path / "full_ckpt"
-        _train(full_run, full_ckpt, "trainer.total_steps=4", *extra, env=joined_ray_env)
-        full = _rows(full_run)
+    else:  # the session's PPO run whose worker is killed after step 4 (tests/e2e/fault_runs.py)
+        killed = request.getfixturevalue("killed_worker_run")
+        full, full_ckpt = killed.rows[:4], killed.ckpt_dir
         _assert_ppo_ran_its_critic(full)
         assert_critic_weights_changed(full_ckpt, 2, 4)
     assert [r["step"] for r in full] == [1, 2, 3, 4]

@@ -11,38 +11,23 @@ run's metrics are checked against a bound in `test_quickstart.py`, on the shared
 The same run is the suite's REINFORCE++ run (until 2026-12-03 a 3-step fp32 run of its own, ~30 s of start-up): the
 estimator and the KL placement do not touch what the mismatch checks read (vLLM's and Megatron's log-probs of the
 sampled tokens), and the adaptive KL coefficient follows from the KL the controller measures whatever the dtype.
+Its 4 steps are the first 4 of the run test_stop_signal.py stops with SIGTERM (the session's `signal_runs`,
+tests/e2e/fault_runs.py; until 2026-12-06 a 4-step run of its own): the signal arrives only once they are logged.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.slow
 
 
-REINFORCE_PP_ADAPTIVE_KL = ("algorithm.name=reinforce_plus_plus", "algorithm.kl.placement=reward",
-                            "algorithm.kl.coef=0.05", "algorithm.kl.target=0.001", "algorithm.kl.horizon=100")
-
-
 @pytest.fixture(scope="module")
-def bf16_run(tmp_path_factory, joined_ray_env) -> list[dict]:
-    """4 steps of the quickstart in bf16 with token-level TIS, REINFORCE++ and adaptive KL in the reward."""
-    run_dir = tmp_path_factory.mktemp("bf16_tis")
-    proc = subprocess.run(
-        [sys.executable, "-m", "megarl", "train", "yaml_configs/cpu_quickstart.yaml", "model.dtype=bf16",
-         "algorithm.rollout_correction.tis=token", *REINFORCE_PP_ADAPTIVE_KL, "trainer.total_steps=4",
-         "trainer.val_every=0", "logging.plots=false", f"logging.dir={run_dir}"],
-        cwd=ROOT, env=joined_ray_env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+def bf16_run(signal_runs) -> list[dict]:
+    """Steps 1-4 of the quickstart in bf16 with token-level TIS, REINFORCE++ and adaptive KL in the reward: the fresh
+    run of the session's `signal_runs` (tests/e2e/fault_runs.py: BF16_TIS_REINFORCE_PP), stopped by SIGTERM once it
+    logged them (its stop and resume are test_stop_signal.py's)."""
+    rows = signal_runs["sigterm"].rows[:4]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     return rows
 
