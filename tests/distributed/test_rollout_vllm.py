@@ -458,13 +458,14 @@ def test_push_of_the_same_weights_changes_no_sampled_token(engine, models):
 
 
 # ------------------------------------------------------------------------------------------ TP2 and 2 x TP2
-def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_per_replica, load_format: str):
-    """load_format "dummy": start from vLLM's random weights and push the real ones as full HF tensors (vLLM
-    narrows them); then push the changed weights as this rank's vLLM-layout shards."""
+def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_per_replica, load_formats):
+    """load_formats[replica] "dummy": start from vLLM's random weights and push the real ones as full HF tensors
+    (vLLM narrows them); then push the changed weights as this rank's vLLM-layout shards."""
     import os
 
     from megarl.rollout.vllm_adapter import VllmRolloutEngine, cpu_tp_uses_shared_memory
 
+    load_format = load_formats[rank // tp]
     eng = VllmRolloutEngine(_settings(base, tp=tp, load_format=load_format))
     # the TP all-reduce goes through vLLM's CPU shared-memory communicator, with segments named for this job
     shm = {"uses_shm": cpu_tp_uses_shared_memory(), "segments": eng.shm_segments(),
@@ -482,7 +483,7 @@ def _tp_worker(rank: int, world: int, tp: int, base: str, other: str, prompts_pe
     changed = _load_sd(other)  # test oracle only: each rank slices its own shards out of the full file
     n = eng.update_weights(((p.name, build_shard(p, changed.__getitem__)) for p in shards), layout="vllm_shard")
     greedy_after = _greedy(eng, mine)
-    info = dict(tp_rank=eng.tp_rank, tp_ranks=eng.tp_ranks, replica=eng.replica_index, shm=shm,
+    info = dict(tp_rank=eng.tp_rank, tp_ranks=eng.tp_ranks, replica=eng.replica_index, shm=shm, load_format=load_format,
                 shard_load=eng.load_paths["direct"],
                 shards={p.name: (p.shape, [(x.start, x.length) for x in p.parts], p.pad_rows) for p in shards})
     try:  # ranks of one replica given different prompts: refused on every rank of it, before vLLM sees them
@@ -582,23 +583,40 @@ def _tp_served(eng, prompts) -> dict:
             "broadcasts": server.counts["broadcasts"], "in_flight": eng.in_flight}
 
 
-def test_tp2_two_ranks_dummy_load_then_pushed_weights(models):
+@pytest.fixture(scope="module")
+def four_ranks(models):
+    """One world for both TP2 tests below: 2 replicas x TP2 on 4 ranks, replica 0 built with dummy weights (the
+    real ones pushed as full HF tensors) and given every prompt, replica 1 loading the HF dir itself and given
+    prompts 1-3. Until 2026-12-06 the dummy-load replica ran in a 2-rank world of its own (11.8 s in the suite run
+    of 05:18); its checks are unchanged and run on replica 0 (ranks 0-1, vLLM TP ranks 0-1, as before)."""
+    base, other, _, _ = models
+    split = [PROMPTS, PROMPTS[1:]]  # replicas get different prompts (and different step counts)
+    return split, run_ranks(4, _tp_worker, 2, base, other, split, ["dummy", "auto"], timeout_s=400,
+                            env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
+def test_tp2_two_ranks_dummy_load_then_pushed_weights(models, four_ranks):
+    """Replica 0 of `four_ranks` (ranks 0-1): dummy load, the real weights pushed as HF tensors, then `other`'s as
+    vLLM shards; shm communicator, shard layout, sampled log-probs, request API, request server, a push in flight."""
     base, other, ref, ref_other = models
-    out = run_ranks(2, _tp_worker, 2, base, other, [PROMPTS], "dummy", timeout_s=300,
-                    env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    split, everything = four_ranks
+    assert split[0] == PROMPTS
+    out = everything[:2]
     push_refs = _push_refs(models)
     for rank, (info, greedy, sampled, n, after) in enumerate(out):
         assert info["tp_rank"] == rank and info["tp_ranks"] == [0, 1] and info["replica"] == 0
+        assert info["load_format"] == "dummy"
         shm = info["shm"]
         assert shm["uses_shm"], "vLLM fell back to gloo for the TP all-reduce"
         assert f"{shm['tag']}tp:0-[0-1]-cpushm_{rank}" in shm["segments"], shm
-        assert greedy == ref and after == ref_other and n == 15 and info["shard_load"] == 1  # the direct path
+        assert greedy == ref and after == ref_other and n == 15 and info["shard_load"] == 1  # direct
         qkv = info["shards"]["model.layers.0.self_attn.qkv_proj.weight"]
         # 4 q heads / 2 kv heads over TP2: q heads [2r, 2r+2), kv head r
         assert qkv == ((128, 128), [(64 * rank, 64), (32 * rank, 32), (32 * rank, 32)], 0)
         assert info["shards"]["model.layers.0.self_attn.o_proj.weight"] == ((128, 64), [(64 * rank, 64)], 0)
         # vocab 300 padded to 320, 160 rows per rank: rank 1 holds 140 real rows + 20 zero rows
         assert info["shards"]["lm_head.weight"] == ((160, 128), [(160 * rank, 160 - 20 * rank)], 20 * rank)
+        assert sampled
         for prompt, resp, lps in sampled:
             ref_lp = hf_token_log_probs(base, prompt, resp)
             assert max(abs(a - b) for a, b in zip(ref_lp, lps)) < 1e-3
@@ -621,20 +639,20 @@ def test_tp2_two_ranks_dummy_load_then_pushed_weights(models):
     assert lead["broadcasts"] == follow["broadcasts"] >= lead["rounds"] and lead["rounds"] < lead["steps"]
 
 
-def test_two_replicas_of_tp2_on_four_ranks(models):
+def test_two_replicas_of_tp2_on_four_ranks(models, four_ranks):
     base, other, ref, ref_other = models
-    split = [PROMPTS[:1], PROMPTS[1:]]  # replicas get different prompts (and different step counts)
-    out = run_ranks(4, _tp_worker, 2, base, other, split, "auto", timeout_s=400, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    split, out = four_ranks
     push_refs = _push_refs(models)
     for rank, (info, greedy, _, n, after) in enumerate(out):
         r = rank // 2
         assert info["replica"] == r and info["tp_ranks"] == [2 * r, 2 * r + 1] and info["tp_rank"] == rank % 2
-        want = ref[:1] if r == 0 else ref[1:]
-        want_after = ref_other[:1] if r == 0 else ref_other[1:]
+        assert info["load_format"] == ("dummy", "auto")[r]
+        idx = [PROMPTS.index(p) for p in split[r]]
+        want, want_after = [ref[i] for i in idx], [ref_other[i] for i in idx]
         assert greedy == want and after == want_after and n == 15 and info["shard_load"] == 1  # the direct path
         assert info["requests"] == want_after and info["in_flight"] == []
         assert f"submit: ranks [{2 * r + 1}] of the TP replica [{2 * r}, {2 * r + 1}]" in info["order"], info["order"]
-        assert info["push"] == (push_refs[:1] if r == 0 else push_refs[1:]) and info["push_in_flight"] == []
+        assert info["push"] == [push_refs[i] for i in idx] and info["push_in_flight"] == []
         assert f"resume: ranks [{2 * r + 1}] of the TP replica" in info["push_mismatch"], info["push_mismatch"]
         # replica 0 ran 3 decode steps, replica 1 ran 40 in the same call window; greedy prefixes match transformers
         assert len(info["varied"]) == (3 if r == 0 else 40)
