@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from typing import Any, ContextManager, Iterator, Optional, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol
 
 logger = logging.getLogger("megarl.rollout")
 
@@ -101,6 +101,20 @@ class ColocatedRollout:
         metrics = self.workers.sync_weights()
         self.weight_version = version
         return metrics
+
+    def submit_push(self, version: int) -> Callable[[], list[dict[str, float]]]:
+        """`push_weights` submitted without waiting (behind the update the controller submitted before it: the
+        workers run one caller's calls in submission order): returns the function that collects the ranks' reshard
+        metrics and labels the engines' weights `version`."""
+        self.finish_phase("before the weight sync")
+        pending = self.workers.sync_weights.submit()
+
+        def collect() -> list[dict[str, float]]:
+            metrics = pending.result()
+            self.weight_version = version
+            return metrics
+
+        return collect
 
     def close(self) -> None:
         """Collect the last phase's stop (see `overlap_phase_ends`) and raise its error; idempotent. Called while

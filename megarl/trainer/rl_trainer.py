@@ -429,6 +429,8 @@ class RLLoop:
                 update = self.workers.update_actor.submit(actor_batch, kept=kept_actor or None,
                                                           per_sequence=per_sequence, exchange_kept=exchange,
                                                           top_k_kl_coef=self.top_k_kl_coef)
+                # sync mode, colocated: the weight push submitted behind the update (collected below, after it)
+                push = self.schedule.submit_after_update(step)
             if ref_pending is not None:  # time/ref_log_probs_s: its submission and the wait for its answer
                 with _timer(t, "ref_log_probs"):
                     ref_pending.result()
@@ -453,7 +455,7 @@ class RLLoop:
                         "dispatch/token_crossings": float(generation + down + up)})
         self._count_skips(metrics)
         with _timer(t, "sync_weights"):
-            reshard = self.schedule.after_update(step)
+            reshard = push()
         lengths = batch.tensors["loss_mask"].float().sum(-1)  # sampled tokens per trajectory
         tokens = float(batch.tensors["attention_mask"].sum())
         step_time = time.perf_counter() - start

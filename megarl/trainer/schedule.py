@@ -51,7 +51,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -224,6 +224,17 @@ class Schedule:
     def after_update(self, step: int) -> list[dict[str, float]]:
         """After update `step` (weights now version `step`): push them (or not); the push's metrics (or [])."""
         return self.rollout.push_weights(version=step)
+
+    def submit_after_update(self, step: int) -> Callable[[], list[dict[str, float]]]:
+        """`after_update(step)` submitted right behind update `step`, before its answer is collected: returns the
+        function that waits for the push and gives its metrics. Sync mode with a rollout service that can submit its
+        push (`ColocatedRollout.submit_push`: the same workers run the push after the update, Ray's order of one
+        caller's calls) saves the controller's round trip between the two; otherwise the push starts when the
+        function is called (the other schedules: their push waits on the batch generated meanwhile)."""
+        submit = getattr(self.rollout, "submit_push", None)
+        if submit is None or type(self).after_update is not Schedule.after_update:
+            return lambda: self.after_update(step)
+        return submit(version=step)
 
     def step_metrics(self, batch: RolloutBatch, step: int) -> dict[str, float]:
         """Metrics of the schedule for the step (sync: none, the step's metrics stay exactly today's)."""
