@@ -6,7 +6,8 @@ is produced, on which weights, and when the actor's weights go into the engines:
 
     batch = schedule.take(step, timers)      # the rollout batch step `step` trains on
     ... old / reference log-probs, advantages, updates (weights version step - 1 -> step) ...
-    reshard = schedule.after_update(step)    # the weight push (or nothing), its metrics
+    reshard = schedule.after_update(step)    # the weight push (or nothing), its metrics (`RLLoop.step` uses
+                                             # `submit_after_update`: sync mode submits the push behind the update)
     metrics |= schedule.step_metrics(batch, step)
 
 - `Schedule` (sync): generate step k's batch with the weights of version k - 1, train, push version k. Today's
