@@ -140,7 +140,12 @@ class CallTimeout(TimeoutError):
 class PendingCall:
     """A dispatched call in flight (`group.method.submit(...)`): `result()` waits while the ranks are alive (and
     within the call's optional wall bound, counted from submission), collects, and raises like a blocking call.
-    Lets the controller overlap groups on different pools, e.g. the critic's update with the actor's."""
+    Lets the controller overlap groups on different pools, e.g. the critic's update with the actor's, and queue
+    calls on one group: each rank runs one caller's role calls on its worker thread (the actor's default concurrency
+    group) in submission order, so a call submitted behind another runs after it there without the controller waiting
+    in between (the sync step's reference -> update -> weight sync, `megarl.trainer.rl_trainer`; a serving phase's
+    stop, `megarl.controller.serving`). Ray documents that order for single-threaded actors; these actors have
+    concurrency groups, and tests/distributed/test_rollout_router.py checks the order on the workers."""
 
     def __init__(
         self, group: "WorkerGroup", what: str, spec: DispatchSpec, refs: list, replica_of,
