@@ -97,10 +97,7 @@ class ColocatedRollout:
         """The local reshard of every rank (`HybridWorker.sync_weights`); returns each rank's reshard metrics. The
         ended phase's stop is collected first: the sync would run after it on the workers anyway (Ray's order of the
         default concurrency group), and a failed stop then fails the step it ended."""
-        self.finish_phase("before the weight sync")
-        metrics = self.workers.sync_weights()
-        self.weight_version = version
-        return metrics
+        return self.submit_push(version)()
 
     def submit_push(self, version: int) -> Callable[[], list[dict[str, float]]]:
         """`push_weights` submitted without waiting (behind the update the controller submitted before it: the
@@ -110,7 +107,7 @@ class ColocatedRollout:
         pending = self.workers.sync_weights.submit()
 
         def collect() -> list[dict[str, float]]:
-            metrics = pending.result()
+            metrics = pending.result()  # bounded by the group's heartbeat and call bounds (`PendingCall.result`)
             self.weight_version = version
             return metrics
 

@@ -433,7 +433,7 @@ class RLLoop:
                 push = self.schedule.submit_after_update(step)
             if ref_pending is not None:  # time/ref_log_probs_s: its submission and the wait for its answer
                 with _timer(t, "ref_log_probs"):
-                    ref_pending.result()
+                    ref_pending.result()  # bounded as every role call: heartbeats and call_timeout_s
             with _timer(t, "update_actor"):
                 for k, v in update.result().items():
                     metrics[f"mismatch/{k[len('mismatch_'):]}" if k.startswith("mismatch_") else f"actor/{k}"] = v

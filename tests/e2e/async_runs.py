@@ -97,6 +97,16 @@ PROBE_ROUND_STEPS = 4  # a push queued on a server lands within this many decode
 PROBE_WAIT_S = 60.0  # bound on each of the probe's waits for the servers' counters
 
 
+def _kill(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGKILL `proc` and reap it, waiting at most `timeout_s` (a process stuck in the kernel is reported, not waited
+    on forever)."""
+    proc.kill()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"[async_runs] pid {proc.pid} still not reaped {timeout_s:g} s after SIGKILL", flush=True)
+
+
 def push_mid_request_probe(service, prompts: list[list[int]]) -> dict:
     """A weight push landing mid-request on the serving rollout pool (`PoolRollout.push_weights` while serving: the
     server op pause(keep) -> receive -> resume): the same seeded requests (32 tokens, ignore_eos) twice through the
@@ -195,17 +205,16 @@ def main(out: str) -> None:
         report["_session"] = {"start_s": start_s, "probe_s": time.monotonic() - probe_started}
     except BaseException:
         if colocated is not None:  # its driver ends its workers with it
-            colocated.kill()
-            colocated.wait()
+            _kill(colocated)
         raise
     finally:
         session.close()
     try:
         returncode = colocated.wait(timeout=COLOCATED_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        colocated.kill()
-        colocated.wait()
-        raise
+        _kill(colocated)
+        raise TimeoutError(f"the colocated one_step_off run did not end within {COLOCATED_TIMEOUT_S} s; its output: "
+                           f"{os.path.join(out, 'colocated.log')}") from None
     report["_colocated"] = {"returncode": returncode, "seconds": time.monotonic() - colocated_started}
     print(f"[async_runs] colocated: {report['_colocated']['seconds']:.1f} s (from its start, before the probe)",
           flush=True)

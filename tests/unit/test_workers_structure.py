@@ -76,10 +76,25 @@ class _FakeGroup:
 
     def __init__(self, replicas: int) -> None:
         self.replicas, self.pushed = replicas, 0
+        self.sync_weights = _Dispatched(self._sync_weights)
 
-    def sync_weights(self):
+    def _sync_weights(self):
         self.pushed += 1
         return [{"reshard/bytes_received": 1.0}] * self.replicas
+
+
+class _Dispatched:
+    """A controller method as `WorkerGroup` exposes it: callable, and `.submit(...)` -> an object with `result()`."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def submit(self, *args, **kwargs):
+        answer = self.fn(*args, **kwargs)
+        return type("Answered", (), {"result": lambda _self: answer})()
 
 
 def test_push_weights_is_the_local_reshard_and_records_the_version():
