@@ -24,7 +24,11 @@ from megarl.algorithms.aggregate import aggregate, aggregation_modes
 from megarl.algorithms.entropy import entropy_from_logits, entropy_from_vocab_parallel
 from megarl.algorithms.kl import apply_kl_penalty, kl, kl_kinds, kl_loss
 from megarl.algorithms.kl_controller import AdaptiveKLController, FixedKLController, build_kl_controller
-from megarl.algorithms.log_probs import log_probs_from_logits, vocab_parallel_log_probs
+from megarl.algorithms.log_probs import (
+    log_probs_from_logits,
+    vocab_parallel_log_probs,
+    vocab_parallel_log_probs_and_entropy,
+)
 from megarl.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from megarl.algorithms.overlong import filter_truncated, soft_overlong_penalty
 from megarl.algorithms.policy_loss import cispo_policy_loss, gspo_policy_loss, policy_loss, policy_loss_names
@@ -86,4 +90,5 @@ __all__ = [
     "soft_overlong_penalty",
     "value_loss",
     "vocab_parallel_log_probs",
+    "vocab_parallel_log_probs_and_entropy",
 ]

@@ -15,8 +15,10 @@ import torch.distributed as dist
 
 
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group) -> torch.Tensor:
-    """In-place all-reduce over ``group`` (no-op without an initialised process group); returns ``tensor``."""
-    if group is not None or dist.is_initialized():
+    """In-place all-reduce over ``group``; returns ``tensor``. A no-op without an initialised process group and over
+    a group of one rank (TP 1: the sum, max... of one shard is itself, and a collective over one rank still costs a
+    call into the backend, several per micro-batch)."""
+    if (group is not None or dist.is_initialized()) and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
 

@@ -4,10 +4,14 @@ Data path (per bucket, `execute_reshard(..., verify=True)`, the default; `rollou
   sender, per remote op: `checksum(piece)` of the Megatron slice it sends, in the wire dtype, per
       destination (int64[ops, 2]), one extra message per peer pair (tag 2) through the reshard transport,
       posted before the bucket's payload and waited after it;
-  local ops: the same checksum of the local source slice;
+  local ops (source and destination in this process): the source slice itself, kept as a view (a source that
+      needs a cast to the wire dtype: its checksum, as a remote op's, rather than a kept cast copy);
   receiver, once every op of the bucket was written and before the sink commits any parameter: `checksum` of
-      the destination slice each op wrote (so a later op overwriting an earlier one is caught too) == the
-      sender's. A mismatch raises `ReshardVerificationError` naming the vLLM parameter, the HF run, this rank's
+      the destination slice each remote op wrote == the sender's, and each local op's destination slice
+      bit-for-bit equal to its kept source slice (both checked after the whole bucket, so a later op overwriting
+      an earlier one is caught too; the bit comparison is exact and cheaper than two checksums: a colocated sync
+      of a 0.7M-parameter model verified in ~1.6 instead of ~8 ms). A mismatch raises
+      `ReshardVerificationError` naming the vLLM parameter, the HF run, this rank's
       inference TP rank and its rank in the plan (global, or bridge rank across pools), and the source rank;
       nothing of that bucket is committed.
 In delta mode the sender checksums the whole current piece, so the receiver's patched shard is checked in full.
@@ -136,26 +140,32 @@ def check_written(
     rank: int,
     infer_rank: Optional[int],
     rank_kind: str = "global rank",
+    local: Optional[dict[TransferOp, torch.Tensor]] = None,
 ) -> None:
-    """Compare each op's destination slice with its expected checksum; raise naming the first mismatches.
-    `rank` is this rank in the plan: a global rank in one world, a bridge rank across pools (`rank_kind`)."""
-    if not expected:
+    """Compare each op's destination slice with its expected checksum (`expected`: remote ops, int64[2] each) or,
+    for a local op, with its source slice bit for bit (`local`: the source slice, of the wire dtype); raise naming
+    the first mismatches. `rank` is this rank in the plan: a global rank in one world, a bridge rank across pools
+    (`rank_kind`)."""
+    failures = [(op, checksum(view_of(op)), checksum(src)) for op, src in (local or {}).items()
+                if not same_bits(view_of(op), src)]  # (op, checksum written, checksum of the source)
+    if expected:
+        ops = list(expected)
+        want = torch.stack([expected[op] for op in ops])
+        got = torch.stack([checksum(view_of(op)).to(want.device) for op in ops])
+        differ = (want != got).any(dim=1)
+        if bool(differ.any()):
+            failures += [(ops[i], got[i], want[i]) for i in differ.nonzero().flatten().tolist()]
+    if not failures:
         return
-    ops = list(expected)
-    want = torch.stack([expected[op] for op in ops])
-    got = torch.stack([checksum(view_of(op)).to(want.device) for op in ops])
-    differ = want != got
-    if not bool(differ.any()):
-        return
-    bad = differ.any(dim=1).nonzero().flatten().tolist()
+    bad = len(failures)
     lines = [
-        f"vLLM parameter {ops[i].dst_param!r} (HF {ops[i].piece.hf_name} [{ops[i].piece.start}:{ops[i].piece.stop}] "
-        f"along dim {ops[i].piece.dim}) from source rank {ops[i].src}: checksum {got[i].tolist()}, source sent "
-        f"{want[i].tolist()}"
-        for i in bad[:5]
+        f"vLLM parameter {op.dst_param!r} (HF {op.piece.hf_name} [{op.piece.start}:{op.piece.stop}] "
+        f"along dim {op.piece.dim}) from source rank {op.src}: checksum {got.tolist()}, source "
+        f"{want.tolist()}"
+        for op, got, want in failures[:5]
     ]
     raise ReshardVerificationError(
-        f"reshard verification failed on inference TP rank {infer_rank} ({rank_kind} {rank}), {len(bad)} piece(s) "
+        f"reshard verification failed on inference TP rank {infer_rank} ({rank_kind} {rank}), {bad} piece(s) "
         f"differ from their source:\n  " + "\n  ".join(lines)
         + "\nThe weights were not committed. This is a reshard bug (layout or transport): please report it with "
         "the model config and the actor/rollout layouts; `rollout.verify_sync: false` skips this check."
@@ -163,5 +173,19 @@ def check_written(
 
 
 def local_checksum(piece: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
-    """Checksum of a local op's source slice in the wire dtype."""
+    """Checksum of a local op's source slice in the wire dtype (a local op whose source needs a cast)."""
     return checksum(piece if dtype is None or piece.dtype == dtype else piece.to(dtype))
+
+
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` hold the same bits element for element (any strides; NaN equals the same NaN, -0.0 is
+    not 0.0): same shape and dtype, then an integer view of each compared. Other element sizes: `torch.equal`."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    as_int = _SAME_SIZE_INT.get(a.element_size())
+    if as_int is None or a.dtype.is_complex:
+        return torch.equal(a, b)
+    return torch.equal(a.view(as_int), b.view(as_int))

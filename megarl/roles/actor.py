@@ -46,6 +46,7 @@ from megarl.algorithms import (
     get_policy_loss,
     rollout_correction,
     vocab_parallel_log_probs,
+    vocab_parallel_log_probs_and_entropy,
 )
 from megarl.algorithms import kl as kl_per_token
 from megarl.algorithms.distillation import (
@@ -146,12 +147,17 @@ class Actor(Role):
         self.router_replay = router_replay
 
     # ------------------------------------------------------------------------------------------- helpers
-    def _token_log_probs(self, logits: torch.Tensor, mb: dict, with_entropy: bool):
-        """Token-aligned log-probs (and entropies) [b, s] from this TP rank's logits shard [b, s, V/tp]."""
+    def _token_log_probs(self, logits: torch.Tensor, mb: dict, with_entropy: bool, entropy_grad: bool = False):
+        """Token-aligned log-probs (and entropies) [b, s] from this TP rank's logits shard [b, s, V/tp]. The entropy
+        comes from the log-probs' own pass as a constant (`vocab_parallel_log_probs_and_entropy`) unless
+        `entropy_grad` (a loss with an entropy term differentiates it: `entropy_from_vocab_parallel`)."""
         ids, mask = mb["input_ids"], mb["loss_mask"]
         vocab_start, _ = self.engine.vocab_shard()
         tp_group = self.groups.pgs.tp
         shard = logits[:, :-1]
+        if with_entropy and not entropy_grad:
+            logp, ent = vocab_parallel_log_probs_and_entropy(shard, ids[:, 1:], tp_group, vocab_start)
+            return shift_to_tokens(logp, mask), shift_to_tokens(ent, mask)
         logp = shift_to_tokens(vocab_parallel_log_probs(shard, ids[:, 1:], tp_group, vocab_start), mask)
         ent = shift_to_tokens(entropy_from_vocab_parallel(shard, tp_group), mask) if with_entropy else None
         return logp, ent
@@ -295,13 +301,8 @@ class Actor(Role):
                 if s.rollout_tis == "off":
                     weights = None
             fmask = mask.float()
-            need_entropy = s.entropy_coef > 0
-            logp, ent = self._token_log_probs(logits, mb, with_entropy=need_entropy)
-            if ent is None:
-                with torch.no_grad():
-                    ent = shift_to_tokens(
-                        entropy_from_vocab_parallel(logits[:, :-1].detach(), self.groups.pgs.tp), mask
-                    )
+            need_entropy = s.entropy_coef > 0  # else the entropy is a metric, from the log-probs' pass
+            logp, ent = self._token_log_probs(logits, mb, with_entropy=True, entropy_grad=need_entropy)
             n_tok = fmask.sum()
             agg = dict(mode=s.agg, norm_horizon=s.norm_horizon, global_normalizer=1.0)
             if s.name == "sft":

@@ -17,6 +17,7 @@ from megarl.algorithms import (
     entropy_from_vocab_parallel,
     log_probs_from_logits,
     vocab_parallel_log_probs,
+    vocab_parallel_log_probs_and_entropy,
 )
 
 VOCAB, WORLD = 10, 2
@@ -64,6 +65,7 @@ def _worker(rank: int, tmpdir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmpdir}/rendezvous", rank=rank, world_size=WORLD)
     try:
         group = dist.new_group([0, 1])
+        solo = [dist.new_group([r]) for r in range(WORLD)][rank]  # a TP group of one rank (its collectives skipped)
         logits, labels, w_lp, w_ent = _inputs()
         shard = VOCAB // WORLD
         start = rank * shard
@@ -76,10 +78,20 @@ def _worker(rank: int, tmpdir: str) -> None:
         ent_grad = x.grad.clone()
         x.grad = None
         (ent * w_ent).sum().backward()  # a second backward through the same graph must give the same gradient
-        torch.save(
-            {"lp": lp.detach(), "lp_grad": lp_grad, "ent": ent.detach(), "ent_grad": ent_grad, "ent_grad2": x.grad},
-            os.path.join(tmpdir, f"rank{rank}.pt"),
-        )
+        out = {"lp": lp.detach(), "lp_grad": lp_grad, "ent": ent.detach(), "ent_grad": ent_grad, "ent_grad2": x.grad}
+        # the fused pass: log-probs (differentiable) and the entropy as a constant, over the 2-rank group ...
+        x = logits[..., start : start + shard].clone().requires_grad_(True)
+        lp, ent = vocab_parallel_log_probs_and_entropy(x, labels, group, start)
+        (lp * w_lp).sum().backward()
+        out["fused"] = {"lp": lp.detach(), "lp_grad": x.grad, "ent": ent, "ent_requires_grad": ent.requires_grad}
+        # ... and over a group of one rank holding the whole vocabulary
+        x = logits.clone().requires_grad_(True)
+        lp, ent = vocab_parallel_log_probs_and_entropy(x, labels, solo, 0)
+        (lp * w_lp).sum().backward()
+        out["solo"] = {"lp": lp.detach(), "lp_grad": x.grad, "ent": ent,
+                       "lp_only": vocab_parallel_log_probs(logits, labels, solo, 0),
+                       "ent_only": entropy_from_vocab_parallel(logits, solo)}
+        torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -120,3 +132,20 @@ def test_vocab_parallel_entropy_matches_full_vocab(vocab_parallel_results, full_
     torch.testing.assert_close(grad, ref["ent_grad"])
     grad2 = torch.cat([r["ent_grad2"] for r in vocab_parallel_results], dim=-1)
     torch.testing.assert_close(grad2, ref["ent_grad"])
+
+
+def test_fused_log_probs_and_entropy_match_full_vocab(vocab_parallel_results, full_vocab_reference):
+    """`vocab_parallel_log_probs_and_entropy` over 2 ranks and over a one-rank group: the full-vocabulary log-probs,
+    their gradient and the entropy; the entropy a constant; over one rank the same bits as the two separate
+    functions (the metric the update logs did not move)."""
+    ref = full_vocab_reference
+    for result in vocab_parallel_results:
+        fused, solo = result["fused"], result["solo"]
+        assert not fused["ent_requires_grad"]
+        for got in (fused, solo):
+            torch.testing.assert_close(got["lp"], ref["lp"])
+            torch.testing.assert_close(got["ent"], ref["ent"])
+        torch.testing.assert_close(solo["lp_grad"], ref["lp_grad"])
+        assert torch.equal(solo["lp"], solo["lp_only"]) and torch.equal(solo["ent"], solo["ent_only"])
+    grad = torch.cat([r["fused"]["lp_grad"] for r in vocab_parallel_results], dim=-1)
+    torch.testing.assert_close(grad, ref["lp_grad"])

@@ -105,6 +105,35 @@ def test_check_written_names_the_piece_and_accepts_identical_nans():
     assert "inference TP rank 1 (global rank 1)" in str(err.value)
 
 
+def test_local_pieces_are_checked_bit_for_bit():
+    """A local op (source and destination in one process) is compared with its source slice bit for bit: identical
+    NaNs pass, a flipped lowest mantissa bit or -0.0 for 0.0 is refused naming the piece; a strided destination
+    view holding the right values passes."""
+    from megarl.models.spec import ModelSpec
+    from megarl.parallel.topology import RoleTopology
+    from megarl.reshard.planner import plan_reshard
+    from megarl.reshard.verify import ReshardVerificationError, check_written
+
+    spec = ModelSpec(architecture="LlamaForCausalLM", num_layers=2, hidden_size=128, num_attention_heads=4,
+                     num_query_groups=2, head_dim=32, ffn_hidden_size=256, vocab_size=300,
+                     max_position_embeddings=256)
+    plan = plan_reshard(spec, RoleTopology(pp=2), 2, dtype_bytes=4)
+    op = next(o for o in plan.ops if o.src == 0 and o.dst == 0)
+    source = torch.randn(op.piece.length, 3)
+    source[0, 0] = float("nan")
+    source[1, 1] = 0.0
+    check_written({}, lambda _: source.clone(), rank=0, infer_rank=0, local={op: source})
+    check_written({}, lambda _: source.clone().t().contiguous().t(), rank=0, infer_rank=0, local={op: source})
+    flipped = source.clone()
+    flipped.view(torch.int32)[2, 2] ^= 1  # the lowest mantissa bit
+    negative_zero = source.clone()
+    negative_zero[1, 1] = -0.0
+    for written in (flipped, negative_zero):
+        with pytest.raises(ReshardVerificationError) as err:
+            check_written({}, lambda _, w=written: w, rank=0, infer_rank=0, local={op: source})
+        assert f"vLLM parameter {op.dst_param!r}" in str(err.value) and "1 piece(s) differ" in str(err.value)
+
+
 def test_checksum_at_the_path_boundary_matches_the_reference():
     """Pieces around one row of weights (65520-65522 words) and around 2^17 words, where the float64 short path
     (at most 2^17) meets the column path (above), give the reference sums: the same integers on both sides."""
