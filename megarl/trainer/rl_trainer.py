@@ -179,6 +179,11 @@ class RLLoop:
         starts random). Returns the next step to run."""
         if self.next_step == 0:
             self.next_step = self._resume() + 1
+            if self.next_step == 1 and self.metrics_path:  # a run of its own: never append to another run's steps
+                moved = set_aside_earlier_metrics(self.metrics_path)
+                if moved:
+                    logger.info("%s held the steps of an earlier run (not resumed): moved to %s",
+                                self.metrics_path, moved)
             self.rollout.push_weights(version=self.next_step - 1)
             self.schedule.start(self.next_step)
             self.progress = ConsoleProgress(self.cfg.trainer.total_steps, self.next_step, self.cfg.logging.progress,
@@ -701,6 +706,21 @@ class RLLoop:
                 f.write(json.dumps({"step": result.step, **m}) + "\n")
         for sink in self.sinks:
             sink.log(result.step, m)
+
+
+def set_aside_earlier_metrics(path: str) -> Optional[str]:
+    """Rename a non-empty `path` (an earlier run's metrics.jsonl in the same logging.dir) to the first free
+    `<stem>.<n>.jsonl` (n = 1, 2, ...) and return the new path; None when there is nothing to move. A fresh run then
+    starts its own file instead of appending to another run's steps (a resumed run appends: `plots.load_rows` keeps
+    a step's last row); nothing is deleted."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return None
+    stem, ext = os.path.splitext(path)
+    n = 1
+    while os.path.exists(f"{stem}.{n}{ext}"):
+        n += 1
+    os.replace(path, f"{stem}.{n}{ext}")
+    return f"{stem}.{n}{ext}"
 
 
 def old_log_probs_from_update(cfg: JobConfig) -> bool:
