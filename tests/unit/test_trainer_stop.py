@@ -31,7 +31,7 @@ class _Loop:
                                                            log_every=1),
                                    checkpoint=SimpleNamespace(dir=ckpt, save_every=save_every),
                                    logging=SimpleNamespace(progress="lines"))
-        self.next_step, self.last_saved = 0, None
+        self.next_step, self.last_saved, self.metrics_path = 0, None, None
         self.stop, self.val_records, self.skip_streak = stop, [], {}
         self.rollout = SimpleNamespace(push_weights=lambda version: None)
         self.schedule = SimpleNamespace(start=lambda next_step: None)  # trainer.mode=sync: nothing beside the steps
