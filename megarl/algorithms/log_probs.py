@@ -36,10 +36,11 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         target, sum_exp = stats[0], stats[1]
         softmax = exp_z.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local, in_shard)
-        log_probs = target - sum_exp.log()
+        log_sum_exp = sum_exp.log()
+        log_probs = target - log_sum_exp
         if not with_entropy:
             return log_probs
-        entropy = sum_exp.log() - stats[2] / stats[1]  # as `entropy_from_vocab_parallel`: log sum exp(z) - E_p[z]
+        entropy = log_sum_exp - stats[2] / stats[1]  # as `entropy_from_vocab_parallel`: log sum exp(z) - E_p[z]
         ctx.mark_non_differentiable(entropy)
         return log_probs, entropy
 
