@@ -1,8 +1,9 @@
 """Per-sync verification on 2 gloo ranks with real megatron-core (PP2 -> infer TP2: both ranks send and receive).
 
-A clean reshard verifies every piece; a byte flipped by the transport on the way, and (delta mode) a receiver
-shard changed behind the executor's back, are both refused with the vLLM parameter, the inference rank and the
-source rank in the message. The corrupted piece is chosen by the test, from the plan's order of ops.
+A clean reshard verifies every piece; a byte flipped by the transport on the way, (delta mode) a receiver shard
+changed behind the executor's back, and a local piece overwritten by a later write (a sink whose targets alias) are
+all refused with the vLLM parameter, the inference rank and the source rank in the message. The corrupted piece is
+chosen by the test, from the plan's order of ops.
 """
 
 from __future__ import annotations
@@ -39,6 +40,25 @@ class FlipFirstPayloadByte:
                     outer.done = True
 
         return _Flip()
+
+
+def _alias_sink(plan, rank):
+    """A `DictSink` whose target for layer 1's o_proj shard (received from the peer) is layer 0's (copied locally on
+    this rank): the receive, which comes after the local copies, overwrites the local piece. -> (sink, local param)."""
+    from megarl.reshard.executor import DictSink
+
+    local = next(op.dst_param for op in plan.ops
+                 if op.src == op.dst == rank and "layers.0." in op.dst_param and "o_proj" in op.dst_param)
+    remote = local.replace("layers.0.", "layers.1.")
+    assert any(op.dst == rank and op.src != rank and op.dst_param == remote for op in plan.ops)
+
+    class AliasSink(DictSink):
+        def target(self, param, shape, dtype):
+            if param == remote:
+                return self.tensors[local]  # written first (local ops precede the exchange)
+            return super().target(param, shape, dtype)
+
+    return AliasSink(), local
 
 
 def _worker(rank, world_size, hf_dir):
@@ -86,7 +106,15 @@ def _worker(rank, world_size, hf_dir):
     transport = FlipFirstPayloadByte(TorchP2PTransport(), src=0) if rank == 1 else TorchP2PTransport()
     execute_reshard(plan, sources, DictSink(), bucket_bytes=ONE_BUCKET, transport=transport, verify=False)
 
-    # 2. delta mode: the receiver's persistent shard changed behind the executor's back, then a no-change sync
+    # 2. a local piece overwritten after its copy: rank 0's sink aliases a remote shard onto a local one
+    sink, out["alias_local"] = _alias_sink(plan, rank) if rank == 0 else (DictSink(), None)
+    try:
+        execute_reshard(plan, sources, sink, bucket_bytes=ONE_BUCKET)
+        out["alias_error"] = None
+    except ReshardVerificationError as e:
+        out["alias_error"] = str(e)
+
+    # 3. delta mode: the receiver's persistent shard changed behind the executor's back, then a no-change sync
     state, sink = DeltaState(), DictSink(persistent=True)
     execute_reshard(plan, sources, sink, bucket_bytes=ONE_BUCKET, delta=state)
     quiet = execute_reshard(plan, sources, sink, bucket_bytes=ONE_BUCKET, delta=state)
@@ -136,3 +164,15 @@ def test_delta_sync_checks_the_whole_receiver_shard(verify_runs):
     assert rank0["delta_error"] is None
     err = rank1["delta_error"]
     assert err is not None and f"vLLM parameter {rank1['first_from_peer']!r}" in err and "source rank 0" in err
+
+
+@pytest.mark.slow
+def test_a_local_piece_overwritten_after_its_copy_is_refused(verify_runs):
+    """Local pieces are checked bit for bit against their source after the whole bucket (not as they are copied):
+    a later write into the same memory is caught, naming the local piece (its source rank is this rank)."""
+    rank0, rank1 = verify_runs
+    assert rank1["alias_error"] is None
+    err = rank0["alias_error"]
+    assert err is not None, "a local piece overwritten after its copy went through verification"
+    assert f"vLLM parameter {rank0['alias_local']!r}" in err and "from source rank 0" in err
+    assert f"inference TP rank {rank0['infer_rank']} (global rank 0)" in err
