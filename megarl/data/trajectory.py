@@ -31,7 +31,7 @@ Nothing here imports the rollout layer (it sits above data): `Trajectory.from_ro
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -201,19 +201,23 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], pad_id: int = 0) -
     if not trajectories:
         raise ValueError("no trajectories to train on (were all prompts dropped as overlong?)")
     B, S = len(trajectories), max(len(t) for t in trajectories)
-    input_ids = torch.full((B, S), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, S), dtype=torch.long)
-    loss_mask = torch.zeros((B, S), dtype=torch.long)
-    rollout_log_probs = torch.zeros((B, S), dtype=torch.float32)
-    policy_version = torch.full((B, S), CONTEXT_VERSION, dtype=torch.long)
+    lengths = torch.tensor([len(t) for t in trajectories], dtype=torch.long)
+    # the B x S positions that hold a token (a prefix of each row), in row-major order: each key's rows, concatenated,
+    # land there with one masked assignment (one tensor per key instead of one per row and key)
+    tokens = torch.arange(S)[None, :] < lengths[:, None]
+    attention_mask = tokens.long()
+
+    def laid_out(fill: float, dtype: torch.dtype, per_row: Callable[[Trajectory], Sequence]) -> torch.Tensor:
+        out = torch.full((B, S), fill, dtype=dtype)
+        out[tokens] = torch.tensor([x for t in trajectories for x in per_row(t)], dtype=dtype)
+        return out
+
+    input_ids = laid_out(pad_id, torch.long, lambda t: t.token_ids)
+    loss_mask = laid_out(0, torch.long, lambda t: t.loss_mask)
+    rollout_log_probs = laid_out(0.0, torch.float32, lambda t: t.log_probs)
+    policy_version = laid_out(CONTEXT_VERSION, torch.long, lambda t: t.policy_version)
     group_index: dict[str, int] = {}
-    for i, t in enumerate(trajectories):
-        n = len(t)
-        input_ids[i, :n] = torch.tensor(t.token_ids, dtype=torch.long)
-        attention_mask[i, :n] = 1
-        loss_mask[i, :n] = torch.tensor(t.loss_mask, dtype=torch.long)
-        rollout_log_probs[i, :n] = torch.tensor(t.log_probs, dtype=torch.float32)
-        policy_version[i, :n] = torch.tensor(t.policy_version, dtype=torch.long)
+    for t in trajectories:
         group_index.setdefault(t.group_uid, len(group_index))
     group_ids = torch.tensor([group_index[t.group_uid] for t in trajectories], dtype=torch.long)
     out = {
