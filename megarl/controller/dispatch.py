@@ -402,11 +402,50 @@ def plan_shared_calls(
     return [per_replica[replica_of[r]] for r in range(world_size)]
 
 
-def resolve_shares(args: tuple, kwargs: dict, get: Callable[[list[Any]], list[Any]]) -> tuple[tuple, dict]:
+class ResolvedPieces:
+    """A worker's row pieces by reference (`TokenRowsPiece`) as its last two role calls resolved them: each rollout
+    package fetched and each piece built, so a call whose share has the rows the previous call's had (the actor's
+    update right after the reference's forward, the same DP share of the same step) fetches and builds nothing again.
+    A package handle names an immutable object and a piece its rows, lengths and the controller's checksums, so a hit
+    is the same value; a built piece is handed out as a copy (a role that changes its batch in place changes only its
+    own). Entries that neither the current nor the previous call used are dropped: it holds at most two calls' pieces
+    and their packages (host memory: about the token keys of two DP shares)."""
+
+    def __init__(self) -> None:
+        self._now: dict = {}
+        self._before: dict = {}
+        self.hits = 0  # pieces and packages served from here (tests and the trace count them)
+
+    def next_call(self) -> None:
+        """Start the next call: what the call before the last one used, and the current one did not, is dropped."""
+        self._before, self._now = self._now, {}
+
+    def get(self, key: Any) -> Any:
+        for where in (self._now, self._before):
+            if key in where:
+                self._now[key] = where[key]
+                self.hits += 1
+                return where[key]
+        return None
+
+    def put(self, key: Any, value: Any) -> None:
+        self._now[key] = value
+
+
+def _piece_key(piece: Any) -> tuple:
+    """What identifies a `TokenRowsPiece`'s rows: the key, the packages and slots they are in, their lengths, the
+    batch's S and pad id, and the controller's checksums of the rows."""
+    return ("piece", piece.key, tuple(piece.refs), tuple(piece.slots), tuple(piece.prompt_lens), tuple(piece.lengths),
+            piece.seq_len, piece.pad_id, piece.packed, tuple(piece.checks.tolist()))
+
+
+def resolve_shares(args: tuple, kwargs: dict, get: Callable[[list[Any]], list[Any]],
+                   cache: Optional[ResolvedPieces] = None) -> tuple[tuple, dict]:
     """`args` / `kwargs` with each `ShareRefs` replaced by its `Batch` (on the worker): every handle fetched with one
     `get(handles)` (values in handle order), each key's pieces concatenated on dim 0. A `TokenRowsPiece` handle is
     built from its rows' rollout packages (`megarl.data.token_rows`), fetched in the same `get`, each once; one whose
-    rollout rank died raises `RolloutOutputLost` (`lost_completion`)."""
+    rollout rank died raises `RolloutOutputLost` (`lost_completion`). `cache`: the worker's `ResolvedPieces`, which
+    serves the row pieces and packages its previous call resolved (None: everything fetched and built)."""
     from megarl.data.batch import Batch
 
     found = [a for a in (*args, *kwargs.values()) if isinstance(a, ShareRefs)]
@@ -414,25 +453,48 @@ def resolve_shares(args: tuple, kwargs: dict, get: Callable[[list[Any]], list[An
         return args, kwargs
     from megarl.data.token_rows import TokenRowsPiece, lost_completion
 
+    if cache is not None:
+        cache.next_call()
     handles = [h for s in found for hs in s.pieces.values() for h in hs]
     # a row piece by reference (`TokenRowsPiece`): its rows' rollout packages, each fetched once for all its keys
     plain = [h for h in handles if not isinstance(h, TokenRowsPiece)]
     by_reference = [h for h in handles if isinstance(h, TokenRowsPiece)]
-    packages = list(dict.fromkeys(r for h in by_reference for r in h.refs))
+    built: dict[int, Any] = {}  # id(piece) -> rows served by the cache
+    if cache is not None:
+        for h in by_reference:
+            rows = cache.get(_piece_key(h))
+            if rows is not None:
+                built[id(h)] = rows.clone()
+    packages = list(dict.fromkeys(r for h in by_reference if id(h) not in built for r in h.refs))
+    package_of = {}
+    if cache is not None:
+        for r in packages:
+            kept = cache.get(("package", r))
+            if kept is not None:
+                package_of[r] = kept
+    missing = [r for r in packages if r not in package_of]
     try:
-        fetched = get(plain + packages) if plain or packages else []
+        fetched = get(plain + missing) if plain or missing else []
     except Exception as e:  # a package whose rollout rank died: our error, naming that rank and the rows
         lost = lost_completion(e, by_reference)
         if lost is None:
             raise
         raise lost from e
     value_of = dict(zip(map(id, plain), fetched[:len(plain)]))
-    package_of = dict(zip(packages, fetched[len(plain):]))
+    package_of.update(zip(missing, fetched[len(plain):]))
+    if cache is not None:
+        for r in missing:
+            cache.put(("package", r), package_of[r])
     import torch
 
     def value(h: Any) -> Any:
         if isinstance(h, TokenRowsPiece):
-            return h.assemble([package_of[r] for r in h.refs])
+            if id(h) in built:
+                return built[id(h)]
+            rows = h.assemble([package_of[r] for r in h.refs])
+            if cache is not None:
+                cache.put(_piece_key(h), rows.clone())
+            return rows
         return value_of[id(h)]
 
     batches = {}

@@ -50,6 +50,7 @@ from megarl.controller.dispatch import (
     DP_MODES,
     Dispatch,
     DispatchSpec,
+    ResolvedPieces,
     can_share_by_reference,
     collect,
     dispatched_methods,
@@ -234,6 +235,7 @@ class _WorkerHost:
         )
         self.rank = rank
         self.worker: Any = None
+        self.resolved = ResolvedPieces()  # the row pieces of the last two role calls (`resolve_shares`)
         _ignore_sigint()
 
     def address(self) -> tuple[str, int]:
@@ -280,7 +282,8 @@ class _WorkerHost:
                 raise TimeoutError(f"rank {self.rank}: {method}'s {len(refs)} batch pieces (BatchShares) were not "
                                    f"fetched from the object store within {SHARE_FETCH_TIMEOUT_S:g} s") from None
 
-        args, kwargs = resolve_shares(args, kwargs, get)  # a share sent by reference -> its Batch
+        # a share sent by reference -> its Batch (the rows the previous call resolved served by `self.resolved`)
+        args, kwargs = resolve_shares(args, kwargs, get, self.resolved)
         return getattr(self.worker, method)(*args, **kwargs)
 
     def attr(self, name: str) -> Any:

@@ -127,6 +127,48 @@ class _NoSource:
         return None
 
 
+def test_the_update_after_the_reference_forward_fetches_and_builds_nothing_again():
+    """A worker's `ResolvedPieces` across its calls of one step, as the rank runs them: the reference's forward
+    (DP_SPLIT) then the actor's update (DP_SPLIT_MINI_BATCHES) over the same batch, on one rank of a DP2 layout whose
+    update share is one mini-batch (the rows of its forward share). Expected: the update's token keys bit for bit
+    what the uncached path builds, none of their packages fetched again (only the update's plain pieces), a change
+    the first call made to its batch in place not seen by the second, and nothing kept of calls before the
+    previous one. Fails if the cache is not consulted, serves another piece's rows, or hands out its own tensors."""
+    from megarl.controller.dispatch import ResolvedPieces
+
+    store = Store()
+    trajectories, batch = _step(store)
+    source = TokenRowSource.from_trajectories(trajectories, batch, PAD)
+    batch.tensors["advantages"] = torch.linspace(-1, 1, len(batch)).float()
+    plans = {m: _shares(m, batch, source, store, world=2, replicas=(0, 1), mini=len(batch))[1]
+             for m in ("compute_ref_log_probs", "update_actor")}
+    cache, rank = ResolvedPieces(), 0
+    ref_args, ref_kwargs = plans["compute_ref_log_probs"][rank]
+    store.gets.clear()
+    ref_share = resolve_shares(ref_args, ref_kwargs, store.get, cache)[0][0]
+    first = set(store.gets[0])  # the packages of this rank's rows
+    assert first
+    ref_share.tensors["input_ids"].fill_(-5)  # the forward's own copy, changed in place
+    upd_args, upd_kwargs = plans["update_actor"][rank]
+    store.gets.clear()
+    got = resolve_shares(upd_args, upd_kwargs, store.get, cache)[0][0]
+    want = resolve_shares(upd_args, upd_kwargs, Store.get.__get__(store))[0][0]  # no cache: fetched and built
+    assert not first & set(store.gets[0]), "the update fetched packages the forward had fetched"
+    for key in want.keys():
+        a, b = got[key], want[key]
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                                                  b.view(torch.int32) if b.dtype == torch.float32 else b), key
+    assert not (got["input_ids"] == -5).any()
+    assert cache.hits > 0
+    # two calls later (a call over other rows in between), nothing of the first is kept
+    other_args, other_kwargs = plans["compute_ref_log_probs"][1]
+    resolve_shares(other_args, other_kwargs, store.get, cache)
+    resolve_shares(other_args, other_kwargs, store.get, cache)
+    store.gets.clear()
+    resolve_shares(ref_args, ref_kwargs, store.get, cache)
+    assert store.gets and store.gets[0], "pieces of a call before the previous one were still kept"
+
+
 def test_a_sample_changed_after_generation_is_caught_on_the_rank():
     store = Store()
     trajectories, batch = _step(store)
