@@ -336,6 +336,14 @@ class ShareRefs:
     meta: dict[str, Any]
 
 
+@dataclasses.dataclass(frozen=True)
+class InlinePiece:
+    """A row piece sent with the call instead of put (`BatchShares.piece`: a small per-sequence piece, e.g. [rows]
+    advantages): `value` is the piece itself; `resolve_shares` uses it as is (no object-store round trip)."""
+
+    value: Any
+
+
 def share_rows(spec: DispatchSpec, rows: int, n_replicas: int, mini_batch_samples: Optional[int],
                method: str = "?") -> list[tuple[list[tuple[int, int]], dict[str, Any]]]:
     """Per replica of a DP call over a batch of `rows` rows: ([lo, hi) ranges of the batch in its share, in order;
@@ -442,7 +450,8 @@ def _piece_key(piece: Any) -> tuple:
 def resolve_shares(args: tuple, kwargs: dict, get: Callable[[list[Any]], list[Any]],
                    cache: Optional[ResolvedPieces] = None) -> tuple[tuple, dict]:
     """`args` / `kwargs` with each `ShareRefs` replaced by its `Batch` (on the worker): every handle fetched with one
-    `get(handles)` (values in handle order), each key's pieces concatenated on dim 0. A `TokenRowsPiece` handle is
+    `get(handles)` (values in handle order; an `InlinePiece` came with the call and is used as is), each key's pieces
+    concatenated on dim 0. A `TokenRowsPiece` handle is
     built from its rows' rollout packages (`megarl.data.token_rows`), fetched in the same `get`, each once; one whose
     rollout rank died raises `RolloutOutputLost` (`lost_completion`). `cache`: the worker's `ResolvedPieces`, which
     serves the row pieces and packages its previous call resolved (None: everything fetched and built)."""
@@ -457,7 +466,7 @@ def resolve_shares(args: tuple, kwargs: dict, get: Callable[[list[Any]], list[An
         cache.next_call()
     handles = [h for s in found for hs in s.pieces.values() for h in hs]
     # a row piece by reference (`TokenRowsPiece`): its rows' rollout packages, each fetched once for all its keys
-    plain = [h for h in handles if not isinstance(h, TokenRowsPiece)]
+    plain = [h for h in handles if not isinstance(h, (TokenRowsPiece, InlinePiece))]
     by_reference = [h for h in handles if isinstance(h, TokenRowsPiece)]
     built: dict[int, Any] = {}  # id(piece) -> rows served by the cache
     if cache is not None:
@@ -488,6 +497,8 @@ def resolve_shares(args: tuple, kwargs: dict, get: Callable[[list[Any]], list[An
     import torch
 
     def value(h: Any) -> Any:
+        if isinstance(h, InlinePiece):
+            return h.value
         if isinstance(h, TokenRowsPiece):
             if id(h) in built:
                 return built[id(h)]

@@ -26,6 +26,11 @@ import threading
 from typing import Any, Optional, Sequence
 
 _active = threading.local()
+# A piece of a one-dimensional key ([rows]: advantages, scores, group ids) of at most this many bytes goes with each
+# call that reads it (`InlinePiece`) instead of into the object store: a `ray.put` on the controller and a fetch on
+# the rank cost ~1-2 ms each on a small host, more than sending a few hundred bytes again; Ray inlines task
+# arguments below 100 KiB itself. Token-sized keys ([rows, S] and up) are always put once, so they cross once.
+INLINE_PIECE_BYTES = 16 * 1024
 
 
 def active_shares() -> Optional["BatchShares"]:
@@ -39,8 +44,11 @@ class BatchShares:
     Args:
         calls: (worker group, method name) of every DP call the block makes with a batch: their share boundaries
             are where the pieces are cut (asked of each group once per row count; cached by the groups).
+        inline_bytes: a piece of a one-dimensional key of at most this many bytes goes with the calls instead of
+            being put (`INLINE_PIECE_BYTES`; 0: every piece is put).
 
     Attributes (for reports and tests): `puts` -- pieces put so far; `put_bytes` -- their tensor bytes;
+    `inline_pieces` / `inline_bytes_sent` -- small one-dimensional pieces sent with the calls instead, and their bytes;
     `keys_put` -- the keys with at least one piece put, in order of first put. What token-sized data (a tensor of
     two or more dims: [B, S] and up) crossed the controller inside the block, counted from what really moved:
     `token_tensors_down` -- (key, tensor id) of each such tensor with a piece put (a key put again as a new tensor,
@@ -53,17 +61,20 @@ class BatchShares:
     ("token_rows") however many keys and pieces; `packed_put_bytes` -- their tensor bytes.
     """
 
-    def __init__(self, calls: Sequence[tuple[Any, str]]) -> None:
+    def __init__(self, calls: Sequence[tuple[Any, str]], inline_bytes: int = INLINE_PIECE_BYTES) -> None:
         for group, method in calls:
             if method not in getattr(group, "methods", ()):
                 raise ValueError(f"BatchShares: {group!r} has no dispatch method {method!r}; it has "
                                  f"{getattr(group, 'methods', [])}")
         self.calls = list(calls)
+        self.inline_bytes = inline_bytes
         self._cuts: dict[int, list[int]] = {}
         self._refs: dict[tuple, Any] = {}
         self._held: dict[int, Any] = {}  # the tensors pieces were cut from: their ids stay theirs
         self.puts = 0
         self.put_bytes = 0
+        self.inline_pieces = 0  # pieces sent with the calls (`InlinePiece`), each counted once
+        self.inline_bytes_sent = 0  # their tensor bytes, once per piece
         self.keys_put: list[str] = []
         self.token_tensors_down: list[tuple[str, int]] = []
         self.token_results_up: list[tuple[str, str]] = []
@@ -90,8 +101,10 @@ class BatchShares:
         self._source = source
 
     def piece(self, key: str, tensor: Any, lo: int, hi: int) -> Any:
-        """The object ref of `tensor[lo:hi]` (a compact copy), put on first use; or, for a tensor of the
-        `by_reference` source, its `TokenRowsPiece` (nothing put: counted in `by_reference_pieces`)."""
+        """The object ref of `tensor[lo:hi]` (a compact copy), put on first use; for a tensor of the `by_reference`
+        source, its `TokenRowsPiece` (nothing put: counted in `by_reference_pieces`); for a small piece of a
+        one-dimensional key (at most `inline_bytes`), an `InlinePiece` sent with each call (counted in
+        `inline_pieces`)."""
         import ray
 
         index = (key, id(tensor), tensor._version, lo, hi)
@@ -109,6 +122,14 @@ class BatchShares:
                     self.by_reference_pieces += 1
                 if key not in self.keys_by_reference:
                     self.keys_by_reference.append(key)
+        if ref is None and tensor.dim() == 1 and (hi - lo) * tensor.element_size() <= self.inline_bytes:
+            from megarl.controller.dispatch import InlinePiece
+
+            part = tensor[lo:hi].clone()  # a view would pickle its whole storage
+            ref = self._refs[index] = InlinePiece(part)
+            self._held[id(tensor)] = tensor
+            self.inline_pieces += 1
+            self.inline_bytes_sent += part.numel() * part.element_size()
         if ref is None:
             part = tensor[lo:hi].clone()  # a view would pickle its whole storage
             ref = self._refs[index] = ray.put(part)

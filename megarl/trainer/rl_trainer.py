@@ -304,6 +304,7 @@ class RLLoop:
         metrics: rewards, lengths (tokens), per-phase times in seconds (`time/<phase>_s`), tokens/s, the roles'
         update metrics (`actor/...`, `critic/...`), the reshard's bytes and time, and the batch's row pieces put into
         the object store for the role calls (`dispatch/batch_pieces_put`, `dispatch/batch_put_bytes`: each once;
+        `dispatch/batch_pieces_inline`, `dispatch/batch_inline_bytes`: small [B] pieces sent with the calls instead;
         `dispatch/batch_pieces_by_reference`: pieces of the token keys the ranks built from the rollout's packages;
         `dispatch/token_rows_packed_pieces` / `_bytes`: pieces of the token keys built from rows the controller put
         once as one object per piece, e.g. multi-turn episodes' -- one crossing, `TokenRowSource.from_rows`),
@@ -451,7 +452,8 @@ class RLLoop:
         generation = 1 + int("rollout_log_probs" in batch.tensors)
         down, up = len(shares.token_tensors_down), len(shares.token_results_up)
         metrics.update({"dispatch/batch_pieces_put": float(shares.puts), "dispatch/batch_put_bytes":
-                        float(shares.put_bytes),
+                        float(shares.put_bytes), "dispatch/batch_pieces_inline": float(shares.inline_pieces),
+                        "dispatch/batch_inline_bytes": float(shares.inline_bytes_sent),
                         "dispatch/batch_pieces_by_reference": float(shares.by_reference_pieces),
                         "dispatch/token_rows_packed_pieces": float(shares.packed_pieces),
                         "dispatch/token_rows_packed_bytes": float(shares.packed_put_bytes),

@@ -273,7 +273,8 @@ def test_batch_shares_put_each_row_piece_once_and_ranks_get_only_their_share(gro
     forward = [(0, ["x"], [0, 10, 20, 30], [0, 4]), (1, ["x"], [40, 50, 60, 70], [4, 8])]
     update = [(0, ["x"], [0, 10, 40, 50]), (1, ["x"], [20, 30, 60, 70])]
     assert group.share_forward(batch) == forward and group.share_update(batch) == update  # by value
-    with BatchShares([(group, "share_forward"), (group, "share_update")]) as shares:
+    # every piece put (inline_bytes=0: x's 16-byte pieces would otherwise go with the calls, below)
+    with BatchShares([(group, "share_forward"), (group, "share_update")], inline_bytes=0) as shares:
         assert group.share_forward(batch) == forward
         assert shares.puts == 4 and shares.keys_put == ["x"]  # rows cut at 0 2 4 6 8: the update's pieces too
         assert group.share_update(batch) == update
@@ -281,6 +282,14 @@ def test_batch_shares_put_each_row_piece_once_and_ranks_get_only_their_share(gro
         assert shares.puts == 4  # nothing put again
         batch.tensors["x"].add_(1)  # changed in place: its pieces are put again
         assert group.share_forward(batch)[0][2] == [1, 11, 21, 31] and shares.puts == 8
+    # by default a small one-dimensional key's pieces go with the calls (InlinePiece): nothing put, the same rows;
+    # a two-dimensional key of the same size is still put (token-sized data crosses once)
+    batch = Batch({"x": torch.arange(8) * 10, "y": torch.zeros(8, 2)})
+    with BatchShares([(group, "share_forward"), (group, "share_update")]) as shares:
+        assert group.share_update(batch) == update and group.share_forward(batch) == [
+            (0, ["x", "y"], [0, 10, 20, 30], [0, 4]), (1, ["x", "y"], [40, 50, 60, 70], [4, 8])]
+        assert shares.inline_pieces == 4 and shares.inline_bytes_sent == 8 * 8
+        assert shares.puts == 4 and shares.keys_put == ["y"]
     with pytest.raises(ValueError, match=r"no dispatch method 'nope'"):
         BatchShares([(group, "nope")])
 

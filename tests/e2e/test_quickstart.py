@@ -47,9 +47,11 @@ def test_every_step_is_logged(quickstart_run):
     # the batch goes down at most once (BatchShares): of the 5 keys the role calls read, input_ids, attention_mask,
     # loss_mask and rollout_log_probs ([32, S]) are built on the ranks from the rollout's poll-round packages
     # (megarl.data.token_rows: 4 keys x 2 pieces, the update's 2 mini-batches of 16 rows, by reference), and GRPO's
-    # advantages go down as [32] fp32 per-sequence values in 2 pieces (old and reference log-probs stay on the ranks)
+    # advantages go down as [32] fp32 per-sequence values in 2 pieces, with the update's call (InlinePiece: nothing
+    # put); old and reference log-probs stay on the ranks
     assert all(r["dispatch/batch_pieces_by_reference"] == 8 for r in rows)
-    assert all(r["dispatch/batch_pieces_put"] == 2 and r["dispatch/batch_put_bytes"] == 32 * 4 for r in rows)
+    assert all(r["dispatch/batch_pieces_inline"] == 2 and r["dispatch/batch_inline_bytes"] == 32 * 4 for r in rows)
+    assert all(r["dispatch/batch_pieces_put"] == 0 and r["dispatch/batch_put_bytes"] == 0 for r in rows)
     # token-sized tensors through the controller, counted from what the step moved: generation's ids and log-probs
     # up (2) and nothing else -- no batch key down, no role result up (benchmarks/results/dispatch_bytes_byref.md)
     assert all(r["dispatch/token_tensors_down"] == 0 for r in rows)

@@ -106,3 +106,28 @@ def test_a_call_without_declared_reads_or_a_batch_cannot_go_by_reference():
         plan_shared_calls(DispatchSpec(DP_SPLIT), (_step_batch(),), {}, 2, [0, 1], _Store().piece)
     with pytest.raises(DispatchError, match="declared reads over a Batch"):
         plan_shared_calls(SPECS["compute_log_probs"], ([1, 2],), {}, 2, [0, 1], _Store().piece)
+
+
+def test_an_inline_piece_is_used_as_sent_and_fetches_nothing():
+    """A share whose small one-dimensional pieces came with the call (`InlinePiece`, `BatchShares.piece`): resolved to
+    the same Batch as the by-value path, `get` asked only for the pieces that were put."""
+    from megarl.controller.dispatch import InlinePiece
+
+    batch, store = _step_batch(), _Store()
+    batch.tensors["advantages"] = torch.linspace(-1, 1, len(batch))  # per sequence, as GRPO's go down
+    method = "update_actor"
+
+    def piece(key, tensor, lo, hi):  # [rows] keys inline, the rest put
+        return InlinePiece(tensor[lo:hi].clone()) if tensor.dim() == 1 else store.piece(key, tensor, lo, hi)
+
+    by_value = plan_calls(SPECS[method], (batch,), {}, 2, [0, 1], method, mini_batch_samples=4)
+    by_ref = plan_shared_calls(SPECS[method], (batch,), {}, 2, [0, 1], piece, [0, 2, 4, 6, 8], method,
+                               mini_batch_samples=4)
+    asked = []
+    for (va, _), (ra, rk) in zip(by_value, by_ref):
+        inline = [h for hs in ra[0].pieces.values() for h in hs if isinstance(h, InlinePiece)]
+        assert inline  # the update reads a [rows] key (the advantages)
+        got = resolve_shares(ra, rk, lambda hs: asked.append(list(hs)) or store.get(hs))[0][0]
+        assert all(not isinstance(h, InlinePiece) for hs in asked for h in hs)
+        for k in va[0].keys():
+            assert torch.equal(got[k], va[0][k]), k
