@@ -422,7 +422,7 @@ class ResolvedPieces:
     def __init__(self) -> None:
         self._now: dict = {}
         self._before: dict = {}
-        self.hits = 0  # pieces and packages served from here (tests and the trace count them)
+        self.hits = 0  # pieces and packages served from here (tests count them)
 
     def next_call(self) -> None:
         """Start the next call: what the call before the last one used, and the current one did not, is dropped."""

@@ -25,6 +25,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional, Sequence
 
+from megarl.controller.dispatch import InlinePiece
+
 _active = threading.local()
 # A piece of a one-dimensional key ([rows]: advantages, scores, group ids) of at most this many bytes goes with each
 # call that reads it (`InlinePiece`) instead of into the object store: a `ray.put` on the controller and a fetch on
@@ -122,20 +124,18 @@ class BatchShares:
                     self.by_reference_pieces += 1
                 if key not in self.keys_by_reference:
                     self.keys_by_reference.append(key)
-        if ref is None and tensor.dim() == 1 and (hi - lo) * tensor.element_size() <= self.inline_bytes:
-            from megarl.controller.dispatch import InlinePiece
-
-            part = tensor[lo:hi].clone()  # a view would pickle its whole storage
-            ref = self._refs[index] = InlinePiece(part)
-            self._held[id(tensor)] = tensor
-            self.inline_pieces += 1
-            self.inline_bytes_sent += part.numel() * part.element_size()
         if ref is None:
             part = tensor[lo:hi].clone()  # a view would pickle its whole storage
-            ref = self._refs[index] = ray.put(part)
             self._held[id(tensor)] = tensor
+            nbytes = part.numel() * part.element_size()
+            if part.dim() == 1 and nbytes <= self.inline_bytes:
+                ref = self._refs[index] = InlinePiece(part)
+                self.inline_pieces += 1
+                self.inline_bytes_sent += nbytes
+                return ref
+            ref = self._refs[index] = ray.put(part)
             self.puts += 1
-            self.put_bytes += part.numel() * part.element_size()
+            self.put_bytes += nbytes
             if key not in self.keys_put:
                 self.keys_put.append(key)
             if part.dim() >= 2 and (key, id(tensor)) not in self.token_tensors_down:
