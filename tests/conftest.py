@@ -20,9 +20,30 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # Ranks (`megarl.platform.spawn.run_ranks`) fork from one server that imported these once, instead of each importing
-# them again as a fresh interpreter (5-15 s a rank on 2 cores; the suite starts ~100 ranks).
+# them again as a fresh interpreter (5-15 s a rank on 2 cores; the suite starts ~100 ranks). `vllm` and
+# `megatron.core` alone import lazily: a rank then still imported ~2,900 modules itself (vLLM's engine, config, model
+# and sampler modules, openai's types, megatron-core's GPT model and checkpointing) before its first engine -- a
+# 2-rank world building a Megatron actor and a vLLM TP2 engine (test_families_vllm's) took 21 s with the four names
+# and 11.5 s with this list (AMD EPYC AVX2 host, 2 cores, forkserver warm). The modules below import no thread.
+RANK_PRELOAD = (
+    "torch", "transformers", "megatron.core", "vllm",
+    # vLLM's engine, CPU worker and the model families the tests build
+    "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.core", "vllm.v1.core.sched.scheduler",
+    "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.v1.attention.backends.cpu_attn",
+    "vllm.v1.sample.sampler", "vllm.distributed.device_communicators.cpu_communicator",
+    "vllm.model_executor.model_loader", "vllm.model_executor.models.llama", "vllm.model_executor.models.qwen2",
+    "vllm.model_executor.models.qwen3", "vllm.model_executor.models.mistral", "vllm.model_executor.models.mixtral",
+    "vllm.model_executor.models.qwen3_moe", "compressed_tensors",
+    # megatron-core's model, checkpointing and optimizer
+    "megatron.core.models.gpt", "megatron.core.transformer.transformer_block",
+    "megatron.core.dist_checkpointing.strategies.torch", "megatron.core.optimizer",
+    # ours that pull them in
+    "megarl.rollout.vllm_adapter", "megarl.roles", "megarl.reshard.executor", "megarl.reshard.planner",
+    "megarl.reshard.sources", "megarl.reshard.vllm_sink", "megarl.checkpoint.hf_io", "megarl.checkpoint.dist_ckpt",
+    "megarl.parallel.groups",
+)
 os.environ.setdefault("MEGARL_RANK_START", "forkserver")
-os.environ.setdefault("MEGARL_RANK_PRELOAD", "torch,transformers,megatron.core,vllm")
+os.environ.setdefault("MEGARL_RANK_PRELOAD", ",".join(RANK_PRELOAD))
 
 from tests.subprocess_env import freeze_base_environment  # noqa: E402  (after the settings above)
 
