@@ -38,6 +38,7 @@ from megarl.config import ConfigError
 from megarl.config.memory import check_fits, device_memory_bytes, job_memory_estimate, judge_pool_memory
 from megarl.config.schema import JobConfig
 from megarl.config.validate import SIDE_ROLES, check_supported, rollout_pool
+from megarl.controller.group_start import start_groups
 from megarl.controller.resource_pool import ResourcePool
 from megarl.controller.worker_group import WorkerGroup
 from megarl.data.dataset import PromptDataset, PromptLoader
@@ -225,7 +226,9 @@ class TrainingSession:
 
     def start_workers(self):
         """Start (once) the Ray cluster if none is running and the worker groups, without the RL loop (what an SFT
-        phase before it needs, `sft_step`); returns the actor pool's group."""
+        phase before it needs, `sft_step`); returns the actor pool's group. The groups (the actor's, the rollout
+        pool's, each role's, teacher's and judge's on a pool of its own) start side by side
+        (`megarl.controller.group_start`); the bridge and the judge's and teachers' servers are set up after."""
         if self.workers is not None:
             return self.workers
         if self.closed:
@@ -261,86 +264,96 @@ class TrainingSession:
             p = cfg.resources.pools[name]
             return ResourcePool(name, nodes=p.nodes, devices_per_node=p.devices_per_node, device=device)
 
-        rollout = None
+        bounds = call_bounds(cfg)
+        role_env = {"OMP_NUM_THREADS": str(threads), **quiet}
+        # name -> the start of one worker group; they all start at once (`start_groups`: nothing in one group's start
+        # waits for another's), and self.groups holds them in this order
+        starts: dict[str, Callable[[], WorkerGroup]] = {}
+        engine_groups = {"rollout", "judge"}  # the groups whose vLLM engines leave /dev/shm segments to remove
         if cfg.rollout.pool is None:  # the hybrid engine: vLLM in the actor's processes
-            workers = WorkerGroup(make_pool(cfg.actor.pool), SFTWorker if self.sft else HybridWorker, cfg,
-                                  self.model_dir, env=env, **call_bounds(cfg))
-            self.groups.append(workers)
-            engines = workers
-        else:  # the engines on a pool of their own, joined to the actor's by the bridge
-            workers, engines, rollout = self._start_pools(make_pool, env, {"OMP_NUM_THREADS": str(threads), **quiet})
-        self.shm_reports = engines.shm_segments()  # removed after the workers are gone, however the run ends
-        engine_pids = _ranks_and_pids([r["pid"] for r in self.shm_reports])
-        if rollout is None:
-            logger.info("worker processes: %s", engine_pids)
-        else:
-            logger.info("worker processes: actor pool %r: %s; rollout pool %r: %s", cfg.actor.pool,
-                        _ranks_and_pids(workers.pids()), cfg.rollout.pool, engine_pids)
-        role_groups = {}
-        for role in SIDE_ROLES:
-            r = cfg.role(role)
-            if not r.enabled:
-                continue
-            if r.pool == cfg.actor.pool:
-                role_groups[role] = workers
-            else:  # its own pool, world and layout
-                role_groups[role] = WorkerGroup(make_pool(r.pool), RoleWorker, cfg, role,
-                                                env={"OMP_NUM_THREADS": str(threads), **quiet}, **call_bounds(cfg))
-                self.groups.append(role_groups[role])
-        from megarl.roles.teacher import teacher_pools
+            starts["actor"] = lambda: WorkerGroup(make_pool(cfg.actor.pool), SFTWorker if self.sft else HybridWorker,
+                                                  cfg, self.model_dir, env=env, **bounds)
+            engine_groups.add("actor")
+        else:  # the engines on a pool of their own, joined to the actor's by the bridge (`_join_pools`, below)
+            from megarl.workers.pool_sync import ActorWorker, RolloutWorker
 
-        for pool, names in teacher_pools(cfg).items():  # distillation teachers away from the actor: a group per pool
+            starts["actor"] = lambda: WorkerGroup(make_pool(cfg.actor.pool), ActorWorker, cfg, env=role_env, **bounds)
+            starts["rollout"] = lambda: WorkerGroup(make_pool(cfg.rollout.pool), RolloutWorker, cfg, self.model_dir,
+                                                    env=env, **bounds)
+        for role in SIDE_ROLES:  # a role on a pool of its own: its own world and layout
+            r = cfg.role(role)
+            if r.enabled and r.pool != cfg.actor.pool:
+                starts[role] = lambda role=role, pool=r.pool: WorkerGroup(make_pool(pool), RoleWorker, cfg, role,
+                                                                          env=role_env, **bounds)
+        from megarl.roles.teacher import engine_teachers, teacher_pools
+
+        teachers_on = {}  # distillation teachers away from the actor: a group per pool -> the teachers it holds
+        for pool, names in teacher_pools(cfg).items():
             if pool == cfg.actor.pool:
                 continue
             from megarl.workers.role_host import TeacherWorker
 
-            group = WorkerGroup(make_pool(pool), TeacherWorker, cfg, pool, env={"OMP_NUM_THREADS": str(threads),
-                                                                                **quiet}, **call_bounds(cfg))
-            self.groups.append(group)
-            role_groups.update({f"teacher/{name}": group for name in names})
-            logger.info("teachers %s on pool %r: %s", ", ".join(names), pool, _ranks_and_pids(group.pids()))
-        self.workers, self.rollout, self.role_groups = workers, rollout, role_groups
+            teachers_on[f"teachers@{pool}"] = names
+            starts[f"teachers@{pool}"] = lambda pool=pool: WorkerGroup(make_pool(pool), TeacherWorker, cfg, pool,
+                                                                       env=role_env, **bounds)
         if cfg.reward.judge is not None:
-            self._start_judge(make_pool(cfg.reward.judge.pool), env)
-        self._start_engine_teachers(make_pool, env)
+            from megarl.workers.judge_host import JudgeHost
+
+            starts["judge"] = lambda: WorkerGroup(make_pool(cfg.reward.judge.pool), JudgeHost, cfg, env=env, **bounds)
+        for name in engine_teachers(cfg):  # vLLM-served teachers (`backend: vllm`)
+            from megarl.workers.teacher_host import TeacherEngineHost
+
+            engine_groups.add(f"teacher/{name}")
+            starts[f"teacher/{name}"] = lambda name=name: WorkerGroup(
+                make_pool(cfg.distillation.teachers[name].pool), TeacherEngineHost, cfg, name, env=env, **bounds)
+
+        def keep(name: str, group: WorkerGroup) -> None:
+            self.groups.append(group)
+            if name in engine_groups:  # removed after the workers are gone, however the run ends
+                self.shm_reports = list(self.shm_reports) + list(group.shm_segments())
+
+        groups = start_groups(starts, keep)
+        workers = groups["actor"]
+        rollout = None
+        if "rollout" in groups:
+            rollout = self._join_pools(workers, groups["rollout"])
+            logger.info("worker processes: actor pool %r: %s; rollout pool %r: %s", cfg.actor.pool,
+                        _ranks_and_pids(workers.pids()), cfg.rollout.pool, _ranks_and_pids(groups["rollout"].pids()))
+        else:
+            logger.info("worker processes: %s", _ranks_and_pids(workers.pids()))
+        role_groups = {role: groups.get(role, workers) for role in SIDE_ROLES if cfg.role(role).enabled}
+        for key, names in teachers_on.items():
+            role_groups.update({f"teacher/{name}": groups[key] for name in names})
+            logger.info("teachers %s on pool %r: %s", ", ".join(names), key.split("@", 1)[1],
+                        _ranks_and_pids(groups[key].pids()))
+        self.workers, self.rollout, self.role_groups = workers, rollout, role_groups
+        if "judge" in groups:
+            self._serve_judge(groups["judge"])
+        for name in engine_teachers(cfg):
+            self._serve_engine_teacher(name, groups[f"teacher/{name}"])
         return workers
 
-    def _start_engine_teachers(self, make_pool, engine_env: dict) -> None:
-        """Each vLLM-served teacher (`backend: vllm`): its `TeacherEngineHost` group on its pool, serving until
-        `close` (a `RolloutRouter` over its replicas), and the `EngineTeacher` the loop scores with."""
-        from megarl.roles.teacher import engine_teachers
-
-        names = engine_teachers(self.cfg)
-        if not names:
-            return
+    def _serve_engine_teacher(self, name: str, group: WorkerGroup) -> None:
+        """A vLLM-served teacher's started `TeacherEngineHost` group: serving until `close` (a `RolloutRouter` over
+        its replicas), and the `EngineTeacher` the loop scores with."""
         from megarl.controller import serving
         from megarl.rollout.teacher_engine import EngineTeacher
-        from megarl.workers.teacher_host import TeacherEngineHost
 
-        for name in names:
-            t = self.cfg.distillation.teachers[name]
-            group = WorkerGroup(make_pool(t.pool), TeacherEngineHost, self.cfg, name, env=engine_env,
-                                **call_bounds(self.cfg))
-            self.groups.append(group)
-            self.shm_reports = list(self.shm_reports) + list(group.shm_segments())
-            router = serving.start_serving(group, poll_wait_s=JUDGE_POLL_WAIT_S, default_timeout_s=t.request_timeout_s)
-            self._teacher_serving.append((group, router))
-            self.engine_teachers[name] = EngineTeacher(name, router, max_concurrent=t.max_concurrent,
-                                                       timeout_s=t.request_timeout_s)
-            logger.info("teacher %s: vLLM tp %d x %d engine(s) on pool %r (pids %s), never weight-synced", name,
-                        t.parallel.tp, group.world_size // t.parallel.tp, t.pool, _ranks_and_pids(group.pids()))
+        t = self.cfg.distillation.teachers[name]
+        router = serving.start_serving(group, poll_wait_s=JUDGE_POLL_WAIT_S, default_timeout_s=t.request_timeout_s)
+        self._teacher_serving.append((group, router))
+        self.engine_teachers[name] = EngineTeacher(name, router, max_concurrent=t.max_concurrent,
+                                                   timeout_s=t.request_timeout_s)
+        logger.info("teacher %s: vLLM tp %d x %d engine(s) on pool %r (pids %s), never weight-synced", name,
+                    t.parallel.tp, group.world_size // t.parallel.tp, t.pool, _ranks_and_pids(group.pids()))
 
-    def _start_judge(self, pool, engine_env: dict) -> None:
-        """`reward.judge`: the judge's `JudgeHost` group on its pool, serving until `close` (a `RolloutRouter` over
-        its replicas), and the `Judge` that the producer scores with."""
+    def _serve_judge(self, group: WorkerGroup) -> None:
+        """`reward.judge`: the judge's started `JudgeHost` group, serving until `close` (a `RolloutRouter` over its
+        replicas), and the `Judge` that the producer scores with."""
         from megarl.controller import serving
         from megarl.rollout.judge import Judge
-        from megarl.workers.judge_host import JudgeHost
 
         j = self.cfg.reward.judge
-        group = WorkerGroup(pool, JudgeHost, self.cfg, env=engine_env, **call_bounds(self.cfg))
-        self.groups.append(group)
-        self.shm_reports = list(self.shm_reports) + list(group.shm_segments())
         # a long-poll answers as soon as a result is ready: its wait only bounds idle polling over the whole run
         router = serving.start_serving(group, poll_wait_s=JUDGE_POLL_WAIT_S, default_timeout_s=j.timeout_s)
         self._judge_serving = (group, router)
@@ -364,21 +377,14 @@ class TrainingSession:
                       judge=self.judge if cfg.reward.judge is not None else None,
                       engine_teachers=self.engine_teachers)
 
-    def _start_pools(self, make_pool, engine_env: dict, role_env: dict):
-        """`rollout.pool` set: an `ActorWorker` group on the actor's pool (the actor and the roles placed there), a
-        `RolloutWorker` group on the rollout pool, the bridge between them (its store on actor rank 0's node, at a
-        port the controller picks there) -> (actor group, rollout group, `PoolRollout`)."""
+    def _join_pools(self, actors: WorkerGroup, engines: WorkerGroup):
+        """`rollout.pool` set: the bridge between the started `ActorWorker` group (the actor and the roles placed
+        there) and `RolloutWorker` group (its store on actor rank 0's node, at a port the controller picks there) ->
+        the `PoolRollout` over them."""
         from megarl.controller import serving
         from megarl.controller.bridge import BridgeSpec
         from megarl.rollout.service import PoolRollout
-        from megarl.workers.pool_sync import ActorWorker, RolloutWorker
 
-        cfg = self.cfg
-        actors = WorkerGroup(make_pool(cfg.actor.pool), ActorWorker, cfg, env=role_env, **call_bounds(cfg))
-        self.groups.append(actors)
-        engines = WorkerGroup(make_pool(cfg.rollout.pool), RolloutWorker, cfg, self.model_dir, env=engine_env,
-                              **call_bounds(cfg))
-        self.groups.append(engines)
         host, port = actors.rank_address(0)
         spec = BridgeSpec(host, port, train_ranks=actors.world_size, rollout_ranks=engines.world_size)
         source = actors.sync_source()
@@ -386,7 +392,7 @@ class TrainingSession:
         ranks = [r for call in joining for r in call.result()]
         logger.info("bridge %r over %s:%d: actor ranks -> bridge %s, rollout ranks -> bridge %s", spec.name, host,
                     port, ranks[:spec.train_ranks], ranks[spec.train_ranks:])
-        return actors, engines, PoolRollout(actors, engines, serving_backend=serving)
+        return PoolRollout(actors, engines, serving_backend=serving)
 
     def signals(self):
         """SIGTERM/SIGINT handlers around training (`megarl.trainer.stop`); none off the main thread, where Python

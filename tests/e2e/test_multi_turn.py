@@ -2,7 +2,7 @@
 rollout pool, two distillation teachers on pools of their own (Megatron, vLLM), an LLM judge on its pool, the tool
 task's random model with a
 byte-level BPE tokenizer and ChatML template, the echo environment from a user file). One session of ~40 s start-up
-(its five worker groups, one after the other), then 18 steps and 13 with a distillation teacher (~80 s in all, the
+(its five worker groups, side by side), then 18 steps and 13 with a distillation teacher (~80 s in all, the
 async run with its slowed engines the longest: runs.json's seconds); it cannot share the quickstart pool session (that
 tokenizer has no chat template to render observations with).
 
