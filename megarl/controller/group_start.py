@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from typing import Any, Callable, Mapping
 
 logger = logging.getLogger("megarl.controller")
+
+PROGRESS_EVERY_S = 60.0  # a line naming the groups still starting, this often
 
 
 class GroupStartError(RuntimeError):
@@ -53,12 +56,11 @@ def start_groups(starts: Mapping[str, Callable[[], Any]], keep: Callable[[str, A
     failed: dict[str, BaseException] = {}
     try:
         try:
-            concurrent.futures.wait(futures.values())
+            _wait_for(futures)
         except BaseException:
-            in_flight = [name for name, f in futures.items() if not f.done()]
-            logger.warning("interrupted while starting worker groups: waiting for %s to end (each bounded by its "
-                           "start timeout) to shut them down", ", ".join(in_flight) or "none")
-            concurrent.futures.wait(futures.values())
+            logger.warning("interrupted while starting worker groups: waiting for the starts in flight to end (each "
+                           "bounded by its group's start timeout) to shut them down")
+            _wait_for(futures)
             raise
     finally:
         pool.shutdown(wait=False)
@@ -74,3 +76,16 @@ def start_groups(starts: Mapping[str, Callable[[], Any]], keep: Callable[[str, A
     if failed:
         raise GroupStartError(failed) from next(iter(failed.values()))
     return {name: future.result() for name, future in futures.items()}
+
+
+def _wait_for(futures: Mapping[str, concurrent.futures.Future]) -> None:
+    """Until every start ended. Not a bound of its own: each start is bounded by its group's timeouts (the module
+    docstring), so this ends when the last of them does; meanwhile a line every PROGRESS_EVERY_S names the groups
+    still starting and for how long."""
+    started = time.monotonic()
+    pending = {f for f in futures.values() if not f.done()}
+    while pending:
+        _, pending = concurrent.futures.wait(pending, timeout=PROGRESS_EVERY_S)
+        if pending:
+            logger.info("waiting for worker groups to start (%.0f s so far): %s", time.monotonic() - started,
+                        ", ".join(name for name, f in futures.items() if f in pending))

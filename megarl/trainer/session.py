@@ -206,8 +206,8 @@ class TrainingSession:
         self.stop = StopRequest(graceful=bool(cfg.checkpoint.dir))
         self.trainer = None  # megarl.trainer.rl_trainer.RLLoop, once started
         self.workers = None  # the actor pool's WorkerGroup, once the workers started (`start_workers`)
-        self.judge = None  # the reward.judge `Judge`, once its engines serve (`_start_judge`)
-        self.engine_teachers: dict = {}  # vLLM-served teachers: name -> `EngineTeacher` (`_start_engine_teachers`)
+        self.judge = None  # the reward.judge `Judge`, once its engines serve (`_serve_judge`)
+        self.engine_teachers: dict = {}  # vLLM-served teachers: name -> `EngineTeacher` (`_serve_engine_teacher`)
         self._teacher_serving: list = []  # their (group, router), stopped at `close`
         self.rollout = None  # its RolloutService: None (the loop's ColocatedRollout) or the PoolRollout
         # reference / critic / reward_model, and "teacher/<name>" for a teacher on a pool of its own -> its group

@@ -66,3 +66,17 @@ def test_one_start_runs_on_the_calling_thread():
     groups = start_groups({"actor": lambda: threading.current_thread()}, lambda n, g: None)
     assert groups["actor"] is threading.current_thread()
     assert start_groups({}, lambda n, g: None) == {}
+
+
+def test_the_wait_names_the_groups_still_starting(monkeypatch, caplog):
+    import logging
+
+    import megarl.controller.group_start as group_start
+
+    monkeypatch.setattr(group_start, "PROGRESS_EVERY_S", 0.05)
+    slow_done = threading.Event()
+    with caplog.at_level(logging.INFO, logger="megarl.controller"):
+        start_groups({"actor": lambda: "actor group", "judge": lambda: slow_done.wait(0.5) or "judge group"},
+                     lambda n, g: None)
+    lines = [r.getMessage() for r in caplog.records if "waiting for worker groups to start" in r.getMessage()]
+    assert lines and all(line.endswith(": judge") for line in lines), lines  # the finished actor is not named
