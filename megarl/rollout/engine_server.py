@@ -313,16 +313,28 @@ class EngineServer:
         return op.done
 
     def _answer(self, result: RequestResult) -> None:
+        self._answer_all([result])
+
+    def _answer_all(self, results: list[RequestResult]) -> None:
+        """Answer `results` together: the ones without a callback enter the results store under one lock with one
+        wake-up, so a long-poll in flight takes an engine step's finished requests in one answer (answered one by
+        one, the poll woke at the first and the rest waited for the next poll: a controller round trip more)."""
+        answered, stored = [], 0
         with self._cond:
-            pending = self._pending.pop(result.request_id, None)
-            if pending is None:
-                return
-            if not getattr(pending.request, "keep_output", True):
-                result = dataclasses.replace(result, keep_output=False)
-            if pending.on_done is None:
-                self._results.append(result)
+            for result in results:
+                pending = self._pending.pop(result.request_id, None)
+                if pending is None:
+                    continue
+                if not getattr(pending.request, "keep_output", True):
+                    result = dataclasses.replace(result, keep_output=False)
+                if pending.on_done is None:
+                    self._results.append(result)
+                    stored += 1
+                else:
+                    answered.append((pending, result))
+            if stored:
                 self._cond.notify_all()
-        if pending.on_done is not None:
+        for pending, result in answered:
             try:
                 pending.on_done(result)
             except Exception:  # a client whose loop closed: nothing waits for the answer any more
@@ -505,8 +517,8 @@ class EngineServer:
             for o in finished:
                 self.counts["finished"] += 1
                 self.counts["tokens"] += sum(len(c.token_ids) for c in o.completions)
-                if self.leader:
-                    self._answer(RequestResult(o.request_id, "finished", output=self._versioned(o)))
+            if self.leader and finished:  # one answer for the step's finished requests (`_answer_all`)
+                self._answer_all([RequestResult(o.request_id, "finished", output=self._versioned(o)) for o in finished])
             if finished:
                 return
 

@@ -148,6 +148,38 @@ def test_a_long_poll_in_flight_answers_when_the_server_stops(engine):
     assert answered == [[]]
 
 
+def test_a_long_poll_takes_the_requests_one_engine_step_finished_in_one_answer(server):
+    """16 greedy requests of one prompt finish in the same engine step: a long-poll waiting when they finish gets all
+    of them in one answer. Answered one by one, the poll woke at the first and took what was there by then; the rest
+    waited for the router's next poll, a controller round trip later (two polls per replica in the 0.6m vs_trl step)."""
+    import sys
+    import threading
+    import time
+
+    same = SamplingSettings(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    ids = [f"same{i}" for i in range(16)]
+    server.pause().result(timeout=30)  # nothing runs until the poll waits
+    for i in ids:
+        server.submit(GenerationRequest(i, PROMPTS[0], same))
+    polls: list = []
+    poll = threading.Thread(target=lambda: polls.append(server.take_results(max_wait_s=60.0)), daemon=True)
+    poll.start()
+    time.sleep(0.2)  # the poll is in its wait (had it not started yet, it would find every answer: no false failure)
+    # the GIL handed over every microsecond: the woken poll runs between two answers wherever the loop lets it (in
+    # a Ray worker it did at the default 5 ms, with more threads about)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        server.resume().result(timeout=30)
+        poll.join(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not poll.is_alive(), "the long-poll did not answer within 60 s"
+    assert [r.status for r in polls[0]] == ["finished"] * len(polls[0])
+    assert sorted(r.request_id for r in polls[0]) == sorted(ids), \
+        f"the poll answered {len(polls[0])} of the {len(ids)} requests the step finished"
+
+
 def test_duplicate_ids_and_dropped_prompts_are_refused_by_name(server):
     client = InProcessClient(server, default_timeout_s=60)
     too_long = [1] + [4 + i % 200 for i in range(59)]  # 60 tokens > max_prompt_tokens 48 (policy drop)
