@@ -331,6 +331,21 @@ def _numel(shape) -> int:
     return n
 
 
+def _layouts_of(r: dict) -> dict:
+    """A size's megarl runs by layout (a report written before `--layouts` holds one, under "megarl")."""
+    if r.get("megarl_layouts"):
+        return r["megarl_layouts"]
+    if "megarl" not in r:
+        return {}
+    ratios = {k: r[k] for k in ("megarl_over_trl", "megarl_over_trl_min") if k in r}  # a report of one layout
+    return {r["megarl"].get("layout", "tp"): {**r["megarl"], **ratios}}
+
+
+def _named_runs(r: dict) -> list[tuple[str, dict]]:
+    """A size's runs as (name, run): "trl" first, then "megarl <layout>" for each layout."""
+    return ([("trl", r["trl"])] if "trl" in r else []) + [(f"megarl {k}", v) for k, v in _layouts_of(r).items()]
+
+
 def markdown(report: dict) -> str:
     """The report as a markdown page: the table (median step seconds, megarl / TRL), each split, machine, command."""
     cpu, v = report["host_cpu"], report["versions"]
@@ -361,17 +376,9 @@ def markdown(report: dict) -> str:
     def cell(x: dict) -> str:
         return f"{x['median_step_s']:.3f} ({x['min_step_s']:.3f})" if x else "-"
 
-    def layouts_of(r: dict) -> dict:
-        if r.get("megarl_layouts"):
-            return r["megarl_layouts"]
-        if "megarl" not in r:
-            return {}
-        ratios = {k: r[k] for k in ("megarl_over_trl", "megarl_over_trl_min") if k in r}  # a report of one layout
-        return {r["megarl"].get("layout", "tp"): {**r["megarl"], **ratios}}
-
     for r in report["runs"]:
         trl = r.get("trl", {})
-        for layout, mr in (layouts_of(r) or {"-": {}}).items():
+        for layout, mr in (_layouts_of(r) or {"-": {}}).items():
             ratio = (f"**{mr['megarl_over_trl']:.2f}** ({mr['megarl_over_trl_min']:.2f})" if "megarl_over_trl" in mr
                      else "-")
             lines.append(f"| {r['shape']} (L{r['num_layers']} H{r['hidden_size']}) | {r['params'] / 1e6:.2f}M | "
@@ -379,9 +386,7 @@ def markdown(report: dict) -> str:
                          f"{r.get('rounds', 1)} | {layout} | "
                          f"{cell(trl)} | {cell(mr)} | {ratio} | "
                          f"{r['load_avg_1m_before']:.1f} / {r['load_avg_1m_after']:.1f} |")
-    rounds = [(r["shape"], name, x) for r in report["runs"] if r.get("rounds", 1) > 1
-              for name, x in ([("trl", r["trl"])] if "trl" in r else []) + [(f"megarl {k}", v)
-                                                                        for k, v in layouts_of(r).items()]]
+    rounds = [(r["shape"], name, x) for r in report["runs"] if r.get("rounds", 1) > 1 for name, x in _named_runs(r)]
     if rounds:
         lines += ["", "Each round's median s/step (and megarl / TRL of the round):", ""]
         for shape, name, x in rounds:
@@ -391,8 +396,7 @@ def markdown(report: dict) -> str:
                 for i, m in enumerate(x["rounds_median_step_s"])))
     lines += ["", "Median split per step (seconds):", ""]
     for r in report["runs"]:
-        runs = ([("trl", r["trl"])] if "trl" in r else []) + [(f"megarl {k}", v) for k, v in layouts_of(r).items()]
-        for name, x in runs:
+        for name, x in _named_runs(r):
             split = ", ".join(f"{k} {v:.4f}" for k, v in x["split_s"].items())
             if "inner_s" in x:
                 split += "; of which " + ", ".join(f"{k} {v:.4f}" for k, v in x["inner_s"].items())
@@ -443,9 +447,7 @@ def main(argv=None) -> int:
         rounds = a.rounds or defaults[shape][2]
         r = measure(shape, tokens, steps, a.devices, a.only, a.megarl_override, layouts, rounds)
         report["runs"].append(r)
-        runs = ([("trl", r["trl"])] if "trl" in r else []) + [(f"megarl {k}", v)
-                                                              for k, v in r.get("megarl_layouts", {}).items()]
-        for name, x in runs:
+        for name, x in _named_runs(r):
             print(f"{shape} {name:10s} median step {x['median_step_s']:.3f} s (min {x['min_step_s']:.3f})  "
                   f"split {x['split_s']}", flush=True)
             if "megarl_over_trl" in x:
