@@ -94,7 +94,9 @@ def _worker(rank: int, world_size: int, root: str):
         logits = engine_logits(engine, _eval_ids())
         record((model, layout, start, ckpt_in, with_optimizer), engine,
                {"loss": losses, "grad_norm": norms, "logits": logits, "lr": engine.optimizer.param_groups[0]["lr"],
-                "steps": engine.steps})
+                "steps": engine.steps,
+                "foreach": [g.get("foreach") for sub in getattr(engine.optimizer, "chained_optimizers", [])
+                            for g in sub.optimizer.param_groups]})
         dist.barrier()
 
     for model in MODELS:
@@ -139,6 +141,15 @@ def test_same_layout_resume_is_bit_identical(runs, model):
     assert resumed["grad_norm"] == full["grad_norm"][SAVE_AT:]
     assert torch.equal(resumed["logits"], full["logits"])
     assert resumed["lr"] == full["lr"] and resumed["steps"] == full["steps"] == STEPS
+
+
+def test_every_engine_steps_adam_on_torchs_multi_tensor_path(runs):
+    """On CPU torch resolves an unset `foreach` to its per-tensor Adam loop; the engine asks for the multi-tensor
+    step (`megatron_engine._multi_tensor_adam_on_cpu`), fresh and after loading a checkpoint that recorded it. The
+    bit-identical resume above is what says the two paths agree across a save."""
+    _, out = runs
+    recorded = [v["foreach"] for k, v in out.items() if len(k) == 5]
+    assert len(recorded) == 6 * len(MODELS) and all(f and all(x is True for x in f) for f in recorded), recorded
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

@@ -68,3 +68,57 @@ def test_rng_tracker_uses_its_own_generator(caplog):
             again = compat.DEVICE_RNG.get_state()
         assert not torch.equal(again, inside), "the tracked stream did not advance across forks"
     assert "CPU RNG state changed" not in caplog.text
+
+
+def _linear_case(bias: bool, weight_grad: bool = True):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(13, 3, 24, generator=g, requires_grad=True)  # [s, b, h], megatron's layout
+    w = torch.randn(40, 24, generator=g, requires_grad=weight_grad)  # [out, h]
+    b = torch.randn(40, generator=g, requires_grad=True) if bias else None
+    return x, w, b, torch.randn(13, 3, 40, generator=g)
+
+
+def _output_and_grads(y, grad_output, inputs):
+    return [y, *torch.autograd.grad(y, [t for t in inputs if t is not None and t.requires_grad], grad_output)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_linear_that_communicates_nothing_runs_native_ops_bit_identical_to_megatrons_function(bias):
+    """Item 7: megatron's own autograd Function is the expected value (called directly, as the unpatched
+    `linear_with_grad_accumulation_and_async_allreduce` does); the redirected call must give the same output and
+    gradients bit for bit while no Python backward of megatron's is on the graph."""
+    compat.install()
+    from megatron.core.tensor_parallel import layers
+
+    x, w, b, grad = _linear_case(bias)
+    with compat.megatron_on_cpu():
+        expected = _output_and_grads(layers.LinearWithGradAccumulationAndAsyncCommunication.apply(
+            x, w, b, False, False, False, None, 0, None), grad, (x, w, b))
+        y = layers.linear_with_grad_accumulation_and_async_allreduce(  # the keywords ColumnParallelLinear passes
+            input=x, weight=w, bias=b, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+            sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None)
+        got = _output_and_grads(y, grad, (x, w, b))
+    assert "LinearWith" not in type(y.grad_fn).__name__, type(y.grad_fn).__name__
+    assert len(got) == len(expected) == 3 + bias
+    for e, r in zip(expected, got):
+        assert torch.equal(e, r)
+
+
+def test_a_frozen_linear_that_communicates_nothing_runs_native_ops_bit_identical_to_megatrons_function():
+    compat.install()
+    from megatron.core.tensor_parallel import layers
+
+    x, w, b, grad = _linear_case(bias=True, weight_grad=False)
+    with compat.megatron_on_cpu():
+        y_expected = layers.LinearWithFrozenWeight.apply(x, w, b, False, None)
+        expected = _output_and_grads(y_expected, grad, (x,))
+        y = layers.linear_with_frozen_weight(  # the keywords RowParallelLinear passes
+            input=x, weight=w, bias=b, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+            sequence_parallel=False, tp_group=None, grad_output_buffer=None)
+        got = _output_and_grads(y, grad, (x,))
+        # megatron's Function gives the bias no gradient (it adds it inside the Function): neither may the redirect
+        with pytest.raises(RuntimeError, match="not have been used"):
+            torch.autograd.grad(y, [b], grad)
+    assert "LinearWith" not in type(y.grad_fn).__name__
+    for e, r in zip(expected, got):
+        assert torch.equal(e, r)
