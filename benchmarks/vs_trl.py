@@ -14,7 +14,9 @@ TRL: `trl.GRPOTrainer` (transformers' `generate`, one process using every core: 
 num_iterations=1 and one generation per optimizer step (TRL then skips the old-policy forward). megarl:
 `megarl train` (local Ray cluster, `--devices` worker processes, every role colocated on them, in each of `--layouts`:
 `tp` = actor, reference and vLLM tensor parallel over the processes; `dp` = actor and reference data parallel (TP1),
-one vLLM TP1 replica per process), the run's `metrics.jsonl`. Both are layouts a user chooses by config; TRL's
+one vLLM TP1 replica per process; `dp-compiled` = `dp` with vLLM's model compiled, `rollout.enforce_eager=false`, the
+setting `rollout.enforce_eager`'s doc recommends for runs longer than a few minutes), the run's `metrics.jsonl`. All
+are layouts a user chooses by config; TRL's
 single process uses every core, so megarl gets every core too (cores / processes threads each).
 Each framework runs in its own subprocess, one after the other (never both at
 once: they would share the cores). Reported per framework: the median step time over the steps after the first
@@ -414,8 +416,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, help="rounds per size, each every framework and layout once, alternating "
                    "the order (the ratio is the median of the rounds'); default: DEFAULT_RUNS' for the shape")
     p.add_argument("--devices", type=int, default=2, help="megarl worker processes (one pool, every role on it)")
-    p.add_argument("--layouts", default="tp,dp", help="megarl layouts to run, comma-separated, each against the "
-                   "same TRL run: " + "; ".join(f"{k}: {v.format(d='N')}" for k, v in LAYOUTS.items())
+    p.add_argument("--layouts", default="tp,dp,dp-compiled", help="megarl layouts to run, comma-separated, each "
+                   "against the same TRL run: " + "; ".join(f"{k}: {v.format(d='N')}" for k, v in LAYOUTS.items())
                    + ". The table's first row per size is the first layout's")
     p.add_argument("--only", choices=["trl", "megarl"], help="run one framework (the other's figures stay empty)")
     p.add_argument("--megarl-override", action="append", default=[], help="extra `megarl train` override")
