@@ -60,6 +60,7 @@ def _worker(rank: int, world_size: int, root: str):
 
     from megarl.checkpoint.dist_ckpt import load_engine_checkpoint, save_engine_checkpoint
     from megarl.checkpoint.engine_io import engine_logits, load_hf_into_engine
+    from megarl.checkpoint.train_state import sub_optimizers
     from megarl.engine.megatron_engine import MegatronEngine, OptimizerSettings
     from megarl.models.spec import ModelSpec
     from megarl.parallel.groups import build_role_groups
@@ -95,8 +96,7 @@ def _worker(rank: int, world_size: int, root: str):
         record((model, layout, start, ckpt_in, with_optimizer), engine,
                {"loss": losses, "grad_norm": norms, "logits": logits, "lr": engine.optimizer.param_groups[0]["lr"],
                 "steps": engine.steps,
-                "foreach": [g.get("foreach") for sub in getattr(engine.optimizer, "chained_optimizers", [])
-                            for g in sub.optimizer.param_groups]})
+                "foreach": [g.get("foreach") for sub in sub_optimizers(engine) for g in sub.optimizer.param_groups]})
         dist.barrier()
 
     for model in MODELS:
