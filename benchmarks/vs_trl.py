@@ -15,8 +15,9 @@ num_iterations=1 and one generation per optimizer step (TRL then skips the old-p
 `megarl train` (local Ray cluster, `--devices` worker processes, every role colocated on them, in each of `--layouts`:
 `tp` = actor, reference and vLLM tensor parallel over the processes; `dp` = actor and reference data parallel (TP1),
 one vLLM TP1 replica per process; `dp-compiled` = `dp` with vLLM's model compiled, `rollout.enforce_eager=false`, the
-setting `rollout.enforce_eager`'s doc recommends for runs longer than a few minutes), the run's `metrics.jsonl`. All
-are layouts a user chooses by config; TRL's
+setting `rollout.enforce_eager`'s doc recommends for runs longer than a few minutes; `dp-torch-linear` = `dp` with
+`rollout.cpu_linear=torch`, vLLM's linear layers on torch's `F.linear` -- TRL's kernel -- so every weight sync
+writes in place), the run's `metrics.jsonl`. All are layouts a user chooses by config; TRL's
 single process uses every core, so megarl gets every core too (cores / processes threads each).
 Each framework runs in its own subprocess, one after the other (never both at
 once: they would share the cores). Reported per framework: the median step time over the steps after the first
@@ -140,14 +141,17 @@ def run_trl(inputs: dict, steps: int, new_tokens: int, out_dir: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------- megarl
 # megarl layouts of the `devices` worker processes (one pool, actor + reference + vLLM colocated; each process gets
-# cores / devices torch and vLLM threads, `resources.threads_per_worker`'s default). Both are layouts a user picks
-# with config keys only; TRL's side is the same in both (one process, every core).
+# cores / devices torch and vLLM threads, `resources.threads_per_worker`'s default). All are layouts a user picks
+# with config keys only; TRL's side is the same in all (one process, every core).
 LAYOUTS = {
     "tp": "actor TP{d} + reference TP{d} + vLLM TP{d}: tensor parallel across the processes (per-layer all-reduces)",
     "dp": "actor DP{d} (TP1) + reference DP{d} (TP1) + {d} vLLM TP1 replicas: data parallel, one gradient all-reduce "
           "per step and no collective in generation",
     "dp-compiled": "`dp` with `rollout.enforce_eager=false`: vLLM compiles its model (inductor on CPU) at start-up, "
                    "~25 s once per engine, fewer kernels a decode step after",
+    "dp-torch-linear": "`dp` with `rollout.cpu_linear=torch`: vLLM's linear layers run torch's `F.linear` on the "
+                       "weights as loaded (the kernel TRL's model runs) instead of oneDNN's packed copies, so each "
+                       "weight sync writes the engine's weights in place with nothing to repack",
 }
 
 
@@ -160,6 +164,8 @@ def layout_overrides(layout: str, devices: int) -> list[str]:
         return ["actor.parallel.tp=1", f"actor.parallel.dp={devices}", "reference.parallel.tp=1", "rollout.tp=1"]
     if layout == "dp-compiled":
         return [*layout_overrides("dp", devices), "rollout.enforce_eager=false"]
+    if layout == "dp-torch-linear":
+        return [*layout_overrides("dp", devices), "rollout.cpu_linear=torch"]
     raise ValueError(f"unknown megarl layout {layout!r}; choose one of {sorted(LAYOUTS)}")
 
 
@@ -416,7 +422,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, help="rounds per size, each every framework and layout once, alternating "
                    "the order (the ratio is the median of the rounds'); default: DEFAULT_RUNS' for the shape")
     p.add_argument("--devices", type=int, default=2, help="megarl worker processes (one pool, every role on it)")
-    p.add_argument("--layouts", default="tp,dp,dp-compiled", help="megarl layouts to run, comma-separated, each "
+    p.add_argument("--layouts", default="tp,dp,dp-compiled,dp-torch-linear",
+                   help="megarl layouts to run, comma-separated, each "
                    "against the same TRL run: " + "; ".join(f"{k}: {v.format(d='N')}" for k, v in LAYOUTS.items())
                    + ". The table's first row per size is the first layout's")
     p.add_argument("--only", choices=["trl", "megarl"], help="run one framework (the other's figures stay empty)")

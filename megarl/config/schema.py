@@ -362,6 +362,14 @@ class RolloutConfig:
         "per engine at start-up) and decodes with less Python per token: worth it for runs longer than a few "
         "minutes (a 0.7M-parameter GRPO step 0.378 -> 0.328 s, 24M 7.57 -> 7.29 s; benchmarks/results/vs_trl.md)."
     )
+    cpu_linear: Literal["vllm", "torch"] = opt(
+        "vllm", "CPU only (ignored on GPU): the kernel of vLLM's unquantized linear layers. vllm = vLLM's choice "
+        "(oneDNN on x86: a packed copy of each weight, rebuilt at every weight sync); torch = "
+        "torch.nn.functional.linear on the weight as loaded (the kernel transformers uses), so a sync writes the "
+        "engine's weights in place like on GPU, with no staging copy and no repacking (a 0.7M-parameter sync "
+        "~14 -> ~4 ms). Different kernels round differently: sampled tokens, hence a run's curve, are not those of "
+        "vllm. Routed MoE experts keep vLLM's CPU kernel."
+    )
     reshard_bucket_mb: int = opt(
         DEFAULT_RESHARD_BUCKET_MB,
         "Bucket size of the Megatron -> vLLM weight reshard: bound on one bucket's send + receive bytes per rank, "

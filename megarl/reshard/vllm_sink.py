@@ -66,6 +66,7 @@ class VllmShardSink:
         described = engine.param_shards()
         self._dtypes = {s.name: s.dtype for s in described}
         self._shapes = {s.name: tuple(s.shape) for s in described if getattr(s, "shape", None) is not None}
+        self._pad_rows = {s.name: s.pad_rows for s in described if getattr(s, "pad_rows", 0)}
         self._known = set(self._dtypes)
         # An engine built with LoRA support names its wrapped linears and embeddings `<module>.base_layer.<param>`;
         # the plan uses the plain vLLM names: translate (the plain name -> the engine's).
@@ -101,6 +102,9 @@ class VllmShardSink:
             raise KeyError(f"the rollout engine has no parameter {param!r}; it has e.g. {sorted(self._known)[:3]}")
         live = in_place_target(self._live_params().get(param), shape, dtype)
         if live is not None:
+            pad = self._pad_rows.get(param, 0)
+            if pad:  # vocab padding rows: no plan writes them; zero, as a staged shard's are (`build_shard`)
+                live[-pad:].zero_()
             self._in_place[param] = live
             return live
         old = self._staged.get(param)

