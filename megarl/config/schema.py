@@ -367,8 +367,9 @@ class RolloutConfig:
         "(oneDNN on x86: a packed copy of each weight, rebuilt at every weight sync); torch = "
         "torch.nn.functional.linear on the weight as loaded (the kernel transformers uses), so a sync writes the "
         "engine's weights in place like on GPU, with no staging copy and no repacking. Which is faster depends on "
-        "the shapes (benchmarks/results/vs_trl.md, one AVX2 core per engine): at 0.7M parameters torch (sync 31 -> "
-        "10 ms, the GRPO step 1.28x -> 1.05x TRL's), at 24M vllm (oneDNN decodes faster: rollout 4.1 vs 5.2 s). "
+        "the shapes (benchmarks/results/vs_trl.md, one AVX2 core per engine): at 0.7M parameters torch (the sync "
+        "31 -> 10 ms, the GRPO step shorter in each of 5 alternating rounds), at 24M vllm (oneDNN decodes faster: "
+        "rollout 4.1 vs 5.2 s). "
         "Different kernels round differently: sampled tokens, hence a run's curve, are not those of vllm. Routed "
         "MoE experts keep vLLM's CPU kernel."
     )
