@@ -368,8 +368,8 @@ class RolloutConfig:
         "torch.nn.functional.linear on the weight as loaded (the kernel transformers uses), so a sync writes the "
         "engine's weights in place like on GPU, with no staging copy and no repacking. Which is faster depends on "
         "the shapes (benchmarks/results/vs_trl.md, one AVX2 core per engine): at 0.7M parameters torch (the sync "
-        "31 -> 10 ms, the GRPO step shorter in each of 5 alternating rounds), at 24M vllm (oneDNN decodes faster: "
-        "rollout 4.1 vs 5.2 s). "
+        "31 -> 10 ms, ~5% of a GRPO step; generation as fast), at 24M vllm (oneDNN decodes faster: rollout 4.1 vs "
+        "5.2 s). "
         "Different kernels round differently: sampled tokens, hence a run's curve, are not those of vllm. Routed "
         "MoE experts keep vLLM's CPU kernel."
     )
