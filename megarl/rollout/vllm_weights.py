@@ -147,25 +147,21 @@ def _reads_its_weight(layer: torch.nn.Module) -> bool:
 
 
 def in_place_params(worker: Any) -> dict[str, torch.Tensor]:
-    """vLLM name -> live parameter (`.data`) for every parameter a shard can be copied into directly: each layer
-    holding it computes from it as it is (`_reads_its_weight`; a tied parameter: every layer holding it), its
-    shape is the loader's (`_expected`) and it is no LoRA wrapper's base layer. On an engine built with vLLM's CPU
-    kernels that is only the norms; with `torch_cpu_linear` every dense parameter. Tied parameters once, under
-    their first name (`param_shards` lists them so)."""
+    """The `live_params` a shard can be copied into directly: each layer holding the parameter computes from it as
+    it is (`_reads_its_weight`; a tied parameter: every layer holding it), its shape is the loader's (`_expected`)
+    and it is no LoRA wrapper's base layer. On an engine built with vLLM's CPU kernels that is only the norms; with
+    `torch_cpu_linear` every dense parameter."""
     model = _model(worker)
     users = _param_users(model)
     out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, param in model.named_parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
+    for name, data in live_params(worker).items():
         module_name, _, pname = name.rpartition(".")
         layer = model.get_submodule(module_name)
+        param = layer._parameters[pname]
         if ".base_layer." in f".{name}" or not all(_reads_its_weight(m) for m in users[id(param)]):
             continue
         if tuple(_expected(layer, pname, param).shape) == tuple(param.shape):
-            out[name] = param.data
+            out[name] = data
     return out
 
 
