@@ -358,18 +358,20 @@ class RolloutConfig:
     kv_cache_gib: float = opt(1.0, "KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE).", unit="GiB", min=0)
     enforce_eager: Literal["auto", "true", "false"] = opt(
         "auto", "vLLM eager mode (no CUDA graphs / compilation): auto = eager on CPU, CUDA graphs on GPU; "
-        "true trades rollout speed for start-up time and memory. On CPU, false compiles the model (inductor, ~25 s "
-        "per engine at start-up) and decodes with less Python per token: worth it for runs longer than a few "
-        "minutes (a 0.7M-parameter GRPO step 0.378 -> 0.328 s, 24M 7.57 -> 7.29 s; benchmarks/results/vs_trl.md)."
+        "true trades rollout speed for start-up time and memory. On CPU, false compiles the model (inductor, "
+        "15-40 s per engine at start-up) and decodes with less Python per token: worth it for runs longer than a "
+        "few minutes (engines side by side in one process, one AVX2 core each, benchmarks/rollout_settings.py: a "
+        "GRPO rollout 18-21% shorter at 0.7M parameters, 9% at 24M; benchmarks/results/rollout_settings.md)."
     )
     cpu_linear: Literal["vllm", "torch"] = opt(
         "vllm", "CPU only (ignored on GPU): the kernel of vLLM's unquantized linear layers. vllm = vLLM's choice "
         "(oneDNN on x86: a packed copy of each weight, rebuilt at every weight sync); torch = "
         "torch.nn.functional.linear on the weight as loaded (the kernel transformers uses), so a sync writes the "
         "engine's weights in place like on GPU, with no staging copy and no repacking. Which is faster depends on "
-        "the shapes (benchmarks/results/vs_trl.md, one AVX2 core per engine): at 0.7M parameters torch (the sync "
-        "31 -> 10 ms, ~5% of a GRPO step; generation as fast), at 24M vllm (oneDNN decodes faster: rollout 4.1 vs "
-        "5.2 s). "
+        "the shapes (benchmarks/rollout_settings.py, one AVX2 core per engine; benchmarks/results/"
+        "rollout_settings.md): at 0.7M parameters torch (a sync of every weight 20 -> 0.3 ms in place; generation "
+        "as fast eager, 9% slower compiled), at 24M vllm (oneDNN generates 18-22% faster; the sync's 98 vs 15 ms "
+        "does not make up for it). "
         "Different kernels round differently: sampled tokens, hence a run's curve, are not those of vllm. Routed "
         "MoE experts keep vLLM's CPU kernel."
     )
