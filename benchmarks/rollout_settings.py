@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -110,7 +111,7 @@ def main() -> None:
     syncs = {}
     for name, engine in engines.items():
         shards = engine.param_shards()
-        items = [(s.name, torch.randn(tuple(s.shape), dtype=torch.float32) * 0.02) for s in shards]
+        items = [(s.name, (torch.randn(tuple(s.shape)) * 0.02).to(s.dtype)) for s in shards]
         staged = []
         for _ in range(args.syncs):
             t = time.perf_counter()
@@ -128,6 +129,8 @@ def main() -> None:
                 in_place.append(time.perf_counter() - t)
         syncs[name] = {"update_weights_ms": _median_ms(staged), "in_place_ms": _median_ms(in_place) if in_place
                        else None, "params": len(items), "writable_params": len(live)}
+        engine.close()
+    shutil.rmtree(work, ignore_errors=True)
 
     base = names[0]
     result = {
