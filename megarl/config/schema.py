@@ -359,7 +359,8 @@ class RolloutConfig:
     enforce_eager: Literal["auto", "true", "false"] = opt(
         "auto", "vLLM eager mode (no CUDA graphs / compilation): auto = eager on CPU, CUDA graphs on GPU; "
         "true trades rollout speed for start-up time and memory. On CPU, false compiles the model (inductor, "
-        "15-40 s per engine at start-up) and decodes with less Python per token: worth it for runs longer than a "
+        "15-40 s per engine at its first start; later starts of the same model and settings load vLLM's compile "
+        "cache, ~14 s at 0.7M parameters instead of 24-28) and decodes with less Python per token: worth it for runs longer than a "
         "few minutes (engines side by side in one process, one AVX2 core each, benchmarks/rollout_settings.py: a "
         "GRPO rollout 18-21% shorter at 0.7M parameters, 9% at 24M; benchmarks/results/rollout_settings.md)."
     )
