@@ -357,12 +357,13 @@ class RolloutConfig:
     )
     kv_cache_gib: float = opt(1.0, "KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE).", unit="GiB", min=0)
     enforce_eager: Literal["auto", "true", "false"] = opt(
-        "auto", "vLLM eager mode (no CUDA graphs / compilation): auto = eager on CPU, CUDA graphs on GPU; "
-        "true trades rollout speed for start-up time and memory. On CPU, false compiles the model (inductor, "
-        "15-40 s per engine at its first start; later starts of the same model and settings load vLLM's compile "
-        "cache, ~14 s at 0.7M parameters instead of 24-28) and decodes with less Python per token: worth it for runs longer than a "
-        "few minutes (engines side by side in one process, one AVX2 core each, benchmarks/rollout_settings.py: a "
-        "GRPO rollout 18-21% shorter at 0.7M parameters, 9% at 24M; benchmarks/results/rollout_settings.md)."
+        "auto", "vLLM eager mode (no CUDA graphs / compilation): auto = eager on CPU, CUDA graphs on GPU; true trades "
+        "rollout speed for start-up time and memory. On CPU, false compiles the model (inductor, 15-40 s per "
+        "engine at its first start; later starts of the same model and settings load vLLM's compile cache, "
+        "~14 s at 0.7M parameters instead of 24-28) and decodes with less Python per token: worth it for runs "
+        "longer than a few minutes (engines side by side in one process, one AVX2 core each, "
+        "benchmarks/rollout_settings.py: a GRPO rollout 18-21% shorter at 0.7M parameters, 9% at 24M; "
+        "benchmarks/results/rollout_settings.md)."
     )
     cpu_linear: Literal["vllm", "torch"] = opt(
         "vllm", "CPU only (ignored on GPU): the kernel of vLLM's unquantized linear layers. vllm = vLLM's choice "
