@@ -46,21 +46,20 @@ def test_patch_reaches_the_sampler_that_calls_it():
 # the freshly compiled one sampled.
 _TWO_COMPILED_ENGINES = r"""
 import json, os, sys
-import torch
 from megarl.checkpoint.tiny import build_tiny_llama
 from megarl.rollout.engine import SamplingSettings
 from megarl.rollout.vllm_adapter import VllmEngineSettings, VllmRolloutEngine
+from vllm.compilation.counter import compilation_counter
 
 model = build_tiny_llama(os.path.join(sys.argv[1], "model"), vocab_size=300, seed=0)
+settings = VllmEngineSettings(model_path=model, tp=1, dtype="float32", seed=0, max_model_len=32, max_prompt_tokens=16,
+                              enforce_eager=False)
 sampling = SamplingSettings(temperature=1.0, max_new_tokens=8, samples_per_prompt=2, ignore_eos=True, seed=3)
 prompts = [[5, 6, 7, 8], [9, 10, 11]]
 runs = []
 for _ in range(2):
-    from vllm.compilation.counter import compilation_counter
     loaded = compilation_counter.num_aot_artifacts_loaded
-    engine = VllmRolloutEngine(VllmEngineSettings(model_path=model, tp=1, dtype="float32", seed=0, max_model_len=32,
-                                                  max_prompt_tokens=16,
-                                                  enforce_eager=False))
+    engine = VllmRolloutEngine(settings)
     samples = engine.generate(prompts, sampling)
     runs.append({"loaded": compilation_counter.num_aot_artifacts_loaded - loaded,
                  "samples": [[s.response_ids, s.response_log_probs] for s in samples]})
