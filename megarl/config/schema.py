@@ -375,7 +375,8 @@ class RolloutConfig:
         "as fast eager, 9% slower compiled), at 24M vllm (oneDNN generates 18-22% faster; the sync's 98 vs 15 ms "
         "does not make up for it). "
         "Different kernels round differently: sampled tokens, hence a run's curve, are not those of vllm. Routed "
-        "MoE experts keep vLLM's CPU kernel."
+        "MoE experts keep vLLM's CPU kernel. Compiled engines (enforce_eager=false) of the two kernels keep "
+        "separate entries in vLLM's compile cache."
     )
     reshard_bucket_mb: int = opt(
         DEFAULT_RESHARD_BUCKET_MB,

