@@ -51,9 +51,9 @@ RUNS = {
     "async4": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 24, None, 19),
     "async4_resumed": (["trainer.mode=async", "trainer.max_staleness=4", *TIS], 24, ("async4", 19), 0),
     # full-length responses (ignore_eos) on engines slowed to STEP_DELAY_S per decode step (`SlowEngine`): generating
-    # a batch (32 steps, > 2 s) takes longer than a training step (< 1.5 s here), so every push lands while the
-    # batch's requests are in the engines and responses mix two versions (steps 2 and 3: step 1 trains batch 1,
-    # generated on version 0 before any push)
+    # a batch (32 steps, > 4.8 s) takes longer than a training step, so every push lands while the batch's requests
+    # are in the engines and responses mix two versions (steps 2 and 3: step 1 trains batch 1, generated on version 0
+    # before any push)
     "continue": (["trainer.mode=async", "trainer.max_staleness=1", "rollout.partial=continue",
                   "rollout.ignore_eos=true", *TIS], 3, None, 0),
 }
@@ -74,7 +74,10 @@ def start_colocated(out: str, env: dict) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT)
 
 
-STEP_DELAY_S = 0.07
+# 32 decode steps sleep 4.8 s: 1.5x this run's training step at its slowest measured (3.0-3.2 s beside the decoding
+# engines, old + reference log-probs, update and push, on the host's slow hour that took the suite 47 min; 1.4-1.6 s
+# in the runs before it). At 0.07 (2.2 s a batch) that hour's batches finished before the push: no step mixed versions.
+STEP_DELAY_S = 0.15
 
 
 class SlowEngine:
